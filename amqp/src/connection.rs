@@ -1,0 +1,712 @@
+//! The connection state machine, sans-IO.
+//!
+//! Bytes go in through [`Connection::handle_input`]; frames for the peer are written into a
+//! [`FrameWriter`]; what the broker must act on comes out of [`Connection::poll_event`]. Time is
+//! an input (`now`), so heartbeats and the handshake timeout are testable without a clock.
+//!
+//! States: `AwaitHeader -> AwaitStartOk -> AwaitTuneOk -> AwaitOpen -> Open -> CloseSent -> Closed`.
+//! Channel errors close one channel (`channel.close`, then frames on it are dropped until
+//! `channel.close-ok`); connection errors send `connection.close` and everything but
+//! `connection.close`/`close-ok` is dropped afterwards, as RabbitMQ does.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use amq_protocol::protocol::{AMQPClass, channel, connection};
+use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
+use bytes::{Buf, BytesMut};
+
+use crate::assembler::{Assembler, AssemblyLimits, Command};
+use crate::frame::{FRAME_HEARTBEAT, FRAME_METHOD, FrameWriter, PROTOCOL_HEADER, RawFrame, decode_frame};
+use crate::limits::{self, ConnectionLimits};
+use crate::method;
+use crate::reply::{AmqpError, ReplyCode, Scope};
+
+/// What a successful login yields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Login {
+    /// The authenticated user name.
+    pub user: String,
+}
+
+/// Why a login or vhost open was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AccessError {
+    /// Wrong credentials, unknown user, or a user not allowed from this peer.
+    #[error("login refused")]
+    LoginRefused,
+    /// The vhost does not exist.
+    #[error("vhost {0} not found")]
+    VhostNotFound(String),
+    /// The user may not use the vhost.
+    #[error("access to vhost '{vhost}' refused for user '{user}'")]
+    VhostRefused {
+        /// The vhost asked for.
+        vhost: String,
+        /// The user.
+        user: String,
+    },
+}
+
+/// Answers the questions the handshake asks of the broker.
+pub trait Gatekeeper: Send + Sync {
+    /// Check a user name and password. `peer_is_loopback` lets loopback-only users (guest) in.
+    fn login(&self, user: &str, password: &[u8], peer_is_loopback: bool) -> Result<Login, AccessError>;
+    /// Check that the vhost exists and the user may use it.
+    fn open_vhost(&self, user: &str, vhost: &str) -> Result<(), AccessError>;
+}
+
+/// Static configuration of the connection machine.
+#[derive(Debug, Clone)]
+pub struct ConnectionConfig {
+    /// Limits offered in tune and enforced.
+    pub limits: ConnectionLimits,
+    /// Deepest field-table nesting accepted.
+    pub table_depth_max: usize,
+    /// The server-properties table sent in connection.start.
+    pub server_properties: FieldTable,
+    /// Handshake deadline.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ConnectionConfig {
+    fn default() -> Self {
+        Self {
+            limits: ConnectionLimits::default(),
+            table_depth_max: limits::TABLE_DEPTH_MAX,
+            server_properties: server_properties("Warren", env!("CARGO_PKG_VERSION"), "warren"),
+            handshake_timeout: Duration::from_millis(limits::HANDSHAKE_TIMEOUT_MS),
+        }
+    }
+}
+
+/// The server-properties table with RabbitMQ's keys and capabilities.
+#[must_use]
+pub fn server_properties(product: &str, version: &str, cluster_name: &str) -> FieldTable {
+    let mut caps = FieldTable::default();
+    for cap in [
+        "publisher_confirms",
+        "exchange_exchange_bindings",
+        "basic.nack",
+        "consumer_cancel_notify",
+        "connection.blocked",
+        "consumer_priorities",
+        "authentication_failure_close",
+        "per_consumer_qos",
+        "direct_reply_to",
+    ] {
+        caps.insert(cap.into(), AMQPValue::Boolean(true));
+    }
+    let mut t = FieldTable::default();
+    let s = |v: &str| AMQPValue::LongString(LongString::from(v.as_bytes().to_vec()));
+    t.insert("capabilities".into(), AMQPValue::FieldTable(caps));
+    t.insert("cluster_name".into(), s(cluster_name));
+    t.insert("copyright".into(), s("Copyright (c) the Warren authors"));
+    t.insert("information".into(), s("Licensed under the Apache License 2.0. An AMQP 0-9-1 broker."));
+    t.insert("platform".into(), s(&format!("Rust / {}", std::env::consts::OS)));
+    t.insert("product".into(), s(product));
+    t.insert("version".into(), s(version));
+    t
+}
+
+/// What the broker must act on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// Handshake complete.
+    Opened {
+        /// Authenticated user.
+        user: String,
+        /// Vhost opened.
+        vhost: String,
+        /// Client properties from start-ok.
+        client_properties: FieldTable,
+    },
+    /// The peer opened a channel.
+    ChannelOpened(u16),
+    /// A complete command on an open channel.
+    Command(u16, Box<Command>),
+    /// A channel is gone (closed by either side): release what it holds.
+    ChannelClosed(u16),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    AwaitHeader,
+    AwaitStartOk,
+    AwaitTuneOk,
+    AwaitOpen,
+    Open,
+    /// We sent connection.close and wait for close-ok until the deadline.
+    CloseSent { deadline: Instant },
+    /// Nothing more to read; flush and drop the socket.
+    Closed,
+}
+
+#[derive(Debug)]
+enum ChannelState {
+    Open(Assembler),
+    /// We sent channel.close; frames are dropped until close-ok.
+    Closing,
+}
+
+/// Sans-IO AMQP 0-9-1 server connection.
+#[derive(Debug)]
+pub struct Connection {
+    config: ConnectionConfig,
+    state: State,
+    peer_is_loopback: bool,
+    user: Option<String>,
+    client_properties: FieldTable,
+    /// Negotiated frame_max (pre-tune limit until tune-ok).
+    frame_max: u32,
+    channel_max: u16,
+    heartbeat: Option<Duration>,
+    channels: HashMap<u16, ChannelState>,
+    events: VecDeque<Event>,
+    handshake_deadline: Instant,
+    last_recv: Instant,
+    last_send: Instant,
+}
+
+impl Connection {
+    /// A connection accepted at `now`.
+    #[must_use]
+    pub fn new(config: ConnectionConfig, peer_is_loopback: bool, now: Instant) -> Self {
+        let handshake_deadline = now + config.handshake_timeout;
+        Self {
+            config,
+            state: State::AwaitHeader,
+            peer_is_loopback,
+            user: None,
+            client_properties: FieldTable::default(),
+            frame_max: limits::FRAME_MAX_PRE_TUNE,
+            channel_max: 0,
+            heartbeat: None,
+            channels: HashMap::new(),
+            events: VecDeque::new(),
+            handshake_deadline,
+            last_recv: now,
+            last_send: now,
+        }
+    }
+
+    /// The negotiated frame_max.
+    #[must_use]
+    pub fn frame_max(&self) -> u32 {
+        self.frame_max
+    }
+
+    /// Whether the handshake finished and the connection is usable.
+    #[must_use]
+    pub fn is_open(&self) -> bool {
+        self.state == State::Open
+    }
+
+    /// Whether the connection is finished; the shell flushes and drops the socket.
+    #[must_use]
+    pub fn is_closed(&self) -> bool {
+        self.state == State::Closed
+    }
+
+    /// Whether the channel is open (not closing) from the peer's point of view.
+    #[must_use]
+    pub fn channel_is_open(&self, channel: u16) -> bool {
+        matches!(self.channels.get(&channel), Some(ChannelState::Open(_)))
+    }
+
+    /// The client's properties from start-ok.
+    #[must_use]
+    pub fn client_properties(&self) -> &FieldTable {
+        &self.client_properties
+    }
+
+    /// Whether the client announced a capability in its properties.
+    #[must_use]
+    pub fn client_capability(&self, name: &str) -> bool {
+        client_capability(&self.client_properties, name)
+    }
+
+    /// The next event for the broker.
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Consume as many complete frames from `input` as there are.
+    pub fn handle_input(&mut self, input: &mut BytesMut, out: &mut FrameWriter, now: Instant, gate: &dyn Gatekeeper) {
+        if !input.is_empty() {
+            self.last_recv = now;
+        }
+        loop {
+            match self.state {
+                State::Closed => {
+                    input.clear();
+                    return;
+                }
+                State::AwaitHeader => {
+                    if input.len() < PROTOCOL_HEADER.len() {
+                        return;
+                    }
+                    if &input[..8] == PROTOCOL_HEADER {
+                        input.advance(8);
+                        self.send_start(out);
+                        self.state = State::AwaitStartOk;
+                    } else {
+                        // Wrong protocol: answer with the one we speak, then close.
+                        out.raw(PROTOCOL_HEADER);
+                        self.state = State::Closed;
+                    }
+                }
+                _ => {
+                    let frame = match decode_frame(input, self.frame_max) {
+                        Ok(Some(frame)) => frame,
+                        Ok(None) => return,
+                        Err(e) => {
+                            input.clear();
+                            self.close_with(e, out, now);
+                            return;
+                        }
+                    };
+                    if let Err(e) = self.handle_frame(frame, out, now, gate) {
+                        self.fail(e, out, now);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Route an error to channel.close or connection.close.
+    fn fail(&mut self, e: AmqpError, out: &mut FrameWriter, now: Instant) {
+        match e.scope {
+            Scope::Connection => self.close_with(e, out, now),
+            Scope::Channel => unreachable!("channel errors are handled with their channel"),
+        }
+    }
+
+    fn handle_frame(&mut self, frame: RawFrame, out: &mut FrameWriter, now: Instant, gate: &dyn Gatekeeper) -> Result<(), AmqpError> {
+        if frame.kind == FRAME_HEARTBEAT {
+            if frame.channel != 0 {
+                return Err(AmqpError::connection(ReplyCode::UnexpectedFrame, "type 8, all octets = <<>>"));
+            }
+            return Ok(());
+        }
+        match self.state {
+            State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen => self.handle_handshake(frame, out, now, gate),
+            State::Open => {
+                if frame.channel == 0 {
+                    self.handle_channel_zero(frame, out, now)
+                } else {
+                    self.handle_channel_frame(frame, out)
+                }
+            }
+            State::CloseSent { .. } => {
+                // Only connection.close / close-ok matter now.
+                if frame.channel == 0 && frame.kind == FRAME_METHOD {
+                    if let Ok(m) = method::decode(&frame.payload, self.config.table_depth_max) {
+                        match m.class {
+                            AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => self.finish(),
+                            AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
+                                out.method(0, &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})));
+                                self.finish();
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                Ok(())
+            }
+            State::AwaitHeader | State::Closed => Ok(()),
+        }
+    }
+
+    fn expect_method(&self, frame: &RawFrame, expected: &str) -> Result<method::Method, AmqpError> {
+        if frame.kind != FRAME_METHOD || frame.channel != 0 {
+            return Err(AmqpError::connection(ReplyCode::CommandInvalid, format!("expected '{expected}'")));
+        }
+        method::decode(&frame.payload, self.config.table_depth_max).map_err(AmqpError::into_connection)
+    }
+
+    fn handle_handshake(&mut self, frame: RawFrame, out: &mut FrameWriter, now: Instant, gate: &dyn Gatekeeper) -> Result<(), AmqpError> {
+        let expected = match self.state {
+            State::AwaitStartOk => "connection.start_ok",
+            State::AwaitTuneOk => "connection.tune_ok",
+            _ => "connection.open",
+        };
+        let m = self.expect_method(&frame, expected)?;
+        match (self.state, m.class) {
+            (_, AMQPClass::Connection(connection::AMQPMethod::Close(_))) => {
+                out.method(0, &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})));
+                self.finish();
+                Ok(())
+            }
+            (State::AwaitStartOk, AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok))) => {
+                self.client_properties = start_ok.client_properties;
+                let mechanism = start_ok.mechanism.as_str().to_string();
+                let credentials = match mechanism.as_str() {
+                    "PLAIN" => parse_plain(start_ok.response.as_bytes()),
+                    "AMQPLAIN" => parse_amqplain(start_ok.response.as_bytes(), self.config.table_depth_max),
+                    _ => {
+                        // RabbitMQ sends no close method for an unknown mechanism; it drops the socket.
+                        self.state = State::Closed;
+                        return Ok(());
+                    }
+                };
+                let login = credentials
+                    .ok_or(AccessError::LoginRefused)
+                    .and_then(|(user, pass)| gate.login(&user, &pass, self.peer_is_loopback));
+                match login {
+                    Ok(login) => {
+                        self.user = Some(login.user);
+                        let l = self.config.limits;
+                        out.method(
+                            0,
+                            &AMQPClass::Connection(connection::AMQPMethod::Tune(connection::Tune {
+                                channel_max: l.channel_max,
+                                frame_max: l.frame_max,
+                                heartbeat: l.heartbeat_s,
+                            })),
+                        );
+                        self.state = State::AwaitTuneOk;
+                        Ok(())
+                    }
+                    Err(_) => {
+                        let e = AmqpError::connection(
+                            ReplyCode::AccessRefused,
+                            format!("Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."),
+                        );
+                        if self.client_capability("authentication_failure_close") {
+                            self.close_with(e, out, now);
+                        } else {
+                            // Clients without the capability expect the socket to be dropped.
+                            self.state = State::Closed;
+                        }
+                        Ok(())
+                    }
+                }
+            }
+            (State::AwaitTuneOk, AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune_ok))) => {
+                let l = self.config.limits;
+                let frame_max = negotiate("frame_max", tune_ok.frame_max, limits::FRAME_MIN_SIZE, l.frame_max)?;
+                let channel_max = negotiate("channel_max", u32::from(tune_ok.channel_max), 1, u32::from(l.channel_max))?;
+                self.frame_max = frame_max;
+                out.set_frame_max(frame_max);
+                self.channel_max = u16::try_from(channel_max).unwrap_or(l.channel_max);
+                self.heartbeat = (tune_ok.heartbeat > 0).then(|| Duration::from_secs(u64::from(tune_ok.heartbeat)));
+                self.state = State::AwaitOpen;
+                Ok(())
+            }
+            (State::AwaitOpen, AMQPClass::Connection(connection::AMQPMethod::Open(open))) => {
+                let user = self.user.clone().unwrap_or_default();
+                let vhost = open.virtual_host.as_str().to_string();
+                gate.open_vhost(&user, &vhost)
+                    .map_err(|e| AmqpError::connection(ReplyCode::NotAllowed, e.to_string()).with_method(10, 40))?;
+                out.method(0, &AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {})));
+                self.state = State::Open;
+                self.events.push_back(Event::Opened {
+                    user,
+                    vhost,
+                    client_properties: self.client_properties.clone(),
+                });
+                Ok(())
+            }
+            _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, format!("expected '{expected}'"))
+                .with_method(m.class_id, m.method_id)),
+        }
+    }
+
+    fn handle_channel_zero(&mut self, frame: RawFrame, out: &mut FrameWriter, now: Instant) -> Result<(), AmqpError> {
+        if frame.kind != FRAME_METHOD {
+            return Err(AmqpError::connection(ReplyCode::UnexpectedFrame, format!("type {}, all octets = <<>>", frame.kind)));
+        }
+        let m = method::decode(&frame.payload, self.config.table_depth_max).map_err(AmqpError::into_connection)?;
+        match m.class {
+            AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
+                out.method(0, &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})));
+                self.finish();
+                Ok(())
+            }
+            AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => Ok(()),
+            AMQPClass::Connection(connection::AMQPMethod::UpdateSecret(_)) => {
+                out.method(0, &AMQPClass::Connection(connection::AMQPMethod::UpdateSecretOk(connection::UpdateSecretOk {})));
+                Ok(())
+            }
+            AMQPClass::Connection(connection::AMQPMethod::Blocked(_) | connection::AMQPMethod::Unblocked(_)) => Ok(()),
+            _ => {
+                let _ = now;
+                Err(AmqpError::connection(ReplyCode::ChannelError, "unexpected method in connection state running")
+                    .with_method(m.class_id, m.method_id))
+            }
+        }
+    }
+
+    fn handle_channel_frame(&mut self, frame: RawFrame, out: &mut FrameWriter) -> Result<(), AmqpError> {
+        let ch = frame.channel;
+        let limits = AssemblyLimits {
+            message_size_max: self.config.limits.message_size_max,
+            table_depth_max: self.config.table_depth_max,
+        };
+        match self.channels.get_mut(&ch) {
+            None => {
+                if frame.kind != FRAME_METHOD {
+                    return Err(AmqpError::connection(ReplyCode::ChannelError, "expected 'channel.open'"));
+                }
+                let m = method::decode(&frame.payload, self.config.table_depth_max)?;
+                match m.class {
+                    AMQPClass::Channel(channel::AMQPMethod::Open(_)) => {
+                        // RabbitMQ limits how many channels are open, not their numbers.
+                        if self.channels.len() >= usize::from(self.channel_max) {
+                            return Err(AmqpError::connection(
+                                ReplyCode::NotAllowed,
+                                format!(
+                                    "number of channels opened ({}) has reached the negotiated channel_max ({})",
+                                    self.channels.len(),
+                                    self.channel_max
+                                ),
+                            ));
+                        }
+                        self.channels.insert(ch, ChannelState::Open(Assembler::default()));
+                        out.method(ch, &AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})));
+                        self.events.push_back(Event::ChannelOpened(ch));
+                        Ok(())
+                    }
+                    _ => Err(AmqpError::connection(ReplyCode::ChannelError, "expected 'channel.open'")
+                        .with_method(m.class_id, m.method_id)),
+                }
+            }
+            Some(ChannelState::Closing) => {
+                // Drop everything but close / close-ok, as RabbitMQ does after channel.close.
+                if frame.kind == FRAME_METHOD
+                    && let Ok(m) = method::decode(&frame.payload, self.config.table_depth_max)
+                {
+                    match m.class {
+                        AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => {
+                            self.channels.remove(&ch);
+                        }
+                        AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {
+                            out.method(ch, &AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})));
+                            self.channels.remove(&ch);
+                        }
+                        _ => {}
+                    }
+                }
+                Ok(())
+            }
+            Some(ChannelState::Open(assembler)) => {
+                let cmd = match assembler.handle_frame(frame, limits) {
+                    Ok(Some(cmd)) => cmd,
+                    Ok(None) => return Ok(()),
+                    Err(e) if e.scope == Scope::Channel => {
+                        self.close_channel(ch, e, out);
+                        return Ok(());
+                    }
+                    Err(e) => return Err(e),
+                };
+                let (class_id, method_id) = (cmd.method.class_id, cmd.method.method_id);
+                match &cmd.method.class {
+                    AMQPClass::Connection(_) => Err(connection_on_channel(&cmd.method)),
+                    AMQPClass::Channel(channel::AMQPMethod::Open(_)) => {
+                        Err(AmqpError::connection(ReplyCode::ChannelError, "second 'channel.open' seen")
+                            .with_method(class_id, method_id))
+                    }
+                    AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {
+                        out.method(ch, &AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})));
+                        self.channels.remove(&ch);
+                        self.events.push_back(Event::ChannelClosed(ch));
+                        Ok(())
+                    }
+                    AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => Ok(()),
+                    _ => {
+                        self.events.push_back(Event::Command(ch, Box::new(cmd)));
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
+    /// Close a channel because of an error the broker found (or the assembler).
+    ///
+    /// Sends channel.close, drops further frames on it until close-ok, and emits
+    /// [`Event::ChannelClosed`] so the broker releases what the channel holds.
+    pub fn close_channel(&mut self, ch: u16, e: AmqpError, out: &mut FrameWriter) {
+        debug_assert_eq!(e.scope, Scope::Channel);
+        if !self.channel_is_open(ch) {
+            return;
+        }
+        out.method(
+            ch,
+            &AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: e.code.code(),
+                reply_text: ShortString::from(e.text),
+                class_id: e.class_id,
+                method_id: e.method_id,
+            })),
+        );
+        self.channels.insert(ch, ChannelState::Closing);
+        self.events.push_back(Event::ChannelClosed(ch));
+    }
+
+    /// Close the connection with `e` (a connection error, or 320 on shutdown).
+    pub fn close_with(&mut self, e: AmqpError, out: &mut FrameWriter, now: Instant) {
+        if matches!(self.state, State::CloseSent { .. } | State::Closed) {
+            return;
+        }
+        if self.state == State::AwaitHeader {
+            self.state = State::Closed;
+            return;
+        }
+        out.method(
+            0,
+            &AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                reply_code: e.code.code(),
+                reply_text: ShortString::from(e.text),
+                class_id: e.class_id,
+                method_id: e.method_id,
+            })),
+        );
+        self.release_channels();
+        self.state = State::CloseSent { deadline: now + Duration::from_millis(limits::CLOSE_OK_TIMEOUT_MS) };
+    }
+
+    fn release_channels(&mut self) {
+        let mut ids: Vec<u16> = self
+            .channels
+            .drain()
+            .filter_map(|(id, st)| matches!(st, ChannelState::Open(_)).then_some(id))
+            .collect();
+        ids.sort_unstable();
+        self.events.extend(ids.into_iter().map(Event::ChannelClosed));
+    }
+
+    fn finish(&mut self) {
+        self.release_channels();
+        self.state = State::Closed;
+    }
+
+    /// Record that bytes were written to the peer at `now` (resets the heartbeat send timer).
+    pub fn note_sent(&mut self, now: Instant) {
+        self.last_send = now;
+    }
+
+    /// The next instant at which [`Connection::handle_timeout`] must run.
+    #[must_use]
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match self.state {
+            State::AwaitHeader | State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen => Some(self.handshake_deadline),
+            State::Open => self.heartbeat.map(|hb| (self.last_send + hb / 2).min(self.last_recv + hb * 2)),
+            State::CloseSent { deadline } => Some(deadline),
+            State::Closed => None,
+        }
+    }
+
+    /// Run timers: send a heartbeat when idle, give up on a silent peer, end a stalled handshake
+    /// or close.
+    pub fn handle_timeout(&mut self, now: Instant, out: &mut FrameWriter) {
+        match self.state {
+            State::AwaitHeader | State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen => {
+                if now >= self.handshake_deadline {
+                    // RabbitMQ drops the socket on handshake timeout.
+                    self.finish();
+                }
+            }
+            State::Open => {
+                let Some(hb) = self.heartbeat else { return };
+                if now >= self.last_recv + hb * 2 {
+                    // Missed heartbeats: RabbitMQ closes the socket without a close method.
+                    self.finish();
+                    return;
+                }
+                if now >= self.last_send + hb / 2 {
+                    out.heartbeat();
+                    self.last_send = now;
+                }
+            }
+            State::CloseSent { deadline } => {
+                if now >= deadline {
+                    self.finish();
+                }
+            }
+            State::Closed => {}
+        }
+    }
+
+    /// The socket is gone: every channel is released.
+    pub fn handle_disconnect(&mut self) {
+        self.finish();
+    }
+
+    fn send_start(&mut self, out: &mut FrameWriter) {
+        out.method(
+            0,
+            &AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
+                version_major: 0,
+                version_minor: 9,
+                server_properties: self.config.server_properties.clone(),
+                mechanisms: LongString::from(b"PLAIN AMQPLAIN".to_vec()),
+                locales: LongString::from(b"en_US".to_vec()),
+            })),
+        );
+    }
+}
+
+fn connection_on_channel(m: &method::Method) -> AmqpError {
+    AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")
+        .with_method(m.class_id, m.method_id)
+}
+
+/// RabbitMQ's tune-ok validation: below the minimum or above what we offered is refused.
+fn negotiate(field: &str, client: u32, min: u32, server: u32) -> Result<u32, AmqpError> {
+    if client != 0 && client < min {
+        return Err(AmqpError::connection(
+            ReplyCode::NotAllowed,
+            format!("negotiated {field} = {client} is lower than the minimum allowed value ({min})"),
+        )
+        .with_method(10, 31));
+    }
+    if client == 0 || client > server {
+        // 0 asks for "no limit", which is above any limit we offered.
+        let shown = if client == 0 { "0 (no limit)".to_string() } else { client.to_string() };
+        return Err(AmqpError::connection(
+            ReplyCode::NotAllowed,
+            format!("negotiated {field} = {shown} is higher than the maximum allowed value ({server})"),
+        )
+        .with_method(10, 31));
+    }
+    Ok(client)
+}
+
+/// Whether a client-properties table announces `name` in its capabilities.
+#[must_use]
+pub fn client_capability(props: &FieldTable, name: &str) -> bool {
+    match props.inner().get("capabilities") {
+        Some(AMQPValue::FieldTable(caps)) => matches!(caps.inner().get(name), Some(AMQPValue::Boolean(true))),
+        _ => false,
+    }
+}
+
+/// SASL PLAIN: `authzid \0 authcid \0 password`.
+fn parse_plain(response: &[u8]) -> Option<(String, Vec<u8>)> {
+    let mut parts = response.splitn(3, |b| *b == 0);
+    let _authzid = parts.next()?;
+    let user = parts.next()?;
+    let pass = parts.next()?;
+    Some((String::from_utf8(user.to_vec()).ok()?, pass.to_vec()))
+}
+
+/// AMQPLAIN: a field table body (no length prefix) with LOGIN and PASSWORD.
+fn parse_amqplain(response: &[u8], depth_max: usize) -> Option<(String, Vec<u8>)> {
+    let mut table = Vec::with_capacity(response.len() + 4);
+    table.extend_from_slice(&u32::try_from(response.len()).ok()?.to_be_bytes());
+    table.extend_from_slice(response);
+    crate::table::check_table(&table, 0, depth_max).ok()?;
+    let (_, t) = amq_protocol::types::parsing::parse_field_table(&table[..]).ok()?;
+    let text = |v: Option<&AMQPValue>| -> Option<Vec<u8>> {
+        match v? {
+            AMQPValue::LongString(s) => Some(s.as_bytes().to_vec()),
+            AMQPValue::ShortString(s) => Some(s.as_str().as_bytes().to_vec()),
+            _ => None,
+        }
+    };
+    let user = text(t.inner().get("LOGIN"))?;
+    let pass = text(t.inner().get("PASSWORD"))?;
+    Some((String::from_utf8(user).ok()?, pass))
+}

@@ -1,0 +1,178 @@
+//! Exchanges and their bindings. One file per matching scheme that needs more than a lookup.
+
+pub mod headers;
+pub mod topic;
+
+use std::collections::HashMap;
+
+use amq_protocol::types::FieldTable;
+
+/// Exchange types Warren routes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExchangeKind {
+    /// Exact routing-key match.
+    Direct,
+    /// Every binding.
+    Fanout,
+    /// Dotted-word patterns with `*` and `#`.
+    Topic,
+    /// Header table match.
+    Headers,
+}
+
+impl ExchangeKind {
+    /// Parse a type name as sent in exchange.declare.
+    #[must_use]
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "direct" => Some(Self::Direct),
+            "fanout" => Some(Self::Fanout),
+            "topic" => Some(Self::Topic),
+            "headers" => Some(Self::Headers),
+            _ => None,
+        }
+    }
+
+    /// The type name.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Direct => "direct",
+            Self::Fanout => "fanout",
+            Self::Topic => "topic",
+            Self::Headers => "headers",
+        }
+    }
+}
+
+/// Where a binding leads.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Destination {
+    /// A queue, by name.
+    Queue(String),
+    /// An exchange (exchange-to-exchange binding), by name.
+    Exchange(String),
+}
+
+/// One binding from an exchange.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Binding {
+    /// Where matching messages go.
+    pub destination: Destination,
+    /// The binding key.
+    pub routing_key: String,
+    /// Binding arguments (headers exchanges match on them).
+    pub arguments: FieldTable,
+}
+
+/// An exchange with its bindings and a type-specific index over them.
+#[derive(Debug, Clone)]
+pub struct Exchange {
+    /// Name.
+    pub name: String,
+    /// Type.
+    pub kind: ExchangeKind,
+    /// Survives restarts (once the store exists).
+    pub durable: bool,
+    /// Deleted when its last binding goes.
+    pub auto_delete: bool,
+    /// Refuses direct publishes.
+    pub internal: bool,
+    /// Declare arguments.
+    pub arguments: FieldTable,
+    bindings: Vec<Binding>,
+    direct: HashMap<String, Vec<usize>>,
+    topic: topic::TopicTrie,
+}
+
+impl Exchange {
+    /// A new exchange without bindings.
+    #[must_use]
+    pub fn new(name: &str, kind: ExchangeKind, durable: bool, auto_delete: bool, internal: bool, arguments: FieldTable) -> Self {
+        Self {
+            name: name.to_string(),
+            kind,
+            durable,
+            auto_delete,
+            internal,
+            arguments,
+            bindings: Vec::new(),
+            direct: HashMap::new(),
+            topic: topic::TopicTrie::default(),
+        }
+    }
+
+    /// The alternate-exchange argument, if set to a string.
+    #[must_use]
+    pub fn alternate_exchange(&self) -> Option<String> {
+        crate::args::string_arg(&self.arguments, "alternate-exchange")
+    }
+
+    /// Bindings from this exchange.
+    #[must_use]
+    pub fn bindings(&self) -> &[Binding] {
+        &self.bindings
+    }
+
+    /// Add a binding; binding twice is a no-op. Returns whether it was new.
+    pub fn bind(&mut self, binding: Binding) -> bool {
+        if self.bindings.contains(&binding) {
+            return false;
+        }
+        self.bindings.push(binding);
+        self.reindex();
+        true
+    }
+
+    /// Remove a binding. Returns whether it existed.
+    pub fn unbind(&mut self, binding: &Binding) -> bool {
+        let before = self.bindings.len();
+        self.bindings.retain(|b| b != binding);
+        let removed = self.bindings.len() != before;
+        if removed {
+            self.reindex();
+        }
+        removed
+    }
+
+    /// Remove every binding to `destination`. Returns how many went.
+    pub fn unbind_destination(&mut self, destination: &Destination) -> usize {
+        let before = self.bindings.len();
+        self.bindings.retain(|b| &b.destination != destination);
+        let removed = before - self.bindings.len();
+        if removed > 0 {
+            self.reindex();
+        }
+        removed
+    }
+
+    fn reindex(&mut self) {
+        self.direct.clear();
+        self.topic = topic::TopicTrie::default();
+        for (i, b) in self.bindings.iter().enumerate() {
+            match self.kind {
+                ExchangeKind::Direct => self.direct.entry(b.routing_key.clone()).or_default().push(i),
+                ExchangeKind::Topic => self.topic.insert(&b.routing_key, i),
+                ExchangeKind::Fanout | ExchangeKind::Headers => {}
+            }
+        }
+    }
+
+    /// Append the destinations a message matches (possibly with repeats).
+    pub fn route<'a>(&'a self, routing_key: &str, headers: Option<&FieldTable>, out: &mut Vec<&'a Destination>) {
+        match self.kind {
+            ExchangeKind::Direct => {
+                if let Some(ix) = self.direct.get(routing_key) {
+                    out.extend(ix.iter().map(|i| &self.bindings[*i].destination));
+                }
+            }
+            ExchangeKind::Fanout => out.extend(self.bindings.iter().map(|b| &b.destination)),
+            ExchangeKind::Topic => {
+                out.extend(self.topic.matches(routing_key).into_iter().map(|i| &self.bindings[i].destination));
+            }
+            ExchangeKind::Headers => out.extend(
+                self.bindings.iter().filter(|b| headers::matches(&b.arguments, headers)).map(|b| &b.destination),
+            ),
+        }
+    }
+}

@@ -1,0 +1,431 @@
+//! The queue as a pure, deterministic state machine.
+//!
+//! `apply(now_ms, command, effects) -> reply`: no I/O, no clock, no locks. The in-memory driver
+//! ([`super::Queue`]) feeds it today; the durable store and openraft will feed the same commands
+//! from their logs, so replay gives the same state.
+//!
+//! The machine holds each message's metadata and a reference `M` (for the in-memory driver an
+//! `Arc<Message>`, for the store a body location), never a copy of the body.
+//!
+//! Message flow:
+//!
+//! ```text
+//!  Enqueue ──► ready ──(consumer has credit)──► unacked ──Settle──► gone
+//!                ▲                                 │ ──Discard─► gone (dead-letter later)
+//!                └──────────── Return ─────────────┘
+//! ```
+//!
+//! Ready order: never-delivered messages wait in `fresh` (FIFO); returned messages wait in
+//! `returned`, ordered by id. Every returned id is smaller than every fresh id (a message only
+//! leaves `fresh` from its head), so "returned first, then fresh" is exactly original order.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Message id within one queue, assigned at enqueue, increasing.
+pub type MsgId = u64;
+/// Consumer id, unique per broker.
+pub type ConsumerId = u64;
+
+/// What the machine needs to know about a message reference.
+pub trait MessageRef: Clone {
+    /// Body + properties size in bytes (for `message_bytes`).
+    fn size(&self) -> u64;
+}
+
+/// How a consumer receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConsumerSpec {
+    /// Unacked deliveries allowed at once (0 = unlimited), basic.qos per-consumer prefetch.
+    pub prefetch: u32,
+    /// Deliveries not yet written to the socket allowed at once (transport backpressure).
+    pub window: u32,
+    /// Messages are settled when sent.
+    pub no_ack: bool,
+    /// basic.consume exclusive flag.
+    pub exclusive: bool,
+}
+
+/// Commands (nouns, as in rabbit_fifo).
+#[derive(Debug, Clone)]
+pub enum Command<M> {
+    /// Add a message to the tail.
+    Enqueue(M),
+    /// Attach a consumer.
+    Checkout(ConsumerId, ConsumerSpec),
+    /// Detach a consumer; its unacked messages stay checked out until settled or returned.
+    Cancel(ConsumerId),
+    /// The consumer's deliveries up to `n` have been written out; restore its window.
+    Written(ConsumerId, u32),
+    /// Acknowledge unacked messages.
+    Settle(Vec<MsgId>),
+    /// Put unacked messages back, in original order, marked redelivered.
+    Return(Vec<MsgId>),
+    /// Drop unacked messages (reject/nack without requeue).
+    Discard(Vec<MsgId>),
+    /// basic.get: take the head message; with `no_ack` it is settled at once.
+    Get {
+        /// Settle on delivery.
+        no_ack: bool,
+    },
+    /// Remove all ready messages.
+    Purge,
+}
+
+/// Effects for the driver to carry out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Effect<M> {
+    /// Send a message to a consumer.
+    Deliver {
+        /// Recipient.
+        consumer: ConsumerId,
+        /// Message id (the delivery tag maps to it).
+        id: MsgId,
+        /// The message.
+        msg: M,
+        /// Delivered before.
+        redelivered: bool,
+    },
+}
+
+/// Replies to a command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply<M> {
+    /// Nothing to report.
+    Ok,
+    /// basic.get result: the message, whether redelivered, and the ready count after it.
+    Got(Option<(MsgId, M, bool, u32)>),
+    /// Messages removed by a purge.
+    Purged(u32),
+}
+
+/// Why a command was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum MachineError {
+    /// An exclusive consumer holds the queue, or an exclusive one asked while others exist.
+    #[error("queue in exclusive use")]
+    ExclusiveInUse,
+    /// The consumer id is already attached.
+    #[error("consumer already attached")]
+    DuplicateConsumer,
+}
+
+#[derive(Debug, Clone)]
+struct Ready<M> {
+    id: MsgId,
+    msg: M,
+    redelivered: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Unacked<M> {
+    msg: M,
+    consumer: Option<ConsumerId>,
+}
+
+#[derive(Debug, Clone)]
+struct Consumer {
+    spec: ConsumerSpec,
+    unacked: u32,
+    unwritten: u32,
+    /// Present in the service ring.
+    in_ring: bool,
+}
+
+impl Consumer {
+    fn has_credit(&self) -> bool {
+        (self.spec.no_ack || self.spec.prefetch == 0 || self.unacked < self.spec.prefetch)
+            && self.unwritten < self.spec.window
+    }
+}
+
+/// Counters for invariants and statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Messages ever enqueued.
+    pub enqueued: u64,
+    /// Messages settled (acked, or delivered with no-ack).
+    pub settled: u64,
+    /// Messages discarded (rejected without requeue).
+    pub discarded: u64,
+    /// Messages purged.
+    pub purged: u64,
+}
+
+/// A classic queue's delivery state.
+#[derive(Debug, Clone)]
+pub struct QueueMachine<M> {
+    next_id: MsgId,
+    fresh: VecDeque<Ready<M>>,
+    returned: BTreeMap<MsgId, Ready<M>>,
+    unacked: HashMap<MsgId, Unacked<M>>,
+    consumers: BTreeMap<ConsumerId, Consumer>,
+    /// Consumers with credit, in round-robin order.
+    ring: VecDeque<ConsumerId>,
+    exclusive_consumer: Option<ConsumerId>,
+    ready_bytes: u64,
+    unacked_bytes: u64,
+    counters: Counters,
+}
+
+impl<M: MessageRef> Default for QueueMachine<M> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<M: MessageRef> QueueMachine<M> {
+    /// An empty queue.
+    #[must_use]
+    pub fn new() -> Self {
+        Self {
+            next_id: 1,
+            fresh: VecDeque::new(),
+            returned: BTreeMap::new(),
+            unacked: HashMap::new(),
+            consumers: BTreeMap::new(),
+            ring: VecDeque::new(),
+            exclusive_consumer: None,
+            ready_bytes: 0,
+            unacked_bytes: 0,
+            counters: Counters::default(),
+        }
+    }
+
+    /// Messages ready for delivery.
+    #[must_use]
+    pub fn ready_len(&self) -> usize {
+        self.fresh.len() + self.returned.len()
+    }
+
+    /// Messages delivered and not yet settled.
+    #[must_use]
+    pub fn unacked_len(&self) -> usize {
+        self.unacked.len()
+    }
+
+    /// Bytes of ready messages.
+    #[must_use]
+    pub fn ready_bytes(&self) -> u64 {
+        self.ready_bytes
+    }
+
+    /// Bytes of unacked messages.
+    #[must_use]
+    pub fn unacked_bytes(&self) -> u64 {
+        self.unacked_bytes
+    }
+
+    /// Attached consumers.
+    #[must_use]
+    pub fn consumer_count(&self) -> usize {
+        self.consumers.len()
+    }
+
+    /// Lifetime counters.
+    #[must_use]
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// Apply one command at time `now_ms`; effects are appended to `effects`.
+    pub fn apply(&mut self, now_ms: u64, command: Command<M>, effects: &mut Vec<Effect<M>>) -> Result<Reply<M>, MachineError> {
+        let _ = now_ms; // TTLs (next issue) read it; kept in the signature so drivers pass it.
+        let reply = match command {
+            Command::Enqueue(msg) => {
+                let id = self.next_id;
+                self.next_id += 1;
+                self.counters.enqueued += 1;
+                self.ready_bytes += msg.size();
+                self.fresh.push_back(Ready { id, msg, redelivered: false });
+                Reply::Ok
+            }
+            Command::Checkout(consumer, spec) => {
+                if self.consumers.contains_key(&consumer) {
+                    return Err(MachineError::DuplicateConsumer);
+                }
+                if self.exclusive_consumer.is_some() || (spec.exclusive && !self.consumers.is_empty()) {
+                    return Err(MachineError::ExclusiveInUse);
+                }
+                if spec.exclusive {
+                    self.exclusive_consumer = Some(consumer);
+                }
+                self.consumers.insert(consumer, Consumer { spec, unacked: 0, unwritten: 0, in_ring: false });
+                self.refresh_ring(consumer);
+                Reply::Ok
+            }
+            Command::Cancel(consumer) => {
+                if let Some(gone) = self.consumers.remove(&consumer) {
+                    self.ring.retain(|c| *c != consumer);
+                    if gone.unacked > 0 {
+                        // Its messages stay checked out, owned by nobody's prefetch.
+                        for u in self.unacked.values_mut().filter(|u| u.consumer == Some(consumer)) {
+                            u.consumer = None;
+                        }
+                    }
+                    if self.exclusive_consumer == Some(consumer) {
+                        self.exclusive_consumer = None;
+                    }
+                }
+                Reply::Ok
+            }
+            Command::Written(consumer, n) => {
+                if let Some(c) = self.consumers.get_mut(&consumer) {
+                    c.unwritten = c.unwritten.saturating_sub(n);
+                    self.refresh_ring(consumer);
+                }
+                Reply::Ok
+            }
+            Command::Settle(ids) => {
+                for id in ids {
+                    if self.take_unacked(id).is_some() {
+                        self.counters.settled += 1;
+                    }
+                }
+                Reply::Ok
+            }
+            Command::Discard(ids) => {
+                for id in ids {
+                    if self.take_unacked(id).is_some() {
+                        self.counters.discarded += 1;
+                    }
+                }
+                Reply::Ok
+            }
+            Command::Return(ids) => {
+                for id in ids {
+                    if let Some(msg) = self.take_unacked(id) {
+                        debug_assert!(self.fresh.front().is_none_or(|f| f.id > id));
+                        self.ready_bytes += msg.size();
+                        self.returned.insert(id, Ready { id, msg, redelivered: true });
+                    }
+                }
+                Reply::Ok
+            }
+            Command::Get { no_ack } => match self.pop_ready() {
+                None => Reply::Got(None),
+                Some(r) => {
+                    let size = r.msg.size();
+                    self.ready_bytes -= size;
+                    if no_ack {
+                        self.counters.settled += 1;
+                    } else {
+                        self.unacked_bytes += size;
+                        self.unacked.insert(r.id, Unacked { msg: r.msg.clone(), consumer: None });
+                    }
+                    let remaining = u32::try_from(self.ready_len()).unwrap_or(u32::MAX);
+                    Reply::Got(Some((r.id, r.msg, r.redelivered, remaining)))
+                }
+            },
+            Command::Purge => {
+                let n = self.ready_len();
+                self.fresh.clear();
+                self.returned.clear();
+                self.ready_bytes = 0;
+                self.counters.purged += n as u64;
+                Reply::Purged(u32::try_from(n).unwrap_or(u32::MAX))
+            }
+        };
+        self.dispatch(effects);
+        debug_assert_eq!(
+            (self.ready_len() + self.unacked.len()) as u64,
+            self.counters.enqueued - self.counters.settled - self.counters.discarded - self.counters.purged,
+            "message conservation"
+        );
+        #[cfg(test)]
+        self.check_invariants();
+        Ok(reply)
+    }
+
+    fn take_unacked(&mut self, id: MsgId) -> Option<M> {
+        let u = self.unacked.remove(&id)?;
+        self.unacked_bytes -= u.msg.size();
+        if let Some(cid) = u.consumer
+            && let Some(c) = self.consumers.get_mut(&cid)
+        {
+            c.unacked -= 1;
+            self.refresh_ring(cid);
+        }
+        Some(u.msg)
+    }
+
+    /// Put the consumer in the ring if it has credit and is not there yet.
+    fn refresh_ring(&mut self, id: ConsumerId) {
+        if let Some(c) = self.consumers.get_mut(&id)
+            && !c.in_ring
+            && c.has_credit()
+        {
+            c.in_ring = true;
+            self.ring.push_back(id);
+        }
+    }
+
+    fn pop_ready(&mut self) -> Option<Ready<M>> {
+        if let Some((_, r)) = self.returned.pop_first() {
+            return Some(r);
+        }
+        self.fresh.pop_front()
+    }
+
+    /// Hand ready messages to consumers with credit, one each in turn.
+    fn dispatch(&mut self, effects: &mut Vec<Effect<M>>) {
+        while !self.ring.is_empty() && self.ready_len() > 0 {
+            let Some(cid) = self.ring.pop_front() else { break };
+            let Some(c) = self.consumers.get_mut(&cid) else { continue };
+            c.in_ring = false;
+            if !c.has_credit() {
+                continue;
+            }
+            let Some(r) = self.pop_ready() else { break };
+            let Some(c) = self.consumers.get_mut(&cid) else { break };
+            let size = r.msg.size();
+            self.ready_bytes -= size;
+            c.unwritten += 1;
+            if c.spec.no_ack {
+                self.counters.settled += 1;
+            } else {
+                c.unacked += 1;
+                self.unacked_bytes += size;
+                self.unacked.insert(r.id, Unacked { msg: r.msg.clone(), consumer: Some(cid) });
+            }
+            effects.push(Effect::Deliver { consumer: cid, id: r.id, msg: r.msg, redelivered: r.redelivered });
+            if c.has_credit() {
+                c.in_ring = true;
+                self.ring.push_back(cid);
+            }
+        }
+    }
+
+    /// Assert the machine's invariants (all of them after every apply in tests; the O(1)
+    /// conservation check after every apply in debug builds). Costs O(messages).
+    ///
+    /// # Panics
+    /// When an invariant is broken: that is a bug in the machine.
+    pub fn check_invariants(&self) {
+        let c = self.counters;
+        let live = (self.ready_len() + self.unacked.len()) as u64;
+        assert_eq!(live, c.enqueued - c.settled - c.discarded - c.purged, "message conservation");
+        if let (Some((max_returned, _)), Some(first_fresh)) = (self.returned.last_key_value(), self.fresh.front()) {
+            assert!(*max_returned < first_fresh.id, "returned messages precede fresh ones");
+        }
+        assert!(self.fresh.iter().zip(self.fresh.iter().skip(1)).all(|(a, b)| a.id < b.id), "fresh is FIFO");
+        let ready_bytes: u64 = self.fresh.iter().chain(self.returned.values()).map(|r| r.msg.size()).sum();
+        assert_eq!(ready_bytes, self.ready_bytes, "ready bytes");
+        let unacked_bytes: u64 = self.unacked.values().map(|u| u.msg.size()).sum();
+        assert_eq!(unacked_bytes, self.unacked_bytes, "unacked bytes");
+        for (id, consumer) in &self.consumers {
+            let owned = self.unacked.values().filter(|u| u.consumer == Some(*id)).count() as u32;
+            assert_eq!(owned, consumer.unacked, "consumer unacked count");
+            assert_eq!(consumer.in_ring, self.ring.contains(id), "ring membership flag");
+            if !consumer.spec.no_ack && consumer.spec.prefetch > 0 {
+                assert!(consumer.unacked <= consumer.spec.prefetch, "prefetch respected");
+            }
+            assert!(consumer.unwritten <= consumer.spec.window, "window respected");
+        }
+        if self.ready_len() > 0 {
+            assert!(self.ring.is_empty(), "no consumer with credit while messages are ready");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,216 @@
+//! Unit and property tests of the queue machine against a naive model.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use proptest::prelude::*;
+
+use super::*;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct M(u64);
+impl MessageRef for M {
+    fn size(&self) -> u64 {
+        self.0 % 7 + 1
+    }
+}
+
+fn spec(prefetch: u32) -> ConsumerSpec {
+    ConsumerSpec { prefetch, window: 1000, no_ack: false, exclusive: false }
+}
+
+fn delivered(effects: &[Effect<M>]) -> Vec<(ConsumerId, MsgId, bool)> {
+    effects.iter().map(|Effect::Deliver { consumer, id, redelivered, .. }| (*consumer, *id, *redelivered)).collect()
+}
+
+#[test]
+fn round_robin_within_prefetch_and_fifo() {
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    q.apply(0, Command::Checkout(1, spec(2)), &mut fx).unwrap();
+    q.apply(0, Command::Checkout(2, spec(2)), &mut fx).unwrap();
+    for i in 0..6 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    assert_eq!(delivered(&fx), vec![(1, 1, false), (2, 2, false), (1, 3, false), (2, 4, false)]);
+    assert_eq!((q.ready_len(), q.unacked_len()), (2, 4));
+    fx.clear();
+    q.apply(0, Command::Settle(vec![1]), &mut fx).unwrap();
+    assert_eq!(delivered(&fx), vec![(1, 5, false)]);
+}
+
+#[test]
+fn returned_messages_go_back_in_original_order_marked_redelivered() {
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    for i in 0..4 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    q.apply(0, Command::Checkout(1, spec(3)), &mut fx).unwrap();
+    q.apply(0, Command::Cancel(1), &mut fx).unwrap();
+    // Return out of order: 3, then 1.
+    q.apply(0, Command::Return(vec![3, 1]), &mut fx).unwrap();
+    q.apply(0, Command::Return(vec![2]), &mut fx).unwrap();
+    fx.clear();
+    q.apply(0, Command::Checkout(2, spec(0)), &mut fx).unwrap();
+    assert_eq!(delivered(&fx), vec![(2, 1, true), (2, 2, true), (2, 3, true), (2, 4, false)]);
+}
+
+#[test]
+fn exclusive_consumers_exclude() {
+    let mut q: QueueMachine<M> = QueueMachine::new();
+    let mut fx = Vec::new();
+    q.apply(0, Command::Checkout(1, spec(0)), &mut fx).unwrap();
+    let ex = ConsumerSpec { exclusive: true, ..spec(0) };
+    assert_eq!(q.apply(0, Command::Checkout(2, ex), &mut fx), Err(MachineError::ExclusiveInUse));
+    q.apply(0, Command::Cancel(1), &mut fx).unwrap();
+    q.apply(0, Command::Checkout(2, ex), &mut fx).unwrap();
+    assert_eq!(q.apply(0, Command::Checkout(3, spec(0)), &mut fx), Err(MachineError::ExclusiveInUse));
+}
+
+#[test]
+fn window_bounds_unwritten_deliveries_for_no_ack_consumers() {
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    q.apply(0, Command::Checkout(1, ConsumerSpec { prefetch: 0, window: 2, no_ack: true, exclusive: false }), &mut fx).unwrap();
+    for i in 0..5 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    assert_eq!(fx.len(), 2);
+    q.apply(0, Command::Written(1, 2), &mut fx).unwrap();
+    assert_eq!(fx.len(), 4);
+    assert_eq!(q.unacked_len(), 0);
+    assert_eq!(q.counters().settled, 4);
+}
+
+#[test]
+fn get_and_purge() {
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    for i in 0..3 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    assert_eq!(q.apply(0, Command::Get { no_ack: false }, &mut fx), Ok(Reply::Got(Some((1, M(0), false, 2)))));
+    assert_eq!(q.apply(0, Command::Purge, &mut fx), Ok(Reply::Purged(2)));
+    assert_eq!(q.apply(0, Command::Get { no_ack: true }, &mut fx), Ok(Reply::Got(None)));
+    q.apply(0, Command::Return(vec![1]), &mut fx).unwrap();
+    assert_eq!(q.apply(0, Command::Get { no_ack: true }, &mut fx), Ok(Reply::Got(Some((1, M(0), true, 0)))));
+}
+
+/// A naive model: sets of ids and per-consumer counts.
+#[derive(Default)]
+struct Model {
+    next: u64,
+    ready: BTreeSet<u64>,
+    redelivered: BTreeSet<u64>,
+    unacked: BTreeMap<u64, Option<u64>>,
+    consumers: BTreeMap<u64, (u32, u32)>, // id -> (prefetch, unacked)
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Enqueue,
+    Checkout(u64, u32),
+    Cancel(u64),
+    Settle(usize),
+    Return(usize),
+    Discard(usize),
+    Get(bool),
+    Purge,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => Just(Op::Enqueue),
+        1 => (0u64..4, 0u32..4).prop_map(|(c, p)| Op::Checkout(c, p)),
+        1 => (0u64..4).prop_map(Op::Cancel),
+        2 => (0usize..8).prop_map(Op::Settle),
+        2 => (0usize..8).prop_map(Op::Return),
+        1 => (0usize..8).prop_map(Op::Discard),
+        1 => any::<bool>().prop_map(Op::Get),
+        1 => Just(Op::Purge),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The machine agrees with the model on every step: deliveries always take the smallest
+    /// ready id, go to a consumer with credit, and the ready/unacked sets match.
+    #[test]
+    fn machine_matches_model(ops in proptest::collection::vec(op(), 1..120)) {
+        let mut q: QueueMachine<M> = QueueMachine::new();
+        let mut m = Model { next: 1, ..Model::default() };
+        for op in ops {
+            let mut fx = Vec::new();
+            let pick = |m: &Model, i: usize| m.unacked.keys().nth(i % m.unacked.len().max(1)).copied();
+            match op {
+                Op::Enqueue => {
+                    q.apply(0, Command::Enqueue(M(m.next)), &mut fx).unwrap();
+                    m.ready.insert(m.next);
+                    m.next += 1;
+                }
+                Op::Checkout(c, p) => {
+                    let r = q.apply(0, Command::Checkout(c, spec(p)), &mut fx);
+                    if m.consumers.contains_key(&c) {
+                        prop_assert_eq!(r, Err(MachineError::DuplicateConsumer));
+                    } else {
+                        prop_assert!(r.is_ok());
+                        m.consumers.insert(c, (p, 0));
+                    }
+                }
+                Op::Cancel(c) => {
+                    q.apply(0, Command::Cancel(c), &mut fx).unwrap();
+                    m.consumers.remove(&c);
+                    for owner in m.unacked.values_mut() {
+                        if *owner == Some(c) { *owner = None; }
+                    }
+                }
+                Op::Settle(i) | Op::Discard(i) | Op::Return(i) => {
+                    let Some(id) = pick(&m, i) else { continue };
+                    let owner = m.unacked.remove(&id).flatten();
+                    if let Some(o) = owner.and_then(|o| m.consumers.get_mut(&o)) { o.1 -= 1; }
+                    let cmd = match op {
+                        Op::Settle(_) => Command::Settle(vec![id]),
+                        Op::Discard(_) => Command::Discard(vec![id]),
+                        _ => { m.ready.insert(id); m.redelivered.insert(id); Command::Return(vec![id]) }
+                    };
+                    q.apply(0, cmd, &mut fx).unwrap();
+                }
+                Op::Get(no_ack) => {
+                    let r = q.apply(0, Command::Get { no_ack }, &mut fx).unwrap();
+                    let expected = m.ready.pop_first();
+                    match (r, expected) {
+                        (Reply::Got(None), None) => {}
+                        (Reply::Got(Some((id, _, redelivered, left))), Some(e)) => {
+                            prop_assert_eq!(id, e);
+                            prop_assert_eq!(redelivered, m.redelivered.contains(&e));
+                            prop_assert_eq!(left as usize, m.ready.len());
+                            if !no_ack { m.unacked.insert(id, None); }
+                        }
+                        (r, e) => prop_assert!(false, "get mismatch {:?} vs {:?}", r, e),
+                    }
+                }
+                Op::Purge => {
+                    let r = q.apply(0, Command::Purge, &mut fx).unwrap();
+                    prop_assert_eq!(r, Reply::Purged(m.ready.len() as u32));
+                    m.ready.clear();
+                }
+            }
+            for Effect::Deliver { consumer, id, redelivered, .. } in fx {
+                let expected = m.ready.pop_first();
+                prop_assert_eq!(Some(id), expected, "deliveries take the oldest ready message");
+                prop_assert_eq!(redelivered, m.redelivered.contains(&id));
+                let c = m.consumers.get_mut(&consumer).expect("delivered to a live consumer");
+                prop_assert!(c.0 == 0 || c.1 < c.0, "delivery within prefetch");
+                c.1 += 1;
+                m.unacked.insert(id, Some(consumer));
+            }
+            // If messages are ready, no consumer may have spare credit.
+            if !m.ready.is_empty() {
+                prop_assert!(m.consumers.values().all(|(p, u)| *p != 0 && u >= p));
+            }
+            prop_assert_eq!(q.ready_len(), m.ready.len());
+            prop_assert_eq!(q.unacked_len(), m.unacked.len());
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! Queues: the pure [`machine::QueueMachine`] and its in-memory driver [`Queue`].
+//!
+//! The driver owns the machine behind a per-queue mutex (never a global lock, never held across
+//! an `.await`), turns channel calls into machine commands, and carries out the effects:
+//! deliveries go into the consumer's connection [`Outbox`]. Lock order: queue state, then outbox.
+
+pub mod machine;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use amq_protocol::types::FieldTable;
+use parking_lot::Mutex;
+
+use crate::message::Message;
+use crate::outbox::{Delivery, Outbound, Outbox};
+use machine::{Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, QueueMachine, Reply};
+
+/// Where a consumer's deliveries go.
+#[derive(Debug, Clone)]
+pub struct ConsumerSink {
+    /// The consumer's connection.
+    pub outbox: Arc<Outbox>,
+    /// Its channel.
+    pub channel: u16,
+}
+
+/// Counts reported by queue.declare-ok and friends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueCounts {
+    /// Ready messages.
+    pub messages: u32,
+    /// Attached consumers.
+    pub consumers: u32,
+}
+
+#[derive(Debug)]
+struct State {
+    machine: QueueMachine<Arc<Message>>,
+    sinks: HashMap<ConsumerId, ConsumerSink>,
+    deleted: bool,
+    effects: Vec<Effect<Arc<Message>>>,
+    /// Whether any consumer ever attached (auto-delete needs one to have left).
+    had_consumer: bool,
+}
+
+/// A queue with its declaration and delivery state.
+#[derive(Debug)]
+pub struct Queue {
+    /// Name.
+    pub name: String,
+    /// Vhost name.
+    pub vhost: String,
+    /// Durable flag as declared.
+    pub durable: bool,
+    /// Deleted when its last consumer goes.
+    pub auto_delete: bool,
+    /// The connection that owns it, for exclusive queues.
+    pub exclusive_owner: Option<u64>,
+    /// Declare arguments.
+    pub arguments: FieldTable,
+    epoch: Instant,
+    state: Mutex<State>,
+}
+
+impl Queue {
+    /// A new empty queue.
+    #[must_use]
+    pub fn new(name: &str, vhost: &str, durable: bool, auto_delete: bool, exclusive_owner: Option<u64>, arguments: FieldTable) -> Arc<Self> {
+        Arc::new(Self {
+            name: name.to_string(),
+            vhost: vhost.to_string(),
+            durable,
+            auto_delete,
+            exclusive_owner,
+            arguments,
+            epoch: Instant::now(),
+            state: Mutex::new(State {
+                machine: QueueMachine::new(),
+                sinks: HashMap::new(),
+                deleted: false,
+                effects: Vec::new(),
+                had_consumer: false,
+            }),
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Apply a command and carry out its effects, under the queue lock.
+    fn run(self: &Arc<Self>, st: &mut State, command: Command<Arc<Message>>) -> Result<Reply<Arc<Message>>, MachineError> {
+        let mut effects = std::mem::take(&mut st.effects);
+        let reply = st.machine.apply(self.now_ms(), command, &mut effects);
+        for effect in effects.drain(..) {
+            match effect {
+                Effect::Deliver { consumer, id, msg, redelivered } => {
+                    if let Some(sink) = st.sinks.get(&consumer) {
+                        sink.outbox.push(Outbound::Deliver(Delivery {
+                            channel: sink.channel,
+                            consumer,
+                            queue: Arc::clone(self),
+                            id,
+                            message: msg,
+                            redelivered,
+                        }));
+                    } else {
+                        debug_assert!(false, "delivery to a consumer without a sink");
+                    }
+                }
+            }
+        }
+        st.effects = effects;
+        reply
+    }
+
+    /// Enqueue a routed message. Returns false if the queue was deleted meanwhile.
+    pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> bool {
+        let mut st = self.state.lock();
+        if st.deleted {
+            return false;
+        }
+        let _ = self.run(&mut st, Command::Enqueue(message));
+        true
+    }
+
+    /// Attach a consumer.
+    pub fn consume(self: &Arc<Self>, id: ConsumerId, spec: ConsumerSpec, sink: ConsumerSink) -> Result<(), MachineError> {
+        let mut st = self.state.lock();
+        st.sinks.insert(id, sink);
+        if let Err(e) = self.run(&mut st, Command::Checkout(id, spec)) {
+            st.sinks.remove(&id);
+            return Err(e);
+        }
+        st.had_consumer = true;
+        Ok(())
+    }
+
+    /// Detach a consumer. Returns true when the queue is auto-delete and this was its last
+    /// consumer (the caller deletes it).
+    pub fn cancel(self: &Arc<Self>, id: ConsumerId) -> bool {
+        let mut st = self.state.lock();
+        if st.sinks.remove(&id).is_none() {
+            return false;
+        }
+        let _ = self.run(&mut st, Command::Cancel(id));
+        self.auto_delete && st.had_consumer && st.machine.consumer_count() == 0 && !st.deleted
+    }
+
+    /// Deliveries to `consumer` were written to its socket: restore its window.
+    pub fn written(self: &Arc<Self>, consumer: ConsumerId, n: u32) {
+        let mut st = self.state.lock();
+        let _ = self.run(&mut st, Command::Written(consumer, n));
+    }
+
+    /// Acknowledge.
+    pub fn settle(self: &Arc<Self>, ids: Vec<MsgId>) {
+        let mut st = self.state.lock();
+        let _ = self.run(&mut st, Command::Settle(ids));
+    }
+
+    /// Requeue (nack/reject with requeue, recover, channel close).
+    pub fn requeue(self: &Arc<Self>, ids: Vec<MsgId>) {
+        let mut st = self.state.lock();
+        let _ = self.run(&mut st, Command::Return(ids));
+    }
+
+    /// Drop (nack/reject without requeue).
+    pub fn discard(self: &Arc<Self>, ids: Vec<MsgId>) {
+        let mut st = self.state.lock();
+        let _ = self.run(&mut st, Command::Discard(ids));
+    }
+
+    /// basic.get: the head message, its redelivered flag and the ready count after it.
+    pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Arc<Message>, bool, u32)> {
+        let mut st = self.state.lock();
+        match self.run(&mut st, Command::Get { no_ack }) {
+            Ok(Reply::Got(got)) => got,
+            _ => None,
+        }
+    }
+
+    /// Remove all ready messages; returns how many.
+    pub fn purge(self: &Arc<Self>) -> u32 {
+        let mut st = self.state.lock();
+        match self.run(&mut st, Command::Purge) {
+            Ok(Reply::Purged(n)) => n,
+            _ => 0,
+        }
+    }
+
+    /// Ready messages and consumers.
+    #[must_use]
+    pub fn counts(&self) -> QueueCounts {
+        let st = self.state.lock();
+        QueueCounts {
+            messages: u32::try_from(st.machine.ready_len()).unwrap_or(u32::MAX),
+            consumers: u32::try_from(st.machine.consumer_count()).unwrap_or(u32::MAX),
+        }
+    }
+
+    /// Mark deleted and tell every consumer's connection to cancel it. Returns the ready count.
+    pub fn delete(self: &Arc<Self>) -> u32 {
+        let mut st = self.state.lock();
+        st.deleted = true;
+        let sinks: Vec<(ConsumerId, ConsumerSink)> = st.sinks.drain().collect();
+        for (consumer, sink) in sinks {
+            let _ = self.run(&mut st, Command::Cancel(consumer));
+            sink.outbox.push(Outbound::Cancel { channel: sink.channel, consumer });
+        }
+        u32::try_from(st.machine.ready_len()).unwrap_or(u32::MAX)
+    }
+
+    /// Whether the queue was deleted.
+    #[must_use]
+    pub fn is_deleted(&self) -> bool {
+        self.state.lock().deleted
+    }
+}

@@ -1,0 +1,770 @@
+//! One connection's channels and the broker-side meaning of every AMQP method.
+//!
+//! A [`Session`] is driven by the connection task: [`Session::handle_command`] for each complete
+//! command, [`Session::drain_outbox`] when deliveries arrive, [`Session::flush`] before writing,
+//! [`Session::channel_closed`] / [`Session::close`] to release what a channel or the connection
+//! holds. Errors come back as [`AmqpError`] values; the connection machine turns them into
+//! `channel.close` or `connection.close` in one place. No method here blocks or awaits.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use amq_protocol::protocol::{AMQPClass, access, basic, channel, confirm, exchange, queue, tx};
+use amq_protocol::types::FieldTable;
+use warren_amqp::assembler::{Command, Content};
+use warren_amqp::frame::FrameWriter;
+use warren_amqp::method::{put_basic_ack, put_basic_deliver, put_basic_get_ok, put_basic_return};
+use warren_amqp::{AmqpError, ReplyCode};
+
+use crate::broker::Broker;
+use crate::exchange::{Destination, ExchangeKind};
+use crate::message::Message;
+use crate::outbox::{Delivery, Outbound, Outbox};
+use crate::queue::machine::{ConsumerId, ConsumerSpec, MachineError, MsgId};
+use crate::queue::{ConsumerSink, Queue};
+use crate::vhost::{ExchangeDecl, VHost, rs};
+
+/// What a connection knows about itself, shared by its channels.
+#[derive(Debug)]
+struct Ctx {
+    broker: Arc<Broker>,
+    vhost: Arc<VHost>,
+    conn_id: u64,
+    user: String,
+    outbox: Arc<Outbox>,
+    /// Client supports server-sent basic.cancel.
+    cancel_notify: bool,
+}
+
+#[derive(Debug)]
+struct ConsumerEntry {
+    id: ConsumerId,
+    queue: Arc<Queue>,
+    no_ack: bool,
+}
+
+#[derive(Debug, Clone)]
+struct Unacked {
+    queue: Arc<Queue>,
+    id: MsgId,
+}
+
+/// A settled-or-requeued decision, applied now or at tx.commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AckAction {
+    Settle,
+    Requeue,
+    Discard,
+}
+
+#[derive(Debug)]
+struct TxPublish {
+    exchange: String,
+    routing_key: String,
+    mandatory: bool,
+    content: Content,
+}
+
+#[derive(Debug, Default)]
+struct TxBuffer {
+    publishes: Vec<TxPublish>,
+    acks: Vec<(AckAction, u64, Unacked)>,
+}
+
+#[derive(Debug)]
+enum Mode {
+    Plain,
+    Confirm {
+        /// Sequence number of the last publish (0 = none yet).
+        last_seq: u64,
+        /// Highest sequence number already acked to the publisher.
+        acked_upto: u64,
+    },
+    Tx(TxBuffer),
+}
+
+#[derive(Debug)]
+struct Channel {
+    consumers: HashMap<String, ConsumerEntry>,
+    unacked: BTreeMap<u64, Unacked>,
+    next_tag: u64,
+    /// basic.qos global=false: prefetch for consumers created afterwards.
+    prefetch_consumer: u32,
+    /// basic.qos global=true: applied to consumers that have no own limit.
+    prefetch_channel: u32,
+    mode: Mode,
+    /// For the empty-queue-name shortcut.
+    last_queue: Option<String>,
+    route_buf: Vec<Arc<Queue>>,
+}
+
+impl Channel {
+    fn new() -> Self {
+        Self {
+            consumers: HashMap::new(),
+            unacked: BTreeMap::new(),
+            next_tag: 1,
+            prefetch_consumer: 0,
+            prefetch_channel: 0,
+            mode: Mode::Plain,
+            last_queue: None,
+            route_buf: Vec::new(),
+        }
+    }
+}
+
+/// All channels of one connection.
+#[derive(Debug)]
+pub struct Session {
+    ctx: Ctx,
+    channels: HashMap<u16, Channel>,
+    drained: Vec<Outbound>,
+    written: HashMap<(usize, ConsumerId), (Arc<Queue>, u32)>,
+}
+
+fn reply(out: &mut FrameWriter, ch: u16, m: AMQPClass) {
+    out.method(ch, &m);
+}
+
+fn group_by_queue(items: impl IntoIterator<Item = Unacked>) -> Vec<(Arc<Queue>, Vec<MsgId>)> {
+    let mut groups: Vec<(Arc<Queue>, Vec<MsgId>)> = Vec::new();
+    for u in items {
+        match groups.iter_mut().find(|(q, _)| Arc::ptr_eq(q, &u.queue)) {
+            Some((_, ids)) => ids.push(u.id),
+            None => groups.push((u.queue, vec![u.id])),
+        }
+    }
+    groups
+}
+
+fn apply_acks(action: AckAction, items: impl IntoIterator<Item = Unacked>) {
+    for (q, ids) in group_by_queue(items) {
+        match action {
+            AckAction::Settle => q.settle(ids),
+            AckAction::Requeue => q.requeue(ids),
+            AckAction::Discard => q.discard(ids),
+        }
+    }
+}
+
+impl Session {
+    /// A session for an opened connection.
+    #[must_use]
+    pub fn new(broker: Arc<Broker>, vhost: Arc<VHost>, user: String, outbox: Arc<Outbox>, cancel_notify: bool) -> Self {
+        let conn_id = broker.next_id();
+        Self {
+            ctx: Ctx { broker, vhost, conn_id, user, outbox, cancel_notify },
+            channels: HashMap::new(),
+            drained: Vec::new(),
+            written: HashMap::new(),
+        }
+    }
+
+    /// This connection's id (owner of its exclusive queues).
+    #[must_use]
+    pub fn connection_id(&self) -> u64 {
+        self.ctx.conn_id
+    }
+
+    /// The outbox other tasks deliver into.
+    #[must_use]
+    pub fn outbox(&self) -> &Arc<Outbox> {
+        &self.ctx.outbox
+    }
+
+    /// A channel was opened.
+    pub fn channel_opened(&mut self, ch: u16) {
+        self.channels.insert(ch, Channel::new());
+    }
+
+    /// A channel is gone: cancel its consumers and requeue its unacked messages in order.
+    pub fn channel_closed(&mut self, ch: u16) {
+        let Some(chan) = self.channels.remove(&ch) else { return };
+        for (_, c) in chan.consumers {
+            if c.queue.cancel(c.id) {
+                self.ctx.vhost.delete_queue(&c.queue);
+            }
+        }
+        let mut pending: Vec<Unacked> = chan.unacked.into_values().collect();
+        if let Mode::Tx(buf) = chan.mode {
+            pending.extend(buf.acks.into_iter().map(|(_, _, u)| u));
+        }
+        apply_acks(AckAction::Requeue, pending);
+    }
+
+    /// The connection is gone: release every channel and delete exclusive queues.
+    pub fn close(&mut self) {
+        let ids: Vec<u16> = self.channels.keys().copied().collect();
+        for ch in ids {
+            self.channel_closed(ch);
+        }
+        // Deliveries that raced with the close go back to their queues.
+        self.ctx.outbox.drain(&mut self.drained);
+        for item in self.drained.drain(..) {
+            if let Outbound::Deliver(d) = item {
+                d.queue.requeue(vec![d.id]);
+            }
+        }
+        self.ctx.vhost.delete_exclusive_queues(self.ctx.conn_id);
+    }
+
+    /// Write what is owed before the output is flushed: coalesced publisher confirms.
+    pub fn flush(&mut self, out: &mut FrameWriter) {
+        for (ch, chan) in &mut self.channels {
+            if let Mode::Confirm { last_seq, acked_upto } = &mut chan.mode
+                && *last_seq > *acked_upto
+            {
+                let multiple = *last_seq - *acked_upto > 1;
+                let tag = *last_seq;
+                out.method_with(*ch, |b| put_basic_ack(b, tag, multiple));
+                *acked_upto = *last_seq;
+            }
+        }
+    }
+
+    /// Write deliveries and cancellations that queues left in the outbox, then give the
+    /// consumers their window back.
+    pub fn drain_outbox(&mut self, out: &mut FrameWriter) {
+        self.ctx.outbox.drain(&mut self.drained);
+        let mut items = std::mem::take(&mut self.drained);
+        for item in items.drain(..) {
+            match item {
+                Outbound::Deliver(d) => self.deliver(d, out),
+                Outbound::Cancel { channel, consumer } => self.consumer_cancelled(channel, consumer, out),
+            }
+        }
+        self.drained = items;
+    }
+
+    fn deliver(&mut self, d: Delivery, out: &mut FrameWriter) {
+        let chan = self.channels.get_mut(&d.channel);
+        let entry = chan.as_ref().and_then(|c| c.consumers.values().find(|e| e.id == d.consumer).map(|e| e.no_ack));
+        let (Some(chan), Some(no_ack)) = (chan, entry) else {
+            // The consumer went away after the queue chose it: the message goes back.
+            d.queue.requeue(vec![d.id]);
+            return;
+        };
+        let tag = chan.next_tag;
+        chan.next_tag += 1;
+        let consumer_tag = chan
+            .consumers
+            .iter()
+            .find(|(_, e)| e.id == d.consumer)
+            .map(|(t, _)| t.as_str())
+            .unwrap_or_default();
+        let m = &d.message;
+        out.method_with(d.channel, |b| {
+            put_basic_deliver(b, consumer_tag.as_bytes(), tag, d.redelivered, m.exchange.as_bytes(), m.routing_key.as_bytes());
+        });
+        out.content(d.channel, &m.properties.raw, &m.body);
+        if !no_ack {
+            chan.unacked.insert(tag, Unacked { queue: Arc::clone(&d.queue), id: d.id });
+        }
+        let key = (Arc::as_ptr(&d.queue) as usize, d.consumer);
+        let entry = self.written.entry(key).or_insert_with(|| (Arc::clone(&d.queue), 0));
+        entry.1 += 1;
+    }
+
+    /// Restore consumer windows for what was just written. Call after the write completes.
+    pub fn after_write(&mut self) {
+        for ((_, consumer), (queue, n)) in self.written.drain() {
+            queue.written(consumer, n);
+        }
+    }
+
+    fn consumer_cancelled(&mut self, ch: u16, consumer: ConsumerId, out: &mut FrameWriter) {
+        let Some(chan) = self.channels.get_mut(&ch) else { return };
+        let Some(tag) = chan.consumers.iter().find(|(_, e)| e.id == consumer).map(|(t, _)| t.clone()) else { return };
+        chan.consumers.remove(&tag);
+        if self.ctx.cancel_notify {
+            reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel { consumer_tag: tag.into(), nowait: true })));
+        }
+    }
+
+    /// Handle one command on an open channel.
+    pub fn handle_command(&mut self, ch: u16, cmd: Command, out: &mut FrameWriter) -> Result<(), AmqpError> {
+        let (class_id, method_id) = (cmd.method.class_id, cmd.method.method_id);
+        let Some(chan) = self.channels.get_mut(&ch) else {
+            return Err(AmqpError::connection(ReplyCode::ChannelError, "expected 'channel.open'"));
+        };
+        let ctx = &self.ctx;
+        let r = match cmd.method.class {
+            AMQPClass::Basic(m) => handle_basic(ctx, chan, ch, m, cmd.content, out),
+            AMQPClass::Queue(m) => handle_queue(ctx, chan, ch, m, out),
+            AMQPClass::Exchange(m) => handle_exchange(ctx, ch, m, out),
+            AMQPClass::Confirm(confirm::AMQPMethod::Select(s)) => {
+                match chan.mode {
+                    Mode::Tx(_) => Err(AmqpError::channel(ReplyCode::PreconditionFailed, "cannot switch from tx to confirm mode")),
+                    Mode::Confirm { .. } => Ok(()),
+                    Mode::Plain => {
+                        chan.mode = Mode::Confirm { last_seq: 0, acked_upto: 0 };
+                        Ok(())
+                    }
+                }
+                .map(|()| {
+                    if !s.nowait {
+                        reply(out, ch, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})));
+                    }
+                })
+            }
+            AMQPClass::Tx(m) => handle_tx(ctx, chan, ch, m, out),
+            AMQPClass::Channel(channel::AMQPMethod::Flow(f)) => {
+                if f.active {
+                    reply(out, ch, AMQPClass::Channel(channel::AMQPMethod::FlowOk(channel::FlowOk { active: true })));
+                    Ok(())
+                } else {
+                    Err(AmqpError::channel(ReplyCode::NotImplemented, "active=false"))
+                }
+            }
+            AMQPClass::Access(access::AMQPMethod::Request(_)) => {
+                reply(out, ch, AMQPClass::Access(access::AMQPMethod::RequestOk(access::RequestOk {})));
+                Ok(())
+            }
+            _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")),
+        };
+        r.map_err(|e| e.with_method(class_id, method_id))
+    }
+}
+
+fn expand_queue_name(chan: &Channel, name: &str) -> Result<String, AmqpError> {
+    if !name.is_empty() {
+        return Ok(name.to_string());
+    }
+    chan.last_queue.clone().ok_or_else(|| AmqpError::channel(ReplyCode::NotFound, "no previously declared queue"))
+}
+
+fn locked(q: &Queue, vhost: &str) -> AmqpError {
+    AmqpError::channel(
+        ReplyCode::ResourceLocked,
+        format!(
+            "cannot obtain exclusive access to locked {}. It could be originally declared on another connection or the exclusive property value does not match that of the original declaration.",
+            rs("queue", &q.name, vhost)
+        ),
+    )
+}
+
+/// The queue, if this connection may use it (exclusive queues belong to one connection).
+fn usable_queue(ctx: &Ctx, name: &str) -> Result<Arc<Queue>, AmqpError> {
+    let q = ctx.vhost.queue_or_404(name)?;
+    match q.exclusive_owner {
+        Some(owner) if owner != ctx.conn_id => Err(locked(&q, &ctx.vhost.name)),
+        _ => Ok(q),
+    }
+}
+
+fn handle_queue(ctx: &Ctx, chan: &mut Channel, ch: u16, m: queue::AMQPMethod, out: &mut FrameWriter) -> Result<(), AmqpError> {
+    let vhost = &ctx.vhost;
+    match m {
+        queue::AMQPMethod::Declare(d) => {
+            let requested = d.queue.as_str();
+            let name = if requested.is_empty() { ctx.broker.unique_name("amq.gen-") } else { requested.to_string() };
+            let q = if d.passive {
+                usable_queue(ctx, &name)?
+            } else {
+                if requested.starts_with("amq.") {
+                    return Err(AmqpError::channel(
+                        ReplyCode::AccessRefused,
+                        format!("queue name '{requested}' contains reserved prefix 'amq.*'"),
+                    ));
+                }
+                crate::args::validate_queue_args(&d.arguments, &rs("queue", &name, &vhost.name))?;
+                // RabbitMQ forces exclusive queues to be non-durable.
+                let durable = d.durable && !d.exclusive;
+                let owner = d.exclusive.then_some(ctx.conn_id);
+                let (q, created) = vhost.declare_queue(|| {
+                    Queue::new(&name, &vhost.name, durable, d.auto_delete, owner, d.arguments.clone())
+                });
+                if !created {
+                    check_queue_equivalence(ctx, &q, d.exclusive, durable, d.auto_delete, &d.arguments)?;
+                }
+                q
+            };
+            chan.last_queue = Some(q.name.clone());
+            if !d.nowait {
+                let c = q.counts();
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+                        queue: q.name.as_str().into(),
+                        message_count: c.messages,
+                        consumer_count: c.consumers,
+                    })),
+                );
+            }
+            Ok(())
+        }
+        queue::AMQPMethod::Bind(b) => {
+            let qname = expand_queue_name(chan, b.queue.as_str())?;
+            let rk = if b.routing_key.as_str().is_empty() && b.queue.as_str().is_empty() { qname.clone() } else { b.routing_key.as_str().to_string() };
+            if vhost.queue(&qname).is_some() {
+                usable_queue(ctx, &qname)?;
+            }
+            vhost.bind(b.exchange.as_str(), Destination::Queue(qname), &rk, b.arguments)?;
+            if !b.nowait {
+                reply(out, ch, AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {})));
+            }
+            Ok(())
+        }
+        queue::AMQPMethod::Unbind(u) => {
+            let qname = expand_queue_name(chan, u.queue.as_str())?;
+            if vhost.queue(&qname).is_some() {
+                usable_queue(ctx, &qname)?;
+            }
+            vhost.unbind(u.exchange.as_str(), Destination::Queue(qname), u.routing_key.as_str(), u.arguments)?;
+            reply(out, ch, AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})));
+            Ok(())
+        }
+        queue::AMQPMethod::Purge(p) => {
+            let q = usable_queue(ctx, &expand_queue_name(chan, p.queue.as_str())?)?;
+            let n = q.purge();
+            if !p.nowait {
+                reply(out, ch, AMQPClass::Queue(queue::AMQPMethod::PurgeOk(queue::PurgeOk { message_count: n })));
+            }
+            Ok(())
+        }
+        queue::AMQPMethod::Delete(d) => {
+            let name = expand_queue_name(chan, d.queue.as_str())?;
+            let count = match vhost.queue(&name) {
+                None => 0,
+                Some(_) => {
+                    let q = usable_queue(ctx, &name)?;
+                    let c = q.counts();
+                    if d.if_empty && c.messages > 0 {
+                        return Err(AmqpError::channel(ReplyCode::PreconditionFailed, format!("{} not empty", rs("queue", &name, &vhost.name))));
+                    }
+                    if d.if_unused && c.consumers > 0 {
+                        return Err(AmqpError::channel(ReplyCode::PreconditionFailed, format!("{} in use", rs("queue", &name, &vhost.name))));
+                    }
+                    vhost.delete_queue(&q).unwrap_or(0)
+                }
+            };
+            if !d.nowait {
+                reply(out, ch, AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk { message_count: count })));
+            }
+            Ok(())
+        }
+        _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")),
+    }
+}
+
+fn check_queue_equivalence(ctx: &Ctx, q: &Queue, exclusive: bool, durable: bool, auto_delete: bool, args: &FieldTable) -> Result<(), AmqpError> {
+    let what = rs("queue", &q.name, &ctx.vhost.name);
+    match q.exclusive_owner {
+        Some(owner) if owner != ctx.conn_id => return Err(locked(q, &ctx.vhost.name)),
+        None if exclusive => return Err(locked(q, &ctx.vhost.name)),
+        _ => {}
+    }
+    for (arg, want, have) in [("durable", durable, q.durable), ("auto_delete", auto_delete, q.auto_delete)] {
+        if want != have {
+            return Err(AmqpError::channel(
+                ReplyCode::PreconditionFailed,
+                format!("inequivalent arg '{arg}' for {what}: received '{want}' but current is '{have}'"),
+            ));
+        }
+    }
+    for key in crate::args::QUEUE_EQUIVALENCE_KEYS {
+        let (want, have) = (args.inner().get(*key), q.arguments.inner().get(*key));
+        if !crate::args::equivalent(want, have) {
+            return Err(AmqpError::channel(
+                ReplyCode::PreconditionFailed,
+                format!(
+                    "inequivalent arg '{key}' for {what}: received {} but current is {}",
+                    crate::args::render(want),
+                    crate::args::render(have)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn handle_exchange(ctx: &Ctx, ch: u16, m: exchange::AMQPMethod, out: &mut FrameWriter) -> Result<(), AmqpError> {
+    let vhost = &ctx.vhost;
+    let default_refused = || AmqpError::channel(ReplyCode::AccessRefused, "operation not permitted on the default exchange");
+    match m {
+        exchange::AMQPMethod::Declare(d) => {
+            let name = d.exchange.as_str();
+            if d.passive {
+                if name.is_empty() {
+                    return Err(default_refused());
+                }
+                vhost.check_exchange(name)?;
+            } else {
+                let kind = ExchangeKind::parse(d.kind.as_str()).ok_or_else(|| {
+                    AmqpError::channel(ReplyCode::PreconditionFailed, format!("unknown exchange type '{}'", d.kind.as_str()))
+                })?;
+                if name.is_empty() {
+                    return Err(default_refused());
+                }
+                vhost.declare_exchange(
+                    name,
+                    ExchangeDecl { kind, durable: d.durable, auto_delete: d.auto_delete, internal: d.internal, arguments: d.arguments },
+                )?;
+            }
+            if !d.nowait {
+                reply(out, ch, AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})));
+            }
+            Ok(())
+        }
+        exchange::AMQPMethod::Delete(d) => {
+            if d.exchange.as_str().is_empty() {
+                return Err(default_refused());
+            }
+            vhost.delete_exchange(d.exchange.as_str(), d.if_unused)?;
+            if !d.nowait {
+                reply(out, ch, AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})));
+            }
+            Ok(())
+        }
+        exchange::AMQPMethod::Bind(b) => {
+            vhost.bind(b.source.as_str(), Destination::Exchange(b.destination.as_str().to_string()), b.routing_key.as_str(), b.arguments)?;
+            if !b.nowait {
+                reply(out, ch, AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {})));
+            }
+            Ok(())
+        }
+        exchange::AMQPMethod::Unbind(u) => {
+            vhost.unbind(u.source.as_str(), Destination::Exchange(u.destination.as_str().to_string()), u.routing_key.as_str(), u.arguments)?;
+            if !u.nowait {
+                reply(out, ch, AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})));
+            }
+            Ok(())
+        }
+        _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")),
+    }
+}
+
+fn handle_tx(ctx: &Ctx, chan: &mut Channel, ch: u16, m: tx::AMQPMethod, out: &mut FrameWriter) -> Result<(), AmqpError> {
+    let not_tx = || AmqpError::channel(ReplyCode::PreconditionFailed, "channel is not transactional");
+    match m {
+        tx::AMQPMethod::Select(_) => {
+            match chan.mode {
+                Mode::Confirm { .. } => return Err(AmqpError::channel(ReplyCode::PreconditionFailed, "cannot switch from confirm to tx mode")),
+                Mode::Plain => chan.mode = Mode::Tx(TxBuffer::default()),
+                Mode::Tx(_) => {}
+            }
+            reply(out, ch, AMQPClass::Tx(tx::AMQPMethod::SelectOk(tx::SelectOk {})));
+            Ok(())
+        }
+        tx::AMQPMethod::Commit(_) => {
+            let Mode::Tx(buf) = &mut chan.mode else { return Err(not_tx()) };
+            let buf = std::mem::take(buf);
+            for p in buf.publishes {
+                route_and_enqueue(ctx, chan, ch, &p.exchange, &p.routing_key, p.mandatory, p.content, out)?;
+            }
+            for (action, _, u) in buf.acks {
+                apply_acks(action, [u]);
+            }
+            reply(out, ch, AMQPClass::Tx(tx::AMQPMethod::CommitOk(tx::CommitOk {})));
+            Ok(())
+        }
+        tx::AMQPMethod::Rollback(_) => {
+            let Mode::Tx(buf) = &mut chan.mode else { return Err(not_tx()) };
+            let buf = std::mem::take(buf);
+            // Acks not committed make their messages unacked again.
+            for (_, tag, u) in buf.acks {
+                chan.unacked.insert(tag, u);
+            }
+            reply(out, ch, AMQPClass::Tx(tx::AMQPMethod::RollbackOk(tx::RollbackOk {})));
+            Ok(())
+        }
+        _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")),
+    }
+}
+
+/// Take the unacked entries an ack/nack/reject names, or fail with 406 unknown delivery tag.
+fn take_acked(chan: &mut Channel, tag: u64, multiple: bool) -> Result<Vec<(u64, Unacked)>, AmqpError> {
+    let unknown = || AmqpError::channel(ReplyCode::PreconditionFailed, format!("unknown delivery tag {tag}"));
+    if multiple {
+        if tag == 0 {
+            return Ok(std::mem::take(&mut chan.unacked).into_iter().collect());
+        }
+        if !chan.unacked.contains_key(&tag) {
+            return Err(unknown());
+        }
+        let rest = chan.unacked.split_off(&(tag + 1));
+        let taken = std::mem::replace(&mut chan.unacked, rest);
+        Ok(taken.into_iter().collect())
+    } else {
+        chan.unacked.remove(&tag).map(|u| vec![(tag, u)]).ok_or_else(unknown)
+    }
+}
+
+fn settle(chan: &mut Channel, action: AckAction, tag: u64, multiple: bool) -> Result<(), AmqpError> {
+    let taken = take_acked(chan, tag, multiple)?;
+    if let Mode::Tx(buf) = &mut chan.mode {
+        buf.acks.extend(taken.into_iter().map(|(t, u)| (action, t, u)));
+    } else {
+        apply_acks(action, taken.into_iter().map(|(_, u)| u));
+    }
+    Ok(())
+}
+
+fn handle_basic(ctx: &Ctx, chan: &mut Channel, ch: u16, m: basic::AMQPMethod, content: Option<Content>, out: &mut FrameWriter) -> Result<(), AmqpError> {
+    match m {
+        basic::AMQPMethod::Publish(p) => {
+            let content = content.ok_or_else(|| AmqpError::connection(ReplyCode::FrameError, "publish without content"))?;
+            if p.immediate {
+                return Err(AmqpError::channel(ReplyCode::NotImplemented, "immediate=true"));
+            }
+            if let Some(user_id) = content.properties.user_id()
+                && user_id != ctx.user.as_bytes()
+            {
+                return Err(AmqpError::channel(
+                    ReplyCode::PreconditionFailed,
+                    format!("user_id property set to '{}' but authenticated user was '{}'", String::from_utf8_lossy(user_id), ctx.user),
+                ));
+            }
+            if let Mode::Tx(buf) = &mut chan.mode {
+                // Check the exchange now so errors surface at publish, as RabbitMQ does.
+                ctx.vhost.check_exchange(p.exchange.as_str())?;
+                buf.publishes.push(TxPublish {
+                    exchange: p.exchange.as_str().to_string(),
+                    routing_key: p.routing_key.as_str().to_string(),
+                    mandatory: p.mandatory,
+                    content,
+                });
+                return Ok(());
+            }
+            route_and_enqueue(ctx, chan, ch, p.exchange.as_str(), p.routing_key.as_str(), p.mandatory, content, out)
+        }
+        basic::AMQPMethod::Ack(a) => settle(chan, AckAction::Settle, a.delivery_tag, a.multiple),
+        basic::AMQPMethod::Nack(n) => {
+            settle(chan, if n.requeue { AckAction::Requeue } else { AckAction::Discard }, n.delivery_tag, n.multiple)
+        }
+        basic::AMQPMethod::Reject(r) => {
+            settle(chan, if r.requeue { AckAction::Requeue } else { AckAction::Discard }, r.delivery_tag, false)
+        }
+        basic::AMQPMethod::Qos(q) => {
+            if q.global {
+                chan.prefetch_channel = u32::from(q.prefetch_count);
+            } else {
+                chan.prefetch_consumer = u32::from(q.prefetch_count);
+            }
+            reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {})));
+            Ok(())
+        }
+        basic::AMQPMethod::Consume(c) => {
+            let qname = expand_queue_name(chan, c.queue.as_str())?;
+            let q = usable_queue(ctx, &qname)?;
+            let tag = if c.consumer_tag.as_str().is_empty() {
+                ctx.broker.unique_name("amq.ctag-")
+            } else {
+                c.consumer_tag.as_str().to_string()
+            };
+            if chan.consumers.contains_key(&tag) {
+                return Err(AmqpError::channel(ReplyCode::NotAllowed, format!("attempt to reuse consumer tag '{tag}'")));
+            }
+            if chan.consumers.len() >= crate::limits::CONSUMERS_PER_CHANNEL_MAX {
+                return Err(AmqpError::channel(
+                    ReplyCode::NotAllowed,
+                    format!("reached maximum ({}) of consumers per channel", crate::limits::CONSUMERS_PER_CHANNEL_MAX),
+                ));
+            }
+            let prefetch = if chan.prefetch_consumer > 0 { chan.prefetch_consumer } else { chan.prefetch_channel };
+            let id = ctx.broker.next_id();
+            let spec = ConsumerSpec { prefetch, window: ctx.broker.config.consumer_window, no_ack: c.no_ack, exclusive: c.exclusive };
+            // consume-ok must precede the first delivery: write it before attaching (deliveries
+            // reach the socket only when the outbox is drained, after this).
+            if !c.nowait {
+                reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk { consumer_tag: tag.as_str().into() })));
+            }
+            chan.consumers.insert(tag.clone(), ConsumerEntry { id, queue: Arc::clone(&q), no_ack: c.no_ack });
+            if let Err(MachineError::ExclusiveInUse | MachineError::DuplicateConsumer) =
+                q.consume(id, spec, ConsumerSink { outbox: Arc::clone(&ctx.outbox), channel: ch })
+            {
+                chan.consumers.remove(&tag);
+                return Err(AmqpError::channel(ReplyCode::AccessRefused, format!("{} in exclusive use", rs("queue", &q.name, &ctx.vhost.name))));
+            }
+            Ok(())
+        }
+        basic::AMQPMethod::Cancel(c) => {
+            if let Some(entry) = chan.consumers.remove(c.consumer_tag.as_str())
+                && entry.queue.cancel(entry.id)
+            {
+                ctx.vhost.delete_queue(&entry.queue);
+            }
+            if !c.nowait {
+                reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk { consumer_tag: c.consumer_tag })));
+            }
+            Ok(())
+        }
+        basic::AMQPMethod::Get(g) => {
+            let q = usable_queue(ctx, &expand_queue_name(chan, g.queue.as_str())?)?;
+            match q.get(g.no_ack) {
+                None => reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {}))),
+                Some((id, msg, redelivered, remaining)) => {
+                    let tag = chan.next_tag;
+                    chan.next_tag += 1;
+                    if !g.no_ack {
+                        chan.unacked.insert(tag, Unacked { queue: Arc::clone(&q), id });
+                    }
+                    out.method_with(ch, |b| {
+                        put_basic_get_ok(b, tag, redelivered, msg.exchange.as_bytes(), msg.routing_key.as_bytes(), remaining);
+                    });
+                    out.content(ch, &msg.properties.raw, &msg.body);
+                }
+            }
+            Ok(())
+        }
+        basic::AMQPMethod::Recover(r) => {
+            recover(chan, r.requeue)?;
+            reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::RecoverOk(basic::RecoverOk {})));
+            Ok(())
+        }
+        basic::AMQPMethod::RecoverAsync(r) => recover(chan, r.requeue),
+        _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")),
+    }
+}
+
+fn recover(chan: &mut Channel, requeue: bool) -> Result<(), AmqpError> {
+    if !requeue {
+        return Err(AmqpError::channel(ReplyCode::NotImplemented, "requeue=false"));
+    }
+    let all = std::mem::take(&mut chan.unacked);
+    apply_acks(AckAction::Requeue, all.into_values());
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn route_and_enqueue(
+    ctx: &Ctx,
+    chan: &mut Channel,
+    ch: u16,
+    exchange: &str,
+    routing_key: &str,
+    mandatory: bool,
+    content: Content,
+    out: &mut FrameWriter,
+) -> Result<(), AmqpError> {
+    let headers = if ctx.vhost.routes_on_headers() { content.properties.headers() } else { None };
+    let mut targets = std::mem::take(&mut chan.route_buf);
+    targets.clear();
+    let routed = ctx.vhost.route(exchange, routing_key, headers.as_ref(), &mut targets);
+    if let Err(e) = routed {
+        chan.route_buf = targets;
+        return Err(e);
+    }
+    let message = Arc::new(Message {
+        exchange: exchange.to_string(),
+        routing_key: routing_key.to_string(),
+        properties: content.properties,
+        body: content.body,
+    });
+    let mut delivered = false;
+    for q in targets.drain(..) {
+        delivered |= q.publish(Arc::clone(&message));
+    }
+    chan.route_buf = targets;
+    if !delivered && mandatory {
+        out.method_with(ch, |b| put_basic_return(b, ReplyCode::NoRoute.code(), b"NO_ROUTE", exchange.as_bytes(), routing_key.as_bytes()));
+        out.content(ch, &message.properties.raw, &message.body);
+    }
+    if let Mode::Confirm { last_seq, .. } = &mut chan.mode {
+        // Transient routing is complete here: the confirm is owed now (sent at flush, after
+        // any basic.return above).
+        *last_seq += 1;
+    }
+    Ok(())
+}

@@ -1,0 +1,312 @@
+//! A virtual host: its exchanges, queues and bindings, and routing over them.
+//!
+//! Topology changes take the write lock; routing takes the read lock for the time of one
+//! lookup and never calls into a queue while holding it (queues are collected, then published
+//! to). Lock order: vhost topology, then queue state; never the reverse.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use amq_protocol::types::FieldTable;
+use parking_lot::RwLock;
+use warren_amqp::{AmqpError, ReplyCode};
+
+use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
+use crate::queue::Queue;
+
+/// The exchanges and queues of one vhost.
+#[derive(Debug, Default)]
+pub struct Topology {
+    exchanges: HashMap<String, Exchange>,
+    queues: HashMap<String, Arc<Queue>>,
+}
+
+/// One vhost.
+#[derive(Debug)]
+pub struct VHost {
+    /// Name.
+    pub name: String,
+    topology: RwLock<Topology>,
+}
+
+/// The declaration flags of an exchange.
+#[derive(Debug, Clone)]
+pub struct ExchangeDecl {
+    /// Type.
+    pub kind: ExchangeKind,
+    /// Durable.
+    pub durable: bool,
+    /// Auto-delete.
+    pub auto_delete: bool,
+    /// Internal.
+    pub internal: bool,
+    /// Arguments.
+    pub arguments: FieldTable,
+}
+
+/// Predeclared exchanges every vhost has.
+const PREDECLARED: &[(&str, ExchangeKind)] = &[
+    ("", ExchangeKind::Direct),
+    ("amq.direct", ExchangeKind::Direct),
+    ("amq.fanout", ExchangeKind::Fanout),
+    ("amq.topic", ExchangeKind::Topic),
+    ("amq.headers", ExchangeKind::Headers),
+    ("amq.match", ExchangeKind::Headers),
+];
+
+/// `kind 'name' in vhost 'v'`, as RabbitMQ's `rabbit_misc:rs/1`.
+#[must_use]
+pub fn rs(kind: &str, name: &str, vhost: &str) -> String {
+    format!("{kind} '{name}' in vhost '{vhost}'")
+}
+
+fn equivalence_fail(arg: &str, what: &str, received: impl std::fmt::Display, current: impl std::fmt::Display) -> AmqpError {
+    AmqpError::channel(
+        ReplyCode::PreconditionFailed,
+        format!("inequivalent arg '{arg}' for {what}: received {received} but current is {current}"),
+    )
+}
+
+impl VHost {
+    /// A vhost with the predeclared exchanges.
+    #[must_use]
+    pub fn new(name: &str) -> Self {
+        let mut t = Topology::default();
+        for (ex, kind) in PREDECLARED {
+            t.exchanges.insert((*ex).to_string(), Exchange::new(ex, *kind, true, false, false, FieldTable::default()));
+        }
+        Self { name: name.to_string(), topology: RwLock::new(t) }
+    }
+
+    fn not_found(&self, kind: &str, name: &str) -> AmqpError {
+        AmqpError::channel(ReplyCode::NotFound, format!("no {}", rs(kind, name, &self.name)))
+    }
+
+    /// exchange.declare (non-passive): create, or check equivalence with the existing one.
+    pub fn declare_exchange(&self, name: &str, decl: ExchangeDecl) -> Result<(), AmqpError> {
+        let mut t = self.topology.write();
+        let what = rs("exchange", name, &self.name);
+        if let Some(ex) = t.exchanges.get(name) {
+            if ex.kind != decl.kind {
+                return Err(equivalence_fail("type", &what, format!("'{}'", decl.kind.as_str()), format!("'{}'", ex.kind.as_str())));
+            }
+            for (arg, want, have) in [
+                ("durable", decl.durable, ex.durable),
+                ("auto_delete", decl.auto_delete, ex.auto_delete),
+                ("internal", decl.internal, ex.internal),
+            ] {
+                if want != have {
+                    return Err(equivalence_fail(arg, &what, format!("'{want}'"), format!("'{have}'")));
+                }
+            }
+            let key = "alternate-exchange";
+            let (want, have) = (decl.arguments.inner().get(key), ex.arguments.inner().get(key));
+            if !crate::args::equivalent(want, have) {
+                return Err(equivalence_fail(key, &what, crate::args::render(want), crate::args::render(have)));
+            }
+            return Ok(());
+        }
+        if name.starts_with("amq.") {
+            return Err(AmqpError::channel(
+                ReplyCode::AccessRefused,
+                format!("exchange name '{name}' contains reserved prefix 'amq.*'"),
+            ));
+        }
+        t.exchanges.insert(
+            name.to_string(),
+            Exchange::new(name, decl.kind, decl.durable, decl.auto_delete, decl.internal, decl.arguments),
+        );
+        Ok(())
+    }
+
+    /// Whether an exchange exists.
+    #[must_use]
+    pub fn exchange_exists(&self, name: &str) -> bool {
+        self.topology.read().exchanges.contains_key(name)
+    }
+
+    /// exchange.declare passive.
+    pub fn check_exchange(&self, name: &str) -> Result<(), AmqpError> {
+        if self.exchange_exists(name) { Ok(()) } else { Err(self.not_found("exchange", name)) }
+    }
+
+    /// exchange.delete. A missing exchange is not an error (RabbitMQ 4).
+    pub fn delete_exchange(&self, name: &str, if_unused: bool) -> Result<(), AmqpError> {
+        if name.starts_with("amq.") {
+            return Err(AmqpError::channel(
+                ReplyCode::AccessRefused,
+                format!("deletion of system exchange '{name}' in vhost '{}' not allowed", self.name),
+            ));
+        }
+        let mut t = self.topology.write();
+        let Some(ex) = t.exchanges.get(name) else { return Ok(()) };
+        if if_unused && !ex.bindings().is_empty() {
+            return Err(AmqpError::channel(ReplyCode::PreconditionFailed, format!("{} in use", rs("exchange", name, &self.name))));
+        }
+        t.exchanges.remove(name);
+        Self::remove_destination(&mut t, &Destination::Exchange(name.to_string()));
+        Ok(())
+    }
+
+    /// Remove every binding to `dest`, then auto-delete sources left without bindings.
+    fn remove_destination(t: &mut Topology, dest: &Destination) {
+        let mut emptied = Vec::new();
+        for ex in t.exchanges.values_mut() {
+            if ex.unbind_destination(dest) > 0 && ex.auto_delete && ex.bindings().is_empty() {
+                emptied.push(ex.name.clone());
+            }
+        }
+        for name in emptied {
+            t.exchanges.remove(&name);
+            Self::remove_destination(t, &Destination::Exchange(name));
+        }
+    }
+
+    /// Add a binding from `source` to `dest`.
+    pub fn bind(&self, source: &str, dest: Destination, routing_key: &str, arguments: FieldTable) -> Result<(), AmqpError> {
+        let mut t = self.topology.write();
+        self.check_binding_ends(&t, source, &dest)?;
+        let ex = t.exchanges.get_mut(source).ok_or_else(|| self.not_found("exchange", source))?;
+        ex.bind(Binding { destination: dest, routing_key: routing_key.to_string(), arguments });
+        Ok(())
+    }
+
+    /// Remove a binding; a missing binding is not an error.
+    pub fn unbind(&self, source: &str, dest: Destination, routing_key: &str, arguments: FieldTable) -> Result<(), AmqpError> {
+        let mut t = self.topology.write();
+        self.check_binding_ends(&t, source, &dest)?;
+        let binding = Binding { destination: dest, routing_key: routing_key.to_string(), arguments };
+        let mut delete_source = false;
+        if let Some(ex) = t.exchanges.get_mut(source) {
+            delete_source = ex.unbind(&binding) && ex.auto_delete && ex.bindings().is_empty();
+        }
+        if delete_source {
+            t.exchanges.remove(source);
+            Self::remove_destination(&mut t, &Destination::Exchange(source.to_string()));
+        }
+        Ok(())
+    }
+
+    fn check_binding_ends(&self, t: &Topology, source: &str, dest: &Destination) -> Result<(), AmqpError> {
+        let default_refused = || AmqpError::channel(ReplyCode::AccessRefused, "operation not permitted on the default exchange");
+        if source.is_empty() || matches!(dest, Destination::Exchange(d) if d.is_empty()) {
+            return Err(default_refused());
+        }
+        match dest {
+            Destination::Queue(q) if !t.queues.contains_key(q) => return Err(self.not_found("queue", q)),
+            Destination::Exchange(e) if !t.exchanges.contains_key(e) => return Err(self.not_found("exchange", e)),
+            _ => {}
+        }
+        if !t.exchanges.contains_key(source) {
+            return Err(self.not_found("exchange", source));
+        }
+        Ok(())
+    }
+
+    /// A queue by name.
+    #[must_use]
+    pub fn queue(&self, name: &str) -> Option<Arc<Queue>> {
+        self.topology.read().queues.get(name).cloned()
+    }
+
+    /// A queue by name, or 404.
+    pub fn queue_or_404(&self, name: &str) -> Result<Arc<Queue>, AmqpError> {
+        self.queue(name).ok_or_else(|| self.not_found("queue", name))
+    }
+
+    /// Insert a new queue, or return the existing one of that name (the caller checks
+    /// equivalence). Returns (queue, created).
+    pub fn declare_queue(&self, make: impl FnOnce() -> Arc<Queue>) -> (Arc<Queue>, bool) {
+        let candidate = make();
+        let mut t = self.topology.write();
+        if let Some(q) = t.queues.get(&candidate.name) {
+            return (Arc::clone(q), false);
+        }
+        t.queues.insert(candidate.name.clone(), Arc::clone(&candidate));
+        (candidate, true)
+    }
+
+    /// Remove a queue and its bindings; consumers get basic.cancel. Returns the ready count,
+    /// or None if it was already gone. Only removes this very queue (not a re-declared one).
+    pub fn delete_queue(&self, queue: &Arc<Queue>) -> Option<u32> {
+        {
+            let mut t = self.topology.write();
+            match t.queues.get(&queue.name) {
+                Some(q) if Arc::ptr_eq(q, queue) => {
+                    t.queues.remove(&queue.name);
+                }
+                _ => return None,
+            }
+            Self::remove_destination(&mut t, &Destination::Queue(queue.name.clone()));
+        }
+        Some(queue.delete())
+    }
+
+    /// Route a message: the queues it reaches, each once. Follows exchange-to-exchange bindings
+    /// and alternate exchanges, never visiting an exchange twice.
+    pub fn route(&self, exchange: &str, routing_key: &str, headers: Option<&FieldTable>, out: &mut Vec<Arc<Queue>>) -> Result<(), AmqpError> {
+        let t = self.topology.read();
+        let ex = t.exchanges.get(exchange).ok_or_else(|| self.not_found("exchange", exchange))?;
+        if ex.internal {
+            return Err(AmqpError::channel(
+                ReplyCode::AccessRefused,
+                format!("cannot publish to internal {}", rs("exchange", exchange, &self.name)),
+            ));
+        }
+        if exchange.is_empty() {
+            // The default exchange binds every queue by its name.
+            if let Some(q) = t.queues.get(routing_key) {
+                out.push(Arc::clone(q));
+            }
+            return Ok(());
+        }
+        let mut visited: HashSet<&str> = HashSet::new();
+        let mut pending: Vec<&str> = vec![exchange];
+        let mut queue_names: Vec<&str> = Vec::new();
+        let mut dests = Vec::new();
+        while let Some(name) = pending.pop() {
+            if !visited.insert(name) {
+                continue;
+            }
+            let Some(ex) = t.exchanges.get(name) else { continue };
+            dests.clear();
+            ex.route(routing_key, headers, &mut dests);
+            if dests.is_empty() {
+                if let Some(ae) = ex.arguments.inner().get("alternate-exchange")
+                    && let Some(ae_name) = t.exchanges.get_key_value(&crate::args::render_plain(ae)).map(|(k, _)| k.as_str())
+                {
+                    pending.push(ae_name);
+                }
+                continue;
+            }
+            for d in &dests {
+                match d {
+                    Destination::Queue(q) => queue_names.push(q),
+                    Destination::Exchange(e) => pending.push(e),
+                }
+            }
+        }
+        queue_names.sort_unstable();
+        queue_names.dedup();
+        out.extend(queue_names.into_iter().filter_map(|q| t.queues.get(q).cloned()));
+        Ok(())
+    }
+
+    /// Delete every exclusive queue owned by a connection.
+    pub fn delete_exclusive_queues(&self, owner: u64) {
+        let owned: Vec<Arc<Queue>> =
+            self.topology.read().queues.values().filter(|q| q.exclusive_owner == Some(owner)).cloned().collect();
+        for q in owned {
+            self.delete_queue(&q);
+        }
+    }
+}
+
+impl VHost {
+    /// Whether routing may need the message headers decoded: only when some headers exchange
+    /// has bindings (it may be reached through exchange-to-exchange bindings).
+    #[must_use]
+    pub fn routes_on_headers(&self) -> bool {
+        self.topology.read().exchanges.values().any(|e| e.kind == ExchangeKind::Headers && !e.bindings().is_empty())
+    }
+}

@@ -1,0 +1,198 @@
+"""Shared fixtures for Warren's Python client compatibility suite.
+
+Target selection:
+  * WARREN_TEST_AMQP_URL set   -> use that broker as-is (this is how the suite is run
+                                  against a real RabbitMQ to validate expectations).
+  * otherwise                  -> start the Warren binary (WARREN_BIN, default
+                                  <repo>/target/debug/warren) on a free loopback port
+                                  with a throw-away data dir, and stop it at the end.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pika
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_DEADLINE_S = 20.0
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_port(port, proc, deadline_s, log_path):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"warren exited with code {proc.returncode} before listening; "
+                f"log:\n{Path(log_path).read_text(errors='replace')}"
+            )
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            # Bounded poll of a TCP connect; this is the event we wait for.
+            time.sleep(0.05)
+    raise RuntimeError(f"warren did not accept connections on port {port} within {deadline_s}s")
+
+
+@pytest.fixture(scope="session")
+def amqp_url():
+    """AMQP URL of the broker under test (RabbitMQ via env, or a Warren we start)."""
+    url = os.environ.get("WARREN_TEST_AMQP_URL")
+    if url:
+        yield url
+        return
+
+    binary = os.environ.get("WARREN_BIN", str(REPO_ROOT / "target" / "debug" / "warren"))
+    if not Path(binary).exists():
+        raise RuntimeError(
+            f"Warren binary not found at {binary}; build it (cargo build) or set WARREN_BIN, "
+            "or set WARREN_TEST_AMQP_URL to test an already running broker"
+        )
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="warren-compat-") as tmp:
+        data_dir = Path(tmp) / "data"
+        data_dir.mkdir()
+        log_path = Path(tmp) / "warren.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [binary, "server",
+                 "--amqp-listen", f"127.0.0.1:{port}",
+                 "--data-dir", str(data_dir),
+                 "--log-level", "warn"],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            )
+            try:
+                _wait_for_port(port, proc, STARTUP_DEADLINE_S, log_path)
+                yield f"amqp://guest:guest@127.0.0.1:{port}/%2F"
+            finally:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(timeout=15)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+
+
+@pytest.fixture
+def prefix(request):
+    """A fresh, unique name prefix for the current test (queues, exchanges, ...)."""
+    base = re.sub(r"[^A-Za-z0-9_]+", "_", request.node.name)[:60]
+    return f"compat.{base}.{uuid.uuid4().hex[:10]}"
+
+
+class Names:
+    """Hands out unique entity names under the test's prefix and remembers them for cleanup."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self.queues = []
+        self.exchanges = []
+
+    def q(self, suffix="q"):
+        name = f"{self.prefix}.{suffix}"
+        self.queues.append(name)
+        return name
+
+    def x(self, suffix="x"):
+        name = f"{self.prefix}.{suffix}"
+        self.exchanges.append(name)
+        return name
+
+
+@pytest.fixture
+def names(prefix, amqp_url):
+    """Unique-name factory; every queue/exchange handed out is deleted after the test."""
+    n = Names(prefix)
+    yield n
+    if not (n.queues or n.exchanges):
+        return
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(amqp_url))
+    except Exception:
+        return
+    try:
+        ch = conn.channel()
+        for kind, items in (("queue", n.queues), ("exchange", n.exchanges)):
+            for name in items:
+                try:
+                    if not ch.is_open:
+                        ch = conn.channel()
+                    if kind == "queue":
+                        ch.queue_delete(name)
+                    else:
+                        ch.exchange_delete(name)
+                except (pika.exceptions.ChannelClosed, pika.exceptions.ChannelWrongStateError):
+                    pass
+    finally:
+        if conn.is_open:
+            conn.close()
+
+
+@pytest.fixture
+def params(amqp_url):
+    return pika.URLParameters(amqp_url)
+
+
+@pytest.fixture
+def connect(params):
+    """Factory for extra BlockingConnections; all of them are closed after the test."""
+    opened = []
+
+    def _connect(p=None):
+        c = pika.BlockingConnection(p or params)
+        opened.append(c)
+        return c
+
+    yield _connect
+    for c in opened:
+        if c.is_open:
+            try:
+                c.close()
+            except Exception:
+                pass
+
+
+@pytest.fixture
+def conn(connect):
+    """A pika BlockingConnection to the broker under test."""
+    return connect()
+
+
+@pytest.fixture
+def ch(conn):
+    """A channel on `conn`."""
+    return conn.channel()
+
+
+# Features that RabbitMQ has and Warren builds in a later issue (queue semantics, issue 4).
+# Against Warren they are expected to fail, strictly: the day one passes, the marker must go.
+PENDING_ISSUE4 = {
+    "test_consumer_priorities",
+    "test_direct_reply_to_round_trip",
+    "test_direct_reply_to_requires_no_ack",
+    "test_direct_reply_to_publish_without_consumer_is_406",
+    "test_queue_max_length_drops_head",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("WARREN_TEST_AMQP_URL"):
+        return
+    for item in items:
+        if item.originalname in PENDING_ISSUE4 or item.name in PENDING_ISSUE4:
+            item.add_marker(pytest.mark.xfail(strict=True, reason="Warren: queue semantics issue 4"))

@@ -1,0 +1,58 @@
+//! The `warren` binary: command-line parsing and wiring. Everything else lives in the crates.
+
+mod config;
+mod server;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Warren: a message broker that speaks AMQP 0-9-1.
+#[derive(Debug, Parser)]
+#[command(name = "warren", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Run the broker.
+    Server(config::ServerArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Server(args) => {
+            let cfg = match config::ServerConfig::load(args) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("warren: {e:#}");
+                    return ExitCode::from(2);
+                }
+            };
+            init_logging(&cfg.log_level);
+            let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("warren: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(server::run(cfg)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    eprintln!("warren: {e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn init_logging(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level).unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}

@@ -1,0 +1,217 @@
+//! The tokio shell: accept connections and move bytes between sockets and the sans-IO machines.
+//!
+//! One task per connection owns its socket. Each wake-up (bytes read, outbox notified, timer,
+//! shutdown) drains everything ready, then output is written from one buffer. Reading pauses
+//! while more than `OUTPUT_HIGH_WATERMARK` bytes wait to be written, so a client that does not
+//! read cannot grow our memory.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use warren_amqp::connection::{Connection, ConnectionConfig, Event, client_capability};
+use warren_amqp::frame::FrameWriter;
+use warren_amqp::{AmqpError, ReplyCode, Scope};
+use warren_broker::outbox::Outbox;
+use warren_broker::{Broker, BrokerConfig, Session};
+
+use crate::config::ServerConfig;
+
+/// Output bytes buffered before we stop reading from the client.
+const OUTPUT_HIGH_WATERMARK: usize = 4 * 1024 * 1024;
+/// Read buffer initial capacity.
+const READ_BUFFER_INITIAL: usize = 64 * 1024;
+/// How long shutdown waits for connections to finish their close handshake.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Run the broker until SIGINT or SIGTERM.
+pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("creating data dir {}", cfg.data_dir.display()))?;
+    let listener = TcpListener::bind(cfg.amqp_listen).await.with_context(|| format!("binding {}", cfg.amqp_listen))?;
+    let local = listener.local_addr()?;
+    tracing::info!(%local, "AMQP 0-9-1 listener started");
+    // A line on stdout that tests and scripts can wait for.
+    println!("warren: amqp listening on {local}");
+
+    let broker = Broker::new(BrokerConfig::default());
+    let conn_config = ConnectionConfig { limits: cfg.limits, ..ConnectionConfig::default() };
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
+
+    let signal = shutdown_signal();
+    tokio::pin!(signal);
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((socket, peer)) => {
+                    let broker = Arc::clone(&broker);
+                    let config = conn_config.clone();
+                    let shutdown = shutdown_rx.clone();
+                    let done = done_tx.clone();
+                    tokio::spawn(async move {
+                        serve(socket, peer, broker, config, shutdown).await;
+                        drop(done);
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            () = &mut signal => break,
+        }
+    }
+    tracing::info!("shutting down: closing connections with 320 CONNECTION_FORCED");
+    drop(listener);
+    let _ = shutdown_tx.send(true);
+    drop(done_tx);
+    // Every connection task holds a sender; recv() returns None once all have finished.
+    if tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(1), done_rx.recv()).await.is_err() {
+        tracing::warn!("some connections did not close in time");
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
+
+/// Drive one connection until it closes.
+async fn serve(socket: TcpStream, peer: SocketAddr, broker: Arc<Broker>, config: ConnectionConfig, mut shutdown: watch::Receiver<bool>) {
+    let _ = socket.set_nodelay(true);
+    let (mut rd, mut wr) = socket.into_split();
+    let mut conn = Connection::new(config, peer.ip().is_loopback(), Instant::now().into_std());
+    let mut out = FrameWriter::new();
+    let mut input = BytesMut::with_capacity(READ_BUFFER_INITIAL);
+    let outbox = Arc::new(Outbox::default());
+    let mut session: Option<Session> = None;
+    let mut shutting_down = false;
+    let mut shutdown_deadline: Option<Instant> = None;
+
+    loop {
+        if conn.is_closed() {
+            break;
+        }
+        let timer = conn.poll_timeout().map(Instant::from_std);
+        let read_enabled = out.pending() < OUTPUT_HIGH_WATERMARK;
+        tokio::select! {
+            read = rd.read_buf(&mut input), if read_enabled => match read {
+                Ok(0) | Err(_) => {
+                    conn.handle_disconnect();
+                }
+                Ok(_) => {
+                    let now = Instant::now().into_std();
+                    conn.handle_input(&mut input, &mut out, now, &*broker);
+                }
+            },
+            written = wr.write(out.as_slice()), if out.pending() > 0 => match written {
+                Ok(n) if n > 0 => {
+                    out.consume(n);
+                    conn.note_sent(Instant::now().into_std());
+                    if out.pending() == 0 && let Some(s) = session.as_mut() {
+                        s.after_write();
+                    }
+                }
+                _ => conn.handle_disconnect(),
+            },
+            () = outbox.notified(), if session.is_some() => {
+                if let Some(s) = session.as_mut() {
+                    s.drain_outbox(&mut out);
+                }
+            },
+            () = sleep_until(timer) => {
+                conn.handle_timeout(Instant::now().into_std(), &mut out);
+            },
+            changed = shutdown.changed(), if !shutting_down => {
+                shutting_down = true;
+                let _ = changed;
+                let e = AmqpError::connection(ReplyCode::ConnectionForced, "broker forced connection closure with reason 'shutdown'");
+                conn.close_with(e, &mut out, Instant::now().into_std());
+                shutdown_deadline = Some(Instant::now() + SHUTDOWN_GRACE);
+            },
+            () = sleep_until(shutdown_deadline) => break,
+        }
+        process_events(&mut conn, &mut session, &broker, &outbox, &mut out);
+        if let Some(s) = session.as_mut() {
+            s.flush(&mut out);
+        }
+    }
+    // Best effort: deliver the close frames we owe, then drop the socket.
+    if out.pending() > 0 {
+        let _ = tokio::time::timeout(Duration::from_secs(1), wr.write_all(out.as_slice())).await;
+    }
+    let _ = wr.shutdown().await;
+    if let Some(mut s) = session {
+        s.close();
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn process_events(conn: &mut Connection, session: &mut Option<Session>, broker: &Arc<Broker>, outbox: &Arc<Outbox>, out: &mut FrameWriter) {
+    while let Some(event) = conn.poll_event() {
+        match event {
+            Event::Opened { user, vhost, client_properties } => {
+                let Some(vh) = broker.vhost(&vhost) else {
+                    let e = AmqpError::connection(ReplyCode::NotAllowed, format!("vhost {vhost} not found"));
+                    conn.close_with(e, out, Instant::now().into_std());
+                    continue;
+                };
+                let cancel_notify = client_capability(&client_properties, "consumer_cancel_notify");
+                *session = Some(Session::new(Arc::clone(broker), vh, user, Arc::clone(outbox), cancel_notify));
+            }
+            Event::ChannelOpened(ch) => {
+                if let Some(s) = session.as_mut() {
+                    s.channel_opened(ch);
+                }
+            }
+            Event::ChannelClosed(ch) => {
+                if let Some(s) = session.as_mut() {
+                    s.channel_closed(ch);
+                }
+            }
+            Event::Command(ch, cmd) => {
+                // Commands decoded before an error closed their channel or the connection are dropped.
+                if !conn.is_open() || !conn.channel_is_open(ch) {
+                    continue;
+                }
+                let Some(s) = session.as_mut() else { continue };
+                if let Err(e) = s.handle_command(ch, *cmd, out) {
+                    match e.scope {
+                        Scope::Channel => conn.close_channel(ch, e, out),
+                        Scope::Connection => conn.close_with(e, out, Instant::now().into_std()),
+                    }
+                }
+            }
+        }
+    }
+}
