@@ -54,7 +54,8 @@ impl ServerConfig {
     pub fn load(args: ServerArgs) -> anyhow::Result<Self> {
         let file: FileConfig = match &args.config {
             Some(path) => {
-                let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
                 toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
             }
             None => FileConfig::default(),
@@ -64,7 +65,10 @@ impl ServerConfig {
             limits.heartbeat_s = v;
         }
         if let Some(v) = file.frame_max {
-            anyhow::ensure!(v >= warren_amqp::limits::FRAME_MIN_SIZE, "frame_max must be at least 4096");
+            anyhow::ensure!(
+                v >= warren_amqp::limits::FRAME_MIN_SIZE,
+                "frame_max must be at least 4096"
+            );
             limits.frame_max = v;
         }
         if let Some(v) = file.channel_max {
@@ -72,13 +76,25 @@ impl ServerConfig {
             limits.channel_max = v;
         }
         if let Some(v) = file.message_size_max {
-            anyhow::ensure!(v <= MESSAGE_SIZE_MAX_CAP, "message_size_max must be at most 512 MiB");
+            anyhow::ensure!(
+                v <= MESSAGE_SIZE_MAX_CAP,
+                "message_size_max must be at most 512 MiB"
+            );
             limits.message_size_max = v;
         }
         Ok(Self {
-            amqp_listen: args.amqp_listen.or(file.amqp_listen).unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 5672))),
-            data_dir: args.data_dir.or(file.data_dir).unwrap_or_else(|| PathBuf::from("./warren-data")),
-            log_level: args.log_level.or(file.log_level).unwrap_or_else(|| "info".to_string()),
+            amqp_listen: args
+                .amqp_listen
+                .or(file.amqp_listen)
+                .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 5672))),
+            data_dir: args
+                .data_dir
+                .or(file.data_dir)
+                .unwrap_or_else(|| PathBuf::from("./warren-data")),
+            log_level: args
+                .log_level
+                .or(file.log_level)
+                .unwrap_or_else(|| "info".to_string()),
             limits,
         })
     }

@@ -32,15 +32,21 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Run the broker until SIGINT or SIGTERM.
 pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&cfg.data_dir).with_context(|| format!("creating data dir {}", cfg.data_dir.display()))?;
-    let listener = TcpListener::bind(cfg.amqp_listen).await.with_context(|| format!("binding {}", cfg.amqp_listen))?;
+    std::fs::create_dir_all(&cfg.data_dir)
+        .with_context(|| format!("creating data dir {}", cfg.data_dir.display()))?;
+    let listener = TcpListener::bind(cfg.amqp_listen)
+        .await
+        .with_context(|| format!("binding {}", cfg.amqp_listen))?;
     let local = listener.local_addr()?;
     tracing::info!(%local, "AMQP 0-9-1 listener started");
     // A line on stdout that tests and scripts can wait for.
     println!("warren: amqp listening on {local}");
 
     let broker = Broker::new(BrokerConfig::default());
-    let conn_config = ConnectionConfig { limits: cfg.limits, ..ConnectionConfig::default() };
+    let conn_config = ConnectionConfig {
+        limits: cfg.limits,
+        ..ConnectionConfig::default()
+    };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
 
@@ -72,7 +78,10 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     let _ = shutdown_tx.send(true);
     drop(done_tx);
     // Every connection task holds a sender; recv() returns None once all have finished.
-    if tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(1), done_rx.recv()).await.is_err() {
+    if tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(1), done_rx.recv())
+        .await
+        .is_err()
+    {
         tracing::warn!("some connections did not close in time");
     }
     tracing::info!("stopped");
@@ -101,7 +110,13 @@ async fn shutdown_signal() {
 }
 
 /// Drive one connection until it closes.
-async fn serve(socket: TcpStream, peer: SocketAddr, broker: Arc<Broker>, config: ConnectionConfig, mut shutdown: watch::Receiver<bool>) {
+async fn serve(
+    socket: TcpStream,
+    peer: SocketAddr,
+    broker: Arc<Broker>,
+    config: ConnectionConfig,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let _ = socket.set_nodelay(true);
     let (mut rd, mut wr) = socket.into_split();
     let mut conn = Connection::new(config, peer.ip().is_loopback(), Instant::now().into_std());
@@ -177,17 +192,36 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
-fn process_events(conn: &mut Connection, session: &mut Option<Session>, broker: &Arc<Broker>, outbox: &Arc<Outbox>, out: &mut FrameWriter) {
+fn process_events(
+    conn: &mut Connection,
+    session: &mut Option<Session>,
+    broker: &Arc<Broker>,
+    outbox: &Arc<Outbox>,
+    out: &mut FrameWriter,
+) {
     while let Some(event) = conn.poll_event() {
         match event {
-            Event::Opened { user, vhost, client_properties } => {
+            Event::Opened {
+                user,
+                vhost,
+                client_properties,
+            } => {
                 let Some(vh) = broker.vhost(&vhost) else {
-                    let e = AmqpError::connection(ReplyCode::NotAllowed, format!("vhost {vhost} not found"));
+                    let e = AmqpError::connection(
+                        ReplyCode::NotAllowed,
+                        format!("vhost {vhost} not found"),
+                    );
                     conn.close_with(e, out, Instant::now().into_std());
                     continue;
                 };
                 let cancel_notify = client_capability(&client_properties, "consumer_cancel_notify");
-                *session = Some(Session::new(Arc::clone(broker), vh, user, Arc::clone(outbox), cancel_notify));
+                *session = Some(Session::new(
+                    Arc::clone(broker),
+                    vh,
+                    user,
+                    Arc::clone(outbox),
+                    cancel_notify,
+                ));
             }
             Event::ChannelOpened(ch) => {
                 if let Some(s) = session.as_mut() {

@@ -44,7 +44,12 @@ enum State {
     #[default]
     Idle,
     AwaitHeader(Method),
-    AwaitBody { method: Method, properties: Properties, size: usize, body: Body },
+    AwaitBody {
+        method: Method,
+        properties: Properties,
+        size: usize,
+        body: Body,
+    },
 }
 
 #[derive(Debug)]
@@ -82,7 +87,11 @@ impl Assembler {
     }
 
     /// Feed one method, header or body frame. Returns a command once one is complete.
-    pub fn handle_frame(&mut self, frame: RawFrame, limits: AssemblyLimits) -> Result<Option<Command>, AmqpError> {
+    pub fn handle_frame(
+        &mut self,
+        frame: RawFrame,
+        limits: AssemblyLimits,
+    ) -> Result<Option<Command>, AmqpError> {
         match (frame.kind, std::mem::take(&mut self.state)) {
             (FRAME_METHOD, State::Idle) => {
                 let method = method::decode(&frame.payload, limits.table_depth_max)?;
@@ -90,32 +99,56 @@ impl Assembler {
                     self.state = State::AwaitHeader(method);
                     Ok(None)
                 } else {
-                    Ok(Some(Command { method, content: None }))
+                    Ok(Some(Command {
+                        method,
+                        content: None,
+                    }))
                 }
             }
-            (FRAME_METHOD, State::AwaitHeader(_)) => {
-                Err(unexpected("expected content header for class 60, got non content header frame instead"))
-            }
+            (FRAME_METHOD, State::AwaitHeader(_)) => Err(unexpected(
+                "expected content header for class 60, got non content header frame instead",
+            )),
             (FRAME_METHOD, State::AwaitBody { .. }) | (FRAME_HEADER, State::AwaitBody { .. }) => {
-                Err(unexpected("expected content body, got non content body frame instead"))
+                Err(unexpected(
+                    "expected content body, got non content body frame instead",
+                ))
             }
-            (FRAME_HEADER, State::AwaitHeader(method)) => self.header(method, frame.payload, limits),
-            (FRAME_BODY, State::AwaitBody { method, properties, size, body }) => {
-                self.body(method, properties, size, body, frame.payload)
+            (FRAME_HEADER, State::AwaitHeader(method)) => {
+                self.header(method, frame.payload, limits)
             }
-            (FRAME_HEADER | FRAME_BODY, State::Idle) => {
-                Err(unexpected("expected method frame, got non method frame instead"))
-            }
-            (FRAME_BODY, State::AwaitHeader(_)) => {
-                Err(unexpected("expected content header for class 60, got non content header frame instead"))
-            }
-            (kind, _) => Err(AmqpError::connection(ReplyCode::FrameError, format!("unexpected frame type {kind}"))),
+            (
+                FRAME_BODY,
+                State::AwaitBody {
+                    method,
+                    properties,
+                    size,
+                    body,
+                },
+            ) => self.body(method, properties, size, body, frame.payload),
+            (FRAME_HEADER | FRAME_BODY, State::Idle) => Err(unexpected(
+                "expected method frame, got non method frame instead",
+            )),
+            (FRAME_BODY, State::AwaitHeader(_)) => Err(unexpected(
+                "expected content header for class 60, got non content header frame instead",
+            )),
+            (kind, _) => Err(AmqpError::connection(
+                ReplyCode::FrameError,
+                format!("unexpected frame type {kind}"),
+            )),
         }
     }
 
-    fn header(&mut self, method: Method, payload: Bytes, limits: AssemblyLimits) -> Result<Option<Command>, AmqpError> {
+    fn header(
+        &mut self,
+        method: Method,
+        payload: Bytes,
+        limits: AssemblyLimits,
+    ) -> Result<Option<Command>, AmqpError> {
         if payload.len() < 14 {
-            return Err(AmqpError::connection(ReplyCode::FrameError, "content header frame too short"));
+            return Err(AmqpError::connection(
+                ReplyCode::FrameError,
+                "content header frame too short",
+            ));
         }
         let class_id = u16::from_be_bytes([payload[0], payload[1]]);
         if class_id != method.class_id {
@@ -125,24 +158,50 @@ impl Assembler {
             )));
         }
         let size = u64::from_be_bytes([
-            payload[4], payload[5], payload[6], payload[7], payload[8], payload[9], payload[10], payload[11],
+            payload[4],
+            payload[5],
+            payload[6],
+            payload[7],
+            payload[8],
+            payload[9],
+            payload[10],
+            payload[11],
         ]);
         if size > limits.message_size_max {
             return Err(AmqpError::channel(
                 ReplyCode::PreconditionFailed,
-                format!("message size {size} is larger than configured max size {}", limits.message_size_max),
+                format!(
+                    "message size {size} is larger than configured max size {}",
+                    limits.message_size_max
+                ),
             )
             .with_method(60, 40));
         }
-        let properties = Properties::parse(payload.slice(12..), limits.table_depth_max).map_err(|e| {
-            AmqpError::connection(ReplyCode::FrameError, format!("cannot decode content header: {e}"))
-        })?;
+        let properties =
+            Properties::parse(payload.slice(12..), limits.table_depth_max).map_err(|e| {
+                AmqpError::connection(
+                    ReplyCode::FrameError,
+                    format!("cannot decode content header: {e}"),
+                )
+            })?;
         if size == 0 {
-            return Ok(Some(Command { method, content: Some(Content { properties, body: Bytes::new() }) }));
+            return Ok(Some(Command {
+                method,
+                content: Some(Content {
+                    properties,
+                    body: Bytes::new(),
+                }),
+            }));
         }
         // The size fits in usize: it is at most message_size_max, itself far below usize::MAX.
-        let size = usize::try_from(size).map_err(|_| AmqpError::connection(ReplyCode::FrameError, "body size"))?;
-        self.state = State::AwaitBody { method, properties, size, body: Body::Empty };
+        let size = usize::try_from(size)
+            .map_err(|_| AmqpError::connection(ReplyCode::FrameError, "body size"))?;
+        self.state = State::AwaitBody {
+            method,
+            properties,
+            size,
+            body: Body::Empty,
+        };
         Ok(None)
     }
 
@@ -155,8 +214,11 @@ impl Assembler {
         chunk: Bytes,
     ) -> Result<Option<Command>, AmqpError> {
         if body.len() + chunk.len() > size {
-            return Err(AmqpError::connection(ReplyCode::FrameError, "content body frame exceeds remaining content size")
-                .with_method(60, 40));
+            return Err(AmqpError::connection(
+                ReplyCode::FrameError,
+                "content body frame exceeds remaining content size",
+            )
+            .with_method(60, 40));
         }
         let body = match body {
             Body::Empty => Body::One(chunk),
@@ -172,7 +234,12 @@ impl Assembler {
             }
         };
         if body.len() < size {
-            self.state = State::AwaitBody { method, properties, size, body };
+            self.state = State::AwaitBody {
+                method,
+                properties,
+                size,
+                body,
+            };
             return Ok(None);
         }
         let body = match body {
@@ -180,7 +247,10 @@ impl Assembler {
             Body::One(b) => b,
             Body::Many(b) => b.freeze(),
         };
-        Ok(Some(Command { method, content: Some(Content { properties, body }) }))
+        Ok(Some(Command {
+            method,
+            content: Some(Content { properties, body }),
+        }))
     }
 }
 
@@ -189,7 +259,10 @@ mod tests {
     use super::*;
     use bytes::BufMut;
 
-    const LIMITS: AssemblyLimits = AssemblyLimits { message_size_max: 1000, table_depth_max: 8 };
+    const LIMITS: AssemblyLimits = AssemblyLimits {
+        message_size_max: 1000,
+        table_depth_max: 8,
+    };
 
     fn publish() -> RawFrame {
         let mut b = BytesMut::new();
@@ -200,7 +273,11 @@ mod tests {
         b.put_u8(1);
         b.put_u8(b'q');
         b.put_u8(0);
-        RawFrame { kind: FRAME_METHOD, channel: 1, payload: b.freeze() }
+        RawFrame {
+            kind: FRAME_METHOD,
+            channel: 1,
+            payload: b.freeze(),
+        }
     }
 
     fn header(size: u64) -> RawFrame {
@@ -209,11 +286,19 @@ mod tests {
         b.put_u16(0);
         b.put_u64(size);
         b.put_u16(0);
-        RawFrame { kind: FRAME_HEADER, channel: 1, payload: b.freeze() }
+        RawFrame {
+            kind: FRAME_HEADER,
+            channel: 1,
+            payload: b.freeze(),
+        }
     }
 
     fn body(data: &'static [u8]) -> RawFrame {
-        RawFrame { kind: FRAME_BODY, channel: 1, payload: Bytes::from_static(data) }
+        RawFrame {
+            kind: FRAME_BODY,
+            channel: 1,
+            payload: Bytes::from_static(data),
+        }
     }
 
     #[test]
@@ -238,16 +323,28 @@ mod tests {
     #[test]
     fn out_of_order_frames_are_unexpected() {
         let mut a = Assembler::default();
-        assert_eq!(a.handle_frame(header(1), LIMITS).unwrap_err().code, ReplyCode::UnexpectedFrame);
+        assert_eq!(
+            a.handle_frame(header(1), LIMITS).unwrap_err().code,
+            ReplyCode::UnexpectedFrame
+        );
         let mut a = Assembler::default();
-        assert_eq!(a.handle_frame(body(b"x"), LIMITS).unwrap_err().code, ReplyCode::UnexpectedFrame);
+        assert_eq!(
+            a.handle_frame(body(b"x"), LIMITS).unwrap_err().code,
+            ReplyCode::UnexpectedFrame
+        );
         let mut a = Assembler::default();
         a.handle_frame(publish(), LIMITS).unwrap();
-        assert_eq!(a.handle_frame(publish(), LIMITS).unwrap_err().code, ReplyCode::UnexpectedFrame);
+        assert_eq!(
+            a.handle_frame(publish(), LIMITS).unwrap_err().code,
+            ReplyCode::UnexpectedFrame
+        );
         let mut a = Assembler::default();
         a.handle_frame(publish(), LIMITS).unwrap();
         a.handle_frame(header(2), LIMITS).unwrap();
-        assert_eq!(a.handle_frame(body(b"xyz"), LIMITS).unwrap_err().code, ReplyCode::FrameError);
+        assert_eq!(
+            a.handle_frame(body(b"xyz"), LIMITS).unwrap_err().code,
+            ReplyCode::FrameError
+        );
     }
 
     #[test]
@@ -255,7 +352,13 @@ mod tests {
         let mut a = Assembler::default();
         a.handle_frame(publish(), LIMITS).unwrap();
         let e = a.handle_frame(header(1001), LIMITS).unwrap_err();
-        assert_eq!((e.code, e.scope), (ReplyCode::PreconditionFailed, crate::Scope::Channel));
-        assert_eq!(e.text, "PRECONDITION_FAILED - message size 1001 is larger than configured max size 1000");
+        assert_eq!(
+            (e.code, e.scope),
+            (ReplyCode::PreconditionFailed, crate::Scope::Channel)
+        );
+        assert_eq!(
+            e.text,
+            "PRECONDITION_FAILED - message size 1001 is larger than configured max size 1000"
+        );
     }
 }

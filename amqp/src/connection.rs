@@ -17,7 +17,9 @@ use amq_protocol::types::{AMQPValue, FieldTable, LongString, ShortString};
 use bytes::{Buf, BytesMut};
 
 use crate::assembler::{Assembler, AssemblyLimits, Command};
-use crate::frame::{FRAME_HEARTBEAT, FRAME_METHOD, FrameWriter, PROTOCOL_HEADER, RawFrame, decode_frame};
+use crate::frame::{
+    FRAME_HEARTBEAT, FRAME_METHOD, FrameWriter, PROTOCOL_HEADER, RawFrame, decode_frame,
+};
 use crate::limits::{self, ConnectionLimits};
 use crate::method;
 use crate::reply::{AmqpError, ReplyCode, Scope};
@@ -51,7 +53,12 @@ pub enum AccessError {
 /// Answers the questions the handshake asks of the broker.
 pub trait Gatekeeper: Send + Sync {
     /// Check a user name and password. `peer_is_loopback` lets loopback-only users (guest) in.
-    fn login(&self, user: &str, password: &[u8], peer_is_loopback: bool) -> Result<Login, AccessError>;
+    fn login(
+        &self,
+        user: &str,
+        password: &[u8],
+        peer_is_loopback: bool,
+    ) -> Result<Login, AccessError>;
     /// Check that the vhost exists and the user may use it.
     fn open_vhost(&self, user: &str, vhost: &str) -> Result<(), AccessError>;
 }
@@ -102,8 +109,14 @@ pub fn server_properties(product: &str, version: &str, cluster_name: &str) -> Fi
     t.insert("capabilities".into(), AMQPValue::FieldTable(caps));
     t.insert("cluster_name".into(), s(cluster_name));
     t.insert("copyright".into(), s("Copyright (c) the Warren authors"));
-    t.insert("information".into(), s("Licensed under the Apache License 2.0. An AMQP 0-9-1 broker."));
-    t.insert("platform".into(), s(&format!("Rust / {}", std::env::consts::OS)));
+    t.insert(
+        "information".into(),
+        s("Licensed under the Apache License 2.0. An AMQP 0-9-1 broker."),
+    );
+    t.insert(
+        "platform".into(),
+        s(&format!("Rust / {}", std::env::consts::OS)),
+    );
     t.insert("product".into(), s(product));
     t.insert("version".into(), s(version));
     t
@@ -137,7 +150,9 @@ enum State {
     AwaitOpen,
     Open,
     /// We sent connection.close and wait for close-ok until the deadline.
-    CloseSent { deadline: Instant },
+    CloseSent {
+        deadline: Instant,
+    },
     /// Nothing more to read; flush and drop the socket.
     Closed,
 }
@@ -232,7 +247,13 @@ impl Connection {
     }
 
     /// Consume as many complete frames from `input` as there are.
-    pub fn handle_input(&mut self, input: &mut BytesMut, out: &mut FrameWriter, now: Instant, gate: &dyn Gatekeeper) {
+    pub fn handle_input(
+        &mut self,
+        input: &mut BytesMut,
+        out: &mut FrameWriter,
+        now: Instant,
+        gate: &dyn Gatekeeper,
+    ) {
         if !input.is_empty() {
             self.last_recv = now;
         }
@@ -282,15 +303,26 @@ impl Connection {
         }
     }
 
-    fn handle_frame(&mut self, frame: RawFrame, out: &mut FrameWriter, now: Instant, gate: &dyn Gatekeeper) -> Result<(), AmqpError> {
+    fn handle_frame(
+        &mut self,
+        frame: RawFrame,
+        out: &mut FrameWriter,
+        now: Instant,
+        gate: &dyn Gatekeeper,
+    ) -> Result<(), AmqpError> {
         if frame.kind == FRAME_HEARTBEAT {
             if frame.channel != 0 {
-                return Err(AmqpError::connection(ReplyCode::UnexpectedFrame, "type 8, all octets = <<>>"));
+                return Err(AmqpError::connection(
+                    ReplyCode::UnexpectedFrame,
+                    "type 8, all octets = <<>>",
+                ));
             }
             return Ok(());
         }
         match self.state {
-            State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen => self.handle_handshake(frame, out, now, gate),
+            State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen => {
+                self.handle_handshake(frame, out, now, gate)
+            }
             State::Open => {
                 if frame.channel == 0 {
                     self.handle_channel_zero(frame, out, now)
@@ -303,9 +335,16 @@ impl Connection {
                 if frame.channel == 0 && frame.kind == FRAME_METHOD {
                     if let Ok(m) = method::decode(&frame.payload, self.config.table_depth_max) {
                         match m.class {
-                            AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => self.finish(),
+                            AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
+                                self.finish()
+                            }
                             AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
-                                out.method(0, &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})));
+                                out.method(
+                                    0,
+                                    &AMQPClass::Connection(connection::AMQPMethod::CloseOk(
+                                        connection::CloseOk {},
+                                    )),
+                                );
                                 self.finish();
                             }
                             _ => {}
@@ -320,12 +359,22 @@ impl Connection {
 
     fn expect_method(&self, frame: &RawFrame, expected: &str) -> Result<method::Method, AmqpError> {
         if frame.kind != FRAME_METHOD || frame.channel != 0 {
-            return Err(AmqpError::connection(ReplyCode::CommandInvalid, format!("expected '{expected}'")));
+            return Err(AmqpError::connection(
+                ReplyCode::CommandInvalid,
+                format!("expected '{expected}'"),
+            ));
         }
-        method::decode(&frame.payload, self.config.table_depth_max).map_err(AmqpError::into_connection)
+        method::decode(&frame.payload, self.config.table_depth_max)
+            .map_err(AmqpError::into_connection)
     }
 
-    fn handle_handshake(&mut self, frame: RawFrame, out: &mut FrameWriter, now: Instant, gate: &dyn Gatekeeper) -> Result<(), AmqpError> {
+    fn handle_handshake(
+        &mut self,
+        frame: RawFrame,
+        out: &mut FrameWriter,
+        now: Instant,
+        gate: &dyn Gatekeeper,
+    ) -> Result<(), AmqpError> {
         let expected = match self.state {
             State::AwaitStartOk => "connection.start_ok",
             State::AwaitTuneOk => "connection.tune_ok",
@@ -334,16 +383,24 @@ impl Connection {
         let m = self.expect_method(&frame, expected)?;
         match (self.state, m.class) {
             (_, AMQPClass::Connection(connection::AMQPMethod::Close(_))) => {
-                out.method(0, &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})));
+                out.method(
+                    0,
+                    &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+                );
                 self.finish();
                 Ok(())
             }
-            (State::AwaitStartOk, AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok))) => {
+            (
+                State::AwaitStartOk,
+                AMQPClass::Connection(connection::AMQPMethod::StartOk(start_ok)),
+            ) => {
                 self.client_properties = start_ok.client_properties;
                 let mechanism = start_ok.mechanism.as_str().to_string();
                 let credentials = match mechanism.as_str() {
                     "PLAIN" => parse_plain(start_ok.response.as_bytes()),
-                    "AMQPLAIN" => parse_amqplain(start_ok.response.as_bytes(), self.config.table_depth_max),
+                    "AMQPLAIN" => {
+                        parse_amqplain(start_ok.response.as_bytes(), self.config.table_depth_max)
+                    }
                     _ => {
                         // RabbitMQ sends no close method for an unknown mechanism; it drops the socket.
                         self.state = State::Closed;
@@ -359,11 +416,13 @@ impl Connection {
                         let l = self.config.limits;
                         out.method(
                             0,
-                            &AMQPClass::Connection(connection::AMQPMethod::Tune(connection::Tune {
-                                channel_max: l.channel_max,
-                                frame_max: l.frame_max,
-                                heartbeat: l.heartbeat_s,
-                            })),
+                            &AMQPClass::Connection(connection::AMQPMethod::Tune(
+                                connection::Tune {
+                                    channel_max: l.channel_max,
+                                    frame_max: l.frame_max,
+                                    heartbeat: l.heartbeat_s,
+                                },
+                            )),
                         );
                         self.state = State::AwaitTuneOk;
                         Ok(())
@@ -371,7 +430,9 @@ impl Connection {
                     Err(_) => {
                         let e = AmqpError::connection(
                             ReplyCode::AccessRefused,
-                            format!("Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."),
+                            format!(
+                                "Login was refused using authentication mechanism {mechanism}. For details see the broker logfile."
+                            ),
                         );
                         if self.client_capability("authentication_failure_close") {
                             self.close_with(e, out, now);
@@ -383,23 +444,41 @@ impl Connection {
                     }
                 }
             }
-            (State::AwaitTuneOk, AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune_ok))) => {
+            (
+                State::AwaitTuneOk,
+                AMQPClass::Connection(connection::AMQPMethod::TuneOk(tune_ok)),
+            ) => {
                 let l = self.config.limits;
-                let frame_max = negotiate("frame_max", tune_ok.frame_max, limits::FRAME_MIN_SIZE, l.frame_max)?;
-                let channel_max = negotiate("channel_max", u32::from(tune_ok.channel_max), 1, u32::from(l.channel_max))?;
+                let frame_max = negotiate(
+                    "frame_max",
+                    tune_ok.frame_max,
+                    limits::FRAME_MIN_SIZE,
+                    l.frame_max,
+                )?;
+                let channel_max = negotiate(
+                    "channel_max",
+                    u32::from(tune_ok.channel_max),
+                    1,
+                    u32::from(l.channel_max),
+                )?;
                 self.frame_max = frame_max;
                 out.set_frame_max(frame_max);
                 self.channel_max = u16::try_from(channel_max).unwrap_or(l.channel_max);
-                self.heartbeat = (tune_ok.heartbeat > 0).then(|| Duration::from_secs(u64::from(tune_ok.heartbeat)));
+                self.heartbeat = (tune_ok.heartbeat > 0)
+                    .then(|| Duration::from_secs(u64::from(tune_ok.heartbeat)));
                 self.state = State::AwaitOpen;
                 Ok(())
             }
             (State::AwaitOpen, AMQPClass::Connection(connection::AMQPMethod::Open(open))) => {
                 let user = self.user.clone().unwrap_or_default();
                 let vhost = open.virtual_host.as_str().to_string();
-                gate.open_vhost(&user, &vhost)
-                    .map_err(|e| AmqpError::connection(ReplyCode::NotAllowed, e.to_string()).with_method(10, 40))?;
-                out.method(0, &AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {})));
+                gate.open_vhost(&user, &vhost).map_err(|e| {
+                    AmqpError::connection(ReplyCode::NotAllowed, e.to_string()).with_method(10, 40)
+                })?;
+                out.method(
+                    0,
+                    &AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {})),
+                );
                 self.state = State::Open;
                 self.events.push_back(Event::Opened {
                     user,
@@ -408,37 +487,66 @@ impl Connection {
                 });
                 Ok(())
             }
-            _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, format!("expected '{expected}'"))
-                .with_method(m.class_id, m.method_id)),
+            _ => Err(AmqpError::connection(
+                ReplyCode::CommandInvalid,
+                format!("expected '{expected}'"),
+            )
+            .with_method(m.class_id, m.method_id)),
         }
     }
 
-    fn handle_channel_zero(&mut self, frame: RawFrame, out: &mut FrameWriter, now: Instant) -> Result<(), AmqpError> {
+    fn handle_channel_zero(
+        &mut self,
+        frame: RawFrame,
+        out: &mut FrameWriter,
+        now: Instant,
+    ) -> Result<(), AmqpError> {
         if frame.kind != FRAME_METHOD {
-            return Err(AmqpError::connection(ReplyCode::UnexpectedFrame, format!("type {}, all octets = <<>>", frame.kind)));
+            return Err(AmqpError::connection(
+                ReplyCode::UnexpectedFrame,
+                format!("type {}, all octets = <<>>", frame.kind),
+            ));
         }
-        let m = method::decode(&frame.payload, self.config.table_depth_max).map_err(AmqpError::into_connection)?;
+        let m = method::decode(&frame.payload, self.config.table_depth_max)
+            .map_err(AmqpError::into_connection)?;
         match m.class {
             AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
-                out.method(0, &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})));
+                out.method(
+                    0,
+                    &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+                );
                 self.finish();
                 Ok(())
             }
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => Ok(()),
             AMQPClass::Connection(connection::AMQPMethod::UpdateSecret(_)) => {
-                out.method(0, &AMQPClass::Connection(connection::AMQPMethod::UpdateSecretOk(connection::UpdateSecretOk {})));
+                out.method(
+                    0,
+                    &AMQPClass::Connection(connection::AMQPMethod::UpdateSecretOk(
+                        connection::UpdateSecretOk {},
+                    )),
+                );
                 Ok(())
             }
-            AMQPClass::Connection(connection::AMQPMethod::Blocked(_) | connection::AMQPMethod::Unblocked(_)) => Ok(()),
+            AMQPClass::Connection(
+                connection::AMQPMethod::Blocked(_) | connection::AMQPMethod::Unblocked(_),
+            ) => Ok(()),
             _ => {
                 let _ = now;
-                Err(AmqpError::connection(ReplyCode::ChannelError, "unexpected method in connection state running")
-                    .with_method(m.class_id, m.method_id))
+                Err(AmqpError::connection(
+                    ReplyCode::ChannelError,
+                    "unexpected method in connection state running",
+                )
+                .with_method(m.class_id, m.method_id))
             }
         }
     }
 
-    fn handle_channel_frame(&mut self, frame: RawFrame, out: &mut FrameWriter) -> Result<(), AmqpError> {
+    fn handle_channel_frame(
+        &mut self,
+        frame: RawFrame,
+        out: &mut FrameWriter,
+    ) -> Result<(), AmqpError> {
         let ch = frame.channel;
         let limits = AssemblyLimits {
             message_size_max: self.config.limits.message_size_max,
@@ -447,7 +555,10 @@ impl Connection {
         match self.channels.get_mut(&ch) {
             None => {
                 if frame.kind != FRAME_METHOD {
-                    return Err(AmqpError::connection(ReplyCode::ChannelError, "expected 'channel.open'"));
+                    return Err(AmqpError::connection(
+                        ReplyCode::ChannelError,
+                        "expected 'channel.open'",
+                    ));
                 }
                 let m = method::decode(&frame.payload, self.config.table_depth_max)?;
                 match m.class {
@@ -463,13 +574,20 @@ impl Connection {
                                 ),
                             ));
                         }
-                        self.channels.insert(ch, ChannelState::Open(Assembler::default()));
-                        out.method(ch, &AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})));
+                        self.channels
+                            .insert(ch, ChannelState::Open(Assembler::default()));
+                        out.method(
+                            ch,
+                            &AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),
+                        );
                         self.events.push_back(Event::ChannelOpened(ch));
                         Ok(())
                     }
-                    _ => Err(AmqpError::connection(ReplyCode::ChannelError, "expected 'channel.open'")
-                        .with_method(m.class_id, m.method_id)),
+                    _ => Err(AmqpError::connection(
+                        ReplyCode::ChannelError,
+                        "expected 'channel.open'",
+                    )
+                    .with_method(m.class_id, m.method_id)),
                 }
             }
             Some(ChannelState::Closing) => {
@@ -482,7 +600,12 @@ impl Connection {
                             self.channels.remove(&ch);
                         }
                         AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {
-                            out.method(ch, &AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})));
+                            out.method(
+                                ch,
+                                &AMQPClass::Channel(channel::AMQPMethod::CloseOk(
+                                    channel::CloseOk {},
+                                )),
+                            );
                             self.channels.remove(&ch);
                         }
                         _ => {}
@@ -503,12 +626,16 @@ impl Connection {
                 let (class_id, method_id) = (cmd.method.class_id, cmd.method.method_id);
                 match &cmd.method.class {
                     AMQPClass::Connection(_) => Err(connection_on_channel(&cmd.method)),
-                    AMQPClass::Channel(channel::AMQPMethod::Open(_)) => {
-                        Err(AmqpError::connection(ReplyCode::ChannelError, "second 'channel.open' seen")
-                            .with_method(class_id, method_id))
-                    }
+                    AMQPClass::Channel(channel::AMQPMethod::Open(_)) => Err(AmqpError::connection(
+                        ReplyCode::ChannelError,
+                        "second 'channel.open' seen",
+                    )
+                    .with_method(class_id, method_id)),
                     AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {
-                        out.method(ch, &AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})));
+                        out.method(
+                            ch,
+                            &AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+                        );
                         self.channels.remove(&ch);
                         self.events.push_back(Event::ChannelClosed(ch));
                         Ok(())
@@ -564,7 +691,9 @@ impl Connection {
             })),
         );
         self.release_channels();
-        self.state = State::CloseSent { deadline: now + Duration::from_millis(limits::CLOSE_OK_TIMEOUT_MS) };
+        self.state = State::CloseSent {
+            deadline: now + Duration::from_millis(limits::CLOSE_OK_TIMEOUT_MS),
+        };
     }
 
     fn release_channels(&mut self) {
@@ -574,7 +703,8 @@ impl Connection {
             .filter_map(|(id, st)| matches!(st, ChannelState::Open(_)).then_some(id))
             .collect();
         ids.sort_unstable();
-        self.events.extend(ids.into_iter().map(Event::ChannelClosed));
+        self.events
+            .extend(ids.into_iter().map(Event::ChannelClosed));
     }
 
     fn finish(&mut self) {
@@ -591,8 +721,12 @@ impl Connection {
     #[must_use]
     pub fn poll_timeout(&self) -> Option<Instant> {
         match self.state {
-            State::AwaitHeader | State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen => Some(self.handshake_deadline),
-            State::Open => self.heartbeat.map(|hb| (self.last_send + hb / 2).min(self.last_recv + hb * 2)),
+            State::AwaitHeader | State::AwaitStartOk | State::AwaitTuneOk | State::AwaitOpen => {
+                Some(self.handshake_deadline)
+            }
+            State::Open => self
+                .heartbeat
+                .map(|hb| (self.last_send + hb / 2).min(self.last_recv + hb * 2)),
             State::CloseSent { deadline } => Some(deadline),
             State::Closed => None,
         }
@@ -658,16 +792,24 @@ fn negotiate(field: &str, client: u32, min: u32, server: u32) -> Result<u32, Amq
     if client != 0 && client < min {
         return Err(AmqpError::connection(
             ReplyCode::NotAllowed,
-            format!("negotiated {field} = {client} is lower than the minimum allowed value ({min})"),
+            format!(
+                "negotiated {field} = {client} is lower than the minimum allowed value ({min})"
+            ),
         )
         .with_method(10, 31));
     }
     if client == 0 || client > server {
         // 0 asks for "no limit", which is above any limit we offered.
-        let shown = if client == 0 { "0 (no limit)".to_string() } else { client.to_string() };
+        let shown = if client == 0 {
+            "0 (no limit)".to_string()
+        } else {
+            client.to_string()
+        };
         return Err(AmqpError::connection(
             ReplyCode::NotAllowed,
-            format!("negotiated {field} = {shown} is higher than the maximum allowed value ({server})"),
+            format!(
+                "negotiated {field} = {shown} is higher than the maximum allowed value ({server})"
+            ),
         )
         .with_method(10, 31));
     }
@@ -678,7 +820,9 @@ fn negotiate(field: &str, client: u32, min: u32, server: u32) -> Result<u32, Amq
 #[must_use]
 pub fn client_capability(props: &FieldTable, name: &str) -> bool {
     match props.inner().get("capabilities") {
-        Some(AMQPValue::FieldTable(caps)) => matches!(caps.inner().get(name), Some(AMQPValue::Boolean(true))),
+        Some(AMQPValue::FieldTable(caps)) => {
+            matches!(caps.inner().get(name), Some(AMQPValue::Boolean(true)))
+        }
         _ => false,
     }
 }

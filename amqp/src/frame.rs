@@ -56,7 +56,10 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<RawFram
     let kind = buf[0];
     let channel = u16::from_be_bytes([buf[1], buf[2]]);
     let size = u32::from_be_bytes([buf[3], buf[4], buf[5], buf[6]]);
-    if !matches!(kind, FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT) {
+    if !matches!(
+        kind,
+        FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT
+    ) {
         return Err(AmqpError::connection(
             ReplyCode::FrameError,
             format!("type {kind}, all octets = <<>>: unknown_frame"),
@@ -77,13 +80,20 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<RawFram
     if buf[total - 1] != FRAME_END {
         return Err(AmqpError::connection(
             ReplyCode::FrameError,
-            format!("type {kind}, first 16 octets = <<>>: {{invalid_frame_end_marker,{}}}", buf[total - 1]),
+            format!(
+                "type {kind}, first 16 octets = <<>>: {{invalid_frame_end_marker,{}}}",
+                buf[total - 1]
+            ),
         ));
     }
     buf.advance(7);
     let payload = buf.split_to(size as usize).freeze();
     buf.advance(1);
-    Ok(Some(RawFrame { kind, channel, payload }))
+    Ok(Some(RawFrame {
+        kind,
+        channel,
+        payload,
+    }))
 }
 
 /// Outbound frame buffer: everything produced in one wake-up goes here and is written with one
@@ -104,7 +114,10 @@ impl FrameWriter {
     /// An empty writer using the pre-tune frame_max.
     #[must_use]
     pub fn new() -> Self {
-        Self { buf: BytesMut::with_capacity(64 * 1024), frame_max: crate::limits::FRAME_MAX_PRE_TUNE }
+        Self {
+            buf: BytesMut::with_capacity(64 * 1024),
+            frame_max: crate::limits::FRAME_MAX_PRE_TUNE,
+        }
     }
 
     /// Set the negotiated frame_max; body frames are split to fit it.
@@ -137,7 +150,8 @@ impl FrameWriter {
 
     /// Append a heartbeat frame.
     pub fn heartbeat(&mut self) {
-        self.buf.extend_from_slice(&[FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, FRAME_END]);
+        self.buf
+            .extend_from_slice(&[FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, FRAME_END]);
     }
 
     /// Append a method frame built by amq-protocol's generator.
@@ -165,7 +179,9 @@ impl FrameWriter {
         self.buf.put_u64(body.len() as u64);
         self.buf.extend_from_slice(properties);
         self.end_frame(start);
-        let chunk = (self.frame_max as usize).saturating_sub(FRAME_OVERHEAD).max(1);
+        let chunk = (self.frame_max as usize)
+            .saturating_sub(FRAME_OVERHEAD)
+            .max(1);
         for piece in body.chunks(chunk) {
             self.buf.reserve(piece.len() + FRAME_OVERHEAD);
             self.buf.put_u8(FRAME_BODY);
@@ -214,7 +230,10 @@ mod tests {
         assert_eq!(decode_frame(&mut buf, 4096), Ok(None));
         buf.extend_from_slice(&all[5..]);
         let f = decode_frame(&mut buf, 4096).unwrap().unwrap();
-        assert_eq!((f.kind, f.channel, &f.payload[..]), (FRAME_BODY, 3, &b"hello"[..]));
+        assert_eq!(
+            (f.kind, f.channel, &f.payload[..]),
+            (FRAME_BODY, 3, &b"hello"[..])
+        );
         let hb = decode_frame(&mut buf, 4096).unwrap().unwrap();
         assert_eq!(hb.kind, FRAME_HEARTBEAT);
         assert!(buf.is_empty());
@@ -228,15 +247,24 @@ mod tests {
         buf.put_u32(1 << 30);
         let err = decode_frame(&mut buf, 131_072).unwrap_err();
         assert_eq!(err.code, ReplyCode::FrameError);
-        assert!(buf.capacity() < 1 << 20, "must not reserve the announced size");
+        assert!(
+            buf.capacity() < 1 << 20,
+            "must not reserve the announced size"
+        );
     }
 
     #[test]
     fn rejects_protocol_header_mid_stream_and_bad_frame_end() {
         let mut buf = BytesMut::from(&PROTOCOL_HEADER[..]);
-        assert_eq!(decode_frame(&mut buf, 131_072).unwrap_err().code, ReplyCode::FrameError);
+        assert_eq!(
+            decode_frame(&mut buf, 131_072).unwrap_err().code,
+            ReplyCode::FrameError
+        );
         let mut bad_end = frame(FRAME_METHOD, 1, b"abcd", 0x00);
-        assert_eq!(decode_frame(&mut bad_end, 131_072).unwrap_err().code, ReplyCode::FrameError);
+        assert_eq!(
+            decode_frame(&mut bad_end, 131_072).unwrap_err().code,
+            ReplyCode::FrameError
+        );
     }
 
     #[test]

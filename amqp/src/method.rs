@@ -31,14 +31,14 @@ pub const BASIC_PUBLISH: (u16, u16) = (60, 40);
 /// string, `b` bit octet, `T` table.
 fn table_layout(class_id: u16, method_id: u16) -> Option<&'static [u8]> {
     Some(match (class_id, method_id) {
-        (10, 11) => b"TSLS",  // connection.start-ok
-        (40, 10) => b"sSSbT", // exchange.declare
+        (10, 11) => b"TSLS",   // connection.start-ok
+        (40, 10) => b"sSSbT",  // exchange.declare
         (40, 30) => b"sSSSbT", // exchange.bind
         (40, 40) => b"sSSSbT", // exchange.unbind
-        (50, 10) => b"sSbT",  // queue.declare
+        (50, 10) => b"sSbT",   // queue.declare
         (50, 20) => b"sSSSbT", // queue.bind
-        (50, 50) => b"sSSST", // queue.unbind
-        (60, 20) => b"sSSbT", // basic.consume
+        (50, 50) => b"sSSST",  // queue.unbind
+        (60, 20) => b"sSSbT",  // basic.consume
         _ => return None,
     })
 }
@@ -51,7 +51,12 @@ fn cannot_decode(class_id: u16, method_id: u16, why: impl std::fmt::Display) -> 
 
 fn check_tables(args: &[u8], layout: &[u8], depth_max: usize) -> Result<(), String> {
     let mut p = 0usize;
-    let short = |p: usize| args.get(p).copied().map(usize::from).ok_or("truncated".to_string());
+    let short = |p: usize| {
+        args.get(p)
+            .copied()
+            .map(usize::from)
+            .ok_or("truncated".to_string())
+    };
     for code in layout {
         p = match code {
             b's' => p + 2,
@@ -77,13 +82,17 @@ fn check_tables(args: &[u8], layout: &[u8], depth_max: usize) -> Result<(), Stri
 /// `rabbit_misc:frame_error`); unknown class or method ids are 540 NOT_IMPLEMENTED.
 pub fn decode(payload: &[u8], table_depth_max: usize) -> Result<Method, AmqpError> {
     if payload.len() < 4 {
-        return Err(AmqpError::connection(ReplyCode::FrameError, "method frame shorter than its ids"));
+        return Err(AmqpError::connection(
+            ReplyCode::FrameError,
+            "method frame shorter than its ids",
+        ));
     }
     let class_id = u16::from_be_bytes([payload[0], payload[1]]);
     let method_id = u16::from_be_bytes([payload[2], payload[3]]);
     let args = &payload[4..];
     if let Some(layout) = table_layout(class_id, method_id) {
-        check_tables(args, layout, table_depth_max).map_err(|why| cannot_decode(class_id, method_id, why))?;
+        check_tables(args, layout, table_depth_max)
+            .map_err(|why| cannot_decode(class_id, method_id, why))?;
     }
     if (class_id, method_id) == (60, 10) && args.len() >= 4 {
         let prefetch_size = u32::from_be_bytes([args[0], args[1], args[2], args[3]]);
@@ -96,27 +105,45 @@ pub fn decode(payload: &[u8], table_depth_max: usize) -> Result<Method, AmqpErro
         }
     }
     match parse_class(payload) {
-        Ok((_rest, class)) => Ok(Method { class_id, method_id, class }),
+        Ok((_rest, class)) => Ok(Method {
+            class_id,
+            method_id,
+            class,
+        }),
         Err(_) if !known_method(class_id, method_id) => Err(AmqpError::connection(
             ReplyCode::NotImplemented,
             format!("unknown method {class_id}.{method_id}"),
         )
         .with_method(class_id, method_id)),
-        Err(e) => Err(cannot_decode(class_id, method_id, format!("{e:?}").chars().take(80).collect::<String>())),
+        Err(e) => Err(cannot_decode(
+            class_id,
+            method_id,
+            format!("{e:?}").chars().take(80).collect::<String>(),
+        )),
     }
 }
 
 fn known_method(class_id: u16, method_id: u16) -> bool {
     matches!(
         (class_id, method_id),
-        (10, 10..=61) | (20, 10..=41) | (30, 10 | 11) | (40, 10..=51) | (50, 10..=51) | (60, 10..=120) | (85, 10 | 11) | (90, 10..=31)
+        (10, 10..=61)
+            | (20, 10..=41)
+            | (30, 10 | 11)
+            | (40, 10..=51)
+            | (50, 10..=51)
+            | (60, 10..=120)
+            | (85, 10 | 11)
+            | (90, 10..=31)
     )
 }
 
 /// Serialize a method's payload (class id, method id, arguments) with amq-protocol.
 #[must_use]
 pub fn encode(class: &AMQPClass) -> Vec<u8> {
-    let out = cookie_factory::gen_simple(amq_protocol::protocol::gen_class(class), Vec::with_capacity(64));
+    let out = cookie_factory::gen_simple(
+        amq_protocol::protocol::gen_class(class),
+        Vec::with_capacity(64),
+    );
     // Generation into a Vec cannot run out of space; an error here is a programming error in
     // a method we built ourselves.
     out.expect("serializing a method into a Vec")
@@ -166,7 +193,13 @@ pub fn put_basic_get_ok(
 }
 
 /// basic.return arguments.
-pub fn put_basic_return(buf: &mut BytesMut, reply_code: u16, reply_text: &[u8], exchange: &[u8], routing_key: &[u8]) {
+pub fn put_basic_return(
+    buf: &mut BytesMut,
+    reply_code: u16,
+    reply_text: &[u8],
+    exchange: &[u8],
+    routing_key: &[u8],
+) {
     buf.put_u16(60);
     buf.put_u16(50);
     buf.put_u16(reply_code);
@@ -239,7 +272,10 @@ mod tests {
         b.put_u32(1 << 30);
         assert_eq!(decode(&b, 8).unwrap_err().code, ReplyCode::FrameError);
         let unknown = [0u8, 99, 0, 1];
-        assert_eq!(decode(&unknown, 8).unwrap_err().code, ReplyCode::NotImplemented);
+        assert_eq!(
+            decode(&unknown, 8).unwrap_err().code,
+            ReplyCode::NotImplemented
+        );
     }
 
     #[test]

@@ -150,7 +150,9 @@ impl Properties {
     #[must_use]
     pub fn headers(&self) -> Option<amq_protocol::types::FieldTable> {
         let raw = self.headers_raw()?;
-        amq_protocol::types::parsing::parse_field_table(raw).ok().map(|(_, t)| t)
+        amq_protocol::types::parsing::parse_field_table(raw)
+            .ok()
+            .map(|(_, t)| t)
     }
 
     /// The expiration property.
@@ -204,7 +206,10 @@ mod tests {
         let raw = Bytes::from_static(&[0x80, 0x00, 10, b'a']);
         assert_eq!(Properties::parse(raw, 8), Err(PropertiesError::Truncated));
         let raw = Bytes::from_static(&[0x00, 0x01]);
-        assert_eq!(Properties::parse(raw, 8), Err(PropertiesError::UnknownFlags(1)));
+        assert_eq!(
+            Properties::parse(raw, 8),
+            Err(PropertiesError::UnknownFlags(1))
+        );
     }
 
     proptest::proptest! {

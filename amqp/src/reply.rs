@@ -179,7 +179,10 @@ mod tests {
         assert_eq!(e.code.code(), 404);
         let long = AmqpError::connection(ReplyCode::FrameError, "é".repeat(300));
         assert!(long.text.len() <= 255 && long.text.ends_with("..."));
-        assert_eq!(AmqpError::channel(ReplyCode::NotAllowed, "x").scope, Scope::Connection);
+        assert_eq!(
+            AmqpError::channel(ReplyCode::NotAllowed, "x").scope,
+            Scope::Connection
+        );
         assert_eq!(long.scope, Scope::Connection);
     }
 }

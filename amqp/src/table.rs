@@ -37,7 +37,11 @@ pub enum TableError {
 
 fn need(data: &[u8], pos: usize, n: usize) -> Result<usize, TableError> {
     let end = pos.checked_add(n).ok_or(TableError::Truncated)?;
-    if end > data.len() { Err(TableError::Truncated) } else { Ok(end) }
+    if end > data.len() {
+        Err(TableError::Truncated)
+    } else {
+        Ok(end)
+    }
 }
 
 fn read_u32(data: &[u8], pos: usize) -> Result<(u32, usize), TableError> {
@@ -51,7 +55,12 @@ pub fn check_table(data: &[u8], pos: usize, depth_max: usize) -> Result<usize, T
     check_table_at(data, pos, depth_max, 1)
 }
 
-fn check_table_at(data: &[u8], pos: usize, depth_max: usize, depth: usize) -> Result<usize, TableError> {
+fn check_table_at(
+    data: &[u8],
+    pos: usize,
+    depth_max: usize,
+    depth: usize,
+) -> Result<usize, TableError> {
     if depth > depth_max {
         return Err(TableError::TooDeep(depth_max));
     }
@@ -67,7 +76,12 @@ fn check_table_at(data: &[u8], pos: usize, depth_max: usize, depth: usize) -> Re
     Ok(end)
 }
 
-fn check_array_at(data: &[u8], pos: usize, depth_max: usize, depth: usize) -> Result<usize, TableError> {
+fn check_array_at(
+    data: &[u8],
+    pos: usize,
+    depth_max: usize,
+    depth: usize,
+) -> Result<usize, TableError> {
     if depth > depth_max {
         return Err(TableError::TooDeep(depth_max));
     }
@@ -81,7 +95,12 @@ fn check_array_at(data: &[u8], pos: usize, depth_max: usize, depth: usize) -> Re
     Ok(end)
 }
 
-fn check_value(data: &[u8], pos: usize, depth_max: usize, depth: usize) -> Result<usize, TableError> {
+fn check_value(
+    data: &[u8],
+    pos: usize,
+    depth_max: usize,
+    depth: usize,
+) -> Result<usize, TableError> {
     let tag = *data.get(pos).ok_or(TableError::Truncated)?;
     let p = pos + 1;
     match tag {
@@ -151,9 +170,15 @@ mod tests {
     #[test]
     fn depth_is_capped_without_recursion_blowup() {
         assert!(check_table(&nested_tables(8), 0, 8).is_ok());
-        assert_eq!(check_table(&nested_tables(9), 0, 8), Err(TableError::TooDeep(8)));
+        assert_eq!(
+            check_table(&nested_tables(9), 0, 8),
+            Err(TableError::TooDeep(8))
+        );
         // Far deeper than the stack could take if we recursed all the way.
-        assert_eq!(check_table(&nested_tables(20_000), 0, 32), Err(TableError::TooDeep(32)));
+        assert_eq!(
+            check_table(&nested_tables(20_000), 0, 32),
+            Err(TableError::TooDeep(32))
+        );
     }
 
     #[test]
@@ -163,7 +188,10 @@ mod tests {
         let s = [0u8, 0, 0, 7, 1, b'k', b'S', 0xff, 0xff, 0xff, 0xff];
         assert_eq!(check_table(&s, 0, 8), Err(TableError::Truncated));
         let unknown = [0u8, 0, 0, 3, 1, b'k', b'Z'];
-        assert_eq!(check_table(&unknown, 0, 8), Err(TableError::UnknownType('Z')));
+        assert_eq!(
+            check_table(&unknown, 0, 8),
+            Err(TableError::UnknownType('Z'))
+        );
     }
 
     proptest::proptest! {

@@ -39,7 +39,9 @@ pub fn type_name(v: &AMQPValue) -> &'static str {
 /// A value rendered as RabbitMQ's `val/1` does in equivalence errors.
 #[must_use]
 pub fn render(v: Option<&AMQPValue>) -> String {
-    let Some(v) = v else { return "none".to_string() };
+    let Some(v) = v else {
+        return "none".to_string();
+    };
     let shown = match v {
         AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
         AMQPValue::ShortString(s) => s.as_str().to_string(),
@@ -96,7 +98,9 @@ pub fn equivalent(a: Option<&AMQPValue>, b: Option<&AMQPValue>) -> bool {
         (None, None) => true,
         (Some(x), Some(y)) => match (int_value(x), int_value(y)) {
             (Some(i), Some(j)) => i == j,
-            _ => string_like(x).zip(string_like(y)).map_or(x == y, |(s, t)| s == t),
+            _ => string_like(x)
+                .zip(string_like(y))
+                .map_or(x == y, |(s, t)| s == t),
         },
         _ => false,
     }
@@ -113,7 +117,9 @@ fn string_like(v: &AMQPValue) -> Option<Vec<u8>> {
 /// A string argument's text (empty if not a string), for name lookups.
 #[must_use]
 pub fn render_plain(v: &AMQPValue) -> String {
-    string_like(v).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default()
+    string_like(v)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default()
 }
 
 fn invalid(key: &str, what: &str, why: &str) -> warren_amqp::AmqpError {
@@ -130,20 +136,35 @@ pub fn validate_queue_args(args: &FieldTable, what: &str) -> Result<(), warren_a
     for (key, value) in args.inner() {
         let key = key.as_str();
         match key {
-            "x-expires" | "x-message-ttl" | "x-max-length" | "x-max-length-bytes" | "x-max-priority" | "x-delivery-limit" => {
+            "x-expires" | "x-message-ttl" | "x-max-length" | "x-max-length-bytes"
+            | "x-max-priority" | "x-delivery-limit" => {
                 let Some(n) = int_value(value) else {
-                    return Err(invalid(key, what, &format!("expected integer, got {}", type_name(value))));
+                    return Err(invalid(
+                        key,
+                        what,
+                        &format!("expected integer, got {}", type_name(value)),
+                    ));
                 };
                 if n < 0 || (key == "x-expires" && n == 0) {
                     return Err(warren_amqp::AmqpError::channel(
                         warren_amqp::ReplyCode::PreconditionFailed,
-                        format!("invalid arg '{key}' for {what}: {{value_{}, {n}}}", if n < 0 { "negative" } else { "zero" }),
+                        format!(
+                            "invalid arg '{key}' for {what}: {{value_{}, {n}}}",
+                            if n < 0 { "negative" } else { "zero" }
+                        ),
                     ));
                 }
             }
-            "x-dead-letter-exchange" | "x-dead-letter-routing-key" | "x-overflow" | "x-queue-mode" => {
+            "x-dead-letter-exchange"
+            | "x-dead-letter-routing-key"
+            | "x-overflow"
+            | "x-queue-mode" => {
                 if string_like(value).is_none() {
-                    return Err(invalid(key, what, &format!("expected string, got {}", type_name(value))));
+                    return Err(invalid(
+                        key,
+                        what,
+                        &format!("expected string, got {}", type_name(value)),
+                    ));
                 }
             }
             "x-queue-type" => match string_like(value).as_deref() {
@@ -153,10 +174,19 @@ pub fn validate_queue_args(args: &FieldTable, what: &str) -> Result<(), warren_a
                     // classic queues would silently weaken what the application asked for.
                     return Err(warren_amqp::AmqpError::channel(
                         warren_amqp::ReplyCode::PreconditionFailed,
-                        format!("invalid arg '{key}' for {what}: queue type '{}' is not supported yet", String::from_utf8_lossy(other)),
+                        format!(
+                            "invalid arg '{key}' for {what}: queue type '{}' is not supported yet",
+                            String::from_utf8_lossy(other)
+                        ),
                     ));
                 }
-                None => return Err(invalid(key, what, &format!("expected string, got {}", type_name(value)))),
+                None => {
+                    return Err(invalid(
+                        key,
+                        what,
+                        &format!("expected string, got {}", type_name(value)),
+                    ));
+                }
             },
             _ => {}
         }

@@ -30,7 +30,9 @@ pub struct BrokerConfig {
 
 impl Default for BrokerConfig {
     fn default() -> Self {
-        Self { consumer_window: crate::limits::CONSUMER_WINDOW_DEFAULT }
+        Self {
+            consumer_window: crate::limits::CONSUMER_WINDOW_DEFAULT,
+        }
     }
 }
 
@@ -56,10 +58,16 @@ impl Broker {
             next_id: AtomicU64::new(1),
             name_seed: std::collections::hash_map::RandomState::new(),
         };
-        b.vhosts.write().insert("/".into(), Arc::new(VHost::new("/")));
+        b.vhosts
+            .write()
+            .insert("/".into(), Arc::new(VHost::new("/")));
         b.users.write().insert(
             "guest".into(),
-            User { name: "guest".into(), password: "guest".into(), loopback_only: true },
+            User {
+                name: "guest".into(),
+                password: "guest".into(),
+                loopback_only: true,
+            },
         );
         Arc::new(b)
     }
@@ -77,7 +85,8 @@ impl Broker {
 
     /// A unique, unguessable name such as `amq.gen-3kXq...` (22 url-safe characters).
     pub fn unique_name(&self, prefix: &str) -> String {
-        const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+        const ALPHABET: &[u8; 64] =
+            b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
         let n = self.next_id();
         let mut out = String::with_capacity(prefix.len() + 22);
         out.push_str(prefix);
@@ -103,21 +112,35 @@ impl Broker {
 }
 
 impl Gatekeeper for Broker {
-    fn login(&self, user: &str, password: &[u8], peer_is_loopback: bool) -> Result<Login, AccessError> {
+    fn login(
+        &self,
+        user: &str,
+        password: &[u8],
+        peer_is_loopback: bool,
+    ) -> Result<Login, AccessError> {
         let users = self.users.read();
         let u = users.get(user).ok_or(AccessError::LoginRefused)?;
         // Compare without early exit on the first differing byte.
         let stored = u.password.as_bytes();
         let same_len = stored.len() == password.len();
-        let diff = stored.iter().zip(password.iter()).fold(0u8, |acc, (a, b)| acc | (a ^ b));
+        let diff = stored
+            .iter()
+            .zip(password.iter())
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
         if !same_len || diff != 0 || (u.loopback_only && !peer_is_loopback) {
             return Err(AccessError::LoginRefused);
         }
-        Ok(Login { user: u.name.clone() })
+        Ok(Login {
+            user: u.name.clone(),
+        })
     }
 
     fn open_vhost(&self, _user: &str, vhost: &str) -> Result<(), AccessError> {
-        if self.vhosts.read().contains_key(vhost) { Ok(()) } else { Err(AccessError::VhostNotFound(vhost.to_string())) }
+        if self.vhosts.read().contains_key(vhost) {
+            Ok(())
+        } else {
+            Err(AccessError::VhostNotFound(vhost.to_string()))
+        }
     }
 }
 
@@ -129,10 +152,19 @@ mod tests {
     fn guest_is_loopback_only() {
         let b = Broker::new(BrokerConfig::default());
         assert!(b.login("guest", b"guest", true).is_ok());
-        assert_eq!(b.login("guest", b"guest", false), Err(AccessError::LoginRefused));
-        assert_eq!(b.login("guest", b"nope", true), Err(AccessError::LoginRefused));
+        assert_eq!(
+            b.login("guest", b"guest", false),
+            Err(AccessError::LoginRefused)
+        );
+        assert_eq!(
+            b.login("guest", b"nope", true),
+            Err(AccessError::LoginRefused)
+        );
         assert!(b.open_vhost("guest", "/").is_ok());
-        assert_eq!(b.open_vhost("guest", "x").unwrap_err().to_string(), "vhost x not found");
+        assert_eq!(
+            b.open_vhost("guest", "x").unwrap_err().to_string(),
+            "vhost x not found"
+        );
     }
 
     #[test]

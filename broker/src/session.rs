@@ -150,10 +150,23 @@ fn apply_acks(action: AckAction, items: impl IntoIterator<Item = Unacked>) {
 impl Session {
     /// A session for an opened connection.
     #[must_use]
-    pub fn new(broker: Arc<Broker>, vhost: Arc<VHost>, user: String, outbox: Arc<Outbox>, cancel_notify: bool) -> Self {
+    pub fn new(
+        broker: Arc<Broker>,
+        vhost: Arc<VHost>,
+        user: String,
+        outbox: Arc<Outbox>,
+        cancel_notify: bool,
+    ) -> Self {
         let conn_id = broker.next_id();
         Self {
-            ctx: Ctx { broker, vhost, conn_id, user, outbox, cancel_notify },
+            ctx: Ctx {
+                broker,
+                vhost,
+                conn_id,
+                user,
+                outbox,
+                cancel_notify,
+            },
             channels: HashMap::new(),
             drained: Vec::new(),
             written: HashMap::new(),
@@ -179,7 +192,9 @@ impl Session {
 
     /// A channel is gone: cancel its consumers and requeue its unacked messages in order.
     pub fn channel_closed(&mut self, ch: u16) {
-        let Some(chan) = self.channels.remove(&ch) else { return };
+        let Some(chan) = self.channels.remove(&ch) else {
+            return;
+        };
         for (_, c) in chan.consumers {
             if c.queue.cancel(c.id) {
                 self.ctx.vhost.delete_queue(&c.queue);
@@ -211,7 +226,10 @@ impl Session {
     /// Write what is owed before the output is flushed: coalesced publisher confirms.
     pub fn flush(&mut self, out: &mut FrameWriter) {
         for (ch, chan) in &mut self.channels {
-            if let Mode::Confirm { last_seq, acked_upto } = &mut chan.mode
+            if let Mode::Confirm {
+                last_seq,
+                acked_upto,
+            } = &mut chan.mode
                 && *last_seq > *acked_upto
             {
                 let multiple = *last_seq - *acked_upto > 1;
@@ -230,7 +248,9 @@ impl Session {
         for item in items.drain(..) {
             match item {
                 Outbound::Deliver(d) => self.deliver(d, out),
-                Outbound::Cancel { channel, consumer } => self.consumer_cancelled(channel, consumer, out),
+                Outbound::Cancel { channel, consumer } => {
+                    self.consumer_cancelled(channel, consumer, out)
+                }
             }
         }
         self.drained = items;
@@ -238,7 +258,12 @@ impl Session {
 
     fn deliver(&mut self, d: Delivery, out: &mut FrameWriter) {
         let chan = self.channels.get_mut(&d.channel);
-        let entry = chan.as_ref().and_then(|c| c.consumers.values().find(|e| e.id == d.consumer).map(|e| e.no_ack));
+        let entry = chan.as_ref().and_then(|c| {
+            c.consumers
+                .values()
+                .find(|e| e.id == d.consumer)
+                .map(|e| e.no_ack)
+        });
         let (Some(chan), Some(no_ack)) = (chan, entry) else {
             // The consumer went away after the queue chose it: the message goes back.
             d.queue.requeue(vec![d.id]);
@@ -254,14 +279,30 @@ impl Session {
             .unwrap_or_default();
         let m = &d.message;
         out.method_with(d.channel, |b| {
-            put_basic_deliver(b, consumer_tag.as_bytes(), tag, d.redelivered, m.exchange.as_bytes(), m.routing_key.as_bytes());
+            put_basic_deliver(
+                b,
+                consumer_tag.as_bytes(),
+                tag,
+                d.redelivered,
+                m.exchange.as_bytes(),
+                m.routing_key.as_bytes(),
+            );
         });
         out.content(d.channel, &m.properties.raw, &m.body);
         if !no_ack {
-            chan.unacked.insert(tag, Unacked { queue: Arc::clone(&d.queue), id: d.id });
+            chan.unacked.insert(
+                tag,
+                Unacked {
+                    queue: Arc::clone(&d.queue),
+                    id: d.id,
+                },
+            );
         }
         let key = (Arc::as_ptr(&d.queue) as usize, d.consumer);
-        let entry = self.written.entry(key).or_insert_with(|| (Arc::clone(&d.queue), 0));
+        let entry = self
+            .written
+            .entry(key)
+            .or_insert_with(|| (Arc::clone(&d.queue), 0));
         entry.1 += 1;
     }
 
@@ -273,54 +314,102 @@ impl Session {
     }
 
     fn consumer_cancelled(&mut self, ch: u16, consumer: ConsumerId, out: &mut FrameWriter) {
-        let Some(chan) = self.channels.get_mut(&ch) else { return };
-        let Some(tag) = chan.consumers.iter().find(|(_, e)| e.id == consumer).map(|(t, _)| t.clone()) else { return };
+        let Some(chan) = self.channels.get_mut(&ch) else {
+            return;
+        };
+        let Some(tag) = chan
+            .consumers
+            .iter()
+            .find(|(_, e)| e.id == consumer)
+            .map(|(t, _)| t.clone())
+        else {
+            return;
+        };
         chan.consumers.remove(&tag);
         if self.ctx.cancel_notify {
-            reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel { consumer_tag: tag.into(), nowait: true })));
+            reply(
+                out,
+                ch,
+                AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                    consumer_tag: tag.into(),
+                    nowait: true,
+                })),
+            );
         }
     }
 
     /// Handle one command on an open channel.
-    pub fn handle_command(&mut self, ch: u16, cmd: Command, out: &mut FrameWriter) -> Result<(), AmqpError> {
+    pub fn handle_command(
+        &mut self,
+        ch: u16,
+        cmd: Command,
+        out: &mut FrameWriter,
+    ) -> Result<(), AmqpError> {
         let (class_id, method_id) = (cmd.method.class_id, cmd.method.method_id);
         let Some(chan) = self.channels.get_mut(&ch) else {
-            return Err(AmqpError::connection(ReplyCode::ChannelError, "expected 'channel.open'"));
+            return Err(AmqpError::connection(
+                ReplyCode::ChannelError,
+                "expected 'channel.open'",
+            ));
         };
         let ctx = &self.ctx;
         let r = match cmd.method.class {
             AMQPClass::Basic(m) => handle_basic(ctx, chan, ch, m, cmd.content, out),
             AMQPClass::Queue(m) => handle_queue(ctx, chan, ch, m, out),
             AMQPClass::Exchange(m) => handle_exchange(ctx, ch, m, out),
-            AMQPClass::Confirm(confirm::AMQPMethod::Select(s)) => {
-                match chan.mode {
-                    Mode::Tx(_) => Err(AmqpError::channel(ReplyCode::PreconditionFailed, "cannot switch from tx to confirm mode")),
-                    Mode::Confirm { .. } => Ok(()),
-                    Mode::Plain => {
-                        chan.mode = Mode::Confirm { last_seq: 0, acked_upto: 0 };
-                        Ok(())
-                    }
+            AMQPClass::Confirm(confirm::AMQPMethod::Select(s)) => match chan.mode {
+                Mode::Tx(_) => Err(AmqpError::channel(
+                    ReplyCode::PreconditionFailed,
+                    "cannot switch from tx to confirm mode",
+                )),
+                Mode::Confirm { .. } => Ok(()),
+                Mode::Plain => {
+                    chan.mode = Mode::Confirm {
+                        last_seq: 0,
+                        acked_upto: 0,
+                    };
+                    Ok(())
                 }
-                .map(|()| {
-                    if !s.nowait {
-                        reply(out, ch, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})));
-                    }
-                })
             }
+            .map(|()| {
+                if !s.nowait {
+                    reply(
+                        out,
+                        ch,
+                        AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
+                    );
+                }
+            }),
             AMQPClass::Tx(m) => handle_tx(ctx, chan, ch, m, out),
             AMQPClass::Channel(channel::AMQPMethod::Flow(f)) => {
                 if f.active {
-                    reply(out, ch, AMQPClass::Channel(channel::AMQPMethod::FlowOk(channel::FlowOk { active: true })));
+                    reply(
+                        out,
+                        ch,
+                        AMQPClass::Channel(channel::AMQPMethod::FlowOk(channel::FlowOk {
+                            active: true,
+                        })),
+                    );
                     Ok(())
                 } else {
-                    Err(AmqpError::channel(ReplyCode::NotImplemented, "active=false"))
+                    Err(AmqpError::channel(
+                        ReplyCode::NotImplemented,
+                        "active=false",
+                    ))
                 }
             }
             AMQPClass::Access(access::AMQPMethod::Request(_)) => {
-                reply(out, ch, AMQPClass::Access(access::AMQPMethod::RequestOk(access::RequestOk {})));
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Access(access::AMQPMethod::RequestOk(access::RequestOk {})),
+                );
                 Ok(())
             }
-            _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")),
+            _ => Err(AmqpError::connection(
+                ReplyCode::CommandInvalid,
+                "unimplemented method",
+            )),
         };
         r.map_err(|e| e.with_method(class_id, method_id))
     }
@@ -330,7 +419,9 @@ fn expand_queue_name(chan: &Channel, name: &str) -> Result<String, AmqpError> {
     if !name.is_empty() {
         return Ok(name.to_string());
     }
-    chan.last_queue.clone().ok_or_else(|| AmqpError::channel(ReplyCode::NotFound, "no previously declared queue"))
+    chan.last_queue
+        .clone()
+        .ok_or_else(|| AmqpError::channel(ReplyCode::NotFound, "no previously declared queue"))
 }
 
 fn locked(q: &Queue, vhost: &str) -> AmqpError {
@@ -352,12 +443,22 @@ fn usable_queue(ctx: &Ctx, name: &str) -> Result<Arc<Queue>, AmqpError> {
     }
 }
 
-fn handle_queue(ctx: &Ctx, chan: &mut Channel, ch: u16, m: queue::AMQPMethod, out: &mut FrameWriter) -> Result<(), AmqpError> {
+fn handle_queue(
+    ctx: &Ctx,
+    chan: &mut Channel,
+    ch: u16,
+    m: queue::AMQPMethod,
+    out: &mut FrameWriter,
+) -> Result<(), AmqpError> {
     let vhost = &ctx.vhost;
     match m {
         queue::AMQPMethod::Declare(d) => {
             let requested = d.queue.as_str();
-            let name = if requested.is_empty() { ctx.broker.unique_name("amq.gen-") } else { requested.to_string() };
+            let name = if requested.is_empty() {
+                ctx.broker.unique_name("amq.gen-")
+            } else {
+                requested.to_string()
+            };
             let q = if d.passive {
                 usable_queue(ctx, &name)?
             } else {
@@ -372,10 +473,24 @@ fn handle_queue(ctx: &Ctx, chan: &mut Channel, ch: u16, m: queue::AMQPMethod, ou
                 let durable = d.durable && !d.exclusive;
                 let owner = d.exclusive.then_some(ctx.conn_id);
                 let (q, created) = vhost.declare_queue(|| {
-                    Queue::new(&name, &vhost.name, durable, d.auto_delete, owner, d.arguments.clone())
+                    Queue::new(
+                        &name,
+                        &vhost.name,
+                        durable,
+                        d.auto_delete,
+                        owner,
+                        d.arguments.clone(),
+                    )
                 });
                 if !created {
-                    check_queue_equivalence(ctx, &q, d.exclusive, durable, d.auto_delete, &d.arguments)?;
+                    check_queue_equivalence(
+                        ctx,
+                        &q,
+                        d.exclusive,
+                        durable,
+                        d.auto_delete,
+                        &d.arguments,
+                    )?;
                 }
                 q
             };
@@ -396,13 +511,26 @@ fn handle_queue(ctx: &Ctx, chan: &mut Channel, ch: u16, m: queue::AMQPMethod, ou
         }
         queue::AMQPMethod::Bind(b) => {
             let qname = expand_queue_name(chan, b.queue.as_str())?;
-            let rk = if b.routing_key.as_str().is_empty() && b.queue.as_str().is_empty() { qname.clone() } else { b.routing_key.as_str().to_string() };
+            let rk = if b.routing_key.as_str().is_empty() && b.queue.as_str().is_empty() {
+                qname.clone()
+            } else {
+                b.routing_key.as_str().to_string()
+            };
             if vhost.queue(&qname).is_some() {
                 usable_queue(ctx, &qname)?;
             }
-            vhost.bind(b.exchange.as_str(), Destination::Queue(qname), &rk, b.arguments)?;
+            vhost.bind(
+                b.exchange.as_str(),
+                Destination::Queue(qname),
+                &rk,
+                b.arguments,
+            )?;
             if !b.nowait {
-                reply(out, ch, AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {})));
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {})),
+                );
             }
             Ok(())
         }
@@ -411,15 +539,30 @@ fn handle_queue(ctx: &Ctx, chan: &mut Channel, ch: u16, m: queue::AMQPMethod, ou
             if vhost.queue(&qname).is_some() {
                 usable_queue(ctx, &qname)?;
             }
-            vhost.unbind(u.exchange.as_str(), Destination::Queue(qname), u.routing_key.as_str(), u.arguments)?;
-            reply(out, ch, AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})));
+            vhost.unbind(
+                u.exchange.as_str(),
+                Destination::Queue(qname),
+                u.routing_key.as_str(),
+                u.arguments,
+            )?;
+            reply(
+                out,
+                ch,
+                AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})),
+            );
             Ok(())
         }
         queue::AMQPMethod::Purge(p) => {
             let q = usable_queue(ctx, &expand_queue_name(chan, p.queue.as_str())?)?;
             let n = q.purge();
             if !p.nowait {
-                reply(out, ch, AMQPClass::Queue(queue::AMQPMethod::PurgeOk(queue::PurgeOk { message_count: n })));
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Queue(queue::AMQPMethod::PurgeOk(queue::PurgeOk {
+                        message_count: n,
+                    })),
+                );
             }
             Ok(())
         }
@@ -431,35 +574,62 @@ fn handle_queue(ctx: &Ctx, chan: &mut Channel, ch: u16, m: queue::AMQPMethod, ou
                     let q = usable_queue(ctx, &name)?;
                     let c = q.counts();
                     if d.if_empty && c.messages > 0 {
-                        return Err(AmqpError::channel(ReplyCode::PreconditionFailed, format!("{} not empty", rs("queue", &name, &vhost.name))));
+                        return Err(AmqpError::channel(
+                            ReplyCode::PreconditionFailed,
+                            format!("{} not empty", rs("queue", &name, &vhost.name)),
+                        ));
                     }
                     if d.if_unused && c.consumers > 0 {
-                        return Err(AmqpError::channel(ReplyCode::PreconditionFailed, format!("{} in use", rs("queue", &name, &vhost.name))));
+                        return Err(AmqpError::channel(
+                            ReplyCode::PreconditionFailed,
+                            format!("{} in use", rs("queue", &name, &vhost.name)),
+                        ));
                     }
                     vhost.delete_queue(&q).unwrap_or(0)
                 }
             };
             if !d.nowait {
-                reply(out, ch, AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk { message_count: count })));
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk {
+                        message_count: count,
+                    })),
+                );
             }
             Ok(())
         }
-        _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")),
+        _ => Err(AmqpError::connection(
+            ReplyCode::CommandInvalid,
+            "unimplemented method",
+        )),
     }
 }
 
-fn check_queue_equivalence(ctx: &Ctx, q: &Queue, exclusive: bool, durable: bool, auto_delete: bool, args: &FieldTable) -> Result<(), AmqpError> {
+fn check_queue_equivalence(
+    ctx: &Ctx,
+    q: &Queue,
+    exclusive: bool,
+    durable: bool,
+    auto_delete: bool,
+    args: &FieldTable,
+) -> Result<(), AmqpError> {
     let what = rs("queue", &q.name, &ctx.vhost.name);
     match q.exclusive_owner {
         Some(owner) if owner != ctx.conn_id => return Err(locked(q, &ctx.vhost.name)),
         None if exclusive => return Err(locked(q, &ctx.vhost.name)),
         _ => {}
     }
-    for (arg, want, have) in [("durable", durable, q.durable), ("auto_delete", auto_delete, q.auto_delete)] {
+    for (arg, want, have) in [
+        ("durable", durable, q.durable),
+        ("auto_delete", auto_delete, q.auto_delete),
+    ] {
         if want != have {
             return Err(AmqpError::channel(
                 ReplyCode::PreconditionFailed,
-                format!("inequivalent arg '{arg}' for {what}: received '{want}' but current is '{have}'"),
+                format!(
+                    "inequivalent arg '{arg}' for {what}: received '{want}' but current is '{have}'"
+                ),
             ));
         }
     }
@@ -479,9 +649,19 @@ fn check_queue_equivalence(ctx: &Ctx, q: &Queue, exclusive: bool, durable: bool,
     Ok(())
 }
 
-fn handle_exchange(ctx: &Ctx, ch: u16, m: exchange::AMQPMethod, out: &mut FrameWriter) -> Result<(), AmqpError> {
+fn handle_exchange(
+    ctx: &Ctx,
+    ch: u16,
+    m: exchange::AMQPMethod,
+    out: &mut FrameWriter,
+) -> Result<(), AmqpError> {
     let vhost = &ctx.vhost;
-    let default_refused = || AmqpError::channel(ReplyCode::AccessRefused, "operation not permitted on the default exchange");
+    let default_refused = || {
+        AmqpError::channel(
+            ReplyCode::AccessRefused,
+            "operation not permitted on the default exchange",
+        )
+    };
     match m {
         exchange::AMQPMethod::Declare(d) => {
             let name = d.exchange.as_str();
@@ -492,18 +672,31 @@ fn handle_exchange(ctx: &Ctx, ch: u16, m: exchange::AMQPMethod, out: &mut FrameW
                 vhost.check_exchange(name)?;
             } else {
                 let kind = ExchangeKind::parse(d.kind.as_str()).ok_or_else(|| {
-                    AmqpError::channel(ReplyCode::PreconditionFailed, format!("unknown exchange type '{}'", d.kind.as_str()))
+                    AmqpError::channel(
+                        ReplyCode::PreconditionFailed,
+                        format!("unknown exchange type '{}'", d.kind.as_str()),
+                    )
                 })?;
                 if name.is_empty() {
                     return Err(default_refused());
                 }
                 vhost.declare_exchange(
                     name,
-                    ExchangeDecl { kind, durable: d.durable, auto_delete: d.auto_delete, internal: d.internal, arguments: d.arguments },
+                    ExchangeDecl {
+                        kind,
+                        durable: d.durable,
+                        auto_delete: d.auto_delete,
+                        internal: d.internal,
+                        arguments: d.arguments,
+                    },
                 )?;
             }
             if !d.nowait {
-                reply(out, ch, AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})));
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+                );
             }
             Ok(())
         }
@@ -513,69 +706,147 @@ fn handle_exchange(ctx: &Ctx, ch: u16, m: exchange::AMQPMethod, out: &mut FrameW
             }
             vhost.delete_exchange(d.exchange.as_str(), d.if_unused)?;
             if !d.nowait {
-                reply(out, ch, AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})));
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {})),
+                );
             }
             Ok(())
         }
         exchange::AMQPMethod::Bind(b) => {
-            vhost.bind(b.source.as_str(), Destination::Exchange(b.destination.as_str().to_string()), b.routing_key.as_str(), b.arguments)?;
+            vhost.bind(
+                b.source.as_str(),
+                Destination::Exchange(b.destination.as_str().to_string()),
+                b.routing_key.as_str(),
+                b.arguments,
+            )?;
             if !b.nowait {
-                reply(out, ch, AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {})));
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {})),
+                );
             }
             Ok(())
         }
         exchange::AMQPMethod::Unbind(u) => {
-            vhost.unbind(u.source.as_str(), Destination::Exchange(u.destination.as_str().to_string()), u.routing_key.as_str(), u.arguments)?;
+            vhost.unbind(
+                u.source.as_str(),
+                Destination::Exchange(u.destination.as_str().to_string()),
+                u.routing_key.as_str(),
+                u.arguments,
+            )?;
             if !u.nowait {
-                reply(out, ch, AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})));
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {})),
+                );
             }
             Ok(())
         }
-        _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")),
+        _ => Err(AmqpError::connection(
+            ReplyCode::CommandInvalid,
+            "unimplemented method",
+        )),
     }
 }
 
-fn handle_tx(ctx: &Ctx, chan: &mut Channel, ch: u16, m: tx::AMQPMethod, out: &mut FrameWriter) -> Result<(), AmqpError> {
-    let not_tx = || AmqpError::channel(ReplyCode::PreconditionFailed, "channel is not transactional");
+fn handle_tx(
+    ctx: &Ctx,
+    chan: &mut Channel,
+    ch: u16,
+    m: tx::AMQPMethod,
+    out: &mut FrameWriter,
+) -> Result<(), AmqpError> {
+    let not_tx = || {
+        AmqpError::channel(
+            ReplyCode::PreconditionFailed,
+            "channel is not transactional",
+        )
+    };
     match m {
         tx::AMQPMethod::Select(_) => {
             match chan.mode {
-                Mode::Confirm { .. } => return Err(AmqpError::channel(ReplyCode::PreconditionFailed, "cannot switch from confirm to tx mode")),
+                Mode::Confirm { .. } => {
+                    return Err(AmqpError::channel(
+                        ReplyCode::PreconditionFailed,
+                        "cannot switch from confirm to tx mode",
+                    ));
+                }
                 Mode::Plain => chan.mode = Mode::Tx(TxBuffer::default()),
                 Mode::Tx(_) => {}
             }
-            reply(out, ch, AMQPClass::Tx(tx::AMQPMethod::SelectOk(tx::SelectOk {})));
+            reply(
+                out,
+                ch,
+                AMQPClass::Tx(tx::AMQPMethod::SelectOk(tx::SelectOk {})),
+            );
             Ok(())
         }
         tx::AMQPMethod::Commit(_) => {
-            let Mode::Tx(buf) = &mut chan.mode else { return Err(not_tx()) };
+            let Mode::Tx(buf) = &mut chan.mode else {
+                return Err(not_tx());
+            };
             let buf = std::mem::take(buf);
             for p in buf.publishes {
-                route_and_enqueue(ctx, chan, ch, &p.exchange, &p.routing_key, p.mandatory, p.content, out)?;
+                route_and_enqueue(
+                    ctx,
+                    chan,
+                    ch,
+                    &p.exchange,
+                    &p.routing_key,
+                    p.mandatory,
+                    p.content,
+                    out,
+                )?;
             }
             for (action, _, u) in buf.acks {
                 apply_acks(action, [u]);
             }
-            reply(out, ch, AMQPClass::Tx(tx::AMQPMethod::CommitOk(tx::CommitOk {})));
+            reply(
+                out,
+                ch,
+                AMQPClass::Tx(tx::AMQPMethod::CommitOk(tx::CommitOk {})),
+            );
             Ok(())
         }
         tx::AMQPMethod::Rollback(_) => {
-            let Mode::Tx(buf) = &mut chan.mode else { return Err(not_tx()) };
+            let Mode::Tx(buf) = &mut chan.mode else {
+                return Err(not_tx());
+            };
             let buf = std::mem::take(buf);
             // Acks not committed make their messages unacked again.
             for (_, tag, u) in buf.acks {
                 chan.unacked.insert(tag, u);
             }
-            reply(out, ch, AMQPClass::Tx(tx::AMQPMethod::RollbackOk(tx::RollbackOk {})));
+            reply(
+                out,
+                ch,
+                AMQPClass::Tx(tx::AMQPMethod::RollbackOk(tx::RollbackOk {})),
+            );
             Ok(())
         }
-        _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")),
+        _ => Err(AmqpError::connection(
+            ReplyCode::CommandInvalid,
+            "unimplemented method",
+        )),
     }
 }
 
 /// Take the unacked entries an ack/nack/reject names, or fail with 406 unknown delivery tag.
-fn take_acked(chan: &mut Channel, tag: u64, multiple: bool) -> Result<Vec<(u64, Unacked)>, AmqpError> {
-    let unknown = || AmqpError::channel(ReplyCode::PreconditionFailed, format!("unknown delivery tag {tag}"));
+fn take_acked(
+    chan: &mut Channel,
+    tag: u64,
+    multiple: bool,
+) -> Result<Vec<(u64, Unacked)>, AmqpError> {
+    let unknown = || {
+        AmqpError::channel(
+            ReplyCode::PreconditionFailed,
+            format!("unknown delivery tag {tag}"),
+        )
+    };
     if multiple {
         if tag == 0 {
             return Ok(std::mem::take(&mut chan.unacked).into_iter().collect());
@@ -587,33 +858,58 @@ fn take_acked(chan: &mut Channel, tag: u64, multiple: bool) -> Result<Vec<(u64, 
         let taken = std::mem::replace(&mut chan.unacked, rest);
         Ok(taken.into_iter().collect())
     } else {
-        chan.unacked.remove(&tag).map(|u| vec![(tag, u)]).ok_or_else(unknown)
+        chan.unacked
+            .remove(&tag)
+            .map(|u| vec![(tag, u)])
+            .ok_or_else(unknown)
     }
 }
 
-fn settle(chan: &mut Channel, action: AckAction, tag: u64, multiple: bool) -> Result<(), AmqpError> {
+fn settle(
+    chan: &mut Channel,
+    action: AckAction,
+    tag: u64,
+    multiple: bool,
+) -> Result<(), AmqpError> {
     let taken = take_acked(chan, tag, multiple)?;
     if let Mode::Tx(buf) = &mut chan.mode {
-        buf.acks.extend(taken.into_iter().map(|(t, u)| (action, t, u)));
+        buf.acks
+            .extend(taken.into_iter().map(|(t, u)| (action, t, u)));
     } else {
         apply_acks(action, taken.into_iter().map(|(_, u)| u));
     }
     Ok(())
 }
 
-fn handle_basic(ctx: &Ctx, chan: &mut Channel, ch: u16, m: basic::AMQPMethod, content: Option<Content>, out: &mut FrameWriter) -> Result<(), AmqpError> {
+fn handle_basic(
+    ctx: &Ctx,
+    chan: &mut Channel,
+    ch: u16,
+    m: basic::AMQPMethod,
+    content: Option<Content>,
+    out: &mut FrameWriter,
+) -> Result<(), AmqpError> {
     match m {
         basic::AMQPMethod::Publish(p) => {
-            let content = content.ok_or_else(|| AmqpError::connection(ReplyCode::FrameError, "publish without content"))?;
+            let content = content.ok_or_else(|| {
+                AmqpError::connection(ReplyCode::FrameError, "publish without content")
+            })?;
             if p.immediate {
-                return Err(AmqpError::channel(ReplyCode::NotImplemented, "immediate=true"));
+                return Err(AmqpError::channel(
+                    ReplyCode::NotImplemented,
+                    "immediate=true",
+                ));
             }
             if let Some(user_id) = content.properties.user_id()
                 && user_id != ctx.user.as_bytes()
             {
                 return Err(AmqpError::channel(
                     ReplyCode::PreconditionFailed,
-                    format!("user_id property set to '{}' but authenticated user was '{}'", String::from_utf8_lossy(user_id), ctx.user),
+                    format!(
+                        "user_id property set to '{}' but authenticated user was '{}'",
+                        String::from_utf8_lossy(user_id),
+                        ctx.user
+                    ),
                 ));
             }
             if let Mode::Tx(buf) = &mut chan.mode {
@@ -627,22 +923,49 @@ fn handle_basic(ctx: &Ctx, chan: &mut Channel, ch: u16, m: basic::AMQPMethod, co
                 });
                 return Ok(());
             }
-            route_and_enqueue(ctx, chan, ch, p.exchange.as_str(), p.routing_key.as_str(), p.mandatory, content, out)
+            route_and_enqueue(
+                ctx,
+                chan,
+                ch,
+                p.exchange.as_str(),
+                p.routing_key.as_str(),
+                p.mandatory,
+                content,
+                out,
+            )
         }
         basic::AMQPMethod::Ack(a) => settle(chan, AckAction::Settle, a.delivery_tag, a.multiple),
-        basic::AMQPMethod::Nack(n) => {
-            settle(chan, if n.requeue { AckAction::Requeue } else { AckAction::Discard }, n.delivery_tag, n.multiple)
-        }
-        basic::AMQPMethod::Reject(r) => {
-            settle(chan, if r.requeue { AckAction::Requeue } else { AckAction::Discard }, r.delivery_tag, false)
-        }
+        basic::AMQPMethod::Nack(n) => settle(
+            chan,
+            if n.requeue {
+                AckAction::Requeue
+            } else {
+                AckAction::Discard
+            },
+            n.delivery_tag,
+            n.multiple,
+        ),
+        basic::AMQPMethod::Reject(r) => settle(
+            chan,
+            if r.requeue {
+                AckAction::Requeue
+            } else {
+                AckAction::Discard
+            },
+            r.delivery_tag,
+            false,
+        ),
         basic::AMQPMethod::Qos(q) => {
             if q.global {
                 chan.prefetch_channel = u32::from(q.prefetch_count);
             } else {
                 chan.prefetch_consumer = u32::from(q.prefetch_count);
             }
-            reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {})));
+            reply(
+                out,
+                ch,
+                AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {})),
+            );
             Ok(())
         }
         basic::AMQPMethod::Consume(c) => {
@@ -654,28 +977,64 @@ fn handle_basic(ctx: &Ctx, chan: &mut Channel, ch: u16, m: basic::AMQPMethod, co
                 c.consumer_tag.as_str().to_string()
             };
             if chan.consumers.contains_key(&tag) {
-                return Err(AmqpError::channel(ReplyCode::NotAllowed, format!("attempt to reuse consumer tag '{tag}'")));
+                return Err(AmqpError::channel(
+                    ReplyCode::NotAllowed,
+                    format!("attempt to reuse consumer tag '{tag}'"),
+                ));
             }
             if chan.consumers.len() >= crate::limits::CONSUMERS_PER_CHANNEL_MAX {
                 return Err(AmqpError::channel(
                     ReplyCode::NotAllowed,
-                    format!("reached maximum ({}) of consumers per channel", crate::limits::CONSUMERS_PER_CHANNEL_MAX),
+                    format!(
+                        "reached maximum ({}) of consumers per channel",
+                        crate::limits::CONSUMERS_PER_CHANNEL_MAX
+                    ),
                 ));
             }
-            let prefetch = if chan.prefetch_consumer > 0 { chan.prefetch_consumer } else { chan.prefetch_channel };
+            let prefetch = if chan.prefetch_consumer > 0 {
+                chan.prefetch_consumer
+            } else {
+                chan.prefetch_channel
+            };
             let id = ctx.broker.next_id();
-            let spec = ConsumerSpec { prefetch, window: ctx.broker.config.consumer_window, no_ack: c.no_ack, exclusive: c.exclusive };
+            let spec = ConsumerSpec {
+                prefetch,
+                window: ctx.broker.config.consumer_window,
+                no_ack: c.no_ack,
+                exclusive: c.exclusive,
+            };
             // consume-ok must precede the first delivery: write it before attaching (deliveries
             // reach the socket only when the outbox is drained, after this).
             if !c.nowait {
-                reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk { consumer_tag: tag.as_str().into() })));
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+                        consumer_tag: tag.as_str().into(),
+                    })),
+                );
             }
-            chan.consumers.insert(tag.clone(), ConsumerEntry { id, queue: Arc::clone(&q), no_ack: c.no_ack });
-            if let Err(MachineError::ExclusiveInUse | MachineError::DuplicateConsumer) =
-                q.consume(id, spec, ConsumerSink { outbox: Arc::clone(&ctx.outbox), channel: ch })
-            {
+            chan.consumers.insert(
+                tag.clone(),
+                ConsumerEntry {
+                    id,
+                    queue: Arc::clone(&q),
+                    no_ack: c.no_ack,
+                },
+            );
+            if let Err(MachineError::ExclusiveInUse | MachineError::DuplicateConsumer) = q.consume(
+                id,
+                spec,
+                ConsumerSink {
+                    outbox: Arc::clone(&ctx.outbox),
+                    channel: ch,
+                },
+            ) {
                 chan.consumers.remove(&tag);
-                return Err(AmqpError::channel(ReplyCode::AccessRefused, format!("{} in exclusive use", rs("queue", &q.name, &ctx.vhost.name))));
+                return Err(AmqpError::channel(
+                    ReplyCode::AccessRefused,
+                    format!("{} in exclusive use", rs("queue", &q.name, &ctx.vhost.name)),
+                ));
             }
             Ok(())
         }
@@ -686,22 +1045,45 @@ fn handle_basic(ctx: &Ctx, chan: &mut Channel, ch: u16, m: basic::AMQPMethod, co
                 ctx.vhost.delete_queue(&entry.queue);
             }
             if !c.nowait {
-                reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk { consumer_tag: c.consumer_tag })));
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk {
+                        consumer_tag: c.consumer_tag,
+                    })),
+                );
             }
             Ok(())
         }
         basic::AMQPMethod::Get(g) => {
             let q = usable_queue(ctx, &expand_queue_name(chan, g.queue.as_str())?)?;
             match q.get(g.no_ack) {
-                None => reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {}))),
+                None => reply(
+                    out,
+                    ch,
+                    AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
+                ),
                 Some((id, msg, redelivered, remaining)) => {
                     let tag = chan.next_tag;
                     chan.next_tag += 1;
                     if !g.no_ack {
-                        chan.unacked.insert(tag, Unacked { queue: Arc::clone(&q), id });
+                        chan.unacked.insert(
+                            tag,
+                            Unacked {
+                                queue: Arc::clone(&q),
+                                id,
+                            },
+                        );
                     }
                     out.method_with(ch, |b| {
-                        put_basic_get_ok(b, tag, redelivered, msg.exchange.as_bytes(), msg.routing_key.as_bytes(), remaining);
+                        put_basic_get_ok(
+                            b,
+                            tag,
+                            redelivered,
+                            msg.exchange.as_bytes(),
+                            msg.routing_key.as_bytes(),
+                            remaining,
+                        );
                     });
                     out.content(ch, &msg.properties.raw, &msg.body);
                 }
@@ -710,17 +1092,27 @@ fn handle_basic(ctx: &Ctx, chan: &mut Channel, ch: u16, m: basic::AMQPMethod, co
         }
         basic::AMQPMethod::Recover(r) => {
             recover(chan, r.requeue)?;
-            reply(out, ch, AMQPClass::Basic(basic::AMQPMethod::RecoverOk(basic::RecoverOk {})));
+            reply(
+                out,
+                ch,
+                AMQPClass::Basic(basic::AMQPMethod::RecoverOk(basic::RecoverOk {})),
+            );
             Ok(())
         }
         basic::AMQPMethod::RecoverAsync(r) => recover(chan, r.requeue),
-        _ => Err(AmqpError::connection(ReplyCode::CommandInvalid, "unimplemented method")),
+        _ => Err(AmqpError::connection(
+            ReplyCode::CommandInvalid,
+            "unimplemented method",
+        )),
     }
 }
 
 fn recover(chan: &mut Channel, requeue: bool) -> Result<(), AmqpError> {
     if !requeue {
-        return Err(AmqpError::channel(ReplyCode::NotImplemented, "requeue=false"));
+        return Err(AmqpError::channel(
+            ReplyCode::NotImplemented,
+            "requeue=false",
+        ));
     }
     let all = std::mem::take(&mut chan.unacked);
     apply_acks(AckAction::Requeue, all.into_values());
@@ -738,10 +1130,16 @@ fn route_and_enqueue(
     content: Content,
     out: &mut FrameWriter,
 ) -> Result<(), AmqpError> {
-    let headers = if ctx.vhost.routes_on_headers() { content.properties.headers() } else { None };
+    let headers = if ctx.vhost.routes_on_headers() {
+        content.properties.headers()
+    } else {
+        None
+    };
     let mut targets = std::mem::take(&mut chan.route_buf);
     targets.clear();
-    let routed = ctx.vhost.route(exchange, routing_key, headers.as_ref(), &mut targets);
+    let routed = ctx
+        .vhost
+        .route(exchange, routing_key, headers.as_ref(), &mut targets);
     if let Err(e) = routed {
         chan.route_buf = targets;
         return Err(e);
@@ -758,7 +1156,15 @@ fn route_and_enqueue(
     }
     chan.route_buf = targets;
     if !delivered && mandatory {
-        out.method_with(ch, |b| put_basic_return(b, ReplyCode::NoRoute.code(), b"NO_ROUTE", exchange.as_bytes(), routing_key.as_bytes()));
+        out.method_with(ch, |b| {
+            put_basic_return(
+                b,
+                ReplyCode::NoRoute.code(),
+                b"NO_ROUTE",
+                exchange.as_bytes(),
+                routing_key.as_bytes(),
+            )
+        });
         out.content(ch, &message.properties.raw, &message.body);
     }
     if let Mode::Confirm { last_seq, .. } = &mut chan.mode {

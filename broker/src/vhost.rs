@@ -60,10 +60,17 @@ pub fn rs(kind: &str, name: &str, vhost: &str) -> String {
     format!("{kind} '{name}' in vhost '{vhost}'")
 }
 
-fn equivalence_fail(arg: &str, what: &str, received: impl std::fmt::Display, current: impl std::fmt::Display) -> AmqpError {
+fn equivalence_fail(
+    arg: &str,
+    what: &str,
+    received: impl std::fmt::Display,
+    current: impl std::fmt::Display,
+) -> AmqpError {
     AmqpError::channel(
         ReplyCode::PreconditionFailed,
-        format!("inequivalent arg '{arg}' for {what}: received {received} but current is {current}"),
+        format!(
+            "inequivalent arg '{arg}' for {what}: received {received} but current is {current}"
+        ),
     )
 }
 
@@ -73,13 +80,22 @@ impl VHost {
     pub fn new(name: &str) -> Self {
         let mut t = Topology::default();
         for (ex, kind) in PREDECLARED {
-            t.exchanges.insert((*ex).to_string(), Exchange::new(ex, *kind, true, false, false, FieldTable::default()));
+            t.exchanges.insert(
+                (*ex).to_string(),
+                Exchange::new(ex, *kind, true, false, false, FieldTable::default()),
+            );
         }
-        Self { name: name.to_string(), topology: RwLock::new(t) }
+        Self {
+            name: name.to_string(),
+            topology: RwLock::new(t),
+        }
     }
 
     fn not_found(&self, kind: &str, name: &str) -> AmqpError {
-        AmqpError::channel(ReplyCode::NotFound, format!("no {}", rs(kind, name, &self.name)))
+        AmqpError::channel(
+            ReplyCode::NotFound,
+            format!("no {}", rs(kind, name, &self.name)),
+        )
     }
 
     /// exchange.declare (non-passive): create, or check equivalence with the existing one.
@@ -88,7 +104,12 @@ impl VHost {
         let what = rs("exchange", name, &self.name);
         if let Some(ex) = t.exchanges.get(name) {
             if ex.kind != decl.kind {
-                return Err(equivalence_fail("type", &what, format!("'{}'", decl.kind.as_str()), format!("'{}'", ex.kind.as_str())));
+                return Err(equivalence_fail(
+                    "type",
+                    &what,
+                    format!("'{}'", decl.kind.as_str()),
+                    format!("'{}'", ex.kind.as_str()),
+                ));
             }
             for (arg, want, have) in [
                 ("durable", decl.durable, ex.durable),
@@ -96,13 +117,26 @@ impl VHost {
                 ("internal", decl.internal, ex.internal),
             ] {
                 if want != have {
-                    return Err(equivalence_fail(arg, &what, format!("'{want}'"), format!("'{have}'")));
+                    return Err(equivalence_fail(
+                        arg,
+                        &what,
+                        format!("'{want}'"),
+                        format!("'{have}'"),
+                    ));
                 }
             }
             let key = "alternate-exchange";
-            let (want, have) = (decl.arguments.inner().get(key), ex.arguments.inner().get(key));
+            let (want, have) = (
+                decl.arguments.inner().get(key),
+                ex.arguments.inner().get(key),
+            );
             if !crate::args::equivalent(want, have) {
-                return Err(equivalence_fail(key, &what, crate::args::render(want), crate::args::render(have)));
+                return Err(equivalence_fail(
+                    key,
+                    &what,
+                    crate::args::render(want),
+                    crate::args::render(have),
+                ));
             }
             return Ok(());
         }
@@ -114,7 +148,14 @@ impl VHost {
         }
         t.exchanges.insert(
             name.to_string(),
-            Exchange::new(name, decl.kind, decl.durable, decl.auto_delete, decl.internal, decl.arguments),
+            Exchange::new(
+                name,
+                decl.kind,
+                decl.durable,
+                decl.auto_delete,
+                decl.internal,
+                decl.arguments,
+            ),
         );
         Ok(())
     }
@@ -127,7 +168,11 @@ impl VHost {
 
     /// exchange.declare passive.
     pub fn check_exchange(&self, name: &str) -> Result<(), AmqpError> {
-        if self.exchange_exists(name) { Ok(()) } else { Err(self.not_found("exchange", name)) }
+        if self.exchange_exists(name) {
+            Ok(())
+        } else {
+            Err(self.not_found("exchange", name))
+        }
     }
 
     /// exchange.delete. A missing exchange is not an error (RabbitMQ 4).
@@ -135,13 +180,21 @@ impl VHost {
         if name.starts_with("amq.") {
             return Err(AmqpError::channel(
                 ReplyCode::AccessRefused,
-                format!("deletion of system exchange '{name}' in vhost '{}' not allowed", self.name),
+                format!(
+                    "deletion of system exchange '{name}' in vhost '{}' not allowed",
+                    self.name
+                ),
             ));
         }
         let mut t = self.topology.write();
-        let Some(ex) = t.exchanges.get(name) else { return Ok(()) };
+        let Some(ex) = t.exchanges.get(name) else {
+            return Ok(());
+        };
         if if_unused && !ex.bindings().is_empty() {
-            return Err(AmqpError::channel(ReplyCode::PreconditionFailed, format!("{} in use", rs("exchange", name, &self.name))));
+            return Err(AmqpError::channel(
+                ReplyCode::PreconditionFailed,
+                format!("{} in use", rs("exchange", name, &self.name)),
+            ));
         }
         t.exchanges.remove(name);
         Self::remove_destination(&mut t, &Destination::Exchange(name.to_string()));
@@ -163,19 +216,42 @@ impl VHost {
     }
 
     /// Add a binding from `source` to `dest`.
-    pub fn bind(&self, source: &str, dest: Destination, routing_key: &str, arguments: FieldTable) -> Result<(), AmqpError> {
+    pub fn bind(
+        &self,
+        source: &str,
+        dest: Destination,
+        routing_key: &str,
+        arguments: FieldTable,
+    ) -> Result<(), AmqpError> {
         let mut t = self.topology.write();
         self.check_binding_ends(&t, source, &dest)?;
-        let ex = t.exchanges.get_mut(source).ok_or_else(|| self.not_found("exchange", source))?;
-        ex.bind(Binding { destination: dest, routing_key: routing_key.to_string(), arguments });
+        let ex = t
+            .exchanges
+            .get_mut(source)
+            .ok_or_else(|| self.not_found("exchange", source))?;
+        ex.bind(Binding {
+            destination: dest,
+            routing_key: routing_key.to_string(),
+            arguments,
+        });
         Ok(())
     }
 
     /// Remove a binding; a missing binding is not an error.
-    pub fn unbind(&self, source: &str, dest: Destination, routing_key: &str, arguments: FieldTable) -> Result<(), AmqpError> {
+    pub fn unbind(
+        &self,
+        source: &str,
+        dest: Destination,
+        routing_key: &str,
+        arguments: FieldTable,
+    ) -> Result<(), AmqpError> {
         let mut t = self.topology.write();
         self.check_binding_ends(&t, source, &dest)?;
-        let binding = Binding { destination: dest, routing_key: routing_key.to_string(), arguments };
+        let binding = Binding {
+            destination: dest,
+            routing_key: routing_key.to_string(),
+            arguments,
+        };
         let mut delete_source = false;
         if let Some(ex) = t.exchanges.get_mut(source) {
             delete_source = ex.unbind(&binding) && ex.auto_delete && ex.bindings().is_empty();
@@ -187,14 +263,28 @@ impl VHost {
         Ok(())
     }
 
-    fn check_binding_ends(&self, t: &Topology, source: &str, dest: &Destination) -> Result<(), AmqpError> {
-        let default_refused = || AmqpError::channel(ReplyCode::AccessRefused, "operation not permitted on the default exchange");
+    fn check_binding_ends(
+        &self,
+        t: &Topology,
+        source: &str,
+        dest: &Destination,
+    ) -> Result<(), AmqpError> {
+        let default_refused = || {
+            AmqpError::channel(
+                ReplyCode::AccessRefused,
+                "operation not permitted on the default exchange",
+            )
+        };
         if source.is_empty() || matches!(dest, Destination::Exchange(d) if d.is_empty()) {
             return Err(default_refused());
         }
         match dest {
-            Destination::Queue(q) if !t.queues.contains_key(q) => return Err(self.not_found("queue", q)),
-            Destination::Exchange(e) if !t.exchanges.contains_key(e) => return Err(self.not_found("exchange", e)),
+            Destination::Queue(q) if !t.queues.contains_key(q) => {
+                return Err(self.not_found("queue", q));
+            }
+            Destination::Exchange(e) if !t.exchanges.contains_key(e) => {
+                return Err(self.not_found("exchange", e));
+            }
             _ => {}
         }
         if !t.exchanges.contains_key(source) {
@@ -211,7 +301,8 @@ impl VHost {
 
     /// A queue by name, or 404.
     pub fn queue_or_404(&self, name: &str) -> Result<Arc<Queue>, AmqpError> {
-        self.queue(name).ok_or_else(|| self.not_found("queue", name))
+        self.queue(name)
+            .ok_or_else(|| self.not_found("queue", name))
     }
 
     /// Insert a new queue, or return the existing one of that name (the caller checks
@@ -222,7 +313,8 @@ impl VHost {
         if let Some(q) = t.queues.get(&candidate.name) {
             return (Arc::clone(q), false);
         }
-        t.queues.insert(candidate.name.clone(), Arc::clone(&candidate));
+        t.queues
+            .insert(candidate.name.clone(), Arc::clone(&candidate));
         (candidate, true)
     }
 
@@ -244,13 +336,25 @@ impl VHost {
 
     /// Route a message: the queues it reaches, each once. Follows exchange-to-exchange bindings
     /// and alternate exchanges, never visiting an exchange twice.
-    pub fn route(&self, exchange: &str, routing_key: &str, headers: Option<&FieldTable>, out: &mut Vec<Arc<Queue>>) -> Result<(), AmqpError> {
+    pub fn route(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        headers: Option<&FieldTable>,
+        out: &mut Vec<Arc<Queue>>,
+    ) -> Result<(), AmqpError> {
         let t = self.topology.read();
-        let ex = t.exchanges.get(exchange).ok_or_else(|| self.not_found("exchange", exchange))?;
+        let ex = t
+            .exchanges
+            .get(exchange)
+            .ok_or_else(|| self.not_found("exchange", exchange))?;
         if ex.internal {
             return Err(AmqpError::channel(
                 ReplyCode::AccessRefused,
-                format!("cannot publish to internal {}", rs("exchange", exchange, &self.name)),
+                format!(
+                    "cannot publish to internal {}",
+                    rs("exchange", exchange, &self.name)
+                ),
             ));
         }
         if exchange.is_empty() {
@@ -268,12 +372,17 @@ impl VHost {
             if !visited.insert(name) {
                 continue;
             }
-            let Some(ex) = t.exchanges.get(name) else { continue };
+            let Some(ex) = t.exchanges.get(name) else {
+                continue;
+            };
             dests.clear();
             ex.route(routing_key, headers, &mut dests);
             if dests.is_empty() {
                 if let Some(ae) = ex.arguments.inner().get("alternate-exchange")
-                    && let Some(ae_name) = t.exchanges.get_key_value(&crate::args::render_plain(ae)).map(|(k, _)| k.as_str())
+                    && let Some(ae_name) = t
+                        .exchanges
+                        .get_key_value(&crate::args::render_plain(ae))
+                        .map(|(k, _)| k.as_str())
                 {
                     pending.push(ae_name);
                 }
@@ -288,14 +397,24 @@ impl VHost {
         }
         queue_names.sort_unstable();
         queue_names.dedup();
-        out.extend(queue_names.into_iter().filter_map(|q| t.queues.get(q).cloned()));
+        out.extend(
+            queue_names
+                .into_iter()
+                .filter_map(|q| t.queues.get(q).cloned()),
+        );
         Ok(())
     }
 
     /// Delete every exclusive queue owned by a connection.
     pub fn delete_exclusive_queues(&self, owner: u64) {
-        let owned: Vec<Arc<Queue>> =
-            self.topology.read().queues.values().filter(|q| q.exclusive_owner == Some(owner)).cloned().collect();
+        let owned: Vec<Arc<Queue>> = self
+            .topology
+            .read()
+            .queues
+            .values()
+            .filter(|q| q.exclusive_owner == Some(owner))
+            .cloned()
+            .collect();
         for q in owned {
             self.delete_queue(&q);
         }
@@ -307,6 +426,10 @@ impl VHost {
     /// has bindings (it may be reached through exchange-to-exchange bindings).
     #[must_use]
     pub fn routes_on_headers(&self) -> bool {
-        self.topology.read().exchanges.values().any(|e| e.kind == ExchangeKind::Headers && !e.bindings().is_empty())
+        self.topology
+            .read()
+            .exchanges
+            .values()
+            .any(|e| e.kind == ExchangeKind::Headers && !e.bindings().is_empty())
     }
 }

@@ -1,1 +1,113 @@
-//! Test helpers.
+//! Test harness: start the real `warren` binary on a free port and stop it afterwards.
+//!
+//! The binary is `$WARREN_BIN`, or `target/debug/warren` in the workspace (built by
+//! `cargo build --bin warren`, which the README's test command runs first).
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// A running broker process, killed on drop.
+#[derive(Debug)]
+pub struct Broker {
+    child: Child,
+    /// `127.0.0.1:PORT` the broker listens on.
+    pub addr: String,
+    data_dir: PathBuf,
+}
+
+fn binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("WARREN_BIN") {
+        return PathBuf::from(p);
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("target")
+        .join("debug")
+        .join("warren")
+}
+
+impl Broker {
+    /// Start a broker on an ephemeral loopback port and wait for its "listening" line.
+    ///
+    /// # Panics
+    /// If the binary is missing or does not report a listening address within 20 s.
+    #[must_use]
+    pub fn start() -> Self {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let bin = binary();
+        assert!(
+            bin.exists(),
+            "warren binary not found at {}; run `cargo build --bin warren`",
+            bin.display()
+        );
+        let data_dir = std::env::temp_dir().join(format!(
+            "warren-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        let mut child = Command::new(&bin)
+            .args([
+                "server",
+                "--amqp-listen",
+                "127.0.0.1:0",
+                "--log-level",
+                "warn",
+                "--data-dir",
+            ])
+            .arg(&data_dir)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn warren");
+        let stdout = child.stdout.take().expect("stdout piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(addr) = line.strip_prefix("warren: amqp listening on ") {
+                    let _ = tx.send(addr.to_string());
+                }
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let addr = rx
+            .recv_timeout(deadline - Instant::now())
+            .expect("warren did not report its listening address");
+        Self {
+            child,
+            addr,
+            data_dir,
+        }
+    }
+
+    /// The AMQP URI for guest on vhost "/".
+    #[must_use]
+    pub fn uri(&self) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.addr)
+    }
+
+    /// Send SIGTERM and wait for exit; returns the exit status code.
+    ///
+    /// # Panics
+    /// If the process cannot be signalled or waited for.
+    pub fn terminate(mut self) -> Option<i32> {
+        let status = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("kill");
+        assert!(status.success());
+        let code = self.child.wait().expect("wait").code();
+        code
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.data_dir);
+    }
+}

@@ -40,7 +40,8 @@ impl XMatch {
 
 fn same_value(a: &AMQPValue, b: &AMQPValue) -> bool {
     match (a, b) {
-        (AMQPValue::LongString(x), AMQPValue::ShortString(y)) | (AMQPValue::ShortString(y), AMQPValue::LongString(x)) => {
+        (AMQPValue::LongString(x), AMQPValue::ShortString(y))
+        | (AMQPValue::ShortString(y), AMQPValue::LongString(x)) => {
             x.as_bytes() == y.as_str().as_bytes()
         }
         _ => a == b,
@@ -50,7 +51,9 @@ fn same_value(a: &AMQPValue, b: &AMQPValue) -> bool {
 /// Whether message `headers` satisfy a binding's `args`.
 #[must_use]
 pub fn matches(args: &FieldTable, headers: Option<&FieldTable>) -> bool {
-    let Some(mode) = XMatch::from_args(args) else { return false };
+    let Some(mode) = XMatch::from_args(args) else {
+        return false;
+    };
     let with_x = matches!(mode, XMatch::AllWithX | XMatch::AnyWithX);
     let any = matches!(mode, XMatch::Any | XMatch::AnyWithX);
     let mut considered = 0usize;
@@ -100,13 +103,35 @@ mod tests {
         let h = table(&[("a", s("1")), ("b", s("2")), ("x-k", s("x"))]);
         assert!(matches(&table(&[("a", s("1")), ("b", s("2"))]), Some(&h)));
         assert!(!matches(&table(&[("a", s("1")), ("b", s("3"))]), Some(&h)));
-        assert!(matches(&table(&[("x-match", s("any")), ("a", s("9")), ("b", s("2"))]), Some(&h)));
-        assert!(!matches(&table(&[("x-match", s("any")), ("a", s("9"))]), Some(&h)));
+        assert!(matches(
+            &table(&[("x-match", s("any")), ("a", s("9")), ("b", s("2"))]),
+            Some(&h)
+        ));
+        assert!(!matches(
+            &table(&[("x-match", s("any")), ("a", s("9"))]),
+            Some(&h)
+        ));
         // x- keys are ignored by all/any but used by the -with-x variants.
-        assert!(matches(&table(&[("a", s("1")), ("x-k", s("nope"))]), Some(&h)));
-        assert!(!matches(&table(&[("x-match", s("all-with-x")), ("a", s("1")), ("x-k", s("nope"))]), Some(&h)));
-        assert!(matches(&table(&[("x-match", s("any-with-x")), ("x-k", s("x"))]), Some(&h)));
-        assert!(!matches(&table(&[("x-match", s("any")), ("x-k", s("x"))]), Some(&h)));
+        assert!(matches(
+            &table(&[("a", s("1")), ("x-k", s("nope"))]),
+            Some(&h)
+        ));
+        assert!(!matches(
+            &table(&[
+                ("x-match", s("all-with-x")),
+                ("a", s("1")),
+                ("x-k", s("nope"))
+            ]),
+            Some(&h)
+        ));
+        assert!(matches(
+            &table(&[("x-match", s("any-with-x")), ("x-k", s("x"))]),
+            Some(&h)
+        ));
+        assert!(!matches(
+            &table(&[("x-match", s("any")), ("x-k", s("x"))]),
+            Some(&h)
+        ));
         // Void binding values only require presence; empty "all" matches everything.
         assert!(matches(&table(&[("a", AMQPValue::Void)]), Some(&h)));
         assert!(matches(&table(&[]), None));

@@ -88,7 +88,14 @@ pub struct Exchange {
 impl Exchange {
     /// A new exchange without bindings.
     #[must_use]
-    pub fn new(name: &str, kind: ExchangeKind, durable: bool, auto_delete: bool, internal: bool, arguments: FieldTable) -> Self {
+    pub fn new(
+        name: &str,
+        kind: ExchangeKind,
+        durable: bool,
+        auto_delete: bool,
+        internal: bool,
+        arguments: FieldTable,
+    ) -> Self {
         Self {
             name: name.to_string(),
             kind,
@@ -151,7 +158,11 @@ impl Exchange {
         self.topic = topic::TopicTrie::default();
         for (i, b) in self.bindings.iter().enumerate() {
             match self.kind {
-                ExchangeKind::Direct => self.direct.entry(b.routing_key.clone()).or_default().push(i),
+                ExchangeKind::Direct => self
+                    .direct
+                    .entry(b.routing_key.clone())
+                    .or_default()
+                    .push(i),
                 ExchangeKind::Topic => self.topic.insert(&b.routing_key, i),
                 ExchangeKind::Fanout | ExchangeKind::Headers => {}
             }
@@ -159,7 +170,12 @@ impl Exchange {
     }
 
     /// Append the destinations a message matches (possibly with repeats).
-    pub fn route<'a>(&'a self, routing_key: &str, headers: Option<&FieldTable>, out: &mut Vec<&'a Destination>) {
+    pub fn route<'a>(
+        &'a self,
+        routing_key: &str,
+        headers: Option<&FieldTable>,
+        out: &mut Vec<&'a Destination>,
+    ) {
         match self.kind {
             ExchangeKind::Direct => {
                 if let Some(ix) = self.direct.get(routing_key) {
@@ -168,10 +184,18 @@ impl Exchange {
             }
             ExchangeKind::Fanout => out.extend(self.bindings.iter().map(|b| &b.destination)),
             ExchangeKind::Topic => {
-                out.extend(self.topic.matches(routing_key).into_iter().map(|i| &self.bindings[i].destination));
+                out.extend(
+                    self.topic
+                        .matches(routing_key)
+                        .into_iter()
+                        .map(|i| &self.bindings[i].destination),
+                );
             }
             ExchangeKind::Headers => out.extend(
-                self.bindings.iter().filter(|b| headers::matches(&b.arguments, headers)).map(|b| &b.destination),
+                self.bindings
+                    .iter()
+                    .filter(|b| headers::matches(&b.arguments, headers))
+                    .map(|b| &b.destination),
             ),
         }
     }

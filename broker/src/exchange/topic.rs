@@ -28,7 +28,9 @@ pub struct TopicTrie {
 
 impl Default for TopicTrie {
     fn default() -> Self {
-        Self { nodes: vec![Node::default()] }
+        Self {
+            nodes: vec![Node::default()],
+        }
     }
 }
 

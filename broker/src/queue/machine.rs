@@ -228,7 +228,12 @@ impl<M: MessageRef> QueueMachine<M> {
     }
 
     /// Apply one command at time `now_ms`; effects are appended to `effects`.
-    pub fn apply(&mut self, now_ms: u64, command: Command<M>, effects: &mut Vec<Effect<M>>) -> Result<Reply<M>, MachineError> {
+    pub fn apply(
+        &mut self,
+        now_ms: u64,
+        command: Command<M>,
+        effects: &mut Vec<Effect<M>>,
+    ) -> Result<Reply<M>, MachineError> {
         let _ = now_ms; // TTLs (next issue) read it; kept in the signature so drivers pass it.
         let reply = match command {
             Command::Enqueue(msg) => {
@@ -236,20 +241,34 @@ impl<M: MessageRef> QueueMachine<M> {
                 self.next_id += 1;
                 self.counters.enqueued += 1;
                 self.ready_bytes += msg.size();
-                self.fresh.push_back(Ready { id, msg, redelivered: false });
+                self.fresh.push_back(Ready {
+                    id,
+                    msg,
+                    redelivered: false,
+                });
                 Reply::Ok
             }
             Command::Checkout(consumer, spec) => {
                 if self.consumers.contains_key(&consumer) {
                     return Err(MachineError::DuplicateConsumer);
                 }
-                if self.exclusive_consumer.is_some() || (spec.exclusive && !self.consumers.is_empty()) {
+                if self.exclusive_consumer.is_some()
+                    || (spec.exclusive && !self.consumers.is_empty())
+                {
                     return Err(MachineError::ExclusiveInUse);
                 }
                 if spec.exclusive {
                     self.exclusive_consumer = Some(consumer);
                 }
-                self.consumers.insert(consumer, Consumer { spec, unacked: 0, unwritten: 0, in_ring: false });
+                self.consumers.insert(
+                    consumer,
+                    Consumer {
+                        spec,
+                        unacked: 0,
+                        unwritten: 0,
+                        in_ring: false,
+                    },
+                );
                 self.refresh_ring(consumer);
                 Reply::Ok
             }
@@ -258,7 +277,11 @@ impl<M: MessageRef> QueueMachine<M> {
                     self.ring.retain(|c| *c != consumer);
                     if gone.unacked > 0 {
                         // Its messages stay checked out, owned by nobody's prefetch.
-                        for u in self.unacked.values_mut().filter(|u| u.consumer == Some(consumer)) {
+                        for u in self
+                            .unacked
+                            .values_mut()
+                            .filter(|u| u.consumer == Some(consumer))
+                        {
                             u.consumer = None;
                         }
                     }
@@ -296,7 +319,14 @@ impl<M: MessageRef> QueueMachine<M> {
                     if let Some(msg) = self.take_unacked(id) {
                         debug_assert!(self.fresh.front().is_none_or(|f| f.id > id));
                         self.ready_bytes += msg.size();
-                        self.returned.insert(id, Ready { id, msg, redelivered: true });
+                        self.returned.insert(
+                            id,
+                            Ready {
+                                id,
+                                msg,
+                                redelivered: true,
+                            },
+                        );
                     }
                 }
                 Reply::Ok
@@ -310,7 +340,13 @@ impl<M: MessageRef> QueueMachine<M> {
                         self.counters.settled += 1;
                     } else {
                         self.unacked_bytes += size;
-                        self.unacked.insert(r.id, Unacked { msg: r.msg.clone(), consumer: None });
+                        self.unacked.insert(
+                            r.id,
+                            Unacked {
+                                msg: r.msg.clone(),
+                                consumer: None,
+                            },
+                        );
                     }
                     let remaining = u32::try_from(self.ready_len()).unwrap_or(u32::MAX);
                     Reply::Got(Some((r.id, r.msg, r.redelivered, remaining)))
@@ -328,7 +364,10 @@ impl<M: MessageRef> QueueMachine<M> {
         self.dispatch(effects);
         debug_assert_eq!(
             (self.ready_len() + self.unacked.len()) as u64,
-            self.counters.enqueued - self.counters.settled - self.counters.discarded - self.counters.purged,
+            self.counters.enqueued
+                - self.counters.settled
+                - self.counters.discarded
+                - self.counters.purged,
             "message conservation"
         );
         #[cfg(test)]
@@ -369,14 +408,20 @@ impl<M: MessageRef> QueueMachine<M> {
     /// Hand ready messages to consumers with credit, one each in turn.
     fn dispatch(&mut self, effects: &mut Vec<Effect<M>>) {
         while !self.ring.is_empty() && self.ready_len() > 0 {
-            let Some(cid) = self.ring.pop_front() else { break };
-            let Some(c) = self.consumers.get_mut(&cid) else { continue };
+            let Some(cid) = self.ring.pop_front() else {
+                break;
+            };
+            let Some(c) = self.consumers.get_mut(&cid) else {
+                continue;
+            };
             c.in_ring = false;
             if !c.has_credit() {
                 continue;
             }
             let Some(r) = self.pop_ready() else { break };
-            let Some(c) = self.consumers.get_mut(&cid) else { break };
+            let Some(c) = self.consumers.get_mut(&cid) else {
+                break;
+            };
             let size = r.msg.size();
             self.ready_bytes -= size;
             c.unwritten += 1;
@@ -385,9 +430,20 @@ impl<M: MessageRef> QueueMachine<M> {
             } else {
                 c.unacked += 1;
                 self.unacked_bytes += size;
-                self.unacked.insert(r.id, Unacked { msg: r.msg.clone(), consumer: Some(cid) });
+                self.unacked.insert(
+                    r.id,
+                    Unacked {
+                        msg: r.msg.clone(),
+                        consumer: Some(cid),
+                    },
+                );
             }
-            effects.push(Effect::Deliver { consumer: cid, id: r.id, msg: r.msg, redelivered: r.redelivered });
+            effects.push(Effect::Deliver {
+                consumer: cid,
+                id: r.id,
+                msg: r.msg,
+                redelivered: r.redelivered,
+            });
             if c.has_credit() {
                 c.in_ring = true;
                 self.ring.push_back(cid);
@@ -403,26 +459,63 @@ impl<M: MessageRef> QueueMachine<M> {
     pub fn check_invariants(&self) {
         let c = self.counters;
         let live = (self.ready_len() + self.unacked.len()) as u64;
-        assert_eq!(live, c.enqueued - c.settled - c.discarded - c.purged, "message conservation");
-        if let (Some((max_returned, _)), Some(first_fresh)) = (self.returned.last_key_value(), self.fresh.front()) {
-            assert!(*max_returned < first_fresh.id, "returned messages precede fresh ones");
+        assert_eq!(
+            live,
+            c.enqueued - c.settled - c.discarded - c.purged,
+            "message conservation"
+        );
+        if let (Some((max_returned, _)), Some(first_fresh)) =
+            (self.returned.last_key_value(), self.fresh.front())
+        {
+            assert!(
+                *max_returned < first_fresh.id,
+                "returned messages precede fresh ones"
+            );
         }
-        assert!(self.fresh.iter().zip(self.fresh.iter().skip(1)).all(|(a, b)| a.id < b.id), "fresh is FIFO");
-        let ready_bytes: u64 = self.fresh.iter().chain(self.returned.values()).map(|r| r.msg.size()).sum();
+        assert!(
+            self.fresh
+                .iter()
+                .zip(self.fresh.iter().skip(1))
+                .all(|(a, b)| a.id < b.id),
+            "fresh is FIFO"
+        );
+        let ready_bytes: u64 = self
+            .fresh
+            .iter()
+            .chain(self.returned.values())
+            .map(|r| r.msg.size())
+            .sum();
         assert_eq!(ready_bytes, self.ready_bytes, "ready bytes");
         let unacked_bytes: u64 = self.unacked.values().map(|u| u.msg.size()).sum();
         assert_eq!(unacked_bytes, self.unacked_bytes, "unacked bytes");
         for (id, consumer) in &self.consumers {
-            let owned = self.unacked.values().filter(|u| u.consumer == Some(*id)).count() as u32;
+            let owned = self
+                .unacked
+                .values()
+                .filter(|u| u.consumer == Some(*id))
+                .count() as u32;
             assert_eq!(owned, consumer.unacked, "consumer unacked count");
-            assert_eq!(consumer.in_ring, self.ring.contains(id), "ring membership flag");
+            assert_eq!(
+                consumer.in_ring,
+                self.ring.contains(id),
+                "ring membership flag"
+            );
             if !consumer.spec.no_ack && consumer.spec.prefetch > 0 {
-                assert!(consumer.unacked <= consumer.spec.prefetch, "prefetch respected");
+                assert!(
+                    consumer.unacked <= consumer.spec.prefetch,
+                    "prefetch respected"
+                );
             }
-            assert!(consumer.unwritten <= consumer.spec.window, "window respected");
+            assert!(
+                consumer.unwritten <= consumer.spec.window,
+                "window respected"
+            );
         }
         if self.ready_len() > 0 {
-            assert!(self.ring.is_empty(), "no consumer with credit while messages are ready");
+            assert!(
+                self.ring.is_empty(),
+                "no consumer with credit while messages are ready"
+            );
         }
     }
 }

@@ -15,7 +15,9 @@ use parking_lot::Mutex;
 
 use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
-use machine::{Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, QueueMachine, Reply};
+use machine::{
+    Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, QueueMachine, Reply,
+};
 
 /// Where a consumer's deliveries go.
 #[derive(Debug, Clone)]
@@ -67,7 +69,14 @@ pub struct Queue {
 impl Queue {
     /// A new empty queue.
     #[must_use]
-    pub fn new(name: &str, vhost: &str, durable: bool, auto_delete: bool, exclusive_owner: Option<u64>, arguments: FieldTable) -> Arc<Self> {
+    pub fn new(
+        name: &str,
+        vhost: &str,
+        durable: bool,
+        auto_delete: bool,
+        exclusive_owner: Option<u64>,
+        arguments: FieldTable,
+    ) -> Arc<Self> {
         Arc::new(Self {
             name: name.to_string(),
             vhost: vhost.to_string(),
@@ -91,12 +100,21 @@ impl Queue {
     }
 
     /// Apply a command and carry out its effects, under the queue lock.
-    fn run(self: &Arc<Self>, st: &mut State, command: Command<Arc<Message>>) -> Result<Reply<Arc<Message>>, MachineError> {
+    fn run(
+        self: &Arc<Self>,
+        st: &mut State,
+        command: Command<Arc<Message>>,
+    ) -> Result<Reply<Arc<Message>>, MachineError> {
         let mut effects = std::mem::take(&mut st.effects);
         let reply = st.machine.apply(self.now_ms(), command, &mut effects);
         for effect in effects.drain(..) {
             match effect {
-                Effect::Deliver { consumer, id, msg, redelivered } => {
+                Effect::Deliver {
+                    consumer,
+                    id,
+                    msg,
+                    redelivered,
+                } => {
                     if let Some(sink) = st.sinks.get(&consumer) {
                         sink.outbox.push(Outbound::Deliver(Delivery {
                             channel: sink.channel,
@@ -127,7 +145,12 @@ impl Queue {
     }
 
     /// Attach a consumer.
-    pub fn consume(self: &Arc<Self>, id: ConsumerId, spec: ConsumerSpec, sink: ConsumerSink) -> Result<(), MachineError> {
+    pub fn consume(
+        self: &Arc<Self>,
+        id: ConsumerId,
+        spec: ConsumerSpec,
+        sink: ConsumerSink,
+    ) -> Result<(), MachineError> {
         let mut st = self.state.lock();
         st.sinks.insert(id, sink);
         if let Err(e) = self.run(&mut st, Command::Checkout(id, spec)) {
@@ -208,7 +231,10 @@ impl Queue {
         let sinks: Vec<(ConsumerId, ConsumerSink)> = st.sinks.drain().collect();
         for (consumer, sink) in sinks {
             let _ = self.run(&mut st, Command::Cancel(consumer));
-            sink.outbox.push(Outbound::Cancel { channel: sink.channel, consumer });
+            sink.outbox.push(Outbound::Cancel {
+                channel: sink.channel,
+                consumer,
+            });
         }
         u32::try_from(st.machine.ready_len()).unwrap_or(u32::MAX)
     }

@@ -15,11 +15,26 @@ impl MessageRef for M {
 }
 
 fn spec(prefetch: u32) -> ConsumerSpec {
-    ConsumerSpec { prefetch, window: 1000, no_ack: false, exclusive: false }
+    ConsumerSpec {
+        prefetch,
+        window: 1000,
+        no_ack: false,
+        exclusive: false,
+    }
 }
 
 fn delivered(effects: &[Effect<M>]) -> Vec<(ConsumerId, MsgId, bool)> {
-    effects.iter().map(|Effect::Deliver { consumer, id, redelivered, .. }| (*consumer, *id, *redelivered)).collect()
+    effects
+        .iter()
+        .map(
+            |Effect::Deliver {
+                 consumer,
+                 id,
+                 redelivered,
+                 ..
+             }| (*consumer, *id, *redelivered),
+        )
+        .collect()
 }
 
 #[test]
@@ -31,7 +46,10 @@ fn round_robin_within_prefetch_and_fifo() {
     for i in 0..6 {
         q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
     }
-    assert_eq!(delivered(&fx), vec![(1, 1, false), (2, 2, false), (1, 3, false), (2, 4, false)]);
+    assert_eq!(
+        delivered(&fx),
+        vec![(1, 1, false), (2, 2, false), (1, 3, false), (2, 4, false)]
+    );
     assert_eq!((q.ready_len(), q.unacked_len()), (2, 4));
     fx.clear();
     q.apply(0, Command::Settle(vec![1]), &mut fx).unwrap();
@@ -52,7 +70,10 @@ fn returned_messages_go_back_in_original_order_marked_redelivered() {
     q.apply(0, Command::Return(vec![2]), &mut fx).unwrap();
     fx.clear();
     q.apply(0, Command::Checkout(2, spec(0)), &mut fx).unwrap();
-    assert_eq!(delivered(&fx), vec![(2, 1, true), (2, 2, true), (2, 3, true), (2, 4, false)]);
+    assert_eq!(
+        delivered(&fx),
+        vec![(2, 1, true), (2, 2, true), (2, 3, true), (2, 4, false)]
+    );
 }
 
 #[test]
@@ -60,18 +81,40 @@ fn exclusive_consumers_exclude() {
     let mut q: QueueMachine<M> = QueueMachine::new();
     let mut fx = Vec::new();
     q.apply(0, Command::Checkout(1, spec(0)), &mut fx).unwrap();
-    let ex = ConsumerSpec { exclusive: true, ..spec(0) };
-    assert_eq!(q.apply(0, Command::Checkout(2, ex), &mut fx), Err(MachineError::ExclusiveInUse));
+    let ex = ConsumerSpec {
+        exclusive: true,
+        ..spec(0)
+    };
+    assert_eq!(
+        q.apply(0, Command::Checkout(2, ex), &mut fx),
+        Err(MachineError::ExclusiveInUse)
+    );
     q.apply(0, Command::Cancel(1), &mut fx).unwrap();
     q.apply(0, Command::Checkout(2, ex), &mut fx).unwrap();
-    assert_eq!(q.apply(0, Command::Checkout(3, spec(0)), &mut fx), Err(MachineError::ExclusiveInUse));
+    assert_eq!(
+        q.apply(0, Command::Checkout(3, spec(0)), &mut fx),
+        Err(MachineError::ExclusiveInUse)
+    );
 }
 
 #[test]
 fn window_bounds_unwritten_deliveries_for_no_ack_consumers() {
     let mut q = QueueMachine::new();
     let mut fx = Vec::new();
-    q.apply(0, Command::Checkout(1, ConsumerSpec { prefetch: 0, window: 2, no_ack: true, exclusive: false }), &mut fx).unwrap();
+    q.apply(
+        0,
+        Command::Checkout(
+            1,
+            ConsumerSpec {
+                prefetch: 0,
+                window: 2,
+                no_ack: true,
+                exclusive: false,
+            },
+        ),
+        &mut fx,
+    )
+    .unwrap();
     for i in 0..5 {
         q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
     }
@@ -89,11 +132,20 @@ fn get_and_purge() {
     for i in 0..3 {
         q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
     }
-    assert_eq!(q.apply(0, Command::Get { no_ack: false }, &mut fx), Ok(Reply::Got(Some((1, M(0), false, 2)))));
+    assert_eq!(
+        q.apply(0, Command::Get { no_ack: false }, &mut fx),
+        Ok(Reply::Got(Some((1, M(0), false, 2))))
+    );
     assert_eq!(q.apply(0, Command::Purge, &mut fx), Ok(Reply::Purged(2)));
-    assert_eq!(q.apply(0, Command::Get { no_ack: true }, &mut fx), Ok(Reply::Got(None)));
+    assert_eq!(
+        q.apply(0, Command::Get { no_ack: true }, &mut fx),
+        Ok(Reply::Got(None))
+    );
     q.apply(0, Command::Return(vec![1]), &mut fx).unwrap();
-    assert_eq!(q.apply(0, Command::Get { no_ack: true }, &mut fx), Ok(Reply::Got(Some((1, M(0), true, 0)))));
+    assert_eq!(
+        q.apply(0, Command::Get { no_ack: true }, &mut fx),
+        Ok(Reply::Got(Some((1, M(0), true, 0))))
+    );
 }
 
 /// A naive model: sets of ids and per-consumer counts.
