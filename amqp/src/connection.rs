@@ -159,7 +159,7 @@ enum State {
 
 #[derive(Debug)]
 enum ChannelState {
-    Open(Assembler),
+    Open(Box<Assembler>),
     /// We sent channel.close; frames are dropped until close-ok.
     Closing,
 }
@@ -332,23 +332,21 @@ impl Connection {
             }
             State::CloseSent { .. } => {
                 // Only connection.close / close-ok matter now.
-                if frame.channel == 0 && frame.kind == FRAME_METHOD {
-                    if let Ok(m) = method::decode(&frame.payload, self.config.table_depth_max) {
-                        match m.class {
-                            AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
-                                self.finish()
-                            }
-                            AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
-                                out.method(
-                                    0,
-                                    &AMQPClass::Connection(connection::AMQPMethod::CloseOk(
-                                        connection::CloseOk {},
-                                    )),
-                                );
-                                self.finish();
-                            }
-                            _ => {}
+                if frame.channel == 0
+                    && frame.kind == FRAME_METHOD
+                    && let Ok(m) = method::decode(&frame.payload, self.config.table_depth_max)
+                {
+                    match m.class {
+                        AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => self.finish(),
+                        AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
+                            let close_ok = connection::CloseOk {};
+                            out.method(
+                                0,
+                                &AMQPClass::Connection(connection::AMQPMethod::CloseOk(close_ok)),
+                            );
+                            self.finish();
                         }
+                        _ => {}
                     }
                 }
                 Ok(())
@@ -574,8 +572,7 @@ impl Connection {
                                 ),
                             ));
                         }
-                        self.channels
-                            .insert(ch, ChannelState::Open(Assembler::default()));
+                        self.channels.insert(ch, ChannelState::Open(Box::default()));
                         out.method(
                             ch,
                             &AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),

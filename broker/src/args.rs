@@ -158,14 +158,14 @@ pub fn validate_queue_args(args: &FieldTable, what: &str) -> Result<(), warren_a
             "x-dead-letter-exchange"
             | "x-dead-letter-routing-key"
             | "x-overflow"
-            | "x-queue-mode" => {
-                if string_like(value).is_none() {
-                    return Err(invalid(
-                        key,
-                        what,
-                        &format!("expected string, got {}", type_name(value)),
-                    ));
-                }
+            | "x-queue-mode"
+                if string_like(value).is_none() =>
+            {
+                return Err(invalid(
+                    key,
+                    what,
+                    &format!("expected string, got {}", type_name(value)),
+                ));
             }
             "x-queue-type" => match string_like(value).as_deref() {
                 Some(b"classic") => {}

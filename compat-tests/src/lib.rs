@@ -99,8 +99,7 @@ impl Broker {
             .status()
             .expect("kill");
         assert!(status.success());
-        let code = self.child.wait().expect("wait").code();
-        code
+        self.child.wait().expect("wait").code()
     }
 }
 

@@ -1,4 +1,5 @@
 //! lapin against the real binary over TCP: each test says what it proves.
+#![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
 
 use std::time::Duration;
 
