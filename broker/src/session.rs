@@ -997,11 +997,26 @@ fn handle_basic(
                 chan.prefetch_channel
             };
             let id = ctx.broker.next_id();
+            let priority = match c.arguments.inner().get("x-priority") {
+                None => 0,
+                Some(v) => crate::args::int_value(v)
+                    .and_then(|p| i32::try_from(p).ok())
+                    .ok_or_else(|| {
+                        AmqpError::channel(
+                            ReplyCode::PreconditionFailed,
+                            format!(
+                                "invalid arg 'x-priority' for consumer: \"expected integer, got {}\"",
+                                crate::args::type_name(v)
+                            ),
+                        )
+                    })?,
+            };
             let spec = ConsumerSpec {
                 prefetch,
                 window: ctx.broker.config.consumer_window,
                 no_ack: c.no_ack,
                 exclusive: c.exclusive,
+                priority,
             };
             // consume-ok must precede the first delivery: write it before attaching (deliveries
             // reach the socket only when the outbox is drained, after this).

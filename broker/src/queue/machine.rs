@@ -43,6 +43,8 @@ pub struct ConsumerSpec {
     pub no_ack: bool,
     /// basic.consume exclusive flag.
     pub exclusive: bool,
+    /// `x-priority`: consumers of a higher priority receive first while they have credit.
+    pub priority: i32,
 }
 
 /// Commands (nouns, as in rabbit_fifo).
@@ -159,8 +161,8 @@ pub struct QueueMachine<M> {
     returned: BTreeMap<MsgId, Ready<M>>,
     unacked: HashMap<MsgId, Unacked<M>>,
     consumers: BTreeMap<ConsumerId, Consumer>,
-    /// Consumers with credit, in round-robin order.
-    ring: VecDeque<ConsumerId>,
+    /// Consumers with credit, round-robin within each priority (highest served first).
+    rings: BTreeMap<i32, VecDeque<ConsumerId>>,
     exclusive_consumer: Option<ConsumerId>,
     ready_bytes: u64,
     unacked_bytes: u64,
@@ -183,7 +185,7 @@ impl<M: MessageRef> QueueMachine<M> {
             returned: BTreeMap::new(),
             unacked: HashMap::new(),
             consumers: BTreeMap::new(),
-            ring: VecDeque::new(),
+            rings: BTreeMap::new(),
             exclusive_consumer: None,
             ready_bytes: 0,
             unacked_bytes: 0,
@@ -274,7 +276,9 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Cancel(consumer) => {
                 if let Some(gone) = self.consumers.remove(&consumer) {
-                    self.ring.retain(|c| *c != consumer);
+                    if gone.in_ring {
+                        self.ring_remove(gone.spec.priority, consumer);
+                    }
                     if gone.unacked > 0 {
                         // Its messages stay checked out, owned by nobody's prefetch.
                         for u in self
@@ -387,15 +391,34 @@ impl<M: MessageRef> QueueMachine<M> {
         Some(u.msg)
     }
 
-    /// Put the consumer in the ring if it has credit and is not there yet.
+    /// Put the consumer in its priority's ring if it has credit and is not there yet.
     fn refresh_ring(&mut self, id: ConsumerId) {
         if let Some(c) = self.consumers.get_mut(&id)
             && !c.in_ring
             && c.has_credit()
         {
             c.in_ring = true;
-            self.ring.push_back(id);
+            self.rings.entry(c.spec.priority).or_default().push_back(id);
         }
+    }
+
+    fn ring_remove(&mut self, priority: i32, id: ConsumerId) {
+        if let Some(ring) = self.rings.get_mut(&priority) {
+            ring.retain(|c| *c != id);
+            if ring.is_empty() {
+                self.rings.remove(&priority);
+            }
+        }
+    }
+
+    /// The next consumer in turn at the highest priority that has one.
+    fn pop_ring(&mut self) -> Option<ConsumerId> {
+        let mut entry = self.rings.last_entry()?;
+        let id = entry.get_mut().pop_front();
+        if entry.get().is_empty() {
+            entry.remove();
+        }
+        id
     }
 
     fn pop_ready(&mut self) -> Option<Ready<M>> {
@@ -407,8 +430,8 @@ impl<M: MessageRef> QueueMachine<M> {
 
     /// Hand ready messages to consumers with credit, one each in turn.
     fn dispatch(&mut self, effects: &mut Vec<Effect<M>>) {
-        while !self.ring.is_empty() && self.ready_len() > 0 {
-            let Some(cid) = self.ring.pop_front() else {
+        while !self.rings.is_empty() && self.ready_len() > 0 {
+            let Some(cid) = self.pop_ring() else {
                 break;
             };
             let Some(c) = self.consumers.get_mut(&cid) else {
@@ -446,7 +469,10 @@ impl<M: MessageRef> QueueMachine<M> {
             });
             if c.has_credit() {
                 c.in_ring = true;
-                self.ring.push_back(cid);
+                self.rings
+                    .entry(c.spec.priority)
+                    .or_default()
+                    .push_back(cid);
             }
         }
     }
@@ -495,11 +521,11 @@ impl<M: MessageRef> QueueMachine<M> {
                 .filter(|u| u.consumer == Some(*id))
                 .count() as u32;
             assert_eq!(owned, consumer.unacked, "consumer unacked count");
-            assert_eq!(
-                consumer.in_ring,
-                self.ring.contains(id),
-                "ring membership flag"
-            );
+            let in_ring = self
+                .rings
+                .get(&consumer.spec.priority)
+                .is_some_and(|r| r.contains(id));
+            assert_eq!(consumer.in_ring, in_ring, "ring membership flag");
             if !consumer.spec.no_ack && consumer.spec.prefetch > 0 {
                 assert!(
                     consumer.unacked <= consumer.spec.prefetch,
@@ -513,7 +539,7 @@ impl<M: MessageRef> QueueMachine<M> {
         }
         if self.ready_len() > 0 {
             assert!(
-                self.ring.is_empty(),
+                self.rings.is_empty(),
                 "no consumer with credit while messages are ready"
             );
         }

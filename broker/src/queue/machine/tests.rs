@@ -21,6 +21,7 @@ fn spec(prefetch: u32) -> ConsumerSpec {
         window: 1000,
         no_ack: false,
         exclusive: false,
+        priority: 0,
     }
 }
 
@@ -111,6 +112,7 @@ fn window_bounds_unwritten_deliveries_for_no_ack_consumers() {
                 window: 2,
                 no_ack: true,
                 exclusive: false,
+                priority: 0,
             },
         ),
         &mut fx,
@@ -124,6 +126,33 @@ fn window_bounds_unwritten_deliveries_for_no_ack_consumers() {
     assert_eq!(fx.len(), 4);
     assert_eq!(q.unacked_len(), 0);
     assert_eq!(q.counters().settled, 4);
+}
+
+#[test]
+fn higher_priority_consumers_are_served_first_while_they_have_credit() {
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    q.apply(0, Command::Checkout(1, spec(0)), &mut fx).unwrap();
+    q.apply(
+        0,
+        Command::Checkout(
+            2,
+            ConsumerSpec {
+                priority: 10,
+                ..spec(2)
+            },
+        ),
+        &mut fx,
+    )
+    .unwrap();
+    for i in 0..4 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    // Consumer 2 takes two (its prefetch), then the lower-priority consumer gets the rest.
+    assert_eq!(
+        delivered(&fx),
+        vec![(2, 1, false), (2, 2, false), (1, 3, false), (1, 4, false)]
+    );
 }
 
 #[test]
