@@ -79,6 +79,11 @@ fn unexpected(detail: &str) -> AmqpError {
     AmqpError::connection(ReplyCode::UnexpectedFrame, detail)
 }
 
+/// An unexpected frame in the middle of a publish names basic.publish, as RabbitMQ does.
+fn unexpected_in_publish(detail: &str) -> AmqpError {
+    unexpected(detail).with_method(60, 40)
+}
+
 impl Assembler {
     /// Whether a content header or body is expected next.
     #[must_use]
@@ -105,11 +110,11 @@ impl Assembler {
                     }))
                 }
             }
-            (FRAME_METHOD, State::AwaitHeader(_)) => Err(unexpected(
+            (FRAME_METHOD, State::AwaitHeader(_)) => Err(unexpected_in_publish(
                 "expected content header for class 60, got non content header frame instead",
             )),
             (FRAME_METHOD, State::AwaitBody { .. }) | (FRAME_HEADER, State::AwaitBody { .. }) => {
-                Err(unexpected(
+                Err(unexpected_in_publish(
                     "expected content body, got non content body frame instead",
                 ))
             }
@@ -128,7 +133,7 @@ impl Assembler {
             (FRAME_HEADER | FRAME_BODY, State::Idle) => Err(unexpected(
                 "expected method frame, got non method frame instead",
             )),
-            (FRAME_BODY, State::AwaitHeader(_)) => Err(unexpected(
+            (FRAME_BODY, State::AwaitHeader(_)) => Err(unexpected_in_publish(
                 "expected content header for class 60, got non content header frame instead",
             )),
             (kind, _) => Err(AmqpError::connection(
@@ -152,7 +157,7 @@ impl Assembler {
         }
         let class_id = u16::from_be_bytes([payload[0], payload[1]]);
         if class_id != method.class_id {
-            return Err(unexpected(&format!(
+            return Err(unexpected_in_publish(&format!(
                 "expected content header for class {}, got one for class {class_id} instead",
                 method.class_id
             )));

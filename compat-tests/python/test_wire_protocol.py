@@ -78,8 +78,8 @@ def deep_table_field(depth):
 
 # ----------------------------------------------------------------------------- protocol header
 
-@pytest.mark.parametrize("header", [b"AMQP\x00\x00\x09\x02", b"AMQP\x01\x01\x00\x09", b"HTTP/1.1"],
-                         ids=["amqp-0-9-2", "amqp-1-1-0-9", "http"])
+@pytest.mark.parametrize("header", [b"AMQP\x00\x00\x09\x02", b"AMQP\x00\x00\x08\x00", b"HTTP/1.1"],
+                         ids=["amqp-0-9-2", "amqp-0-8", "http"])
 def test_wrong_protocol_header_gets_supported_header_and_close(addr, header):
     """A wrong protocol header is answered with AMQP 0-9-1's header and the socket is closed."""
     c = WireClient(*addr)
