@@ -851,3 +851,131 @@ fn parse_amqplain(response: &[u8], depth_max: usize) -> Option<(String, Vec<u8>)
     let pass = text(t.inner().get("PASSWORD"))?;
     Some((String::from_utf8(user).ok()?, pass))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use amq_protocol::protocol::channel as ch;
+
+    struct Open;
+    impl Gatekeeper for Open {
+        fn login(
+            &self,
+            user: &str,
+            password: &[u8],
+            _loopback: bool,
+        ) -> Result<Login, AccessError> {
+            if user == "guest" && password == b"guest" {
+                Ok(Login { user: user.into() })
+            } else {
+                Err(AccessError::LoginRefused)
+            }
+        }
+        fn open_vhost(&self, _user: &str, vhost: &str) -> Result<(), AccessError> {
+            if vhost == "/" {
+                Ok(())
+            } else {
+                Err(AccessError::VhostNotFound(vhost.into()))
+            }
+        }
+    }
+
+    /// Client bytes for a complete handshake plus channel.open on channel 1.
+    fn handshake() -> BytesMut {
+        let mut w = FrameWriter::new();
+        w.raw(PROTOCOL_HEADER);
+        w.method(
+            0,
+            &AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                client_properties: FieldTable::default(),
+                mechanism: "PLAIN".into(),
+                response: LongString::from(b"\0guest\0guest".to_vec()),
+                locale: "en_US".into(),
+            })),
+        );
+        w.method(
+            0,
+            &AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
+                channel_max: 2047,
+                frame_max: 131_072,
+                heartbeat: 0,
+            })),
+        );
+        w.method(
+            0,
+            &AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
+                virtual_host: "/".into(),
+            })),
+        );
+        w.method(1, &AMQPClass::Channel(ch::AMQPMethod::Open(ch::Open {})));
+        BytesMut::from(w.as_slice())
+    }
+
+    #[test]
+    fn handshake_opens_connection_and_channel() {
+        let now = Instant::now();
+        let mut c = Connection::new(ConnectionConfig::default(), true, now);
+        let mut out = FrameWriter::new();
+        let mut input = handshake();
+        c.handle_input(&mut input, &mut out, now, &Open);
+        assert!(c.is_open());
+        assert!(c.channel_is_open(1));
+        assert!(matches!(c.poll_event(), Some(Event::Opened { .. })));
+        assert_eq!(c.poll_event(), Some(Event::ChannelOpened(1)));
+    }
+
+    #[test]
+    fn silent_peer_is_dropped_after_two_heartbeat_intervals() {
+        let now = Instant::now();
+        let mut c = Connection::new(ConnectionConfig::default(), true, now);
+        let mut out = FrameWriter::new();
+        let mut input = handshake();
+        c.handle_input(&mut input, &mut out, now, &Open);
+        c.heartbeat = Some(Duration::from_secs(1));
+        c.handle_timeout(now + Duration::from_millis(600), &mut out);
+        assert!(c.is_open(), "a heartbeat is due, not a timeout");
+        assert!(out.as_slice().ends_with(&[
+            FRAME_HEARTBEAT,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            crate::frame::FRAME_END
+        ]));
+        c.handle_timeout(now + Duration::from_millis(2001), &mut out);
+        assert!(c.is_closed());
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(512))]
+
+        /// Arbitrary bytes after a valid handshake never panic the machine, whatever they are.
+        #[test]
+        fn arbitrary_input_after_handshake_never_panics(
+            chunks in proptest::collection::vec(proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64), 0..16),
+            framed in proptest::prelude::any::<bool>(),
+        ) {
+            let now = Instant::now();
+            let mut c = Connection::new(ConnectionConfig::default(), true, now);
+            let mut out = FrameWriter::new();
+            let mut input = handshake();
+            c.handle_input(&mut input, &mut out, now, &Open);
+            for chunk in chunks {
+                if framed {
+                    // Well-framed garbage reaches the method decoder and the assembler.
+                    let kind = chunk.first().copied().unwrap_or(1) % 4;
+                    input.extend_from_slice(&[kind.max(1), 0, 1]);
+                    input.extend_from_slice(&(chunk.len() as u32).to_be_bytes());
+                    input.extend_from_slice(&chunk);
+                    input.extend_from_slice(&[crate::frame::FRAME_END]);
+                } else {
+                    input.extend_from_slice(&chunk);
+                }
+                c.handle_input(&mut input, &mut out, now, &Open);
+                while c.poll_event().is_some() {}
+            }
+        }
+    }
+}
