@@ -139,8 +139,17 @@ async fn serve(
                     conn.handle_disconnect();
                 }
                 Ok(_) => {
+                    // Frame by frame: each command is handled before the next frame is read,
+                    // so a close in the same read cannot overtake earlier commands.
                     let now = Instant::now().into_std();
-                    conn.handle_input(&mut input, &mut out, now, &*broker);
+                    loop {
+                        let before = input.len();
+                        conn.handle_input(&mut input, &mut out, now, &*broker);
+                        let handled = process_events(&mut conn, &mut session, &broker, &outbox, &mut out);
+                        if handled == 0 && input.len() == before {
+                            break;
+                        }
+                    }
                 }
             },
             written = wr.write(out.as_slice()), if out.pending() > 0 => match written {
@@ -192,14 +201,17 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
+/// Hand the machine's events to the session; returns how many there were.
 fn process_events(
     conn: &mut Connection,
     session: &mut Option<Session>,
     broker: &Arc<Broker>,
     outbox: &Arc<Outbox>,
     out: &mut FrameWriter,
-) {
+) -> usize {
+    let mut handled = 0;
     while let Some(event) = conn.poll_event() {
+        handled += 1;
         match event {
             Event::Opened {
                 user,
@@ -248,4 +260,5 @@ fn process_events(
             }
         }
     }
+    handled
 }

@@ -246,7 +246,10 @@ impl Connection {
         self.events.pop_front()
     }
 
-    /// Consume as many complete frames from `input` as there are.
+    /// Consume complete frames from `input`, stopping after the first frame that produced an
+    /// event, so the broker handles each command before later frames change channel state
+    /// (frames are processed strictly in order, as RabbitMQ does). Call again, after draining
+    /// [`Connection::poll_event`], until it consumes nothing.
     pub fn handle_input(
         &mut self,
         input: &mut BytesMut,
@@ -258,6 +261,9 @@ impl Connection {
             self.last_recv = now;
         }
         loop {
+            if !self.events.is_empty() {
+                return;
+            }
             match self.state {
                 State::Closed => {
                     input.clear();
@@ -911,6 +917,21 @@ mod tests {
         BytesMut::from(w.as_slice())
     }
 
+    /// Feed input until no frame is left, discarding events.
+    fn drive(c: &mut Connection, input: &mut BytesMut, out: &mut FrameWriter, now: Instant) {
+        loop {
+            let before = input.len();
+            c.handle_input(input, out, now, &Open);
+            let mut any = false;
+            while c.poll_event().is_some() {
+                any = true;
+            }
+            if !any && input.len() == before {
+                break;
+            }
+        }
+    }
+
     #[test]
     fn handshake_opens_connection_and_channel() {
         let now = Instant::now();
@@ -918,10 +939,15 @@ mod tests {
         let mut out = FrameWriter::new();
         let mut input = handshake();
         c.handle_input(&mut input, &mut out, now, &Open);
-        assert!(c.is_open());
-        assert!(c.channel_is_open(1));
         assert!(matches!(c.poll_event(), Some(Event::Opened { .. })));
+        assert!(c.is_open());
+        assert!(
+            !c.channel_is_open(1),
+            "frames after an event wait for the broker"
+        );
+        c.handle_input(&mut input, &mut out, now, &Open);
         assert_eq!(c.poll_event(), Some(Event::ChannelOpened(1)));
+        assert!(c.channel_is_open(1));
     }
 
     #[test]
@@ -930,7 +956,7 @@ mod tests {
         let mut c = Connection::new(ConnectionConfig::default(), true, now);
         let mut out = FrameWriter::new();
         let mut input = handshake();
-        c.handle_input(&mut input, &mut out, now, &Open);
+        drive(&mut c, &mut input, &mut out, now);
         c.heartbeat = Some(Duration::from_secs(1));
         c.handle_timeout(now + Duration::from_millis(600), &mut out);
         assert!(c.is_open(), "a heartbeat is due, not a timeout");
@@ -961,7 +987,7 @@ mod tests {
             let mut c = Connection::new(ConnectionConfig::default(), true, now);
             let mut out = FrameWriter::new();
             let mut input = handshake();
-            c.handle_input(&mut input, &mut out, now, &Open);
+            drive(&mut c, &mut input, &mut out, now);
             for chunk in chunks {
                 if framed {
                     // Well-framed garbage reaches the method decoder and the assembler.
@@ -973,8 +999,7 @@ mod tests {
                 } else {
                     input.extend_from_slice(&chunk);
                 }
-                c.handle_input(&mut input, &mut out, now, &Open);
-                while c.poll_event().is_some() {}
+                drive(&mut c, &mut input, &mut out, now);
             }
         }
     }

@@ -536,13 +536,19 @@ fn handle_queue(
         }
         queue::AMQPMethod::Unbind(u) => {
             let qname = expand_queue_name(chan, u.queue.as_str())?;
+            // Same shortcut as queue.bind: empty queue and key mean the last declared queue.
+            let rk = if u.routing_key.as_str().is_empty() && u.queue.as_str().is_empty() {
+                qname.clone()
+            } else {
+                u.routing_key.as_str().to_string()
+            };
             if vhost.queue(&qname).is_some() {
                 usable_queue(ctx, &qname)?;
             }
             vhost.unbind(
                 u.exchange.as_str(),
                 Destination::Queue(qname),
-                u.routing_key.as_str(),
+                &rk,
                 u.arguments,
             )?;
             reply(
@@ -1018,17 +1024,6 @@ fn handle_basic(
                 exclusive: c.exclusive,
                 priority,
             };
-            // consume-ok must precede the first delivery: write it before attaching (deliveries
-            // reach the socket only when the outbox is drained, after this).
-            if !c.nowait {
-                reply(
-                    out,
-                    ch,
-                    AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
-                        consumer_tag: tag.as_str().into(),
-                    })),
-                );
-            }
             chan.consumers.insert(
                 tag.clone(),
                 ConsumerEntry {
@@ -1050,6 +1045,16 @@ fn handle_basic(
                     ReplyCode::AccessRefused,
                     format!("{} in exclusive use", rs("queue", &q.name, &ctx.vhost.name)),
                 ));
+            }
+            // Deliveries reach the socket only when the outbox is drained, after this reply.
+            if !c.nowait {
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+                        consumer_tag: tag.as_str().into(),
+                    })),
+                );
             }
             Ok(())
         }

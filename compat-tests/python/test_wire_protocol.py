@@ -23,6 +23,7 @@ import wire
 from wire import ServerClosed, WireClient
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+EXTERNAL_BROKER = bool(os.environ.get("WARREN_TEST_AMQP_URL"))
 # Fatal frame errors: RabbitMQ sends connection.close, then closes the socket at the latest
 # 3 s later (close-ok or not); allow some slack on top.
 EOF_AFTER_CLOSE_S = 5.0
@@ -225,11 +226,16 @@ def test_deeply_nested_table_closes_connection_and_broker_survives(addr, params)
         c.send(wire.queue_declare(1, f"wire.deep.{uuid.uuid4().hex}", exclusive=True,
                                   arguments_field=deep_table_field(10_000)))
         try:
-            close = c.expect_close(timeout=EOF_AFTER_CLOSE_S)
+            fr = c.expect_method_or_close(timeout=EOF_AFTER_CLOSE_S)
         except ServerClosed:
-            close = None  # a plain TCP close is acceptable too
-        if close is not None:
-            assert close.kind == "connection", close
+            fr = None  # a plain TCP close is acceptable
+        if EXTERNAL_BROKER and fr is not None and wire.method_id(fr) == wire.QUEUE_DECLARE_OK:
+            # RabbitMQ (checked on 3.10) has no table depth limit and declares the queue.
+            # Warren caps nesting (TABLE_DEPTH_MAX) and must refuse the frame instead.
+            pass
+        elif fr is not None:
+            close = wire.decode_close(fr)
+            assert close is not None and close.kind == "connection", (fr, close)
             assert close.reply_code == 501, close
             c.send(wire.connection_close_ok())
             c.expect_eof(EOF_AFTER_CLOSE_S)
@@ -379,7 +385,7 @@ def _start_private_warren(tmp):
     return proc, port
 
 
-@pytest.mark.skipif(bool(os.environ.get("WARREN_TEST_AMQP_URL")),
+@pytest.mark.skipif(EXTERNAL_BROKER,
                     reason="needs a private Warren process (not available against an external broker)")
 def test_sigterm_closes_connections_with_320_and_exits_zero():
     """SIGTERM makes the broker close client connections with 320 CONNECTION_FORCED and exit 0."""

@@ -248,6 +248,14 @@ class WireClient:
             if close is not None:
                 return close
 
+    def expect_method_or_close(self, timeout=DEFAULT_TIMEOUT):
+        """Next method frame (heartbeats skipped), whatever it is; ServerClosed on EOF."""
+        deadline = time.monotonic() + timeout
+        while True:
+            fr = self.read_frame(max(0.0, deadline - time.monotonic()))
+            if fr.type == FRAME_METHOD:
+                return fr
+
     def expect_eof(self, timeout=DEFAULT_TIMEOUT):
         """Drain frames until the server closes the socket; return the frames seen.
         Fails (socket.timeout) if the socket is still open after `timeout`."""

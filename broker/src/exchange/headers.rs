@@ -38,7 +38,12 @@ impl XMatch {
     }
 }
 
+/// RabbitMQ compares header values with `==`, so integers match across widths (`I` 42 equals
+/// `l` 42) and short and long strings match by content.
 fn same_value(a: &AMQPValue, b: &AMQPValue) -> bool {
+    if let (Some(x), Some(y)) = (crate::args::int_value(a), crate::args::int_value(b)) {
+        return x == y;
+    }
     match (a, b) {
         (AMQPValue::LongString(x), AMQPValue::ShortString(y))
         | (AMQPValue::ShortString(y), AMQPValue::LongString(x)) => {
@@ -136,5 +141,9 @@ mod tests {
         assert!(matches(&table(&[("a", AMQPValue::Void)]), Some(&h)));
         assert!(matches(&table(&[]), None));
         assert!(!matches(&table(&[("a", s("1"))]), None));
+        // Integers compare by value across widths; a string never equals a number.
+        let n = table(&[("n", AMQPValue::LongLongInt(42))]);
+        assert!(matches(&table(&[("n", AMQPValue::LongInt(42))]), Some(&n)));
+        assert!(!matches(&table(&[("n", s("42"))]), Some(&n)));
     }
 }
