@@ -345,12 +345,7 @@ impl Connection {
                     match m.class {
                         AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => self.finish(),
                         AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
-                            let close_ok = connection::CloseOk {};
-                            out.method(
-                                0,
-                                &AMQPClass::Connection(connection::AMQPMethod::CloseOk(close_ok)),
-                            );
-                            self.finish();
+                            self.answer_peer_close(out);
                         }
                         _ => {}
                     }
@@ -387,11 +382,7 @@ impl Connection {
         let m = self.expect_method(&frame, expected)?;
         match (self.state, m.class) {
             (_, AMQPClass::Connection(connection::AMQPMethod::Close(_))) => {
-                out.method(
-                    0,
-                    &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
-                );
-                self.finish();
+                self.answer_peer_close(out);
                 Ok(())
             }
             (
@@ -515,11 +506,7 @@ impl Connection {
             .map_err(AmqpError::into_connection)?;
         match m.class {
             AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
-                out.method(
-                    0,
-                    &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
-                );
-                self.finish();
+                self.answer_peer_close(out);
                 Ok(())
             }
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => Ok(()),
@@ -708,6 +695,16 @@ impl Connection {
         ids.sort_unstable();
         self.events
             .extend(ids.into_iter().map(Event::ChannelClosed));
+    }
+
+    /// The peer sent connection.close: answer close-ok and finish, releasing every channel.
+    fn answer_peer_close(&mut self, out: &mut FrameWriter) {
+        let close_ok = connection::CloseOk {};
+        out.method(
+            0,
+            &AMQPClass::Connection(connection::AMQPMethod::CloseOk(close_ok)),
+        );
+        self.finish();
     }
 
     fn finish(&mut self) {
