@@ -21,6 +21,7 @@
 pub mod args;
 pub mod broker;
 pub mod exchange;
+pub mod limiter;
 pub mod limits;
 pub mod message;
 pub mod outbox;

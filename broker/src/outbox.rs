@@ -30,6 +30,8 @@ pub struct Delivery {
     pub message: Arc<Message>,
     /// Delivered before.
     pub redelivered: bool,
+    /// Holds a slot of the channel's shared limit until settled.
+    pub counted: bool,
 }
 
 /// Work for a connection task.

@@ -18,6 +18,7 @@ use warren_amqp::{AmqpError, ReplyCode};
 
 use crate::broker::Broker;
 use crate::exchange::{Destination, ExchangeKind};
+use crate::limiter::Limiter;
 use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
 use crate::queue::machine::{ConsumerId, ConsumerSpec, MachineError, MsgId};
@@ -47,6 +48,8 @@ struct ConsumerEntry {
 struct Unacked {
     queue: Arc<Queue>,
     id: MsgId,
+    /// Holds a slot of the channel's [`Limiter`].
+    counted: bool,
 }
 
 /// A settled-or-requeued decision, applied now or at tx.commit.
@@ -57,12 +60,12 @@ enum AckAction {
     Discard,
 }
 
+/// A publish routed at publish time (as RabbitMQ does) and enqueued at commit.
 #[derive(Debug)]
 struct TxPublish {
-    exchange: String,
-    routing_key: String,
+    message: Arc<Message>,
+    targets: Vec<Arc<Queue>>,
     mandatory: bool,
-    content: Content,
 }
 
 #[derive(Debug, Default)]
@@ -90,8 +93,9 @@ struct Channel {
     next_tag: u64,
     /// basic.qos global=false: prefetch for consumers created afterwards.
     prefetch_consumer: u32,
-    /// basic.qos global=true: applied to consumers that have no own limit.
+    /// basic.qos global=true: shared by all consumers of the channel (0 = none).
     prefetch_channel: u32,
+    limiter: Arc<Limiter>,
     mode: Mode,
     /// For the empty-queue-name shortcut.
     last_queue: Option<String>,
@@ -106,6 +110,7 @@ impl Channel {
             next_tag: 1,
             prefetch_consumer: 0,
             prefetch_channel: 0,
+            limiter: Arc::new(Limiter::default()),
             mode: Mode::Plain,
             last_queue: None,
             route_buf: Vec::new(),
@@ -137,7 +142,13 @@ fn group_by_queue(items: impl IntoIterator<Item = Unacked>) -> Vec<(Arc<Queue>, 
     groups
 }
 
-fn apply_acks(action: AckAction, items: impl IntoIterator<Item = Unacked>) {
+/// Settle, requeue or discard unacked messages, then give their slots back to the channel's
+/// shared limit (after the queue locks are released).
+fn apply_acks(limiter: &Limiter, action: AckAction, items: impl IntoIterator<Item = Unacked>) {
+    let mut counted = 0u32;
+    let items = items
+        .into_iter()
+        .inspect(|u| counted += u32::from(u.counted));
     for (q, ids) in group_by_queue(items) {
         match action {
             AckAction::Settle => q.settle(ids),
@@ -145,6 +156,7 @@ fn apply_acks(action: AckAction, items: impl IntoIterator<Item = Unacked>) {
             AckAction::Discard => q.discard(ids),
         }
     }
+    limiter.release(counted).run();
 }
 
 impl Session {
@@ -204,7 +216,7 @@ impl Session {
         if let Mode::Tx(buf) = chan.mode {
             pending.extend(buf.acks.into_iter().map(|(_, _, u)| u));
         }
-        apply_acks(AckAction::Requeue, pending);
+        apply_acks(&chan.limiter, AckAction::Requeue, pending);
     }
 
     /// The connection is gone: release every channel and delete exclusive queues.
@@ -267,6 +279,11 @@ impl Session {
         let (Some(chan), Some(no_ack)) = (chan, entry) else {
             // The consumer went away after the queue chose it: the message goes back.
             d.queue.requeue(vec![d.id]);
+            if d.counted
+                && let Some(chan) = self.channels.get(&d.channel)
+            {
+                chan.limiter.release(1).run();
+            }
             return;
         };
         let tag = chan.next_tag;
@@ -295,6 +312,7 @@ impl Session {
                 Unacked {
                     queue: Arc::clone(&d.queue),
                     id: d.id,
+                    counted: d.counted,
                 },
             );
         }
@@ -380,7 +398,7 @@ impl Session {
                     );
                 }
             }),
-            AMQPClass::Tx(m) => handle_tx(ctx, chan, ch, m, out),
+            AMQPClass::Tx(m) => handle_tx(chan, ch, m, out),
             AMQPClass::Channel(channel::AMQPMethod::Flow(f)) => {
                 if f.active {
                     reply(
@@ -760,7 +778,6 @@ fn handle_exchange(
 }
 
 fn handle_tx(
-    ctx: &Ctx,
     chan: &mut Channel,
     ch: u16,
     m: tx::AMQPMethod,
@@ -797,19 +814,15 @@ fn handle_tx(
             };
             let buf = std::mem::take(buf);
             for p in buf.publishes {
-                route_and_enqueue(
-                    ctx,
-                    chan,
-                    ch,
-                    &p.exchange,
-                    &p.routing_key,
-                    p.mandatory,
-                    p.content,
-                    out,
-                )?;
+                enqueue_routed(chan, ch, &p.message, p.targets, p.mandatory, out);
             }
-            for (action, _, u) in buf.acks {
-                apply_acks(action, [u]);
+            for action in [AckAction::Settle, AckAction::Requeue, AckAction::Discard] {
+                let of_kind = buf
+                    .acks
+                    .iter()
+                    .filter(|(a, _, _)| *a == action)
+                    .map(|(_, _, u)| u.clone());
+                apply_acks(&chan.limiter, action, of_kind);
             }
             reply(
                 out,
@@ -882,7 +895,7 @@ fn settle(
         buf.acks
             .extend(taken.into_iter().map(|(t, u)| (action, t, u)));
     } else {
-        apply_acks(action, taken.into_iter().map(|(_, u)| u));
+        apply_acks(&chan.limiter, action, taken.into_iter().map(|(_, u)| u));
     }
     Ok(())
 }
@@ -918,27 +931,36 @@ fn handle_basic(
                     ),
                 ));
             }
-            if let Mode::Tx(buf) = &mut chan.mode {
-                // Check the exchange now so errors surface at publish, as RabbitMQ does.
-                ctx.vhost.check_exchange(p.exchange.as_str())?;
-                buf.publishes.push(TxPublish {
-                    exchange: p.exchange.as_str().to_string(),
-                    routing_key: p.routing_key.as_str().to_string(),
-                    mandatory: p.mandatory,
-                    content,
-                });
-                return Ok(());
-            }
-            route_and_enqueue(
+            let mut targets = std::mem::take(&mut chan.route_buf);
+            targets.clear();
+            let message = route(
                 ctx,
-                chan,
-                ch,
                 p.exchange.as_str(),
                 p.routing_key.as_str(),
-                p.mandatory,
                 content,
-                out,
-            )
+                &mut targets,
+            );
+            let message = match message {
+                Ok(m) => m,
+                Err(e) => {
+                    chan.route_buf = targets;
+                    return Err(e);
+                }
+            };
+            if let Mode::Tx(buf) = &mut chan.mode {
+                // Routed now, enqueued at commit (RabbitMQ's order: errors surface at publish).
+                buf.publishes.push(TxPublish {
+                    message,
+                    targets: targets.clone(),
+                    mandatory: p.mandatory,
+                });
+                targets.clear();
+                chan.route_buf = targets;
+                return Ok(());
+            }
+            let targets = enqueue_routed(chan, ch, &message, targets, p.mandatory, out);
+            chan.route_buf = targets;
+            Ok(())
         }
         basic::AMQPMethod::Ack(a) => settle(chan, AckAction::Settle, a.delivery_tag, a.multiple),
         basic::AMQPMethod::Nack(n) => settle(
@@ -963,7 +985,15 @@ fn handle_basic(
         ),
         basic::AMQPMethod::Qos(q) => {
             if q.global {
-                chan.prefetch_channel = u32::from(q.prefetch_count);
+                let (before, after) = (chan.prefetch_channel, u32::from(q.prefetch_count));
+                chan.prefetch_channel = after;
+                let wake = chan.limiter.set_limit(after);
+                if (before == 0) != (after == 0) {
+                    for c in chan.consumers.values().filter(|c| !c.no_ack) {
+                        c.queue.set_limited(c.id, after > 0);
+                    }
+                }
+                wake.run();
             } else {
                 chan.prefetch_consumer = u32::from(q.prefetch_count);
             }
@@ -997,11 +1027,7 @@ fn handle_basic(
                     ),
                 ));
             }
-            let prefetch = if chan.prefetch_consumer > 0 {
-                chan.prefetch_consumer
-            } else {
-                chan.prefetch_channel
-            };
+            let prefetch = chan.prefetch_consumer;
             let id = ctx.broker.next_id();
             let priority = match c.arguments.inner().get("x-priority") {
                 None => 0,
@@ -1023,6 +1049,7 @@ fn handle_basic(
                 no_ack: c.no_ack,
                 exclusive: c.exclusive,
                 priority,
+                limited: !c.no_ack && chan.prefetch_channel > 0,
             };
             chan.consumers.insert(
                 tag.clone(),
@@ -1038,6 +1065,7 @@ fn handle_basic(
                 ConsumerSink {
                     outbox: Arc::clone(&ctx.outbox),
                     channel: ch,
+                    limiter: (!c.no_ack).then(|| Arc::clone(&chan.limiter)),
                 },
             ) {
                 chan.consumers.remove(&tag);
@@ -1092,6 +1120,7 @@ fn handle_basic(
                             Unacked {
                                 queue: Arc::clone(&q),
                                 id,
+                                counted: false,
                             },
                         );
                     }
@@ -1135,54 +1164,56 @@ fn recover(chan: &mut Channel, requeue: bool) -> Result<(), AmqpError> {
         ));
     }
     let all = std::mem::take(&mut chan.unacked);
-    apply_acks(AckAction::Requeue, all.into_values());
+    apply_acks(&chan.limiter, AckAction::Requeue, all.into_values());
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
-fn route_and_enqueue(
+/// Resolve the exchange and collect the queues a message goes to (404 for a missing exchange,
+/// 403 for an internal one).
+fn route(
     ctx: &Ctx,
-    chan: &mut Channel,
-    ch: u16,
     exchange: &str,
     routing_key: &str,
-    mandatory: bool,
     content: Content,
-    out: &mut FrameWriter,
-) -> Result<(), AmqpError> {
+    targets: &mut Vec<Arc<Queue>>,
+) -> Result<Arc<Message>, AmqpError> {
     let headers = if ctx.vhost.routes_on_headers() {
         content.properties.headers()
     } else {
         None
     };
-    let mut targets = std::mem::take(&mut chan.route_buf);
-    targets.clear();
-    let routed = ctx
-        .vhost
-        .route(exchange, routing_key, headers.as_ref(), &mut targets);
-    if let Err(e) = routed {
-        chan.route_buf = targets;
-        return Err(e);
-    }
-    let message = Arc::new(Message {
+    ctx.vhost
+        .route(exchange, routing_key, headers.as_ref(), targets)?;
+    Ok(Arc::new(Message {
         exchange: exchange.to_string(),
         routing_key: routing_key.to_string(),
         properties: content.properties,
         body: content.body,
-    });
+    }))
+}
+
+/// Enqueue a routed message; returns it unroutable (basic.return) when mandatory and no queue
+/// took it, and counts the publish for confirms. Gives back the emptied target buffer.
+fn enqueue_routed(
+    chan: &mut Channel,
+    ch: u16,
+    message: &Arc<Message>,
+    mut targets: Vec<Arc<Queue>>,
+    mandatory: bool,
+    out: &mut FrameWriter,
+) -> Vec<Arc<Queue>> {
     let mut delivered = false;
     for q in targets.drain(..) {
-        delivered |= q.publish(Arc::clone(&message));
+        delivered |= q.publish(Arc::clone(message));
     }
-    chan.route_buf = targets;
     if !delivered && mandatory {
         out.method_with(ch, |b| {
             put_basic_return(
                 b,
                 ReplyCode::NoRoute.code(),
                 b"NO_ROUTE",
-                exchange.as_bytes(),
-                routing_key.as_bytes(),
+                message.exchange.as_bytes(),
+                message.routing_key.as_bytes(),
             )
         });
         out.content(ch, &message.properties.raw, &message.body);
@@ -1192,5 +1223,5 @@ fn route_and_enqueue(
         // any basic.return above).
         *last_seq += 1;
     }
-    Ok(())
+    targets
 }

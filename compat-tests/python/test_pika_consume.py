@@ -114,6 +114,59 @@ def test_prefetch_is_per_consumer(conn, ch, names):
     assert sorted(got) == [b"a0", b"b0"]
 
 
+def test_global_prefetch_is_shared_by_the_channel(conn, ch, names):
+    """basic.qos global=true is one limit for all consumers of the channel, across queues;
+    each ack frees exactly one slot, which the next ready message takes."""
+    q1, q2 = names.q("a"), names.q("b")
+    _fill(conn, q1, [b"a%d" % i for i in range(3)])
+    _fill(conn, q2, [b"b%d" % i for i in range(3)])
+    ch.basic_qos(prefetch_count=2, global_qos=True)
+    got = []
+    ch.basic_consume(q1, lambda c, m, p, b: got.append((m.delivery_tag, b)))
+    ch.basic_consume(q2, lambda c, m, p, b: got.append((m.delivery_tag, b)))
+    wait_until(conn, lambda: len(got) == 2)
+    pump(conn, 0.3)  # prove that no third delivery arrives
+    assert len(got) == 2
+    assert counts(conn, q1)[0] + counts(conn, q2)[0] == 4
+    ch.basic_ack(got[0][0])
+    wait_until(conn, lambda: len(got) == 3)
+    pump(conn, 0.2)
+    assert len(got) == 3
+    ch.basic_ack(0, multiple=True)
+    wait_until(conn, lambda: len(got) == 5)
+    pump(conn, 0.2)
+    assert len(got) == 5
+    # Lifting the limit releases the rest.
+    ch.basic_qos(prefetch_count=0, global_qos=True)
+    wait_until(conn, lambda: len(got) == 6)
+    assert sorted(b for _, b in got) == [b"a0", b"a1", b"a2", b"b0", b"b1", b"b2"]
+
+
+def test_global_and_per_consumer_prefetch_both_apply(conn, ch, names):
+    """A per-consumer limit (global=false) and a channel limit (global=true) apply together."""
+    q1, q2 = names.q("a"), names.q("b")
+    _fill(conn, q1, [b"a%d" % i for i in range(4)])
+    _fill(conn, q2, [b"b%d" % i for i in range(4)])
+    ch.basic_qos(prefetch_count=3, global_qos=True)
+    ch.basic_qos(prefetch_count=1)
+    got = []
+    ch.basic_consume(q1, lambda c, m, p, b: got.append(b))
+    ch.basic_consume(q2, lambda c, m, p, b: got.append(b))
+    wait_until(conn, lambda: len(got) == 2)
+    pump(conn, 0.3)
+    assert sorted(got) == [b"a0", b"b0"]
+
+
+def test_global_prefetch_ignores_no_ack_consumers(conn, ch, names):
+    """no-ack consumers are not held back by the channel's shared limit."""
+    q = names.q()
+    _fill(conn, q, [b"%d" % i for i in range(5)])
+    ch.basic_qos(prefetch_count=1, global_qos=True)
+    got = []
+    ch.basic_consume(q, lambda c, m, p, b: got.append(b), auto_ack=True)
+    wait_until(conn, lambda: len(got) == 5)
+
+
 def test_ack_multiple(conn, ch, names):
     """basic.ack multiple=True acknowledges every outstanding delivery up to the tag."""
     q = names.q()

@@ -152,6 +152,36 @@ def test_tx_acks_applied_on_commit(conn, ch, names):
     assert counts(conn, q) == (1, 0)
 
 
+def test_tx_publish_error_discards_whole_transaction(conn, ch, names):
+    """A publish to an internal exchange fails at publish time inside a transaction: the
+    channel closes with 403 and the earlier, uncommitted publishes are never enqueued."""
+    q, x = names.q(), names.x("internal")
+    ch.queue_declare(q)
+    ch.exchange_declare(x, exchange_type="fanout", internal=True)
+    ch.tx_select()
+    ch.basic_publish("", q, b"before")
+    ch.basic_publish(x, "", b"refused")
+    with channel_closed(403, "internal exchange"):
+        ch.tx_commit()
+    assert counts(conn, q) == (0, 0)
+
+
+def test_tx_mandatory_unroutable_is_returned_at_commit(conn, ch, names):
+    """In tx mode a mandatory unroutable publish is returned (312 NO_ROUTE) when the
+    transaction commits, not at publish time."""
+    x = names.x()
+    ch.exchange_declare(x, exchange_type="direct")
+    returned = []
+    ch.add_on_return_callback(lambda c, m, p, b: returned.append((m.reply_code, b)))
+    ch.tx_select()
+    ch.basic_publish(x, "nowhere", b"bounce", mandatory=True)
+    ch.tx_rollback()
+    ch.basic_publish(x, "nowhere", b"bounce2", mandatory=True)
+    ch.tx_commit()
+    wait_until(conn, lambda: len(returned) == 1)
+    assert returned == [(312, b"bounce2")]
+
+
 def test_tx_commit_without_select_is_406(ch):
     """tx.commit on a channel that is not in tx mode fails with 406 PRECONDITION_FAILED."""
     # RabbitMQ: "PRECONDITION_FAILED - channel is not transactional"

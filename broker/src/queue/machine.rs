@@ -45,6 +45,9 @@ pub struct ConsumerSpec {
     pub exclusive: bool,
     /// `x-priority`: consumers of a higher priority receive first while they have credit.
     pub priority: i32,
+    /// A limit shared with consumers elsewhere (basic.qos global=true) governs this consumer:
+    /// it receives one message per [`Command::Grant`]. Ignored for `no_ack` consumers.
+    pub limited: bool,
 }
 
 /// Commands (nouns, as in rabbit_fifo).
@@ -71,6 +74,10 @@ pub enum Command<M> {
     },
     /// Remove all ready messages.
     Purge,
+    /// A limited consumer may receive one more message.
+    Grant(ConsumerId),
+    /// Put a consumer under a shared limit or release it; an unused grant is dropped.
+    SetLimited(ConsumerId, bool),
 }
 
 /// Effects for the driver to carry out.
@@ -129,14 +136,25 @@ struct Consumer {
     spec: ConsumerSpec,
     unacked: u32,
     unwritten: u32,
+    /// Holds an unused [`Command::Grant`] (limited consumers only).
+    granted: bool,
     /// Present in the service ring.
     in_ring: bool,
 }
 
 impl Consumer {
-    fn has_credit(&self) -> bool {
+    fn is_limited(&self) -> bool {
+        self.spec.limited && !self.spec.no_ack
+    }
+
+    /// Credit apart from a shared limit: prefetch and window.
+    fn own_credit(&self) -> bool {
         (self.spec.no_ack || self.spec.prefetch == 0 || self.unacked < self.spec.prefetch)
             && self.unwritten < self.spec.window
+    }
+
+    fn has_credit(&self) -> bool {
+        self.own_credit() && (!self.is_limited() || self.granted)
     }
 }
 
@@ -164,6 +182,8 @@ pub struct QueueMachine<M> {
     /// Consumers with credit, round-robin within each priority (highest served first).
     rings: BTreeMap<i32, VecDeque<ConsumerId>>,
     exclusive_consumer: Option<ConsumerId>,
+    /// Attached consumers under a shared limit.
+    limited_consumers: usize,
     ready_bytes: u64,
     unacked_bytes: u64,
     counters: Counters,
@@ -187,6 +207,7 @@ impl<M: MessageRef> QueueMachine<M> {
             consumers: BTreeMap::new(),
             rings: BTreeMap::new(),
             exclusive_consumer: None,
+            limited_consumers: 0,
             ready_bytes: 0,
             unacked_bytes: 0,
             counters: Counters::default(),
@@ -221,6 +242,35 @@ impl<M: MessageRef> QueueMachine<M> {
     #[must_use]
     pub fn consumer_count(&self) -> usize {
         self.consumers.len()
+    }
+
+    /// Consumers under a shared limit that would receive a message now if granted one (no
+    /// unused grant, other credit left, messages ready): the driver obtains limiter slots for
+    /// them and sends [`Command::Grant`]. Empty unless some consumer is limited.
+    pub fn grant_candidates(&self, out: &mut Vec<ConsumerId>) {
+        if self.limited_consumers == 0 || self.ready_len() == 0 {
+            return;
+        }
+        out.extend(
+            self.consumers
+                .iter()
+                .filter(|(_, c)| c.is_limited() && !c.granted && c.own_credit())
+                .map(|(id, _)| *id),
+        );
+    }
+
+    /// Whether `consumer` holds an unused grant (released to the limiter when it goes).
+    #[must_use]
+    pub fn holds_grant(&self, consumer: ConsumerId) -> bool {
+        self.consumers.get(&consumer).is_some_and(|c| c.granted)
+    }
+
+    /// Whether `consumer` is attached and under a shared limit.
+    #[must_use]
+    pub fn is_limited(&self, consumer: ConsumerId) -> bool {
+        self.consumers
+            .get(&consumer)
+            .is_some_and(Consumer::is_limited)
     }
 
     /// Lifetime counters.
@@ -262,12 +312,16 @@ impl<M: MessageRef> QueueMachine<M> {
                 if spec.exclusive {
                     self.exclusive_consumer = Some(consumer);
                 }
+                if spec.limited && !spec.no_ack {
+                    self.limited_consumers += 1;
+                }
                 self.consumers.insert(
                     consumer,
                     Consumer {
                         spec,
                         unacked: 0,
                         unwritten: 0,
+                        granted: false,
                         in_ring: false,
                     },
                 );
@@ -276,6 +330,9 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Cancel(consumer) => {
                 if let Some(gone) = self.consumers.remove(&consumer) {
+                    if gone.is_limited() {
+                        self.limited_consumers -= 1;
+                    }
                     if gone.in_ring {
                         self.ring_remove(gone.spec.priority, consumer);
                     }
@@ -356,6 +413,34 @@ impl<M: MessageRef> QueueMachine<M> {
                     Reply::Got(Some((r.id, r.msg, r.redelivered, remaining)))
                 }
             },
+            Command::Grant(consumer) => {
+                if let Some(c) = self.consumers.get_mut(&consumer)
+                    && c.is_limited()
+                {
+                    c.granted = true;
+                    self.refresh_ring(consumer);
+                }
+                Reply::Ok
+            }
+            Command::SetLimited(consumer, limited) => {
+                if let Some(c) = self.consumers.get_mut(&consumer) {
+                    let was = c.is_limited();
+                    c.spec.limited = limited;
+                    c.granted = false;
+                    match (was, c.is_limited()) {
+                        (false, true) => self.limited_consumers += 1,
+                        (true, false) => self.limited_consumers -= 1,
+                        _ => {}
+                    }
+                    let (in_ring, credit, priority) = (c.in_ring, c.has_credit(), c.spec.priority);
+                    if in_ring && !credit {
+                        c.in_ring = false;
+                        self.ring_remove(priority, consumer);
+                    }
+                    self.refresh_ring(consumer);
+                }
+                Reply::Ok
+            }
             Command::Purge => {
                 let n = self.ready_len();
                 self.fresh.clear();
@@ -448,6 +533,9 @@ impl<M: MessageRef> QueueMachine<M> {
             let size = r.msg.size();
             self.ready_bytes -= size;
             c.unwritten += 1;
+            if c.is_limited() {
+                c.granted = false;
+            }
             if c.spec.no_ack {
                 self.counters.settled += 1;
             } else {
@@ -514,6 +602,11 @@ impl<M: MessageRef> QueueMachine<M> {
         assert_eq!(ready_bytes, self.ready_bytes, "ready bytes");
         let unacked_bytes: u64 = self.unacked.values().map(|u| u.msg.size()).sum();
         assert_eq!(unacked_bytes, self.unacked_bytes, "unacked bytes");
+        assert_eq!(
+            self.limited_consumers,
+            self.consumers.values().filter(|c| c.is_limited()).count(),
+            "limited consumer count"
+        );
         for (id, consumer) in &self.consumers {
             let owned = self
                 .unacked
@@ -535,6 +628,10 @@ impl<M: MessageRef> QueueMachine<M> {
             assert!(
                 consumer.unwritten <= consumer.spec.window,
                 "window respected"
+            );
+            assert!(
+                !consumer.granted || consumer.is_limited(),
+                "only limited consumers hold grants"
             );
         }
         if self.ready_len() > 0 {

@@ -13,6 +13,7 @@ use std::time::Instant;
 use amq_protocol::types::FieldTable;
 use parking_lot::Mutex;
 
+use crate::limiter::{Limiter, Wake};
 use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
 use machine::{
@@ -26,6 +27,8 @@ pub struct ConsumerSink {
     pub outbox: Arc<Outbox>,
     /// Its channel.
     pub channel: u16,
+    /// The channel's shared limit (basic.qos global), for consumers that ack.
+    pub limiter: Option<Arc<Limiter>>,
 }
 
 /// Counts reported by queue.declare-ok and friends.
@@ -99,7 +102,9 @@ impl Queue {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// Apply a command and carry out its effects, under the queue lock.
+    /// Apply a command and carry out its effects, under the queue lock. Then consumers under a
+    /// shared limit that could take a ready message are offered limiter slots, one delivery per
+    /// slot, so one command may deliver up to the limit.
     fn run(
         self: &Arc<Self>,
         st: &mut State,
@@ -107,6 +112,33 @@ impl Queue {
     ) -> Result<Reply<Arc<Message>>, MachineError> {
         let mut effects = std::mem::take(&mut st.effects);
         let reply = st.machine.apply(self.now_ms(), command, &mut effects);
+        self.carry_out(st, &mut effects);
+        self.offer_grants(st, &mut effects);
+        st.effects = effects;
+        reply
+    }
+
+    fn offer_grants(self: &Arc<Self>, st: &mut State, effects: &mut Vec<Effect<Arc<Message>>>) {
+        let mut candidates = Vec::new();
+        loop {
+            candidates.clear();
+            st.machine.grant_candidates(&mut candidates);
+            let Some(consumer) = candidates.iter().copied().find(|c| {
+                st.sinks
+                    .get(c)
+                    .and_then(|s| s.limiter.as_ref())
+                    .is_some_and(|l| l.try_reserve(self, *c))
+            }) else {
+                return;
+            };
+            let _ = st
+                .machine
+                .apply(self.now_ms(), Command::Grant(consumer), effects);
+            self.carry_out(st, effects);
+        }
+    }
+
+    fn carry_out(self: &Arc<Self>, st: &State, effects: &mut Vec<Effect<Arc<Message>>>) {
         for effect in effects.drain(..) {
             match effect {
                 Effect::Deliver {
@@ -115,23 +147,52 @@ impl Queue {
                     msg,
                     redelivered,
                 } => {
-                    if let Some(sink) = st.sinks.get(&consumer) {
-                        sink.outbox.push(Outbound::Deliver(Delivery {
-                            channel: sink.channel,
-                            consumer,
-                            queue: Arc::clone(self),
-                            id,
-                            message: msg,
-                            redelivered,
-                        }));
-                    } else {
+                    let Some(sink) = st.sinks.get(&consumer) else {
                         debug_assert!(false, "delivery to a consumer without a sink");
-                    }
+                        continue;
+                    };
+                    sink.outbox.push(Outbound::Deliver(Delivery {
+                        channel: sink.channel,
+                        consumer,
+                        queue: Arc::clone(self),
+                        id,
+                        message: msg,
+                        redelivered,
+                        counted: st.machine.is_limited(consumer),
+                    }));
                 }
             }
         }
+    }
+
+    /// A limiter has room again: offer its waiting consumers here a slot.
+    pub fn regrant(self: &Arc<Self>) {
+        let mut st = self.state.lock();
+        let mut effects = std::mem::take(&mut st.effects);
+        self.offer_grants(&mut st, &mut effects);
         st.effects = effects;
-        reply
+    }
+
+    /// Put a consumer under its channel's shared limit or release it from it.
+    pub fn set_limited(self: &Arc<Self>, consumer: ConsumerId, limited: bool) {
+        let wake = {
+            let mut st = self.state.lock();
+            let wake = Self::release_grant(&st, consumer);
+            let _ = self.run(&mut st, Command::SetLimited(consumer, limited));
+            wake
+        };
+        wake.run();
+    }
+
+    /// An unused grant goes back to the limiter (the consumer is leaving or changing mode).
+    fn release_grant(st: &State, consumer: ConsumerId) -> Wake {
+        if st.machine.holds_grant(consumer)
+            && let Some(l) = st.sinks.get(&consumer).and_then(|s| s.limiter.as_ref())
+        {
+            l.release(1)
+        } else {
+            Wake::default()
+        }
     }
 
     /// Enqueue a routed message. Returns false if the queue was deleted meanwhile.
@@ -164,12 +225,21 @@ impl Queue {
     /// Detach a consumer. Returns true when the queue is auto-delete and this was its last
     /// consumer (the caller deletes it).
     pub fn cancel(self: &Arc<Self>, id: ConsumerId) -> bool {
-        let mut st = self.state.lock();
-        if st.sinks.remove(&id).is_none() {
-            return false;
-        }
-        let _ = self.run(&mut st, Command::Cancel(id));
-        self.auto_delete && st.had_consumer && st.machine.consumer_count() == 0 && !st.deleted
+        let (last, wake) = {
+            let mut st = self.state.lock();
+            let wake = Self::release_grant(&st, id);
+            if st.sinks.remove(&id).is_none() {
+                return false;
+            }
+            let _ = self.run(&mut st, Command::Cancel(id));
+            let last = self.auto_delete
+                && st.had_consumer
+                && st.machine.consumer_count() == 0
+                && !st.deleted;
+            (last, wake)
+        };
+        wake.run();
+        last
     }
 
     /// Deliveries to `consumer` were written to its socket: restore its window.
@@ -229,14 +299,25 @@ impl Queue {
         let mut st = self.state.lock();
         st.deleted = true;
         let sinks: Vec<(ConsumerId, ConsumerSink)> = st.sinks.drain().collect();
+        let mut wakes = Vec::new();
         for (consumer, sink) in sinks {
+            if st.machine.holds_grant(consumer)
+                && let Some(l) = &sink.limiter
+            {
+                wakes.push(l.release(1));
+            }
             let _ = self.run(&mut st, Command::Cancel(consumer));
             sink.outbox.push(Outbound::Cancel {
                 channel: sink.channel,
                 consumer,
             });
         }
-        u32::try_from(st.machine.ready_len()).unwrap_or(u32::MAX)
+        let ready = u32::try_from(st.machine.ready_len()).unwrap_or(u32::MAX);
+        drop(st);
+        for wake in wakes {
+            wake.run();
+        }
+        ready
     }
 
     /// Whether the queue was deleted.

@@ -22,6 +22,7 @@ fn spec(prefetch: u32) -> ConsumerSpec {
         no_ack: false,
         exclusive: false,
         priority: 0,
+        limited: false,
     }
 }
 
@@ -113,6 +114,7 @@ fn window_bounds_unwritten_deliveries_for_no_ack_consumers() {
                 no_ack: true,
                 exclusive: false,
                 priority: 0,
+                limited: false,
             },
         ),
         &mut fx,
@@ -156,6 +158,40 @@ fn higher_priority_consumers_are_served_first_while_they_have_credit() {
 }
 
 #[test]
+fn limited_consumers_receive_one_message_per_grant() {
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    for i in 0..4 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    let limited = ConsumerSpec {
+        limited: true,
+        ..spec(0)
+    };
+    q.apply(0, Command::Checkout(1, limited), &mut fx).unwrap();
+    let mut want = Vec::new();
+    q.grant_candidates(&mut want);
+    assert!(fx.is_empty() && want == [1]);
+    q.apply(0, Command::Grant(1), &mut fx).unwrap();
+    q.apply(0, Command::Grant(1), &mut fx).unwrap();
+    assert_eq!(delivered(&fx), vec![(1, 1, false), (1, 2, false)]);
+    assert!(!q.holds_grant(1));
+    // Lifting the limit serves the rest; imposing it again stops it.
+    fx.clear();
+    q.apply(0, Command::SetLimited(1, false), &mut fx).unwrap();
+    assert_eq!(delivered(&fx), vec![(1, 3, false), (1, 4, false)]);
+    q.apply(0, Command::SetLimited(1, true), &mut fx).unwrap();
+    q.apply(0, Command::Enqueue(M(9)), &mut fx).unwrap();
+    assert_eq!(fx.len(), 2);
+    assert_eq!(q.ready_len(), 1);
+    // Nothing ready: no grant is asked for (it would idle a slot of the shared limit).
+    q.apply(0, Command::Grant(1), &mut fx).unwrap();
+    want.clear();
+    q.grant_candidates(&mut want);
+    assert!(want.is_empty());
+}
+
+#[test]
 fn get_and_purge() {
     let mut q = QueueMachine::new();
     let mut fx = Vec::new();
@@ -185,14 +221,29 @@ struct Model {
     ready: BTreeSet<u64>,
     redelivered: BTreeSet<u64>,
     unacked: BTreeMap<u64, Option<u64>>,
-    consumers: BTreeMap<u64, (u32, u32)>, // id -> (prefetch, unacked)
+    consumers: BTreeMap<u64, MC>,
+}
+
+/// Model consumer.
+struct MC {
+    prefetch: u32,
+    unacked: u32,
+    limited: bool,
+    granted: bool,
+}
+
+impl MC {
+    fn has_credit(&self) -> bool {
+        (self.prefetch == 0 || self.unacked < self.prefetch) && (!self.limited || self.granted)
+    }
 }
 
 #[derive(Debug, Clone)]
 enum Op {
     Enqueue,
-    Checkout(u64, u32),
+    Checkout(u64, u32, bool),
     Cancel(u64),
+    Grant(u64),
     Settle(usize),
     Return(usize),
     Discard(usize),
@@ -203,8 +254,9 @@ enum Op {
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => Just(Op::Enqueue),
-        1 => (0u64..4, 0u32..4).prop_map(|(c, p)| Op::Checkout(c, p)),
+        1 => (0u64..4, 0u32..4, any::<bool>()).prop_map(|(c, p, l)| Op::Checkout(c, p, l)),
         1 => (0u64..4).prop_map(Op::Cancel),
+        2 => (0u64..4).prop_map(Op::Grant),
         2 => (0usize..8).prop_map(Op::Settle),
         2 => (0usize..8).prop_map(Op::Return),
         1 => (0usize..8).prop_map(Op::Discard),
@@ -231,14 +283,18 @@ proptest! {
                     m.ready.insert(m.next);
                     m.next += 1;
                 }
-                Op::Checkout(c, p) => {
-                    let r = q.apply(0, Command::Checkout(c, spec(p)), &mut fx);
+                Op::Checkout(c, p, limited) => {
+                    let r = q.apply(0, Command::Checkout(c, ConsumerSpec { limited, ..spec(p) }), &mut fx);
                     if m.consumers.contains_key(&c) {
                         prop_assert_eq!(r, Err(MachineError::DuplicateConsumer));
                     } else {
                         prop_assert!(r.is_ok());
-                        m.consumers.insert(c, (p, 0));
+                        m.consumers.insert(c, MC { prefetch: p, unacked: 0, limited, granted: false });
                     }
+                }
+                Op::Grant(c) => {
+                    q.apply(0, Command::Grant(c), &mut fx).unwrap();
+                    if let Some(mc) = m.consumers.get_mut(&c) && mc.limited { mc.granted = true; }
                 }
                 Op::Cancel(c) => {
                     q.apply(0, Command::Cancel(c), &mut fx).unwrap();
@@ -250,7 +306,7 @@ proptest! {
                 Op::Settle(i) | Op::Discard(i) | Op::Return(i) => {
                     let Some(id) = pick(&m, i) else { continue };
                     let owner = m.unacked.remove(&id).flatten();
-                    if let Some(o) = owner.and_then(|o| m.consumers.get_mut(&o)) { o.1 -= 1; }
+                    if let Some(o) = owner.and_then(|o| m.consumers.get_mut(&o)) { o.unacked -= 1; }
                     let cmd = match op {
                         Op::Settle(_) => Command::Settle(vec![id]),
                         Op::Discard(_) => Command::Discard(vec![id]),
@@ -283,13 +339,14 @@ proptest! {
                 prop_assert_eq!(Some(id), expected, "deliveries take the oldest ready message");
                 prop_assert_eq!(redelivered, m.redelivered.contains(&id));
                 let c = m.consumers.get_mut(&consumer).expect("delivered to a live consumer");
-                prop_assert!(c.0 == 0 || c.1 < c.0, "delivery within prefetch");
-                c.1 += 1;
+                prop_assert!(c.has_credit(), "delivery within prefetch and grant");
+                c.unacked += 1;
+                c.granted = false;
                 m.unacked.insert(id, Some(consumer));
             }
             // If messages are ready, no consumer may have spare credit.
             if !m.ready.is_empty() {
-                prop_assert!(m.consumers.values().all(|(p, u)| *p != 0 && u >= p));
+                prop_assert!(m.consumers.values().all(|c| !c.has_credit()));
             }
             prop_assert_eq!(q.ready_len(), m.ready.len());
             prop_assert_eq!(q.unacked_len(), m.unacked.len());
