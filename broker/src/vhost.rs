@@ -229,6 +229,9 @@ impl VHost {
             .exchanges
             .get_mut(source)
             .ok_or_else(|| self.not_found("exchange", source))?;
+        if ex.kind == ExchangeKind::Headers {
+            crate::args::validate_x_match(&arguments)?;
+        }
         ex.bind(Binding {
             destination: dest,
             routing_key: routing_key.to_string(),

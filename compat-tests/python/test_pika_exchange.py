@@ -162,3 +162,16 @@ def test_auto_delete_exchange_goes_away_after_last_unbind(conn, ch, names):
     assert exchange_exists(conn, x)
     ch.queue_unbind(q, x, "k")
     assert not exchange_exists(conn, x)
+
+
+@pytest.mark.parametrize("x_match,needle", [
+    ("some", "Invalid x-match field value"),
+    (1, "Invalid x-match field type"),
+])
+def test_headers_binding_with_invalid_x_match_is_406(conn, ch, names, x_match, needle):
+    """Binding to a headers exchange with an unknown or non-string x-match is refused with 406."""
+    x, q = names.x(), names.q()
+    ch.exchange_declare(x, exchange_type="headers")
+    ch.queue_declare(q)
+    with channel_closed(406, needle):
+        ch.queue_bind(q, x, arguments={"x-match": x_match, "k": "v"})

@@ -211,3 +211,20 @@ def test_queue_max_length_drops_head(conn, ch, names):
     assert ch.basic_get(q, auto_ack=True)[2] == b"2"
     assert ch.basic_get(q, auto_ack=True)[2] == b"3"
     assert ch.basic_get(q, auto_ack=True)[0] is None
+
+
+@pytest.mark.parametrize("args,needle", [
+    ({"x-max-length": -1}, "x-max-length"),
+    ({"x-max-priority": 256}, "max_value_exceeded"),
+    ({"x-overflow": "drop-tail"}, "invalid_overflow"),
+    ({"x-overflow": 5}, "unacceptable_type"),
+    ({"x-dead-letter-routing-key": "rk"}, "routing_key_but_no_dlx_defined"),
+    ({"x-expires": 0}, "value_zero"),
+    ({"x-message-ttl": -5}, "value_negative"),
+    ({"x-queue-mode": "turbo"}, "unsupported queue mode"),
+    ({"x-single-active-consumer": "yes"}, "unacceptable_type"),
+])
+def test_invalid_queue_arguments_are_406(ch, names, args, needle):
+    """A new queue with an x-argument of a bad value or type is refused with 406 naming it."""
+    with channel_closed(406, needle):
+        ch.queue_declare(names.q(), arguments=args)
