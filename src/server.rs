@@ -133,6 +133,9 @@ async fn serve(
         }
         let timer = conn.poll_timeout().map(Instant::from_std);
         let read_enabled = out.pending() < OUTPUT_HIGH_WATERMARK;
+        if !read_enabled {
+            conn.note_input_paused(Instant::now().into_std());
+        }
         tokio::select! {
             read = rd.read_buf(&mut input), if read_enabled => match read {
                 Ok(0) | Err(_) => {

@@ -712,6 +712,13 @@ impl Connection {
         self.state = State::Closed;
     }
 
+    /// The transport stopped reading from the peer (output backpressure): the peer's frames
+    /// wait in the socket, so it must not be judged silent meanwhile (RabbitMQ pauses its
+    /// heartbeat monitor the same way).
+    pub fn note_input_paused(&mut self, now: Instant) {
+        self.last_recv = now;
+    }
+
     /// Record that bytes were written to the peer at `now` (resets the heartbeat send timer).
     pub fn note_sent(&mut self, now: Instant) {
         self.last_send = now;

@@ -26,12 +26,15 @@ pub struct User {
 pub struct BrokerConfig {
     /// Deliveries a consumer may have in flight to its socket before the queue pauses it.
     pub consumer_window: u32,
+    /// Unwritten delivery bytes per consumer ([`crate::limits::CONSUMER_WINDOW_BYTES_DEFAULT`]).
+    pub consumer_window_bytes: u64,
 }
 
 impl Default for BrokerConfig {
     fn default() -> Self {
         Self {
             consumer_window: crate::limits::CONSUMER_WINDOW_DEFAULT,
+            consumer_window_bytes: crate::limits::CONSUMER_WINDOW_BYTES_DEFAULT,
         }
     }
 }

@@ -4,5 +4,10 @@
 /// connection's outbox and the memory a slow consumer can pin; acked consumers are further
 /// bounded by their prefetch.
 pub const CONSUMER_WINDOW_DEFAULT: u32 = 2000;
+/// Bytes of deliveries a consumer may have queued for its socket but not yet written (at
+/// least one delivery is always allowed, so a message larger than this still goes out).
+/// With [`CONSUMER_WINDOW_DEFAULT`] this bounds what a slow consumer pins in memory by size
+/// as well as by count.
+pub const CONSUMER_WINDOW_BYTES_DEFAULT: u64 = 4 * 1024 * 1024;
 /// Highest consumer priority, prefetch and similar values are u16/u32 on the wire; nothing here yet.
 pub const CONSUMERS_PER_CHANNEL_MAX: usize = 65_535;

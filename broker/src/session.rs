@@ -21,7 +21,7 @@ use crate::exchange::{Destination, ExchangeKind};
 use crate::limiter::Limiter;
 use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
-use crate::queue::machine::{ConsumerId, ConsumerSpec, MachineError, MsgId};
+use crate::queue::machine::{ConsumerId, ConsumerSpec, MachineError, MessageRef, MsgId};
 use crate::queue::{ConsumerSink, Queue};
 use crate::vhost::{ExchangeDecl, VHost, rs};
 
@@ -124,7 +124,8 @@ pub struct Session {
     ctx: Ctx,
     channels: HashMap<u16, Channel>,
     drained: Vec<Outbound>,
-    written: HashMap<(usize, ConsumerId), (Arc<Queue>, u32)>,
+    /// Deliveries (count, bytes) written per (queue, consumer) since the last write completed.
+    written: HashMap<(usize, ConsumerId), (Arc<Queue>, u32, u64)>,
 }
 
 fn reply(out: &mut FrameWriter, ch: u16, m: AMQPClass) {
@@ -320,14 +321,15 @@ impl Session {
         let entry = self
             .written
             .entry(key)
-            .or_insert_with(|| (Arc::clone(&d.queue), 0));
+            .or_insert_with(|| (Arc::clone(&d.queue), 0, 0));
         entry.1 += 1;
+        entry.2 += d.message.size();
     }
 
     /// Restore consumer windows for what was just written. Call after the write completes.
     pub fn after_write(&mut self) {
-        for ((_, consumer), (queue, n)) in self.written.drain() {
-            queue.written(consumer, n);
+        for ((_, consumer), (queue, n, bytes)) in self.written.drain() {
+            queue.written(consumer, n, bytes);
         }
     }
 
@@ -1046,6 +1048,7 @@ fn handle_basic(
             let spec = ConsumerSpec {
                 prefetch,
                 window: ctx.broker.config.consumer_window,
+                window_bytes: ctx.broker.config.consumer_window_bytes,
                 no_ack: c.no_ack,
                 exclusive: c.exclusive,
                 priority,

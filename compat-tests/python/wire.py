@@ -139,6 +139,13 @@ def basic_publish(channel, exchange="", routing_key="", mandatory=False):
     return method(channel, BASIC_PUBLISH, args)
 
 
+def basic_consume(channel, queue, consumer_tag="", no_ack=False, exclusive=False):
+    bits = (no_ack << 1) | (exclusive << 2)
+    args = (struct.pack(">H", 0) + shortstr(queue) + shortstr(consumer_tag)
+            + struct.pack(">B", bits) + table({}))
+    return method(channel, (60, 20), args)
+
+
 def content_header(channel, body_size, class_id=60):
     # class, weight, body size, property flags (no properties)
     return frame(FRAME_HEADER, channel, struct.pack(">HHQH", class_id, 0, body_size, 0))

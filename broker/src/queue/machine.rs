@@ -39,6 +39,8 @@ pub struct ConsumerSpec {
     pub prefetch: u32,
     /// Deliveries not yet written to the socket allowed at once (transport backpressure).
     pub window: u32,
+    /// Bytes of deliveries not yet written allowed at once; one delivery always fits.
+    pub window_bytes: u64,
     /// Messages are settled when sent.
     pub no_ack: bool,
     /// basic.consume exclusive flag.
@@ -59,8 +61,9 @@ pub enum Command<M> {
     Checkout(ConsumerId, ConsumerSpec),
     /// Detach a consumer; its unacked messages stay checked out until settled or returned.
     Cancel(ConsumerId),
-    /// The consumer's deliveries up to `n` have been written out; restore its window.
-    Written(ConsumerId, u32),
+    /// `n` of the consumer's deliveries, `bytes` in all, have been written out; restore its
+    /// window.
+    Written(ConsumerId, u32, u64),
     /// Acknowledge unacked messages.
     Settle(Vec<MsgId>),
     /// Put unacked messages back, in original order, marked redelivered.
@@ -136,6 +139,7 @@ struct Consumer {
     spec: ConsumerSpec,
     unacked: u32,
     unwritten: u32,
+    unwritten_bytes: u64,
     /// Holds an unused [`Command::Grant`] (limited consumers only).
     granted: bool,
     /// Present in the service ring.
@@ -151,6 +155,7 @@ impl Consumer {
     fn own_credit(&self) -> bool {
         (self.spec.no_ack || self.spec.prefetch == 0 || self.unacked < self.spec.prefetch)
             && self.unwritten < self.spec.window
+            && (self.unwritten == 0 || self.unwritten_bytes < self.spec.window_bytes)
     }
 
     fn has_credit(&self) -> bool {
@@ -321,6 +326,7 @@ impl<M: MessageRef> QueueMachine<M> {
                         spec,
                         unacked: 0,
                         unwritten: 0,
+                        unwritten_bytes: 0,
                         granted: false,
                         in_ring: false,
                     },
@@ -352,9 +358,10 @@ impl<M: MessageRef> QueueMachine<M> {
                 }
                 Reply::Ok
             }
-            Command::Written(consumer, n) => {
+            Command::Written(consumer, n, bytes) => {
                 if let Some(c) = self.consumers.get_mut(&consumer) {
                     c.unwritten = c.unwritten.saturating_sub(n);
+                    c.unwritten_bytes = c.unwritten_bytes.saturating_sub(bytes);
                     self.refresh_ring(consumer);
                 }
                 Reply::Ok
@@ -533,6 +540,7 @@ impl<M: MessageRef> QueueMachine<M> {
             let size = r.msg.size();
             self.ready_bytes -= size;
             c.unwritten += 1;
+            c.unwritten_bytes += size;
             if c.is_limited() {
                 c.granted = false;
             }

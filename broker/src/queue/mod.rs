@@ -243,9 +243,9 @@ impl Queue {
     }
 
     /// Deliveries to `consumer` were written to its socket: restore its window.
-    pub fn written(self: &Arc<Self>, consumer: ConsumerId, n: u32) {
+    pub fn written(self: &Arc<Self>, consumer: ConsumerId, n: u32, bytes: u64) {
         let mut st = self.state.lock();
-        let _ = self.run(&mut st, Command::Written(consumer, n));
+        let _ = self.run(&mut st, Command::Written(consumer, n, bytes));
     }
 
     /// Acknowledge.

@@ -19,6 +19,7 @@ fn spec(prefetch: u32) -> ConsumerSpec {
     ConsumerSpec {
         prefetch,
         window: 1000,
+        window_bytes: u64::MAX,
         no_ack: false,
         exclusive: false,
         priority: 0,
@@ -111,6 +112,7 @@ fn window_bounds_unwritten_deliveries_for_no_ack_consumers() {
             ConsumerSpec {
                 prefetch: 0,
                 window: 2,
+                window_bytes: u64::MAX,
                 no_ack: true,
                 exclusive: false,
                 priority: 0,
@@ -124,10 +126,39 @@ fn window_bounds_unwritten_deliveries_for_no_ack_consumers() {
         q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
     }
     assert_eq!(fx.len(), 2);
-    q.apply(0, Command::Written(1, 2), &mut fx).unwrap();
+    q.apply(0, Command::Written(1, 2, 3), &mut fx).unwrap();
     assert_eq!(fx.len(), 4);
     assert_eq!(q.unacked_len(), 0);
     assert_eq!(q.counters().settled, 4);
+}
+
+#[test]
+fn byte_window_bounds_unwritten_deliveries_but_always_admits_one() {
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    let spec = ConsumerSpec {
+        window_bytes: 5,
+        ..spec(0)
+    };
+    q.apply(0, Command::Checkout(1, spec), &mut fx).unwrap();
+    // Sizes 4, 4, 1: the second delivery starts below the budget, the third waits.
+    for m in [M(3), M(3), M(0)] {
+        q.apply(0, Command::Enqueue(m), &mut fx).unwrap();
+    }
+    assert_eq!(fx.len(), 2);
+    q.apply(0, Command::Written(1, 2, 8), &mut fx).unwrap();
+    assert_eq!(fx.len(), 3);
+    // A message larger than the whole budget still goes out when nothing is unwritten.
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    let tiny = ConsumerSpec {
+        window_bytes: 1,
+        ..spec
+    };
+    q.apply(0, Command::Checkout(1, tiny), &mut fx).unwrap();
+    q.apply(0, Command::Enqueue(M(6)), &mut fx).unwrap();
+    q.apply(0, Command::Enqueue(M(6)), &mut fx).unwrap();
+    assert_eq!(fx.len(), 1);
 }
 
 #[test]
