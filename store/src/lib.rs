@@ -1,0 +1,592 @@
+//! Warren's durable store: what a node keeps across restarts and crashes.
+//!
+//! - **redb** (`meta.redb`) holds the metadata (exchanges, queues, bindings: opaque bytes
+//!   encoded by the broker) and the message index: one small record per (queue, message id)
+//!   pointing at the message's record in a segment.
+//! - **Segment files** (`segments/*.seg`) hold message records, appended by one writer,
+//!   checksummed, shared by all queues: a message routed to N durable queues is written once
+//!   and referenced N times. A segment is deleted when no index record references it.
+//!
+//! One [`Store`] is owned by one writer (the group-commit thread). [`Store::commit`] makes a
+//! whole [`Batch`] durable with one segment `fdatasync` and one redb commit: bodies first,
+//! then the index that references them, so a committed index record never points at bytes
+//! that are not on disk. Readers use the shared [`Segments`] from any thread.
+//!
+//! The on-disk format is versioned and documented in `docs/storage-format.md`. Opening a
+//! directory with another version, a damaged header, or an index that references missing or
+//! damaged records refuses to start; uncommitted bytes at the end of a segment (a crash between
+//! append and commit) are truncated.
+
+pub mod error;
+pub mod record;
+pub mod segment;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+
+pub use error::StoreError;
+pub use record::StoredMessage;
+pub use segment::{Location, Segments};
+
+use record::{RECORD_HEADER, RECORD_MAX};
+use segment::{ActiveSegment, SEGMENT_HEADER};
+
+/// Version of the data directory layout (redb tables and index encoding).
+pub const FORMAT_VERSION: u64 = 1;
+/// Default segment size before the writer rolls to a new file.
+pub const SEGMENT_MAX_DEFAULT: u64 = 64 * 1024 * 1024;
+
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+const MESSAGES: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("messages");
+const KEY_FORMAT_VERSION: &str = "format_version";
+
+/// Metadata tables (values are encoded by the broker; the store only keeps bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MetaTable {
+    /// Durable exchanges.
+    Exchanges,
+    /// Durable queues.
+    Queues,
+    /// Bindings between durable objects.
+    Bindings,
+}
+
+impl MetaTable {
+    /// All tables, in recovery order.
+    pub const ALL: [Self; 3] = [Self::Exchanges, Self::Queues, Self::Bindings];
+
+    fn definition(self) -> TableDefinition<'static, &'static [u8], &'static [u8]> {
+        TableDefinition::new(match self {
+            Self::Exchanges => "exchanges",
+            Self::Queues => "queues",
+            Self::Bindings => "bindings",
+        })
+    }
+}
+
+/// The body of an enqueue: written in this batch, or already stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyRef {
+    /// Index into [`Batch::bodies`].
+    New(usize),
+    /// A record already in a segment. The caller must hold another reference to it until this
+    /// batch commits (a segment whose references reach zero is deleted).
+    Stored(Location),
+}
+
+/// One durable change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// Insert or replace a metadata record.
+    Put {
+        /// Table.
+        table: MetaTable,
+        /// Key.
+        key: Vec<u8>,
+        /// Value.
+        value: Vec<u8>,
+    },
+    /// Remove a metadata record (absent is fine).
+    Delete {
+        /// Table.
+        table: MetaTable,
+        /// Key.
+        key: Vec<u8>,
+    },
+    /// A message enters a queue.
+    Enqueue {
+        /// Queue id.
+        queue: u64,
+        /// Message id within the queue.
+        id: u64,
+        /// Its body.
+        body: BodyRef,
+        /// Per-message flags kept in the index (reserved for queue semantics; 0 today).
+        flags: u32,
+    },
+    /// A message leaves a queue (ack, reject, drop). Absent is fine.
+    Settle {
+        /// Queue id.
+        queue: u64,
+        /// Message id.
+        id: u64,
+    },
+    /// Remove every message of a queue (queue deleted).
+    DropQueue {
+        /// Queue id.
+        queue: u64,
+    },
+}
+
+/// Work made durable together: one segment sync and one redb commit.
+#[derive(Debug, Default, Clone)]
+pub struct Batch {
+    /// Message bodies to append (referenced from `ops` by index).
+    pub bodies: Vec<StoredMessage>,
+    /// Changes, applied in order.
+    pub ops: Vec<Op>,
+}
+
+impl Batch {
+    /// Whether there is nothing to write.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.bodies.is_empty() && self.ops.is_empty()
+    }
+}
+
+/// One indexed message found at recovery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexedMessage {
+    /// Queue id.
+    pub queue: u64,
+    /// Message id.
+    pub id: u64,
+    /// Its record.
+    pub location: Location,
+    /// Flags stored with it.
+    pub flags: u32,
+}
+
+/// Metadata rows of one table: (key, value) in key order.
+pub type MetaRows = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// What a store held when it was opened.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    /// Metadata records per table, in key order.
+    pub meta: BTreeMap<MetaTable, MetaRows>,
+    /// Indexed messages in (queue, id) order.
+    pub messages: Vec<IndexedMessage>,
+    /// Bytes of uncommitted segment tails that were truncated.
+    pub truncated_bytes: u64,
+}
+
+/// Store tuning.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// Roll to a new segment beyond this size ([`SEGMENT_MAX_DEFAULT`]).
+    pub segment_max: u64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            segment_max: SEGMENT_MAX_DEFAULT,
+        }
+    }
+}
+
+const ENTRY_LEN: usize = 24;
+
+fn encode_entry(loc: Location, flags: u32) -> [u8; ENTRY_LEN] {
+    let mut e = [0u8; ENTRY_LEN];
+    e[0..8].copy_from_slice(&loc.segment.to_be_bytes());
+    e[8..16].copy_from_slice(&loc.offset.to_be_bytes());
+    e[16..20].copy_from_slice(&loc.len.to_be_bytes());
+    e[20..24].copy_from_slice(&flags.to_be_bytes());
+    e
+}
+
+fn decode_entry(e: &[u8]) -> Option<(Location, u32)> {
+    if e.len() != ENTRY_LEN {
+        return None;
+    }
+    let u64_at = |i: usize| u64::from_be_bytes(e[i..i + 8].try_into().unwrap_or_default());
+    let u32_at = |i: usize| u32::from_be_bytes(e[i..i + 4].try_into().unwrap_or_default());
+    Some((
+        Location {
+            segment: u64_at(0),
+            offset: u64_at(8),
+            len: u32_at(16),
+        },
+        u32_at(20),
+    ))
+}
+
+/// The writer's handle on a data directory.
+#[derive(Debug)]
+pub struct Store {
+    db: Database,
+    db_path: PathBuf,
+    seg_dir: PathBuf,
+    segments: Arc<Segments>,
+    active: ActiveSegment,
+    options: Options,
+    /// Index records per segment (committed state).
+    refs: HashMap<u64, u64>,
+    buf: Vec<u8>,
+}
+
+impl Store {
+    /// Open (or create) the store in `dir` and recover what it holds.
+    ///
+    /// # Errors
+    /// I/O and redb errors, [`StoreError::VersionMismatch`] for another format version, and
+    /// [`StoreError::Corrupt`] when a header is damaged or the index references a record that
+    /// is missing or fails its checksum.
+    pub fn open(dir: &Path, options: Options) -> Result<(Self, Recovered), StoreError> {
+        let seg_dir = dir.join("segments");
+        std::fs::create_dir_all(&seg_dir)
+            .map_err(|e| StoreError::io("create data directory", &seg_dir, e))?;
+        let db_path = dir.join("meta.redb");
+        let db = Database::create(&db_path).map_err(|e| StoreError::db(&db_path, e))?;
+        check_version(&db, &db_path)?;
+
+        // 1. Verify every segment (headers, record checksums) in one sequential pass each.
+        let ids = segment::list(&seg_dir)?;
+        let mut scanned = HashMap::new();
+        for (n, id) in ids.iter().enumerate() {
+            let s = segment::scan(&seg_dir, *id)?;
+            if ids.len() > 16 && n % 16 == 0 {
+                tracing::info!(
+                    segment = id,
+                    done = n,
+                    total = ids.len(),
+                    "recovery: verifying segments"
+                );
+            }
+            scanned.insert(*id, s);
+        }
+
+        // 2. Read metadata and the index; every indexed record must lie in a verified prefix.
+        let mut recovered = Recovered::default();
+        let mut refs: HashMap<u64, u64> = HashMap::new();
+        {
+            let rtx = db.begin_read().map_err(|e| StoreError::db(&db_path, e))?;
+            for table in MetaTable::ALL {
+                let rows = recovered.meta.entry(table).or_default();
+                match rtx.open_table(table.definition()) {
+                    Ok(t) => {
+                        for row in t.iter().map_err(|e| StoreError::db(&db_path, e))? {
+                            let (k, v) = row.map_err(|e| StoreError::db(&db_path, e))?;
+                            rows.push((k.value().to_vec(), v.value().to_vec()));
+                        }
+                    }
+                    Err(redb::TableError::TableDoesNotExist(_)) => {}
+                    Err(e) => return Err(StoreError::db(&db_path, e)),
+                }
+            }
+            match rtx.open_table(MESSAGES) {
+                Ok(t) => {
+                    for row in t.iter().map_err(|e| StoreError::db(&db_path, e))? {
+                        let (k, v) = row.map_err(|e| StoreError::db(&db_path, e))?;
+                        let (queue, id) = k.value();
+                        let Some((location, flags)) = decode_entry(v.value()) else {
+                            return Err(StoreError::Corrupt {
+                                path: db_path.clone(),
+                                offset: 0,
+                                detail: format!(
+                                    "malformed index record for queue {queue} message {id}"
+                                ),
+                            });
+                        };
+                        let intact = scanned
+                            .get(&location.segment)
+                            .is_some_and(|s| location.end() <= s.valid_len);
+                        if !intact {
+                            return Err(StoreError::Corrupt {
+                                path: segment::segment_path(&seg_dir, location.segment),
+                                offset: location.offset,
+                                detail: format!(
+                                    "the index references a record that is missing or fails its \
+                                     checksum (queue {queue}, message {id}): a committed message \
+                                     would be lost"
+                                ),
+                            });
+                        }
+                        *refs.entry(location.segment).or_default() += 1;
+                        recovered.messages.push(IndexedMessage {
+                            queue,
+                            id,
+                            location,
+                            flags,
+                        });
+                        if recovered.messages.len() % 250_000 == 0 {
+                            tracing::info!(
+                                messages = recovered.messages.len(),
+                                "recovery: reading the message index"
+                            );
+                        }
+                    }
+                }
+                Err(redb::TableError::TableDoesNotExist(_)) => {}
+                Err(e) => return Err(StoreError::db(&db_path, e)),
+            }
+        }
+
+        // 3. Drop what nothing committed references: uncommitted tails, unreferenced segments.
+        for s in scanned.values() {
+            if refs.get(&s.id).copied().unwrap_or(0) == 0 {
+                remove_segment(&seg_dir, s.id)?;
+                recovered.truncated_bytes += s.file_len.saturating_sub(SEGMENT_HEADER);
+            } else if s.valid_len < s.file_len {
+                let path = segment::segment_path(&seg_dir, s.id);
+                tracing::warn!(
+                    segment = s.id,
+                    bytes = s.file_len - s.valid_len,
+                    "truncating uncommitted segment tail"
+                );
+                let f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .map_err(|e| StoreError::io("open segment", &path, e))?;
+                f.set_len(s.valid_len)
+                    .and_then(|()| f.sync_all())
+                    .map_err(|e| StoreError::io("truncate segment", &path, e))?;
+                recovered.truncated_bytes += s.file_len - s.valid_len;
+            }
+        }
+        segment::sync_dir(&seg_dir)?;
+
+        // 4. Never append to an old segment: start a fresh one.
+        let next = ids.last().map_or(1, |id| id + 1);
+        let active = ActiveSegment::create(&seg_dir, next)?;
+        Ok((
+            Self {
+                db,
+                db_path,
+                segments: Arc::new(Segments::new(seg_dir.clone())),
+                seg_dir,
+                active,
+                options,
+                refs,
+                buf: Vec::new(),
+            },
+            recovered,
+        ))
+    }
+
+    /// Shared readers for message records.
+    #[must_use]
+    pub fn segments(&self) -> Arc<Segments> {
+        Arc::clone(&self.segments)
+    }
+
+    /// Segment files currently on disk (for tests and statistics).
+    ///
+    /// # Errors
+    /// If the segment directory cannot be listed.
+    pub fn segment_count(&self) -> Result<usize, StoreError> {
+        Ok(segment::list(&self.seg_dir)?.len())
+    }
+
+    /// Make a batch durable: append its bodies, `fdatasync`, then apply its ops in one redb
+    /// transaction committed with `Durability::Immediate`. Returns the bodies' locations.
+    ///
+    /// # Errors
+    /// Any failure. The caller must treat it as fatal for the store: what was promised may not
+    /// be on disk, so nothing may be confirmed.
+    pub fn commit(&mut self, batch: &Batch) -> Result<Vec<Location>, StoreError> {
+        let locations = self.append_bodies(&batch.bodies)?;
+        let mut delta: HashMap<u64, i64> = HashMap::new();
+        let wtx = self
+            .db
+            .begin_write()
+            .map_err(|e| StoreError::db(&self.db_path, e))?;
+        {
+            let mut messages = wtx
+                .open_table(MESSAGES)
+                .map_err(|e| StoreError::db(&self.db_path, e))?;
+            let mut tables = HashMap::new();
+            for op in &batch.ops {
+                match op {
+                    Op::Put { table, key, value } => {
+                        if !tables.contains_key(table) {
+                            let t = wtx
+                                .open_table(table.definition())
+                                .map_err(|e| StoreError::db(&self.db_path, e))?;
+                            tables.insert(*table, t);
+                        }
+                        if let Some(t) = tables.get_mut(table) {
+                            t.insert(key.as_slice(), value.as_slice())
+                                .map_err(|e| StoreError::db(&self.db_path, e))?;
+                        }
+                    }
+                    Op::Delete { table, key } => {
+                        if !tables.contains_key(table) {
+                            let t = wtx
+                                .open_table(table.definition())
+                                .map_err(|e| StoreError::db(&self.db_path, e))?;
+                            tables.insert(*table, t);
+                        }
+                        if let Some(t) = tables.get_mut(table) {
+                            t.remove(key.as_slice())
+                                .map_err(|e| StoreError::db(&self.db_path, e))?;
+                        }
+                    }
+                    Op::Enqueue {
+                        queue,
+                        id,
+                        body,
+                        flags,
+                    } => {
+                        let loc = match body {
+                            BodyRef::New(i) => {
+                                *locations.get(*i).ok_or_else(|| StoreError::Corrupt {
+                                    path: self.db_path.clone(),
+                                    offset: 0,
+                                    detail: format!(
+                                        "batch enqueue names body {i} of {}",
+                                        locations.len()
+                                    ),
+                                })?
+                            }
+                            BodyRef::Stored(loc) => *loc,
+                        };
+                        let old = messages
+                            .insert((*queue, *id), encode_entry(loc, *flags).as_slice())
+                            .map_err(|e| StoreError::db(&self.db_path, e))?
+                            .and_then(|g| decode_entry(g.value()));
+                        *delta.entry(loc.segment).or_default() += 1;
+                        if let Some((old, _)) = old {
+                            *delta.entry(old.segment).or_default() -= 1;
+                        }
+                    }
+                    Op::Settle { queue, id } => {
+                        let old = messages
+                            .remove((*queue, *id))
+                            .map_err(|e| StoreError::db(&self.db_path, e))?
+                            .and_then(|g| decode_entry(g.value()));
+                        if let Some((old, _)) = old {
+                            *delta.entry(old.segment).or_default() -= 1;
+                        }
+                    }
+                    Op::DropQueue { queue } => {
+                        let removed = messages
+                            .extract_from_if((*queue, 0)..=(*queue, u64::MAX), |_, _| true)
+                            .map_err(|e| StoreError::db(&self.db_path, e))?;
+                        for row in removed {
+                            let (_, v) = row.map_err(|e| StoreError::db(&self.db_path, e))?;
+                            if let Some((old, _)) = decode_entry(v.value()) {
+                                *delta.entry(old.segment).or_default() -= 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        wtx.commit().map_err(|e| StoreError::db(&self.db_path, e))?;
+        self.apply_delta(delta)?;
+        Ok(locations)
+    }
+
+    fn append_bodies(&mut self, bodies: &[StoredMessage]) -> Result<Vec<Location>, StoreError> {
+        let mut locations = Vec::with_capacity(bodies.len());
+        if bodies.is_empty() {
+            return Ok(locations);
+        }
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        for body in bodies {
+            let payload = body.payload_len();
+            if payload > RECORD_MAX {
+                self.buf = buf;
+                return Err(StoreError::RecordTooLarge(payload));
+            }
+            let record = (RECORD_HEADER + payload) as u64;
+            let filled = self.active.len() + buf.len() as u64;
+            if filled + record > self.options.segment_max && filled > SEGMENT_HEADER {
+                self.active.append(&buf)?;
+                buf.clear();
+                self.roll()?;
+            }
+            let offset = self.active.len() + buf.len() as u64;
+            body.encode(&mut buf);
+            locations.push(Location {
+                segment: self.active.id,
+                offset,
+                len: u32::try_from(payload).map_err(|_| StoreError::RecordTooLarge(payload))?,
+            });
+        }
+        self.active.append(&buf)?;
+        self.active.sync()?;
+        buf.clear();
+        self.buf = buf;
+        Ok(locations)
+    }
+
+    /// Seal the active segment (synced) and start the next one.
+    fn roll(&mut self) -> Result<(), StoreError> {
+        self.active.sync()?;
+        let sealed = self.active.id;
+        self.active = ActiveSegment::create(&self.seg_dir, sealed + 1)?;
+        if self.refs.get(&sealed).copied().unwrap_or(0) == 0 {
+            // Possibly referenced by the batch being written: the delta decides after commit.
+            self.refs.entry(sealed).or_insert(0);
+        }
+        Ok(())
+    }
+
+    /// Apply committed reference changes; delete sealed segments nothing references.
+    fn apply_delta(&mut self, delta: HashMap<u64, i64>) -> Result<(), StoreError> {
+        for (seg, d) in delta {
+            let r = self.refs.entry(seg).or_insert(0);
+            let v = i64::try_from(*r).unwrap_or(i64::MAX) + d;
+            debug_assert!(v >= 0, "segment {seg} references went negative");
+            *r = u64::try_from(v.max(0)).unwrap_or(0);
+        }
+        let dead: Vec<u64> = self
+            .refs
+            .iter()
+            .filter(|(seg, n)| **n == 0 && **seg != self.active.id)
+            .map(|(seg, _)| *seg)
+            .collect();
+        if !dead.is_empty() {
+            for seg in &dead {
+                self.refs.remove(seg);
+                self.segments.forget(*seg);
+                remove_segment(&self.seg_dir, *seg)?;
+            }
+            segment::sync_dir(&self.seg_dir)?;
+        }
+        Ok(())
+    }
+}
+
+fn remove_segment(dir: &Path, id: u64) -> Result<(), StoreError> {
+    let path = segment::segment_path(dir, id);
+    match std::fs::remove_file(&path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(StoreError::io("delete segment", path, e)),
+    }
+}
+
+/// A fresh database gets this build's version; an existing one must carry it.
+fn check_version(db: &Database, path: &Path) -> Result<(), StoreError> {
+    let found = {
+        let rtx = db.begin_read().map_err(|e| StoreError::db(path, e))?;
+        match rtx.open_table(META) {
+            Ok(t) => t
+                .get(KEY_FORMAT_VERSION)
+                .map_err(|e| StoreError::db(path, e))?
+                .map(|v| v.value()),
+            Err(redb::TableError::TableDoesNotExist(_)) => None,
+            Err(e) => return Err(StoreError::db(path, e)),
+        }
+    };
+    match found {
+        Some(v) if v == FORMAT_VERSION => Ok(()),
+        Some(v) => Err(StoreError::VersionMismatch {
+            path: path.to_path_buf(),
+            found: v,
+            expected: FORMAT_VERSION,
+        }),
+        None => {
+            let wtx = db.begin_write().map_err(|e| StoreError::db(path, e))?;
+            {
+                let mut t = wtx.open_table(META).map_err(|e| StoreError::db(path, e))?;
+                t.insert(KEY_FORMAT_VERSION, FORMAT_VERSION)
+                    .map_err(|e| StoreError::db(path, e))?;
+            }
+            wtx.commit().map_err(|e| StoreError::db(path, e))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
