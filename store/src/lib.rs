@@ -20,6 +20,7 @@
 pub mod error;
 pub mod record;
 pub mod segment;
+pub mod writer;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -30,6 +31,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 pub use error::StoreError;
 pub use record::StoredMessage;
 pub use segment::{Location, Segments};
+pub use writer::Writer;
 
 use record::{RECORD_HEADER, RECORD_MAX};
 use segment::{ActiveSegment, SEGMENT_HEADER};
