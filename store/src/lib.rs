@@ -396,29 +396,19 @@ impl Store {
             let mut tables = HashMap::new();
             for op in &batch.ops {
                 match op {
-                    Op::Put { table, key, value } => {
-                        if !tables.contains_key(table) {
-                            let t = wtx
-                                .open_table(table.definition())
-                                .map_err(|e| StoreError::db(&self.db_path, e))?;
-                            tables.insert(*table, t);
-                        }
-                        if let Some(t) = tables.get_mut(table) {
-                            t.insert(key.as_slice(), value.as_slice())
-                                .map_err(|e| StoreError::db(&self.db_path, e))?;
-                        }
-                    }
-                    Op::Delete { table, key } => {
-                        if !tables.contains_key(table) {
-                            let t = wtx
-                                .open_table(table.definition())
-                                .map_err(|e| StoreError::db(&self.db_path, e))?;
-                            tables.insert(*table, t);
-                        }
-                        if let Some(t) = tables.get_mut(table) {
-                            t.remove(key.as_slice())
-                                .map_err(|e| StoreError::db(&self.db_path, e))?;
-                        }
+                    Op::Put { table, key, .. } | Op::Delete { table, key } => {
+                        let t = match tables.entry(*table) {
+                            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                            std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                                wtx.open_table(table.definition())
+                                    .map_err(|e| StoreError::db(&self.db_path, e))?,
+                            ),
+                        };
+                        let r = match op {
+                            Op::Put { value, .. } => t.insert(key.as_slice(), value.as_slice()),
+                            _ => t.remove(key.as_slice()),
+                        };
+                        r.map_err(|e| StoreError::db(&self.db_path, e))?;
                     }
                     Op::Enqueue {
                         queue,

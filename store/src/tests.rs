@@ -80,6 +80,19 @@ fn messages_and_metadata_survive_reopen() {
         ]
     );
     assert_eq!(r.messages[1].location, r.messages[2].location);
+    let mut store = store;
+    store
+        .commit(&Batch {
+            bodies: vec![],
+            ops: vec![Op::Delete {
+                table: MetaTable::Queues,
+                key: b"/\0q".to_vec(),
+            }],
+        })
+        .unwrap();
+    drop(store);
+    let (_, r) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    assert!(r.meta[&MetaTable::Queues].is_empty());
 }
 
 #[test]
