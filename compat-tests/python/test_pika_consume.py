@@ -142,6 +142,20 @@ def test_global_prefetch_is_shared_by_the_channel(conn, ch, names):
     assert sorted(b for _, b in got) == [b"a0", b"a1", b"a2", b"b0", b"b1", b"b2"]
 
 
+def test_global_prefetch_applies_to_existing_consumers(conn, ch, names):
+    """A global limit set after a consumer attached holds that consumer back too."""
+    q = names.q()
+    ch.queue_declare(q)
+    got = []
+    ch.basic_consume(q, lambda c, m, p, b: got.append(m.delivery_tag))
+    ch.basic_qos(prefetch_count=2, global_qos=True)
+    _fill(conn, q, [b"%d" % i for i in range(5)], declare=False)
+    wait_until(conn, lambda: len(got) == 2)
+    pump(conn, 0.3)
+    assert len(got) == 2
+    assert counts(conn, q) == (3, 1)
+
+
 def test_global_and_per_consumer_prefetch_both_apply(conn, ch, names):
     """A per-consumer limit (global=false) and a channel limit (global=true) apply together."""
     q1, q2 = names.q("a"), names.q("b")

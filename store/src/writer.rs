@@ -33,7 +33,10 @@ pub const GROUP_BYTES_MAX: usize = 8 * 1024 * 1024;
 pub const GROUP_OPS_MAX: usize = 20_000;
 
 struct Request {
+    /// Moved into the merged batch when the group is committed.
     batch: Batch,
+    /// Bodies in `batch` (its locations are this many of the merged batch's).
+    bodies: usize,
     bytes: u64,
     done: Completion,
 }
@@ -118,7 +121,13 @@ impl Writer {
             ))));
             return;
         }
-        q.requests.push_back(Request { batch, bytes, done });
+        let bodies = batch.bodies.len();
+        q.requests.push_back(Request {
+            batch,
+            bodies,
+            bytes,
+            done,
+        });
         drop(q);
         self.shared.wake.notify_one();
     }
@@ -184,7 +193,7 @@ fn run(mut store: Store, shared: &Shared) {
                 }
             }
         }
-        let merged = merge(&group);
+        let merged = merge(&mut group);
         let result = match shared.failed.lock().clone() {
             Some(e) => Err(e),
             None => store.commit(&merged).map_err(Arc::new),
@@ -197,7 +206,7 @@ fn run(mut store: Store, shared: &Shared) {
         let mut at = 0;
         for r in group.drain(..) {
             shared.pending_bytes.fetch_sub(r.bytes, Ordering::Relaxed);
-            let n = r.batch.bodies.len();
+            let n = r.bodies;
             let mine = match &result {
                 Ok(locs) => Ok(locs[at..at + n].to_vec()),
                 Err(e) => Err(Arc::clone(e)),
@@ -208,28 +217,30 @@ fn run(mut store: Store, shared: &Shared) {
     }
 }
 
-/// One batch from many: bodies concatenated, body references shifted accordingly.
-fn merge(group: &[Request]) -> Batch {
+/// One batch from many, moved out of the requests: bodies concatenated, body references
+/// shifted accordingly.
+fn merge(group: &mut [Request]) -> Batch {
     if let [only] = group {
-        return only.batch.clone();
+        return std::mem::take(&mut only.batch);
     }
     let mut merged = Batch::default();
     for r in group {
         let base = merged.bodies.len();
-        merged.bodies.extend(r.batch.bodies.iter().cloned());
-        merged.ops.extend(r.batch.ops.iter().map(|op| match op {
+        let batch = std::mem::take(&mut r.batch);
+        merged.bodies.extend(batch.bodies);
+        merged.ops.extend(batch.ops.into_iter().map(|op| match op {
             Op::Enqueue {
                 queue,
                 id,
                 body: BodyRef::New(i),
                 flags,
             } => Op::Enqueue {
-                queue: *queue,
-                id: *id,
+                queue,
+                id,
                 body: BodyRef::New(base + i),
-                flags: *flags,
+                flags,
             },
-            other => other.clone(),
+            other => other,
         }));
     }
     merged
@@ -320,10 +331,11 @@ mod tests {
                     flags: 0,
                 }],
             },
+            bodies: 1,
             bytes: 0,
             done: Box::new(|_| {}),
         };
-        let merged = merge(&[req(1), req(2)]);
+        let merged = merge(&mut [req(1), req(2)]);
         assert_eq!(merged.bodies.len(), 2);
         assert!(matches!(
             merged.ops[1],
