@@ -18,8 +18,10 @@ use tokio::time::Instant;
 use warren_amqp::connection::{Connection, ConnectionConfig, Event, client_capability};
 use warren_amqp::frame::FrameWriter;
 use warren_amqp::{AmqpError, ReplyCode, Scope};
+use warren_broker::durable::Durable;
 use warren_broker::outbox::Outbox;
 use warren_broker::{Broker, BrokerConfig, Session};
+use warren_store::{Options as StoreOptions, Store, Writer};
 
 use crate::config::ServerConfig;
 
@@ -34,6 +36,32 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("creating data dir {}", cfg.data_dir.display()))?;
+    let started = std::time::Instant::now();
+    let (store, recovered) = Store::open(&cfg.data_dir, StoreOptions::default())
+        .with_context(|| format!("opening the store in {}", cfg.data_dir.display()))?;
+    if recovered.truncated_bytes > 0 {
+        tracing::warn!(
+            bytes = recovered.truncated_bytes,
+            "dropped uncommitted data left by a crash"
+        );
+    }
+    let segments = store.segments();
+    let writer = Writer::start(store).context("starting the store writer")?;
+    let durable = Arc::new(Durable::new(writer, segments));
+    let broker = Broker::with_store(BrokerConfig::default(), Some(Arc::clone(&durable)));
+    let report = broker
+        .recover(recovered)
+        .context("recovering from the store")?;
+    tracing::info!(
+        exchanges = report.exchanges,
+        queues = report.queues,
+        bindings = report.bindings,
+        messages = report.messages,
+        dropped = report.dropped,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "recovered durable state"
+    );
+
     let listener = TcpListener::bind(cfg.amqp_listen)
         .await
         .with_context(|| format!("binding {}", cfg.amqp_listen))?;
@@ -42,7 +70,6 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     // A line on stdout that tests and scripts can wait for.
     println!("warren: amqp listening on {local}");
 
-    let broker = Broker::new(BrokerConfig::default());
     let conn_config = ConnectionConfig {
         limits: cfg.limits,
         ..ConnectionConfig::default()
@@ -84,6 +111,8 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     {
         tracing::warn!("some connections did not close in time");
     }
+    // Everything submitted is committed before the process exits.
+    durable.shutdown();
     tracing::info!("stopped");
     Ok(())
 }
@@ -155,7 +184,7 @@ async fn serve(
                     }
                 }
             },
-            written = wr.write(out.as_slice()), if out.pending() > 0 => match written {
+            written = wr.write(out.as_slice()), if out.pending() > 0 && !output_held(&session) => match written {
                 Ok(n) if n > 0 => {
                     out.consume(n);
                     conn.note_sent(Instant::now().into_std());
@@ -185,6 +214,11 @@ async fn serve(
         process_events(&mut conn, &mut session, &broker, &outbox, &mut out);
         if let Some(s) = session.as_mut() {
             s.flush(&mut out);
+            if let Some(e) = s.store_failure()
+                && conn.is_open()
+            {
+                conn.close_with(e, &mut out, Instant::now().into_std());
+            }
         }
     }
     // Best effort: deliver the close frames we owe, then drop the socket.
@@ -195,6 +229,11 @@ async fn serve(
     if let Some(mut s) = session {
         s.close();
     }
+}
+
+/// Replies wait while a change they report is not durable yet (see `Session::output_held`).
+fn output_held(session: &Option<Session>) -> bool {
+    session.as_ref().is_some_and(Session::output_held)
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

@@ -33,6 +33,9 @@ pub enum TableError {
     /// Tables or arrays nested deeper than the limit.
     #[error("field table nested deeper than {0} levels")]
     TooDeep(usize),
+    /// The structure checked out but a value did not decode.
+    #[error("field table value does not decode")]
+    BadValue,
 }
 
 fn need(data: &[u8], pos: usize, n: usize) -> Result<usize, TableError> {
@@ -48,6 +51,30 @@ fn read_u32(data: &[u8], pos: usize) -> Result<(u32, usize), TableError> {
     let end = need(data, pos, 4)?;
     let v = u32::from_be_bytes([data[pos], data[pos + 1], data[pos + 2], data[pos + 3]]);
     Ok((v, end))
+}
+
+/// Encode a field table as on the wire (4-byte length + entries), deterministically: the same
+/// table always gives the same bytes (entries are kept sorted by amq-protocol).
+#[must_use]
+pub fn encode_table(table: &amq_protocol::types::FieldTable) -> Vec<u8> {
+    cookie_factory::gen_simple(
+        amq_protocol::types::generation::gen_field_table(table),
+        Vec::with_capacity(64),
+    )
+    // Generation into a Vec cannot run out of space.
+    .expect("serializing a field table into a Vec")
+}
+
+/// Decode a field table written by [`encode_table`] (or received on the wire), checking lengths
+/// and nesting depth first. Returns the table and the bytes it used.
+pub fn decode_table(
+    data: &[u8],
+    depth_max: usize,
+) -> Result<(amq_protocol::types::FieldTable, usize), TableError> {
+    let end = check_table(data, 0, depth_max)?;
+    let (_, table) = amq_protocol::types::parsing::parse_field_table(&data[..end])
+        .map_err(|_| TableError::BadValue)?;
+    Ok((table, end))
 }
 
 /// Check the table (4-byte length + entries) that starts at `pos`; return the position after it.

@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::RwLock;
 use warren_amqp::connection::{AccessError, Gatekeeper, Login};
 
+use crate::durable::Durable;
 use crate::vhost::VHost;
 
 /// A user of the broker.
@@ -51,9 +52,16 @@ pub struct Broker {
 }
 
 impl Broker {
-    /// A broker with vhost "/" and the guest user (loopback only), as RabbitMQ starts.
+    /// A broker with vhost "/" and the guest user (loopback only), as RabbitMQ starts, keeping
+    /// nothing on disk.
     #[must_use]
     pub fn new(config: BrokerConfig) -> Arc<Self> {
+        Self::with_store(config, None)
+    }
+
+    /// Like [`Broker::new`], with durable objects and persistent messages written to `store`.
+    #[must_use]
+    pub fn with_store(config: BrokerConfig, store: Option<Arc<Durable>>) -> Arc<Self> {
         let b = Self {
             config,
             vhosts: RwLock::new(HashMap::new()),
@@ -63,7 +71,7 @@ impl Broker {
         };
         b.vhosts
             .write()
-            .insert("/".into(), Arc::new(VHost::new("/")));
+            .insert("/".into(), Arc::new(VHost::new("/", store)));
         b.users.write().insert(
             "guest".into(),
             User {
@@ -79,6 +87,10 @@ impl Broker {
     #[must_use]
     pub fn vhost(&self, name: &str) -> Option<Arc<VHost>> {
         self.vhosts.read().get(name).cloned()
+    }
+
+    pub(crate) fn next_id_counter(&self) -> &AtomicU64 {
+        &self.next_id
     }
 
     /// A fresh id (connections, consumers), unique in this process.

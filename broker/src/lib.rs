@@ -20,12 +20,14 @@
 
 pub mod args;
 pub mod broker;
+pub mod durable;
 pub mod exchange;
 pub mod limiter;
 pub mod limits;
 pub mod message;
 pub mod outbox;
 pub mod queue;
+pub mod recovery;
 pub mod session;
 pub mod vhost;
 

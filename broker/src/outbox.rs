@@ -3,7 +3,8 @@
 //!
 //! Bound: deliveries only enter while their consumer has window (see
 //! [`crate::queue::machine::ConsumerSpec::window`]), so the outbox holds at most
-//! `consumers x window` deliveries plus one cancel per consumer.
+//! `consumers x window` deliveries plus one cancel per consumer, plus one store completion per
+//! submission still owed to this connection.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -45,6 +46,22 @@ pub enum Outbound {
         channel: u16,
         /// The consumer.
         consumer: ConsumerId,
+    },
+    /// A metadata change (or tx commit) this connection waits for is durable (`ok`) or failed.
+    Committed {
+        /// Whether the store committed it.
+        ok: bool,
+    },
+    /// A persistent publish is durable: its publisher confirm may go out.
+    Confirmed {
+        /// Channel it was published on.
+        channel: u16,
+        /// That channel's incarnation (a reopened channel number is a different channel).
+        epoch: u64,
+        /// The publish sequence number.
+        seq: u64,
+        /// Whether the store committed it.
+        ok: bool,
     },
 }
 

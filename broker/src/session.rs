@@ -6,7 +6,8 @@
 //! holds. Errors come back as [`AmqpError`] values; the connection machine turns them into
 //! `channel.close` or `connection.close` in one place. No method here blocks or awaits.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cell::Cell;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use amq_protocol::protocol::{AMQPClass, access, basic, channel, confirm, exchange, queue, tx};
@@ -22,7 +23,7 @@ use crate::limiter::Limiter;
 use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
 use crate::queue::machine::{ConsumerId, ConsumerSpec, MachineError, MessageRef, MsgId};
-use crate::queue::{ConsumerSink, Queue};
+use crate::queue::{ConsumerSink, Queue, publish_persistent};
 use crate::vhost::{ExchangeDecl, VHost, rs};
 
 /// What a connection knows about itself, shared by its channels.
@@ -35,6 +36,18 @@ struct Ctx {
     outbox: Arc<Outbox>,
     /// Client supports server-sent basic.cancel.
     cancel_notify: bool,
+    /// Store submissions whose replies this connection holds back until they are durable.
+    gate: Cell<u32>,
+}
+
+impl Ctx {
+    /// A completion for a change the client's next reply depends on: output is held until it
+    /// arrives (see [`Session::output_held`]).
+    fn on_commit(&self) -> warren_store::writer::Completion {
+        self.gate.set(self.gate.get() + 1);
+        let outbox = Arc::clone(&self.outbox);
+        Box::new(move |r| outbox.push(Outbound::Committed { ok: r.is_ok() }))
+    }
 }
 
 #[derive(Debug)]
@@ -82,12 +95,16 @@ enum Mode {
         last_seq: u64,
         /// Highest sequence number already acked to the publisher.
         acked_upto: u64,
+        /// Publishes waiting for the store; nothing at or above the lowest is acked.
+        unconfirmed: BTreeSet<u64>,
     },
     Tx(TxBuffer),
 }
 
 #[derive(Debug)]
 struct Channel {
+    /// Incarnation: store completions for a closed channel must not touch a reopened one.
+    epoch: u64,
     consumers: HashMap<String, ConsumerEntry>,
     unacked: BTreeMap<u64, Unacked>,
     next_tag: u64,
@@ -103,8 +120,9 @@ struct Channel {
 }
 
 impl Channel {
-    fn new() -> Self {
+    fn new(epoch: u64) -> Self {
         Self {
+            epoch,
             consumers: HashMap::new(),
             unacked: BTreeMap::new(),
             next_tag: 1,
@@ -126,6 +144,8 @@ pub struct Session {
     drained: Vec<Outbound>,
     /// Deliveries (count, bytes) written per (queue, consumer) since the last write completed.
     written: HashMap<(usize, ConsumerId), (Arc<Queue>, u32, u64)>,
+    /// A store write this connection waited for failed.
+    store_failed: bool,
 }
 
 fn reply(out: &mut FrameWriter, ch: u16, m: AMQPClass) {
@@ -179,10 +199,12 @@ impl Session {
                 user,
                 outbox,
                 cancel_notify,
+                gate: Cell::new(0),
             },
             channels: HashMap::new(),
             drained: Vec::new(),
             written: HashMap::new(),
+            store_failed: false,
         }
     }
 
@@ -200,7 +222,8 @@ impl Session {
 
     /// A channel was opened.
     pub fn channel_opened(&mut self, ch: u16) {
-        self.channels.insert(ch, Channel::new());
+        let epoch = self.ctx.broker.next_id();
+        self.channels.insert(ch, Channel::new(epoch));
     }
 
     /// A channel is gone: cancel its consumers and requeue its unacked messages in order.
@@ -210,7 +233,9 @@ impl Session {
         };
         for (_, c) in chan.consumers {
             if c.queue.cancel(c.id) {
-                self.ctx.vhost.delete_queue(&c.queue);
+                self.ctx
+                    .vhost
+                    .delete_queue(&c.queue, &mut || self.ctx.on_commit());
             }
         }
         let mut pending: Vec<Unacked> = chan.unacked.into_values().collect();
@@ -242,13 +267,15 @@ impl Session {
             if let Mode::Confirm {
                 last_seq,
                 acked_upto,
+                unconfirmed,
             } = &mut chan.mode
-                && *last_seq > *acked_upto
             {
-                let multiple = *last_seq - *acked_upto > 1;
-                let tag = *last_seq;
-                out.method_with(*ch, |b| put_basic_ack(b, tag, multiple));
-                *acked_upto = *last_seq;
+                let upto = unconfirmed.first().map_or(*last_seq, |first| first - 1);
+                if upto > *acked_upto {
+                    let multiple = upto - *acked_upto > 1;
+                    out.method_with(*ch, |b| put_basic_ack(b, upto, multiple));
+                    *acked_upto = upto;
+                }
             }
         }
     }
@@ -264,9 +291,46 @@ impl Session {
                 Outbound::Cancel { channel, consumer } => {
                     self.consumer_cancelled(channel, consumer, out)
                 }
+                Outbound::Committed { ok } => {
+                    self.ctx.gate.set(self.ctx.gate.get().saturating_sub(1));
+                    self.store_failed |= !ok;
+                }
+                Outbound::Confirmed {
+                    channel,
+                    epoch,
+                    seq,
+                    ok,
+                } => {
+                    self.store_failed |= !ok;
+                    if let Some(chan) = self.channels.get_mut(&channel)
+                        && chan.epoch == epoch
+                        && let Mode::Confirm { unconfirmed, .. } = &mut chan.mode
+                    {
+                        unconfirmed.remove(&seq);
+                    }
+                }
             }
         }
         self.drained = items;
+    }
+
+    /// Whether output must be held: a change the client was (or is about to be) answered for
+    /// is not durable yet. Reading may go on; replies stay in order because nothing is written.
+    #[must_use]
+    pub fn output_held(&self) -> bool {
+        self.ctx.gate.get() > 0
+    }
+
+    /// The store failed a write this connection depends on: it must be closed with 541, since
+    /// nothing it was promised can be confirmed any more.
+    #[must_use]
+    pub fn store_failure(&self) -> Option<AmqpError> {
+        self.store_failed.then(|| {
+            AmqpError::connection(
+                ReplyCode::InternalError,
+                "store write failed; see the broker log",
+            )
+        })
     }
 
     fn deliver(&mut self, d: Delivery, out: &mut FrameWriter) {
@@ -387,6 +451,7 @@ impl Session {
                     chan.mode = Mode::Confirm {
                         last_seq: 0,
                         acked_upto: 0,
+                        unconfirmed: BTreeSet::new(),
                     };
                     Ok(())
                 }
@@ -400,7 +465,7 @@ impl Session {
                     );
                 }
             }),
-            AMQPClass::Tx(m) => handle_tx(chan, ch, m, out),
+            AMQPClass::Tx(m) => handle_tx(ctx, chan, ch, m, out),
             AMQPClass::Channel(channel::AMQPMethod::Flow(f)) => {
                 if f.active {
                     reply(
@@ -492,16 +557,21 @@ fn handle_queue(
                 // RabbitMQ forces exclusive queues to be non-durable.
                 let durable = d.durable && !d.exclusive;
                 let owner = d.exclusive.then_some(ctx.conn_id);
-                let (q, created) = vhost.declare_queue(|| {
-                    Queue::new(
-                        &name,
-                        &vhost.name,
-                        durable,
-                        d.auto_delete,
-                        owner,
-                        d.arguments.clone(),
-                    )
-                });
+                let (q, created) = vhost.declare_queue(
+                    || {
+                        Queue::new(
+                            ctx.broker.next_id(),
+                            &name,
+                            &vhost.name,
+                            durable,
+                            d.auto_delete,
+                            owner,
+                            d.arguments.clone(),
+                            vhost.store().cloned(),
+                        )
+                    },
+                    &mut || ctx.on_commit(),
+                );
                 if !created {
                     check_queue_equivalence(
                         ctx,
@@ -544,6 +614,7 @@ fn handle_queue(
                 Destination::Queue(qname),
                 &rk,
                 b.arguments,
+                &mut || ctx.on_commit(),
             )?;
             if !b.nowait {
                 reply(
@@ -570,6 +641,7 @@ fn handle_queue(
                 Destination::Queue(qname),
                 &rk,
                 u.arguments,
+                &mut || ctx.on_commit(),
             )?;
             reply(
                 out,
@@ -611,7 +683,7 @@ fn handle_queue(
                             format!("{} in use", rs("queue", &name, &vhost.name)),
                         ));
                     }
-                    vhost.delete_queue(&q).unwrap_or(0)
+                    vhost.delete_queue(&q, &mut || ctx.on_commit()).unwrap_or(0)
                 }
             };
             if !d.nowait {
@@ -715,6 +787,7 @@ fn handle_exchange(
                         internal: d.internal,
                         arguments: d.arguments,
                     },
+                    &mut || ctx.on_commit(),
                 )?;
             }
             if !d.nowait {
@@ -730,7 +803,7 @@ fn handle_exchange(
             if d.exchange.as_str().is_empty() {
                 return Err(default_refused());
             }
-            vhost.delete_exchange(d.exchange.as_str(), d.if_unused)?;
+            vhost.delete_exchange(d.exchange.as_str(), d.if_unused, &mut || ctx.on_commit())?;
             if !d.nowait {
                 reply(
                     out,
@@ -746,6 +819,7 @@ fn handle_exchange(
                 Destination::Exchange(b.destination.as_str().to_string()),
                 b.routing_key.as_str(),
                 b.arguments,
+                &mut || ctx.on_commit(),
             )?;
             if !b.nowait {
                 reply(
@@ -762,6 +836,7 @@ fn handle_exchange(
                 Destination::Exchange(u.destination.as_str().to_string()),
                 u.routing_key.as_str(),
                 u.arguments,
+                &mut || ctx.on_commit(),
             )?;
             if !u.nowait {
                 reply(
@@ -780,6 +855,7 @@ fn handle_exchange(
 }
 
 fn handle_tx(
+    ctx: &Ctx,
     chan: &mut Channel,
     ch: u16,
     m: tx::AMQPMethod,
@@ -816,7 +892,7 @@ fn handle_tx(
             };
             let buf = std::mem::take(buf);
             for p in buf.publishes {
-                enqueue_routed(chan, ch, &p.message, p.targets, p.mandatory, out);
+                enqueue_routed(ctx, chan, ch, &p.message, p.targets, p.mandatory, out);
             }
             for action in [AckAction::Settle, AckAction::Requeue, AckAction::Discard] {
                 let of_kind = buf
@@ -960,7 +1036,7 @@ fn handle_basic(
                 chan.route_buf = targets;
                 return Ok(());
             }
-            let targets = enqueue_routed(chan, ch, &message, targets, p.mandatory, out);
+            let targets = enqueue_routed(ctx, chan, ch, &message, targets, p.mandatory, out);
             chan.route_buf = targets;
             Ok(())
         }
@@ -1093,7 +1169,8 @@ fn handle_basic(
             if let Some(entry) = chan.consumers.remove(c.consumer_tag.as_str())
                 && entry.queue.cancel(entry.id)
             {
-                ctx.vhost.delete_queue(&entry.queue);
+                ctx.vhost
+                    .delete_queue(&entry.queue, &mut || ctx.on_commit());
             }
             if !c.nowait {
                 reply(
@@ -1198,6 +1275,7 @@ fn route(
 /// Enqueue a routed message; returns it unroutable (basic.return) when mandatory and no queue
 /// took it, and counts the publish for confirms. Gives back the emptied target buffer.
 fn enqueue_routed(
+    ctx: &Ctx,
     chan: &mut Channel,
     ch: u16,
     message: &Arc<Message>,
@@ -1205,9 +1283,40 @@ fn enqueue_routed(
     mandatory: bool,
     out: &mut FrameWriter,
 ) -> Vec<Arc<Queue>> {
+    let seq = match &mut chan.mode {
+        Mode::Confirm { last_seq, .. } => {
+            *last_seq += 1;
+            Some(*last_seq)
+        }
+        _ => None,
+    };
     let mut delivered = false;
-    for q in targets.drain(..) {
-        delivered |= q.publish(Arc::clone(message));
+    if message.properties.persistent() && targets.iter().any(|q| q.is_stored()) {
+        let epoch = chan.epoch;
+        let mode = &mut chan.mode;
+        (delivered, _) = publish_persistent(&targets, message, || match (mode, seq) {
+            (Mode::Confirm { unconfirmed, .. }, Some(seq)) => {
+                // Confirmed only once the store has it (flush acks below the lowest waiting).
+                unconfirmed.insert(seq);
+                let outbox = Arc::clone(&ctx.outbox);
+                Box::new(move |r| {
+                    outbox.push(Outbound::Confirmed {
+                        channel: ch,
+                        epoch,
+                        seq,
+                        ok: r.is_ok(),
+                    });
+                })
+            }
+            // tx.commit-ok is held until the transaction's messages are durable.
+            (Mode::Tx(_), _) => ctx.on_commit(),
+            _ => Box::new(|_| {}),
+        });
+        targets.clear();
+    } else {
+        for q in targets.drain(..) {
+            delivered |= q.publish(Arc::clone(message));
+        }
     }
     if !delivered && mandatory {
         out.method_with(ch, |b| {
@@ -1220,11 +1329,6 @@ fn enqueue_routed(
             )
         });
         out.content(ch, &message.properties.raw, &message.body);
-    }
-    if let Mode::Confirm { last_seq, .. } = &mut chan.mode {
-        // Transient routing is complete here: the confirm is owed now (sent at flush, after
-        // any basic.return above).
-        *last_seq += 1;
     }
     targets
 }

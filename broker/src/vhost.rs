@@ -3,6 +3,10 @@
 //! Topology changes take the write lock; routing takes the read lock for the time of one
 //! lookup and never calls into a queue while holding it (queues are collected, then published
 //! to). Lock order: vhost topology, then queue state; never the reverse.
+//!
+//! With a store, changes to durable objects are submitted to it while the write lock is held
+//! (see [`crate::durable`] for why), and the caller's `on_commit` provides the completion that
+//! tells it when they are durable (it holds its reply until then).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -11,8 +15,15 @@ use amq_protocol::types::FieldTable;
 use parking_lot::RwLock;
 use warren_amqp::{AmqpError, ReplyCode};
 
+use warren_store::writer::Completion;
+use warren_store::{Batch, MetaTable, Op};
+
+use crate::durable::{BindingRecord, Durable, ExchangeRecord, QueueRecord};
 use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use crate::queue::Queue;
+
+/// Produces the completion for a submitted change (called only when something was submitted).
+pub type OnCommit<'a> = &'a mut dyn FnMut() -> Completion;
 
 /// The exchanges and queues of one vhost.
 #[derive(Debug, Default)]
@@ -27,6 +38,7 @@ pub struct VHost {
     /// Name.
     pub name: String,
     topology: RwLock<Topology>,
+    store: Option<Arc<Durable>>,
 }
 
 /// The declaration flags of an exchange.
@@ -75,9 +87,9 @@ fn equivalence_fail(
 }
 
 impl VHost {
-    /// A vhost with the predeclared exchanges.
+    /// A vhost with the predeclared exchanges; durable objects go to `store` if given.
     #[must_use]
-    pub fn new(name: &str) -> Self {
+    pub fn new(name: &str, store: Option<Arc<Durable>>) -> Self {
         let mut t = Topology::default();
         for (ex, kind) in PREDECLARED {
             t.exchanges.insert(
@@ -88,7 +100,48 @@ impl VHost {
         Self {
             name: name.to_string(),
             topology: RwLock::new(t),
+            store,
         }
+    }
+
+    /// The store durable queues of this vhost write to.
+    #[must_use]
+    pub fn store(&self) -> Option<&Arc<Durable>> {
+        self.store.as_ref()
+    }
+
+    /// Submit durable changes (call with the write lock held).
+    fn submit(&self, ops: Vec<Op>, on_commit: OnCommit<'_>) {
+        if let Some(store) = &self.store
+            && !ops.is_empty()
+        {
+            store.submit(
+                Batch {
+                    bodies: Vec::new(),
+                    ops,
+                },
+                on_commit(),
+            );
+        }
+    }
+
+    fn binding_record(&self, source: &str, b: &Binding) -> BindingRecord {
+        BindingRecord {
+            vhost: self.name.clone(),
+            source: source.to_string(),
+            destination: b.destination.clone(),
+            routing_key: b.routing_key.clone(),
+            arguments: b.arguments.clone(),
+        }
+    }
+
+    /// Whether a binding from `source` to `dest` is stored: both ends durable (RabbitMQ).
+    fn binding_is_durable(t: &Topology, source: &Exchange, dest: &Destination) -> bool {
+        source.durable
+            && match dest {
+                Destination::Queue(q) => t.queues.get(q).is_some_and(|q| q.is_stored()),
+                Destination::Exchange(e) => t.exchanges.get(e).is_some_and(|e| e.durable),
+            }
     }
 
     fn not_found(&self, kind: &str, name: &str) -> AmqpError {
@@ -99,7 +152,12 @@ impl VHost {
     }
 
     /// exchange.declare (non-passive): create, or check equivalence with the existing one.
-    pub fn declare_exchange(&self, name: &str, decl: ExchangeDecl) -> Result<(), AmqpError> {
+    pub fn declare_exchange(
+        &self,
+        name: &str,
+        decl: ExchangeDecl,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), AmqpError> {
         let mut t = self.topology.write();
         let what = rs("exchange", name, &self.name);
         if let Some(ex) = t.exchanges.get(name) {
@@ -146,6 +204,12 @@ impl VHost {
                 format!("exchange name '{name}' contains reserved prefix 'amq.*'"),
             ));
         }
+        if decl.durable {
+            self.submit(
+                vec![ExchangeRecord::put(&self.name, name, &decl)],
+                on_commit,
+            );
+        }
         t.exchanges.insert(
             name.to_string(),
             Exchange::new(
@@ -158,6 +222,49 @@ impl VHost {
             ),
         );
         Ok(())
+    }
+
+    /// Put back a durable exchange recovered from the store.
+    pub fn restore_exchange(&self, name: &str, decl: ExchangeDecl) {
+        self.topology.write().exchanges.insert(
+            name.to_string(),
+            Exchange::new(
+                name,
+                decl.kind,
+                decl.durable,
+                decl.auto_delete,
+                decl.internal,
+                decl.arguments,
+            ),
+        );
+    }
+
+    /// Put back a durable queue recovered from the store.
+    pub fn restore_queue(&self, queue: Arc<Queue>) {
+        self.topology
+            .write()
+            .queues
+            .insert(queue.name.clone(), queue);
+    }
+
+    /// Put back a durable binding recovered from the store (false if an end is missing).
+    pub fn restore_binding(&self, b: BindingRecord) -> bool {
+        let mut t = self.topology.write();
+        let dest_exists = match &b.destination {
+            Destination::Queue(q) => t.queues.contains_key(q),
+            Destination::Exchange(e) => t.exchanges.contains_key(e),
+        };
+        match t.exchanges.get_mut(&b.source) {
+            Some(ex) if dest_exists => {
+                ex.bind(Binding {
+                    destination: b.destination,
+                    routing_key: b.routing_key,
+                    arguments: b.arguments,
+                });
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Whether an exchange exists.
@@ -176,7 +283,12 @@ impl VHost {
     }
 
     /// exchange.delete. A missing exchange is not an error (RabbitMQ 4).
-    pub fn delete_exchange(&self, name: &str, if_unused: bool) -> Result<(), AmqpError> {
+    pub fn delete_exchange(
+        &self,
+        name: &str,
+        if_unused: bool,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), AmqpError> {
         if name.starts_with("amq.") {
             return Err(AmqpError::channel(
                 ReplyCode::AccessRefused,
@@ -196,22 +308,56 @@ impl VHost {
                 format!("{} in use", rs("exchange", name, &self.name)),
             ));
         }
+        let mut ops = Vec::new();
+        self.exchange_removed(&t, ex, &mut ops);
         t.exchanges.remove(name);
-        Self::remove_destination(&mut t, &Destination::Exchange(name.to_string()));
+        self.remove_destination(&mut t, &Destination::Exchange(name.to_string()), &mut ops);
+        self.submit(ops, on_commit);
         Ok(())
     }
 
-    /// Remove every binding to `dest`, then auto-delete sources left without bindings.
-    fn remove_destination(t: &mut Topology, dest: &Destination) {
+    /// Store ops for an exchange going away: its record and its stored bindings (as source).
+    fn exchange_removed(&self, t: &Topology, ex: &Exchange, ops: &mut Vec<Op>) {
+        if !ex.durable || self.store.is_none() {
+            return;
+        }
+        ops.push(Op::Delete {
+            table: MetaTable::Exchanges,
+            key: ExchangeRecord::key(&self.name, &ex.name),
+        });
+        for b in ex.bindings() {
+            if Self::binding_is_durable(t, ex, &b.destination) {
+                ops.push(self.binding_record(&ex.name, b).delete());
+            }
+        }
+    }
+
+    /// Remove every binding to `dest` (which is still in the topology, or was durable iff
+    /// stored), then auto-delete sources left without bindings. Store ops go to `ops`.
+    fn remove_destination(&self, t: &mut Topology, dest: &Destination, ops: &mut Vec<Op>) {
         let mut emptied = Vec::new();
+        if self.store.is_some() {
+            for ex in t.exchanges.values() {
+                if !ex.durable {
+                    continue;
+                }
+                for b in ex.bindings().iter().filter(|b| &b.destination == dest) {
+                    // The destination may already be gone from the map: deleting a binding
+                    // that was never stored is harmless, so durability of the source decides.
+                    ops.push(self.binding_record(&ex.name, b).delete());
+                }
+            }
+        }
         for ex in t.exchanges.values_mut() {
             if ex.unbind_destination(dest) > 0 && ex.auto_delete && ex.bindings().is_empty() {
                 emptied.push(ex.name.clone());
             }
         }
         for name in emptied {
-            t.exchanges.remove(&name);
-            Self::remove_destination(t, &Destination::Exchange(name));
+            if let Some(ex) = t.exchanges.remove(&name) {
+                self.exchange_removed(t, &ex, ops);
+            }
+            self.remove_destination(t, &Destination::Exchange(name), ops);
         }
     }
 
@@ -222,21 +368,31 @@ impl VHost {
         dest: Destination,
         routing_key: &str,
         arguments: FieldTable,
+        on_commit: OnCommit<'_>,
     ) -> Result<(), AmqpError> {
         let mut t = self.topology.write();
         self.check_binding_ends(&t, source, &dest)?;
         let ex = t
             .exchanges
-            .get_mut(source)
+            .get(source)
             .ok_or_else(|| self.not_found("exchange", source))?;
         if ex.kind == ExchangeKind::Headers {
             crate::args::validate_x_match(&arguments)?;
         }
-        ex.bind(Binding {
+        let binding = Binding {
             destination: dest,
             routing_key: routing_key.to_string(),
             arguments,
-        });
+        };
+        let durable = self.store.is_some()
+            && Self::binding_is_durable(&t, ex, &binding.destination)
+            && !ex.bindings().contains(&binding);
+        if durable {
+            self.submit(vec![self.binding_record(source, &binding).put()], on_commit);
+        }
+        if let Some(ex) = t.exchanges.get_mut(source) {
+            ex.bind(binding);
+        }
         Ok(())
     }
 
@@ -247,6 +403,7 @@ impl VHost {
         dest: Destination,
         routing_key: &str,
         arguments: FieldTable,
+        on_commit: OnCommit<'_>,
     ) -> Result<(), AmqpError> {
         let mut t = self.topology.write();
         self.check_binding_ends(&t, source, &dest)?;
@@ -255,14 +412,25 @@ impl VHost {
             routing_key: routing_key.to_string(),
             arguments,
         };
+        let mut ops = Vec::new();
+        if let Some(ex) = t.exchanges.get(source)
+            && ex.bindings().contains(&binding)
+            && self.store.is_some()
+            && Self::binding_is_durable(&t, ex, &binding.destination)
+        {
+            ops.push(self.binding_record(source, &binding).delete());
+        }
         let mut delete_source = false;
         if let Some(ex) = t.exchanges.get_mut(source) {
             delete_source = ex.unbind(&binding) && ex.auto_delete && ex.bindings().is_empty();
         }
         if delete_source {
-            t.exchanges.remove(source);
-            Self::remove_destination(&mut t, &Destination::Exchange(source.to_string()));
+            if let Some(ex) = t.exchanges.remove(source) {
+                self.exchange_removed(&t, &ex, &mut ops);
+            }
+            self.remove_destination(&mut t, &Destination::Exchange(source.to_string()), &mut ops);
         }
+        self.submit(ops, on_commit);
         Ok(())
     }
 
@@ -310,11 +478,25 @@ impl VHost {
 
     /// Insert a new queue, or return the existing one of that name (the caller checks
     /// equivalence). Returns (queue, created).
-    pub fn declare_queue(&self, make: impl FnOnce() -> Arc<Queue>) -> (Arc<Queue>, bool) {
+    pub fn declare_queue(
+        &self,
+        make: impl FnOnce() -> Arc<Queue>,
+        on_commit: OnCommit<'_>,
+    ) -> (Arc<Queue>, bool) {
         let candidate = make();
         let mut t = self.topology.write();
         if let Some(q) = t.queues.get(&candidate.name) {
             return (Arc::clone(q), false);
+        }
+        if candidate.is_stored() {
+            let record = QueueRecord {
+                vhost: self.name.clone(),
+                name: candidate.name.clone(),
+                id: candidate.id,
+                auto_delete: candidate.auto_delete,
+                arguments: candidate.arguments.clone(),
+            };
+            self.submit(vec![record.put()], on_commit);
         }
         t.queues
             .insert(candidate.name.clone(), Arc::clone(&candidate));
@@ -323,18 +505,29 @@ impl VHost {
 
     /// Remove a queue and its bindings; consumers get basic.cancel. Returns the ready count,
     /// or None if it was already gone. Only removes this very queue (not a re-declared one).
-    pub fn delete_queue(&self, queue: &Arc<Queue>) -> Option<u32> {
-        {
-            let mut t = self.topology.write();
-            match t.queues.get(&queue.name) {
-                Some(q) if Arc::ptr_eq(q, queue) => {
-                    t.queues.remove(&queue.name);
-                }
-                _ => return None,
+    pub fn delete_queue(&self, queue: &Arc<Queue>, on_commit: OnCommit<'_>) -> Option<u32> {
+        let mut t = self.topology.write();
+        match t.queues.get(&queue.name) {
+            Some(q) if Arc::ptr_eq(q, queue) => {
+                t.queues.remove(&queue.name);
             }
-            Self::remove_destination(&mut t, &Destination::Queue(queue.name.clone()));
+            _ => return None,
         }
-        Some(queue.delete())
+        let mut ops = Vec::new();
+        if queue.is_stored() {
+            ops.push(Op::Delete {
+                table: MetaTable::Queues,
+                key: QueueRecord::key(&self.name, &queue.name),
+            });
+            self.remove_destination(&mut t, &Destination::Queue(queue.name.clone()), &mut ops);
+            // Record, bindings and messages go in one submission, made under both locks.
+            Some(queue.delete(ops, on_commit))
+        } else {
+            self.remove_destination(&mut t, &Destination::Queue(queue.name.clone()), &mut ops);
+            self.submit(ops, on_commit);
+            drop(t);
+            Some(queue.delete(Vec::new(), &mut || Box::new(|_| {})))
+        }
     }
 
     /// Route a message: the queues it reaches, each once. Follows exchange-to-exchange bindings
@@ -419,7 +612,7 @@ impl VHost {
             .cloned()
             .collect();
         for q in owned {
-            self.delete_queue(&q);
+            self.delete_queue(&q, &mut || Box::new(|_| {}));
         }
     }
 }

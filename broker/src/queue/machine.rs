@@ -57,6 +57,16 @@ pub struct ConsumerSpec {
 pub enum Command<M> {
     /// Add a message to the tail.
     Enqueue(M),
+    /// Put back a message recovered from durable storage, keeping its id. Ids must arrive in
+    /// increasing order and before any `Enqueue` (the machine's next id continues after it).
+    Restore {
+        /// The id it had when it was stored.
+        id: MsgId,
+        /// The message.
+        msg: M,
+        /// Whether to mark it redelivered.
+        redelivered: bool,
+    },
     /// Attach a consumer.
     Checkout(ConsumerId, ConsumerSpec),
     /// Detach a consumer; its unacked messages stay checked out until settled or returned.
@@ -96,6 +106,16 @@ pub enum Effect<M> {
         msg: M,
         /// Delivered before.
         redelivered: bool,
+        /// The consumer does not ack: the message left the queue with this delivery.
+        settled: bool,
+    },
+    /// A message left the queue for good (acked, rejected without requeue, purged, or taken by
+    /// a no-ack `basic.get`), so the driver can release what it stored for it.
+    Removed {
+        /// Its id.
+        id: MsgId,
+        /// The message.
+        msg: M,
     },
 }
 
@@ -225,6 +245,12 @@ impl<M: MessageRef> QueueMachine<M> {
         self.fresh.len() + self.returned.len()
     }
 
+    /// The id the next `Enqueue` will get.
+    #[must_use]
+    pub fn next_id(&self) -> MsgId {
+        self.next_id
+    }
+
     /// Messages delivered and not yet settled.
     #[must_use]
     pub fn unacked_len(&self) -> usize {
@@ -305,6 +331,25 @@ impl<M: MessageRef> QueueMachine<M> {
                 });
                 Reply::Ok
             }
+            Command::Restore {
+                id,
+                msg,
+                redelivered,
+            } => {
+                debug_assert!(
+                    id >= self.next_id,
+                    "restored ids arrive in increasing order"
+                );
+                self.next_id = self.next_id.max(id + 1);
+                self.counters.enqueued += 1;
+                self.ready_bytes += msg.size();
+                self.fresh.push_back(Ready {
+                    id,
+                    msg,
+                    redelivered,
+                });
+                Reply::Ok
+            }
             Command::Checkout(consumer, spec) => {
                 if self.consumers.contains_key(&consumer) {
                     return Err(MachineError::DuplicateConsumer);
@@ -368,16 +413,18 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Settle(ids) => {
                 for id in ids {
-                    if self.take_unacked(id).is_some() {
+                    if let Some(msg) = self.take_unacked(id) {
                         self.counters.settled += 1;
+                        effects.push(Effect::Removed { id, msg });
                     }
                 }
                 Reply::Ok
             }
             Command::Discard(ids) => {
                 for id in ids {
-                    if self.take_unacked(id).is_some() {
+                    if let Some(msg) = self.take_unacked(id) {
                         self.counters.discarded += 1;
+                        effects.push(Effect::Removed { id, msg });
                     }
                 }
                 Reply::Ok
@@ -406,6 +453,10 @@ impl<M: MessageRef> QueueMachine<M> {
                     self.ready_bytes -= size;
                     if no_ack {
                         self.counters.settled += 1;
+                        effects.push(Effect::Removed {
+                            id: r.id,
+                            msg: r.msg.clone(),
+                        });
                     } else {
                         self.unacked_bytes += size;
                         self.unacked.insert(
@@ -450,8 +501,15 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Purge => {
                 let n = self.ready_len();
-                self.fresh.clear();
-                self.returned.clear();
+                for r in std::mem::take(&mut self.returned)
+                    .into_values()
+                    .chain(std::mem::take(&mut self.fresh))
+                {
+                    effects.push(Effect::Removed {
+                        id: r.id,
+                        msg: r.msg,
+                    });
+                }
                 self.ready_bytes = 0;
                 self.counters.purged += n as u64;
                 Reply::Purged(u32::try_from(n).unwrap_or(u32::MAX))
@@ -562,6 +620,7 @@ impl<M: MessageRef> QueueMachine<M> {
                 id: r.id,
                 msg: r.msg,
                 redelivered: r.redelivered,
+                settled: c.spec.no_ack,
             });
             if c.has_credit() {
                 c.in_ring = true;

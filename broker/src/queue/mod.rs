@@ -3,6 +3,11 @@
 //! The driver owns the machine behind a per-queue mutex (never a global lock, never held across
 //! an `.await`), turns channel calls into machine commands, and carries out the effects:
 //! deliveries go into the consumer's connection [`Outbox`]. Lock order: queue state, then outbox.
+//!
+//! A durable queue (with a store) also writes: persistent messages are submitted to the store
+//! under the queue lock *before* the machine may deliver them, and their removals (ack, reject,
+//! purge, no-ack delivery) are submitted under the same lock, so the store sees every message's
+//! enqueue before its settle.
 
 pub mod machine;
 
@@ -13,6 +18,10 @@ use std::time::Instant;
 use amq_protocol::types::FieldTable;
 use parking_lot::Mutex;
 
+use warren_store::writer::Completion;
+use warren_store::{Batch, BodyRef, Op};
+
+use crate::durable::{Durable, stored};
 use crate::limiter::{Limiter, Wake};
 use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
@@ -48,11 +57,15 @@ struct State {
     effects: Vec<Effect<Arc<Message>>>,
     /// Whether any consumer ever attached (auto-delete needs one to have left).
     had_consumer: bool,
+    /// Store ops produced while carrying out effects, submitted before the lock is released.
+    store_ops: Vec<Op>,
 }
 
 /// A queue with its declaration and delivery state.
 #[derive(Debug)]
 pub struct Queue {
+    /// Broker-unique id; for durable queues also the key of their messages in the store.
+    pub id: u64,
     /// Name.
     pub name: String,
     /// Vhost name.
@@ -65,22 +78,30 @@ pub struct Queue {
     pub exclusive_owner: Option<u64>,
     /// Declare arguments.
     pub arguments: FieldTable,
+    /// Where persistent messages go (durable, non-exclusive queues of a broker with a store).
+    store: Option<Arc<Durable>>,
     epoch: Instant,
     state: Mutex<State>,
 }
 
 impl Queue {
-    /// A new empty queue.
+    /// A new empty queue. `store` is used only if the queue is durable and not exclusive.
     #[must_use]
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
+        id: u64,
         name: &str,
         vhost: &str,
         durable: bool,
         auto_delete: bool,
         exclusive_owner: Option<u64>,
         arguments: FieldTable,
+        store: Option<Arc<Durable>>,
     ) -> Arc<Self> {
+        let store = store.filter(|_| durable && exclusive_owner.is_none());
         Arc::new(Self {
+            id,
+            store,
             name: name.to_string(),
             vhost: vhost.to_string(),
             durable,
@@ -94,6 +115,7 @@ impl Queue {
                 deleted: false,
                 effects: Vec::new(),
                 had_consumer: false,
+                store_ops: Vec::new(),
             }),
         })
     }
@@ -115,7 +137,28 @@ impl Queue {
         self.carry_out(st, &mut effects);
         self.offer_grants(st, &mut effects);
         st.effects = effects;
+        self.submit_store_ops(st);
         reply
+    }
+
+    /// Whether `message` is kept in the store while in this queue.
+    #[must_use]
+    pub fn persists(&self, message: &Message) -> bool {
+        self.store.is_some() && message.properties.persistent()
+    }
+
+    /// Whether this queue writes persistent messages to a store.
+    #[must_use]
+    pub fn is_stored(&self) -> bool {
+        self.store.is_some()
+    }
+
+    fn submit_store_ops(&self, st: &mut State) {
+        if let Some(store) = &self.store
+            && !st.store_ops.is_empty()
+        {
+            store.submit_ops(std::mem::take(&mut st.store_ops));
+        }
     }
 
     fn offer_grants(self: &Arc<Self>, st: &mut State, effects: &mut Vec<Effect<Arc<Message>>>) {
@@ -138,15 +181,24 @@ impl Queue {
         }
     }
 
-    fn carry_out(self: &Arc<Self>, st: &State, effects: &mut Vec<Effect<Arc<Message>>>) {
+    fn carry_out(self: &Arc<Self>, st: &mut State, effects: &mut Vec<Effect<Arc<Message>>>) {
         for effect in effects.drain(..) {
             match effect {
+                Effect::Removed { id, msg } => {
+                    if self.persists(&msg) {
+                        st.store_ops.push(Op::Settle { queue: self.id, id });
+                    }
+                }
                 Effect::Deliver {
                     consumer,
                     id,
                     msg,
                     redelivered,
+                    settled,
                 } => {
+                    if settled && self.persists(&msg) {
+                        st.store_ops.push(Op::Settle { queue: self.id, id });
+                    }
                     let Some(sink) = st.sinks.get(&consumer) else {
                         debug_assert!(false, "delivery to a consumer without a sink");
                         continue;
@@ -171,6 +223,7 @@ impl Queue {
         let mut effects = std::mem::take(&mut st.effects);
         self.offer_grants(&mut st, &mut effects);
         st.effects = effects;
+        self.submit_store_ops(&mut st);
     }
 
     /// Put a consumer under its channel's shared limit or release it from it.
@@ -195,7 +248,8 @@ impl Queue {
         }
     }
 
-    /// Enqueue a routed message. Returns false if the queue was deleted meanwhile.
+    /// Enqueue a routed message that needs no store write (transient, or this queue has no
+    /// store). Returns false if the queue was deleted meanwhile.
     pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> bool {
         let mut st = self.state.lock();
         if st.deleted {
@@ -203,6 +257,21 @@ impl Queue {
         }
         let _ = self.run(&mut st, Command::Enqueue(message));
         true
+    }
+
+    /// Put a message recovered from the store back, with its stored id, marked redelivered
+    /// (it may have been delivered before the restart: the conservative reading, as AMQP
+    /// allows).
+    pub fn restore(self: &Arc<Self>, id: MsgId, message: Arc<Message>) {
+        let mut st = self.state.lock();
+        let _ = self.run(
+            &mut st,
+            Command::Restore {
+                id,
+                msg: message,
+                redelivered: true,
+            },
+        );
     }
 
     /// Attach a consumer.
@@ -295,9 +364,26 @@ impl Queue {
     }
 
     /// Mark deleted and tell every consumer's connection to cancel it. Returns the ready count.
-    pub fn delete(self: &Arc<Self>) -> u32 {
+    /// A stored queue's messages are dropped from the store (`more_ops`, e.g. its record and
+    /// bindings, go in the same submission; `done` runs when it is durable).
+    pub fn delete(
+        self: &Arc<Self>,
+        more_ops: Vec<Op>,
+        on_commit: &mut dyn FnMut() -> Completion,
+    ) -> u32 {
         let mut st = self.state.lock();
         st.deleted = true;
+        if let Some(store) = &self.store {
+            let mut ops = more_ops;
+            ops.push(Op::DropQueue { queue: self.id });
+            store.submit(
+                Batch {
+                    bodies: Vec::new(),
+                    ops,
+                },
+                on_commit(),
+            );
+        }
         let sinks: Vec<(ConsumerId, ConsumerSink)> = st.sinks.drain().collect();
         let mut wakes = Vec::new();
         for (consumer, sink) in sinks {
@@ -325,4 +411,52 @@ impl Queue {
     pub fn is_deleted(&self) -> bool {
         self.state.lock().deleted
     }
+}
+
+/// Enqueue a persistent message into the stored queues among `targets` (one store write for
+/// all of them) and into the others in memory. The store submission happens while every stored
+/// target is locked (in id order, so concurrent publishers cannot deadlock) and before any of
+/// them can deliver the message. Returns (reached any queue, `done` was submitted): when no
+/// stored queue took the message, `done` is not called.
+pub fn publish_persistent(
+    targets: &[Arc<Queue>],
+    message: &Arc<Message>,
+    done: impl FnOnce() -> Completion,
+) -> (bool, bool) {
+    let mut stored_targets: Vec<&Arc<Queue>> =
+        targets.iter().filter(|q| q.store.is_some()).collect();
+    stored_targets.sort_unstable_by_key(|q| q.id);
+    let mut delivered = false;
+    let mut submitted = false;
+    if let Some(store) = stored_targets.first().and_then(|q| q.store.clone()) {
+        let mut guards: Vec<_> = stored_targets.iter().map(|q| q.state.lock()).collect();
+        let mut batch = Batch {
+            bodies: vec![stored(message)],
+            ops: Vec::with_capacity(stored_targets.len()),
+        };
+        for (q, st) in stored_targets.iter().zip(&guards) {
+            if !st.deleted {
+                batch.ops.push(Op::Enqueue {
+                    queue: q.id,
+                    id: st.machine.next_id(),
+                    body: BodyRef::New(0),
+                    flags: 0,
+                });
+            }
+        }
+        if !batch.ops.is_empty() {
+            store.submit(batch, done());
+            submitted = true;
+        }
+        for (q, st) in stored_targets.iter().zip(guards.iter_mut()) {
+            if !st.deleted {
+                let _ = q.run(st, Command::Enqueue(Arc::clone(message)));
+                delivered = true;
+            }
+        }
+    }
+    for q in targets.iter().filter(|q| q.store.is_none()) {
+        delivered |= q.publish(Arc::clone(message));
+    }
+    (delivered, submitted)
 }

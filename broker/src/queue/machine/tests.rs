@@ -30,14 +30,15 @@ fn spec(prefetch: u32) -> ConsumerSpec {
 fn delivered(effects: &[Effect<M>]) -> Vec<(ConsumerId, MsgId, bool)> {
     effects
         .iter()
-        .map(
-            |Effect::Deliver {
-                 consumer,
-                 id,
-                 redelivered,
-                 ..
-             }| (*consumer, *id, *redelivered),
-        )
+        .filter_map(|e| match e {
+            Effect::Deliver {
+                consumer,
+                id,
+                redelivered,
+                ..
+            } => Some((*consumer, *id, *redelivered)),
+            Effect::Removed { .. } => None,
+        })
         .collect()
 }
 
@@ -365,7 +366,7 @@ proptest! {
                     m.ready.clear();
                 }
             }
-            for Effect::Deliver { consumer, id, redelivered, .. } in fx {
+            for (consumer, id, redelivered) in delivered(&fx) {
                 let expected = m.ready.pop_first();
                 prop_assert_eq!(Some(id), expected, "deliveries take the oldest ready message");
                 prop_assert_eq!(redelivered, m.redelivered.contains(&id));

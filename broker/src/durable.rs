@@ -1,0 +1,495 @@
+//! What the broker keeps in the store: the encodings of durable exchanges, queues and bindings,
+//! the conversion of messages to and from stored records, and the handle to the writer.
+//!
+//! Ordering rule (why submissions happen under locks): a change is submitted to the writer
+//! while the lock that makes it visible is held (topology write lock for declarations and
+//! bindings, the queue lock for enqueues, settles and deletion). The writer commits in
+//! submission order, so the store can never hold a settle before its enqueue, an enqueue for a
+//! queue whose deletion it already committed, or a binding before its queue.
+
+use std::sync::Arc;
+
+use amq_protocol::types::FieldTable;
+use bytes::Bytes;
+use warren_amqp::properties::Properties;
+use warren_amqp::table::{decode_table, encode_table};
+use warren_store::writer::Completion;
+use warren_store::{Batch, Location, MetaTable, Op, Segments, StoreError, StoredMessage, Writer};
+
+use crate::exchange::{Destination, ExchangeKind};
+use crate::message::Message;
+use crate::vhost::ExchangeDecl;
+
+/// Field-table nesting accepted when decoding stored records (the wire limit).
+const TABLE_DEPTH: usize = warren_amqp::limits::TABLE_DEPTH_MAX;
+/// Version byte that starts every metadata value.
+const RECORD_VERSION: u8 = 1;
+
+/// The broker's handle on its store.
+#[derive(Debug)]
+pub struct Durable {
+    writer: Writer,
+    segments: Arc<Segments>,
+}
+
+impl Durable {
+    /// Wrap a started writer and the readers of its segments.
+    #[must_use]
+    pub fn new(writer: Writer, segments: Arc<Segments>) -> Self {
+        Self { writer, segments }
+    }
+
+    /// Queue a batch for the next group commit; `done` runs on the writer thread.
+    pub fn submit(&self, batch: Batch, done: Completion) {
+        self.writer.submit(batch, done);
+    }
+
+    /// Queue ops whose completion nobody waits for (settles): ordering is all they need.
+    pub fn submit_ops(&self, ops: Vec<Op>) {
+        if !ops.is_empty() {
+            self.writer.submit(
+                Batch {
+                    bodies: Vec::new(),
+                    ops,
+                },
+                Box::new(|_| {}),
+            );
+        }
+    }
+
+    /// Read a stored message.
+    ///
+    /// # Errors
+    /// I/O or checksum failure.
+    pub fn read(&self, location: Location) -> Result<StoredMessage, StoreError> {
+        self.segments.read(location)
+    }
+
+    /// Bytes submitted and not yet committed.
+    #[must_use]
+    pub fn pending_bytes(&self) -> u64 {
+        self.writer.pending_bytes()
+    }
+
+    /// Commit what is queued and stop the writer.
+    pub fn shutdown(&self) {
+        self.writer.shutdown();
+    }
+}
+
+/// A stored record that does not decode: the data directory is damaged or from elsewhere.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("malformed {what} record: {why}")]
+pub struct DecodeError {
+    what: &'static str,
+    why: &'static str,
+}
+
+struct Reader<'a> {
+    data: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn err(&self, why: &'static str) -> DecodeError {
+        DecodeError {
+            what: self.what,
+            why,
+        }
+    }
+
+    fn u8(&mut self) -> Result<u8, DecodeError> {
+        let (&b, rest) = self
+            .data
+            .split_first()
+            .ok_or_else(|| self.err("truncated"))?;
+        self.data = rest;
+        Ok(b)
+    }
+
+    fn u64(&mut self) -> Result<u64, DecodeError> {
+        if self.data.len() < 8 {
+            return Err(self.err("truncated"));
+        }
+        let (v, rest) = self.data.split_at(8);
+        self.data = rest;
+        Ok(u64::from_be_bytes(
+            v.try_into().map_err(|_| self.err("truncated"))?,
+        ))
+    }
+
+    fn str(&mut self) -> Result<&'a str, DecodeError> {
+        let n = self.u8()? as usize;
+        if self.data.len() < n {
+            return Err(self.err("truncated name"));
+        }
+        let (s, rest) = self.data.split_at(n);
+        self.data = rest;
+        std::str::from_utf8(s).map_err(|_| self.err("name is not UTF-8"))
+    }
+
+    fn table(&mut self) -> Result<FieldTable, DecodeError> {
+        let (t, used) =
+            decode_table(self.data, TABLE_DEPTH).map_err(|_| self.err("bad arguments table"))?;
+        self.data = &self.data[used..];
+        Ok(t)
+    }
+
+    fn end(&self) -> Result<(), DecodeError> {
+        if self.data.is_empty() {
+            Ok(())
+        } else {
+            Err(self.err("trailing bytes"))
+        }
+    }
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    // Names and routing keys are AMQP short strings (at most 255 bytes), checked on input.
+    let b = &s.as_bytes()[..s.len().min(255)];
+    out.push(u8::try_from(b.len()).unwrap_or(u8::MAX));
+    out.extend_from_slice(b);
+}
+
+fn name_key(vhost: &str, name: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(2 + vhost.len() + name.len());
+    put_str(&mut k, vhost);
+    put_str(&mut k, name);
+    k
+}
+
+/// A durable exchange.
+#[derive(Debug, Clone)]
+pub struct ExchangeRecord {
+    /// Vhost.
+    pub vhost: String,
+    /// Name.
+    pub name: String,
+    /// Declaration.
+    pub decl: ExchangeDecl,
+}
+
+impl ExchangeRecord {
+    /// Store key of exchange `name` in `vhost`.
+    #[must_use]
+    pub fn key(vhost: &str, name: &str) -> Vec<u8> {
+        name_key(vhost, name)
+    }
+
+    /// The op that stores it.
+    #[must_use]
+    pub fn put(vhost: &str, name: &str, decl: &ExchangeDecl) -> Op {
+        let mut v = vec![RECORD_VERSION];
+        put_str(&mut v, decl.kind.as_str());
+        v.push(
+            u8::from(decl.durable) | u8::from(decl.auto_delete) << 1 | u8::from(decl.internal) << 2,
+        );
+        v.extend_from_slice(&encode_table(&decl.arguments));
+        Op::Put {
+            table: MetaTable::Exchanges,
+            key: Self::key(vhost, name),
+            value: v,
+        }
+    }
+
+    /// Decode a stored row.
+    ///
+    /// # Errors
+    /// A row that does not decode.
+    pub fn decode(key: &[u8], value: &[u8]) -> Result<Self, DecodeError> {
+        let mut k = Reader {
+            data: key,
+            what: "exchange",
+        };
+        let (vhost, name) = (k.str()?.to_string(), k.str()?.to_string());
+        k.end()?;
+        let mut r = Reader {
+            data: value,
+            what: "exchange",
+        };
+        if r.u8()? != RECORD_VERSION {
+            return Err(r.err("unknown record version"));
+        }
+        let kind = ExchangeKind::parse(r.str()?).ok_or_else(|| r.err("unknown exchange type"))?;
+        let flags = r.u8()?;
+        let arguments = r.table()?;
+        r.end()?;
+        Ok(Self {
+            vhost,
+            name,
+            decl: ExchangeDecl {
+                kind,
+                durable: flags & 1 != 0,
+                auto_delete: flags & 2 != 0,
+                internal: flags & 4 != 0,
+                arguments,
+            },
+        })
+    }
+}
+
+/// A durable queue.
+#[derive(Debug, Clone)]
+pub struct QueueRecord {
+    /// Vhost.
+    pub vhost: String,
+    /// Name.
+    pub name: String,
+    /// Store id (its messages are indexed under it).
+    pub id: u64,
+    /// Auto-delete flag.
+    pub auto_delete: bool,
+    /// Declare arguments.
+    pub arguments: FieldTable,
+}
+
+impl QueueRecord {
+    /// Store key of queue `name` in `vhost`.
+    #[must_use]
+    pub fn key(vhost: &str, name: &str) -> Vec<u8> {
+        name_key(vhost, name)
+    }
+
+    /// The op that stores it.
+    #[must_use]
+    pub fn put(&self) -> Op {
+        let mut v = vec![RECORD_VERSION];
+        v.extend_from_slice(&self.id.to_be_bytes());
+        v.push(u8::from(self.auto_delete));
+        v.extend_from_slice(&encode_table(&self.arguments));
+        Op::Put {
+            table: MetaTable::Queues,
+            key: Self::key(&self.vhost, &self.name),
+            value: v,
+        }
+    }
+
+    /// Decode a stored row.
+    ///
+    /// # Errors
+    /// A row that does not decode.
+    pub fn decode(key: &[u8], value: &[u8]) -> Result<Self, DecodeError> {
+        let mut k = Reader {
+            data: key,
+            what: "queue",
+        };
+        let (vhost, name) = (k.str()?.to_string(), k.str()?.to_string());
+        k.end()?;
+        let mut r = Reader {
+            data: value,
+            what: "queue",
+        };
+        if r.u8()? != RECORD_VERSION {
+            return Err(r.err("unknown record version"));
+        }
+        let id = r.u64()?;
+        let auto_delete = r.u8()? & 1 != 0;
+        let arguments = r.table()?;
+        r.end()?;
+        Ok(Self {
+            vhost,
+            name,
+            id,
+            auto_delete,
+            arguments,
+        })
+    }
+}
+
+/// A binding between durable ends.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BindingRecord {
+    /// Vhost.
+    pub vhost: String,
+    /// Source exchange.
+    pub source: String,
+    /// Destination.
+    pub destination: Destination,
+    /// Routing key.
+    pub routing_key: String,
+    /// Arguments (part of the binding's identity).
+    pub arguments: FieldTable,
+}
+
+impl BindingRecord {
+    /// Its store key (the whole binding: bindings have no value).
+    #[must_use]
+    pub fn key(&self) -> Vec<u8> {
+        let mut k = name_key(&self.vhost, &self.source);
+        match &self.destination {
+            Destination::Queue(q) => {
+                k.push(0);
+                put_str(&mut k, q);
+            }
+            Destination::Exchange(e) => {
+                k.push(1);
+                put_str(&mut k, e);
+            }
+        }
+        put_str(&mut k, &self.routing_key);
+        k.extend_from_slice(&encode_table(&self.arguments));
+        k
+    }
+
+    /// The op that stores it.
+    #[must_use]
+    pub fn put(&self) -> Op {
+        Op::Put {
+            table: MetaTable::Bindings,
+            key: self.key(),
+            value: vec![RECORD_VERSION],
+        }
+    }
+
+    /// The op that removes it.
+    #[must_use]
+    pub fn delete(&self) -> Op {
+        Op::Delete {
+            table: MetaTable::Bindings,
+            key: self.key(),
+        }
+    }
+
+    /// Decode a stored row.
+    ///
+    /// # Errors
+    /// A row that does not decode.
+    pub fn decode(key: &[u8], value: &[u8]) -> Result<Self, DecodeError> {
+        let mut k = Reader {
+            data: key,
+            what: "binding",
+        };
+        let vhost = k.str()?.to_string();
+        let source = k.str()?.to_string();
+        let destination = match k.u8()? {
+            0 => Destination::Queue(k.str()?.to_string()),
+            1 => Destination::Exchange(k.str()?.to_string()),
+            _ => return Err(k.err("unknown destination kind")),
+        };
+        let routing_key = k.str()?.to_string();
+        let arguments = k.table()?;
+        k.end()?;
+        if value != [RECORD_VERSION] {
+            return Err(k.err("unknown record version"));
+        }
+        Ok(Self {
+            vhost,
+            source,
+            destination,
+            routing_key,
+            arguments,
+        })
+    }
+}
+
+/// The stored form of a message (the body is shared, not copied).
+#[must_use]
+pub fn stored(message: &Message) -> StoredMessage {
+    StoredMessage {
+        exchange: Bytes::copy_from_slice(message.exchange.as_bytes()),
+        routing_key: Bytes::copy_from_slice(message.routing_key.as_bytes()),
+        properties: message.properties.raw.clone(),
+        body: message.body.clone(),
+    }
+}
+
+/// A message read back from the store.
+///
+/// # Errors
+/// Properties that no longer parse (the record passed its checksum, so this means a bug or a
+/// foreign data directory).
+pub fn restored(m: StoredMessage) -> Result<Message, DecodeError> {
+    let err = |why| DecodeError {
+        what: "message",
+        why,
+    };
+    Ok(Message {
+        exchange: String::from_utf8(m.exchange.to_vec())
+            .map_err(|_| err("exchange is not UTF-8"))?,
+        routing_key: String::from_utf8(m.routing_key.to_vec())
+            .map_err(|_| err("routing key is not UTF-8"))?,
+        properties: Properties::parse(m.properties, TABLE_DEPTH)
+            .map_err(|_| err("bad properties"))?,
+        body: m.body,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use amq_protocol::types::{AMQPValue, LongString};
+
+    use super::*;
+
+    fn args() -> FieldTable {
+        let mut t = FieldTable::default();
+        t.insert("x-max-length".into(), AMQPValue::LongInt(10));
+        t.insert(
+            "alternate-exchange".into(),
+            AMQPValue::LongString(LongString::from("ae")),
+        );
+        t
+    }
+
+    #[test]
+    fn exchange_round_trip() {
+        let decl = ExchangeDecl {
+            kind: ExchangeKind::Topic,
+            durable: true,
+            auto_delete: true,
+            internal: false,
+            arguments: args(),
+        };
+        let Op::Put { key, value, .. } = ExchangeRecord::put("/", "ex", &decl) else {
+            panic!("put")
+        };
+        let r = ExchangeRecord::decode(&key, &value).unwrap();
+        assert_eq!((r.vhost.as_str(), r.name.as_str()), ("/", "ex"));
+        assert_eq!(r.decl.kind, ExchangeKind::Topic);
+        assert!(r.decl.durable && r.decl.auto_delete && !r.decl.internal);
+        assert_eq!(r.decl.arguments, args());
+        assert!(ExchangeRecord::decode(&key, &value[..value.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn queue_round_trip() {
+        let q = QueueRecord {
+            vhost: "v".into(),
+            name: "q".into(),
+            id: 42,
+            auto_delete: true,
+            arguments: args(),
+        };
+        let Op::Put { key, value, .. } = q.put() else {
+            panic!("put")
+        };
+        let r = QueueRecord::decode(&key, &value).unwrap();
+        assert_eq!((r.id, r.auto_delete, r.arguments), (42, true, args()));
+        let mut bad = value.clone();
+        bad[0] = 9;
+        assert!(QueueRecord::decode(&key, &bad).is_err());
+    }
+
+    #[test]
+    fn binding_keys_are_identities() {
+        let b = BindingRecord {
+            vhost: "/".into(),
+            source: "amq.topic".into(),
+            destination: Destination::Exchange("e2".into()),
+            routing_key: "a.#".into(),
+            arguments: args(),
+        };
+        let Op::Put { key, value, .. } = b.put() else {
+            panic!("put")
+        };
+        assert_eq!(BindingRecord::decode(&key, &value).unwrap(), b);
+        let Op::Delete { key: del, .. } = b.delete() else {
+            panic!("delete")
+        };
+        assert_eq!(del, key);
+        let other = BindingRecord {
+            destination: Destination::Queue("e2".into()),
+            ..b
+        };
+        assert_ne!(other.key(), key, "queue and exchange destinations differ");
+    }
+}

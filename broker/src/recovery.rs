@@ -1,0 +1,141 @@
+//! Rebuilding the broker from its store at start-up: durable exchanges, queues and bindings,
+//! then every indexed message, back into its queue with its stored id.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use warren_store::{MetaTable, Op, Recovered, StoreError};
+
+use crate::broker::Broker;
+use crate::durable::{BindingRecord, DecodeError, ExchangeRecord, QueueRecord, restored};
+use crate::queue::Queue;
+
+/// Why recovery stopped the start-up.
+#[derive(Debug, thiserror::Error)]
+pub enum RecoveryError {
+    /// A metadata record or a message did not decode.
+    #[error("{0}")]
+    Decode(#[from] DecodeError),
+    /// A message could not be read back.
+    #[error("{0}")]
+    Store(#[from] StoreError),
+}
+
+/// What was recovered, for the start-up log.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Durable exchanges.
+    pub exchanges: usize,
+    /// Durable queues.
+    pub queues: usize,
+    /// Bindings between durable objects.
+    pub bindings: usize,
+    /// Persistent messages put back into queues.
+    pub messages: usize,
+    /// Records dropped because what they belonged to is gone (a vhost that does not exist, a
+    /// binding whose end is missing, messages of a deleted queue).
+    pub dropped: usize,
+}
+
+impl Broker {
+    /// Put back what the store held. Call once, before accepting connections.
+    ///
+    /// # Errors
+    /// A record that does not decode or a message that cannot be read: the data directory is
+    /// damaged, and starting without it would silently lose what it holds.
+    pub fn recover(&self, recovered: Recovered) -> Result<RecoveryReport, RecoveryError> {
+        let mut report = RecoveryReport::default();
+        let mut cleanup: Vec<Op> = Vec::new();
+        let rows = |t: MetaTable| {
+            recovered
+                .meta
+                .get(&t)
+                .map(Vec::as_slice)
+                .unwrap_or_default()
+        };
+        for (k, v) in rows(MetaTable::Exchanges) {
+            let r = ExchangeRecord::decode(k, v)?;
+            match self.vhost(&r.vhost) {
+                Some(vh) => {
+                    vh.restore_exchange(&r.name, r.decl);
+                    report.exchanges += 1;
+                }
+                None => {
+                    tracing::warn!(vhost = %r.vhost, exchange = %r.name, "dropping exchange of an unknown vhost");
+                    report.dropped += 1;
+                }
+            }
+        }
+        let mut by_id: HashMap<u64, Arc<Queue>> = HashMap::new();
+        let mut max_id = 0;
+        for (k, v) in rows(MetaTable::Queues) {
+            let r = QueueRecord::decode(k, v)?;
+            max_id = max_id.max(r.id);
+            let Some(vh) = self.vhost(&r.vhost) else {
+                tracing::warn!(vhost = %r.vhost, queue = %r.name, "dropping queue of an unknown vhost");
+                report.dropped += 1;
+                continue;
+            };
+            let q = Queue::new(
+                r.id,
+                &r.name,
+                &r.vhost,
+                true,
+                r.auto_delete,
+                None,
+                r.arguments,
+                vh.store().cloned(),
+            );
+            by_id.insert(r.id, Arc::clone(&q));
+            vh.restore_queue(q);
+            report.queues += 1;
+        }
+        // Ids handed out from now on must not collide with stored queue ids.
+        self.bump_next_id(max_id + 1);
+        for (k, v) in rows(MetaTable::Bindings) {
+            let r = BindingRecord::decode(k, v)?;
+            let restored = self
+                .vhost(&r.vhost)
+                .is_some_and(|vh| vh.restore_binding(r.clone()));
+            if restored {
+                report.bindings += 1;
+            } else {
+                cleanup.push(r.delete());
+                report.dropped += 1;
+            }
+        }
+        let store = self.vhost("/").and_then(|vh| vh.store().cloned());
+        let mut orphaned: Vec<u64> = Vec::new();
+        for (n, m) in recovered.messages.iter().enumerate() {
+            let Some(q) = by_id.get(&m.queue) else {
+                if orphaned.last() != Some(&m.queue) {
+                    orphaned.push(m.queue);
+                }
+                report.dropped += 1;
+                continue;
+            };
+            let Some(store) = &store else { break };
+            let message = restored(store.read(m.location)?)?;
+            q.restore(m.id, Arc::new(message));
+            report.messages += 1;
+            if (n + 1) % 250_000 == 0 {
+                tracing::info!(
+                    messages = n + 1,
+                    total = recovered.messages.len(),
+                    "recovery: messages back in their queues"
+                );
+            }
+        }
+        cleanup.extend(orphaned.into_iter().map(|queue| Op::DropQueue { queue }));
+        if let Some(store) = &store {
+            store.submit_ops(cleanup);
+        }
+        Ok(report)
+    }
+
+    fn bump_next_id(&self, at_least: u64) {
+        self.next_id_counter()
+            .fetch_max(at_least, Ordering::Relaxed);
+    }
+}
