@@ -10,7 +10,7 @@ use serde::Deserialize;
 #[derive(Debug, clap::Args)]
 pub struct ServerArgs {
     /// TOML file with any of: amqp_listen, data_dir, log_level, heartbeat_s, frame_max,
-    /// channel_max, message_size_max.
+    /// channel_max, message_size_max, store_segment_bytes.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Address for AMQP 0-9-1 clients [default: 0.0.0.0:5672].
@@ -22,6 +22,9 @@ pub struct ServerArgs {
     /// Log filter: error, warn, info, debug, trace, or a tracing filter [default: info].
     #[arg(long)]
     pub log_level: Option<String>,
+    /// Size at which the store starts a new message segment file [default: 64 MiB].
+    #[arg(long)]
+    pub store_segment_bytes: Option<u64>,
 }
 
 /// The file format; every key optional.
@@ -35,6 +38,7 @@ struct FileConfig {
     frame_max: Option<u32>,
     channel_max: Option<u16>,
     message_size_max: Option<u64>,
+    store_segment_bytes: Option<u64>,
 }
 
 /// Effective configuration.
@@ -44,7 +48,11 @@ pub struct ServerConfig {
     pub data_dir: PathBuf,
     pub log_level: String,
     pub limits: warren_amqp::limits::ConnectionLimits,
+    pub store: warren_store::Options,
 }
+
+/// Smallest segment size accepted (smaller only multiplies files).
+const STORE_SEGMENT_MIN: u64 = 64 * 1024;
 
 /// Largest message size RabbitMQ allows to be configured (512 MiB).
 const MESSAGE_SIZE_MAX_CAP: u64 = 512 * 1024 * 1024;
@@ -96,6 +104,18 @@ impl ServerConfig {
                 .or(file.log_level)
                 .unwrap_or_else(|| "info".to_string()),
             limits,
+            store: warren_store::Options {
+                segment_max: match args.store_segment_bytes.or(file.store_segment_bytes) {
+                    Some(v) => {
+                        anyhow::ensure!(
+                            v >= STORE_SEGMENT_MIN,
+                            "store_segment_bytes must be at least 65536"
+                        );
+                        v
+                    }
+                    None => warren_store::SEGMENT_MAX_DEFAULT,
+                },
+            },
         })
     }
 }

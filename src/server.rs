@@ -21,7 +21,7 @@ use warren_amqp::{AmqpError, ReplyCode, Scope};
 use warren_broker::durable::Durable;
 use warren_broker::outbox::Outbox;
 use warren_broker::{Broker, BrokerConfig, Session};
-use warren_store::{Options as StoreOptions, Store, Writer};
+use warren_store::{Store, Writer};
 
 use crate::config::ServerConfig;
 
@@ -37,7 +37,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("creating data dir {}", cfg.data_dir.display()))?;
     let started = std::time::Instant::now();
-    let (store, recovered) = Store::open(&cfg.data_dir, StoreOptions::default())
+    let (store, recovered) = Store::open(&cfg.data_dir, cfg.store)
         .with_context(|| format!("opening the store in {}", cfg.data_dir.display()))?;
     if recovered.truncated_bytes > 0 {
         tracing::warn!(

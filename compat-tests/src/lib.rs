@@ -9,13 +9,14 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-/// A running broker process, killed on drop.
+/// A running broker process, killed on drop (its data directory is removed then too).
 #[derive(Debug)]
 pub struct Broker {
     child: Child,
     /// `127.0.0.1:PORT` the broker listens on.
     pub addr: String,
     data_dir: PathBuf,
+    keep_data: bool,
 }
 
 fn binary() -> PathBuf {
@@ -37,17 +38,26 @@ impl Broker {
     #[must_use]
     pub fn start() -> Self {
         static N: AtomicU32 = AtomicU32::new(0);
+        let data_dir = std::env::temp_dir().join(format!(
+            "warren-test-{}-{}",
+            std::process::id(),
+            N.fetch_add(1, Ordering::Relaxed)
+        ));
+        Self::start_in(data_dir, &[])
+    }
+
+    /// Start a broker on `data_dir` (recovering what it holds) with extra command-line flags.
+    ///
+    /// # Panics
+    /// As [`Broker::start`].
+    #[must_use]
+    pub fn start_in(data_dir: PathBuf, extra_args: &[&str]) -> Self {
         let bin = binary();
         assert!(
             bin.exists(),
             "warren binary not found at {}; run `cargo build --bin warren`",
             bin.display()
         );
-        let data_dir = std::env::temp_dir().join(format!(
-            "warren-test-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
         let mut child = Command::new(&bin)
             .args([
                 "server",
@@ -58,6 +68,7 @@ impl Broker {
                 "--data-dir",
             ])
             .arg(&data_dir)
+            .args(extra_args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -79,7 +90,42 @@ impl Broker {
             child,
             addr,
             data_dir,
+            keep_data: false,
         }
+    }
+
+    /// The data directory.
+    #[must_use]
+    pub fn data_dir(&self) -> &std::path::Path {
+        &self.data_dir
+    }
+
+    /// SIGKILL the broker (no chance to flush anything) and return its data directory, which
+    /// is kept for a restart.
+    #[must_use]
+    pub fn kill9(mut self) -> PathBuf {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.keep_data = true;
+        self.data_dir.clone()
+    }
+
+    /// SIGTERM the broker, wait for it, and return its data directory for a restart.
+    ///
+    /// # Panics
+    /// If the broker does not exit with status 0.
+    #[must_use]
+    pub fn stop(mut self) -> PathBuf {
+        let status = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("kill");
+        assert!(status.success());
+        let code = self.child.wait().expect("wait").code();
+        assert_eq!(code, Some(0), "warren exits 0 on SIGTERM");
+        self.keep_data = true;
+        self.data_dir.clone()
     }
 
     /// The AMQP URI for guest on vhost "/".
@@ -107,6 +153,8 @@ impl Drop for Broker {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.data_dir);
+        if !self.keep_data {
+            let _ = std::fs::remove_dir_all(&self.data_dir);
+        }
     }
 }
