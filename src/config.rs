@@ -105,6 +105,7 @@ impl ServerConfig {
                 .unwrap_or_else(|| "info".to_string()),
             limits,
             store: warren_store::Options {
+                db_cache: warren_store::DB_CACHE_DEFAULT,
                 segment_max: match args.store_segment_bytes.or(file.store_segment_bytes) {
                     Some(v) => {
                         anyhow::ensure!(

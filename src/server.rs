@@ -29,6 +29,9 @@ use crate::config::ServerConfig;
 const OUTPUT_HIGH_WATERMARK: usize = 4 * 1024 * 1024;
 /// Read buffer initial capacity.
 const READ_BUFFER_INITIAL: usize = 64 * 1024;
+/// Bytes submitted to the store and not yet committed above which connections stop reading
+/// (publishers without confirms could otherwise outrun the disk and fill memory).
+const STORE_PENDING_HIGH: u64 = 64 * 1024 * 1024;
 /// How long shutdown waits for connections to finish their close handshake.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
@@ -48,6 +51,11 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     let segments = store.segments();
     let writer = Writer::start(store).context("starting the store writer")?;
     let durable = Arc::new(Durable::new(writer, segments));
+    // Connections paused on the store's backlog wait for the next commit.
+    let (commit_tx, commit_rx) = watch::channel(0u64);
+    durable.set_on_commit(Box::new(move |_pending| {
+        commit_tx.send_modify(|generation| *generation = generation.wrapping_add(1));
+    }));
     let broker = Broker::with_store(BrokerConfig::default(), Some(Arc::clone(&durable)));
     let report = broker
         .recover(recovered)
@@ -87,8 +95,9 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
                     let config = conn_config.clone();
                     let shutdown = shutdown_rx.clone();
                     let done = done_tx.clone();
+                    let store = StoreGate { durable: Arc::clone(&durable), commits: commit_rx.clone() };
                     tokio::spawn(async move {
-                        serve(socket, peer, broker, config, shutdown).await;
+                        serve(socket, peer, broker, config, shutdown, store).await;
                         drop(done);
                     });
                 }
@@ -139,12 +148,19 @@ async fn shutdown_signal() {
 }
 
 /// Drive one connection until it closes.
+/// What a connection needs to pause on the store's backlog.
+struct StoreGate {
+    durable: Arc<Durable>,
+    commits: watch::Receiver<u64>,
+}
+
 async fn serve(
     socket: TcpStream,
     peer: SocketAddr,
     broker: Arc<Broker>,
     config: ConnectionConfig,
     mut shutdown: watch::Receiver<bool>,
+    mut store: StoreGate,
 ) {
     let _ = socket.set_nodelay(true);
     let (mut rd, mut wr) = socket.into_split();
@@ -161,7 +177,11 @@ async fn serve(
             break;
         }
         let timer = conn.poll_timeout().map(Instant::from_std);
-        let read_enabled = out.pending() < OUTPUT_HIGH_WATERMARK;
+        // Mark the commit generation seen before looking at the backlog: a commit after this
+        // point wakes the select below, so no wake-up is lost.
+        store.commits.borrow_and_update();
+        let store_paused = store.durable.pending_bytes() > STORE_PENDING_HIGH;
+        let read_enabled = out.pending() < OUTPUT_HIGH_WATERMARK && !store_paused;
         if !read_enabled {
             conn.note_input_paused(Instant::now().into_std());
         }
@@ -199,6 +219,7 @@ async fn serve(
                     s.drain_outbox(&mut out);
                 }
             },
+            _ = store.commits.changed(), if store_paused => {},
             () = sleep_until(timer) => {
                 conn.handle_timeout(Instant::now().into_std(), &mut out);
             },

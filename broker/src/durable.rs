@@ -11,7 +11,6 @@ use std::sync::Arc;
 
 use amq_protocol::types::FieldTable;
 use bytes::Bytes;
-use warren_amqp::properties::Properties;
 use warren_amqp::table::{decode_table, encode_table};
 use warren_store::writer::Completion;
 use warren_store::{Batch, Location, MetaTable, Op, Segments, StoreError, StoredMessage, Writer};
@@ -69,6 +68,11 @@ impl Durable {
     #[must_use]
     pub fn pending_bytes(&self) -> u64 {
         self.writer.pending_bytes()
+    }
+
+    /// Run `hook` after every group commit with the bytes still pending.
+    pub fn set_on_commit(&self, hook: warren_store::writer::CommitHook) {
+        self.writer.set_on_commit(hook);
     }
 
     /// Commit what is queued and stop the writer.
@@ -391,27 +395,6 @@ pub fn stored(message: &Message) -> StoredMessage {
         properties: message.properties.raw.clone(),
         body: message.body.clone(),
     }
-}
-
-/// A message read back from the store.
-///
-/// # Errors
-/// Properties that no longer parse (the record passed its checksum, so this means a bug or a
-/// foreign data directory).
-pub fn restored(m: StoredMessage) -> Result<Message, DecodeError> {
-    let err = |why| DecodeError {
-        what: "message",
-        why,
-    };
-    Ok(Message {
-        exchange: String::from_utf8(m.exchange.to_vec())
-            .map_err(|_| err("exchange is not UTF-8"))?,
-        routing_key: String::from_utf8(m.routing_key.to_vec())
-            .map_err(|_| err("routing key is not UTF-8"))?,
-        properties: Properties::parse(m.properties, TABLE_DEPTH)
-            .map_err(|_| err("bad properties"))?,
-        body: m.body,
-    })
 }
 
 #[cfg(test)]

@@ -11,3 +11,7 @@ pub const CONSUMER_WINDOW_DEFAULT: u32 = 2000;
 pub const CONSUMER_WINDOW_BYTES_DEFAULT: u64 = 4 * 1024 * 1024;
 /// Highest consumer priority, prefetch and similar values are u16/u32 on the wire; nothing here yet.
 pub const CONSUMERS_PER_CHANNEL_MAX: usize = 65_535;
+/// Bytes of ready messages a durable queue keeps in memory at its head. Persistent messages
+/// that become durable while more than this is ready keep only their place in the store and are
+/// read back on delivery: a long backlog costs tens of bytes per message, not its bodies.
+pub const QUEUE_HEAD_CACHE_BYTES: u64 = 8 * 1024 * 1024;

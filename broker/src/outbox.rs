@@ -12,7 +12,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use crate::message::Message;
+use crate::message::Entry;
 use crate::queue::Queue;
 use crate::queue::machine::{ConsumerId, MsgId};
 
@@ -27,8 +27,8 @@ pub struct Delivery {
     pub queue: Arc<Queue>,
     /// Message id in that queue.
     pub id: MsgId,
-    /// The message.
-    pub message: Arc<Message>,
+    /// The message (read from the store when written out, if it is not in memory).
+    pub message: Entry,
     /// Delivered before.
     pub redelivered: bool,
     /// Holds a slot of the channel's shared limit until settled.

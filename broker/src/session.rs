@@ -351,6 +351,16 @@ impl Session {
             }
             return;
         };
+        let m = match d.message.load(self.ctx.vhost.store().map(AsRef::as_ref)) {
+            Ok(m) => m,
+            Err(e) => {
+                // The message goes back to its queue; the connection closes with 541.
+                tracing::error!(queue = %d.queue.name, error = %e, "cannot read a stored message");
+                self.store_failed = true;
+                d.queue.requeue(vec![d.id]);
+                return;
+            }
+        };
         let tag = chan.next_tag;
         chan.next_tag += 1;
         let consumer_tag = chan
@@ -359,18 +369,17 @@ impl Session {
             .find(|(_, e)| e.id == d.consumer)
             .map(|(t, _)| t.as_str())
             .unwrap_or_default();
-        let m = &d.message;
         out.method_with(d.channel, |b| {
             put_basic_deliver(
                 b,
                 consumer_tag.as_bytes(),
                 tag,
                 d.redelivered,
-                m.exchange.as_bytes(),
-                m.routing_key.as_bytes(),
+                m.exchange(),
+                m.routing_key(),
             );
         });
-        out.content(d.channel, &m.properties.raw, &m.body);
+        out.content(d.channel, m.properties(), m.body());
         if !no_ack {
             chan.unacked.insert(
                 tag,
@@ -652,7 +661,7 @@ fn handle_queue(
         }
         queue::AMQPMethod::Purge(p) => {
             let q = usable_queue(ctx, &expand_queue_name(chan, p.queue.as_str())?)?;
-            let n = q.purge();
+            let n = q.purge(&mut || ctx.on_commit());
             if !p.nowait {
                 reply(
                     out,
@@ -1204,17 +1213,21 @@ fn handle_basic(
                             },
                         );
                     }
+                    let msg = msg.load(ctx.vhost.store().map(AsRef::as_ref)).map_err(|e| {
+                        tracing::error!(queue = %q.name, error = %e, "cannot read a stored message");
+                        AmqpError::connection(ReplyCode::InternalError, "cannot read a stored message")
+                    })?;
                     out.method_with(ch, |b| {
                         put_basic_get_ok(
                             b,
                             tag,
                             redelivered,
-                            msg.exchange.as_bytes(),
-                            msg.routing_key.as_bytes(),
+                            msg.exchange(),
+                            msg.routing_key(),
                             remaining,
                         );
                     });
-                    out.content(ch, &msg.properties.raw, &msg.body);
+                    out.content(ch, msg.properties(), msg.body());
                 }
             }
             Ok(())

@@ -167,17 +167,24 @@ pub struct Recovered {
     pub truncated_bytes: u64,
 }
 
+/// Default memory redb may use to cache pages (its own default, 1 GiB, is too much for a
+/// broker that promises a small footprint; the index is small and read mostly at start-up).
+pub const DB_CACHE_DEFAULT: usize = 32 * 1024 * 1024;
+
 /// Store tuning.
 #[derive(Debug, Clone, Copy)]
 pub struct Options {
     /// Roll to a new segment beyond this size ([`SEGMENT_MAX_DEFAULT`]).
     pub segment_max: u64,
+    /// redb page cache in bytes ([`DB_CACHE_DEFAULT`]).
+    pub db_cache: usize,
 }
 
 impl Default for Options {
     fn default() -> Self {
         Self {
             segment_max: SEGMENT_MAX_DEFAULT,
+            db_cache: DB_CACHE_DEFAULT,
         }
     }
 }
@@ -235,7 +242,10 @@ impl Store {
         std::fs::create_dir_all(&seg_dir)
             .map_err(|e| StoreError::io("create data directory", &seg_dir, e))?;
         let db_path = dir.join("meta.redb");
-        let db = Database::create(&db_path).map_err(|e| StoreError::db(&db_path, e))?;
+        let db = Database::builder()
+            .set_cache_size(options.db_cache)
+            .create(&db_path)
+            .map_err(|e| StoreError::db(&db_path, e))?;
         check_version(&db, &db_path)?;
 
         // 1. Verify every segment (headers, record checksums) in one sequential pass each.

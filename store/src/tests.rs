@@ -27,7 +27,13 @@ fn enqueue(queue: u64, id: u64, body: usize) -> Op {
 }
 
 fn open(dir: &Path, segment_max: u64) -> Result<(Store, Recovered), StoreError> {
-    Store::open(dir, Options { segment_max })
+    Store::open(
+        dir,
+        Options {
+            segment_max,
+            ..Options::default()
+        },
+    )
 }
 
 fn live(r: &Recovered) -> Vec<(u64, u64)> {

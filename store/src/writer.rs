@@ -53,7 +53,11 @@ struct Shared {
     pending_bytes: AtomicU64,
     commits: AtomicU64,
     failed: Mutex<Option<Arc<StoreError>>>,
+    on_commit: Mutex<Option<CommitHook>>,
 }
+
+/// Called on the writer thread after every group commit with the bytes still pending.
+pub type CommitHook = Box<dyn Fn(u64) + Send>;
 
 /// Handle to the writer thread. Dropping the last handle (or [`Writer::shutdown`]) lets the
 /// thread finish what is queued and exit.
@@ -87,6 +91,7 @@ impl Writer {
             pending_bytes: AtomicU64::new(0),
             commits: AtomicU64::new(0),
             failed: Mutex::new(None),
+            on_commit: Mutex::new(None),
         });
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
@@ -130,6 +135,12 @@ impl Writer {
         });
         drop(q);
         self.shared.wake.notify_one();
+    }
+
+    /// Run `hook` after every group commit (e.g. to resume producers paused on
+    /// [`Writer::pending_bytes`]).
+    pub fn set_on_commit(&self, hook: CommitHook) {
+        *self.shared.on_commit.lock() = Some(hook);
     }
 
     /// Bytes submitted and not yet committed.
@@ -213,6 +224,9 @@ fn run(mut store: Store, shared: &Shared) {
             };
             at += n;
             (r.done)(mine);
+        }
+        if let Some(hook) = shared.on_commit.lock().as_ref() {
+            hook(shared.pending_bytes.load(Ordering::Relaxed));
         }
     }
 }

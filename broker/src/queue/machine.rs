@@ -89,6 +89,15 @@ pub enum Command<M> {
     Purge,
     /// A limited consumer may receive one more message.
     Grant(ConsumerId),
+    /// Replace the reference held for message `id` (ready or unacked) by an equivalent one of
+    /// the same size, e.g. the body's place in the store instead of the body. No effect on
+    /// order or delivery state; absent ids are ignored.
+    Swap {
+        /// The message.
+        id: MsgId,
+        /// Its new reference.
+        msg: M,
+    },
     /// Put a consumer under a shared limit or release it; an unused grant is dropped.
     SetLimited(ConsumerId, bool),
 }
@@ -471,6 +480,26 @@ impl<M: MessageRef> QueueMachine<M> {
                     Reply::Got(Some((r.id, r.msg, r.redelivered, remaining)))
                 }
             },
+            Command::Swap { id, msg } => {
+                let slot = if let Some(r) = self.returned.get_mut(&id) {
+                    Some((&mut r.msg, true))
+                } else if let Ok(i) = self.fresh.binary_search_by_key(&id, |r| r.id) {
+                    self.fresh.get_mut(i).map(|r| (&mut r.msg, true))
+                } else {
+                    self.unacked.get_mut(&id).map(|u| (&mut u.msg, false))
+                };
+                if let Some((old, ready)) = slot {
+                    let (before, after) = (old.size(), msg.size());
+                    *old = msg;
+                    let bytes = if ready {
+                        &mut self.ready_bytes
+                    } else {
+                        &mut self.unacked_bytes
+                    };
+                    *bytes = *bytes - before + after;
+                }
+                Reply::Ok
+            }
             Command::Grant(consumer) => {
                 if let Some(c) = self.consumers.get_mut(&consumer)
                     && c.is_limited()

@@ -19,11 +19,11 @@ use amq_protocol::types::FieldTable;
 use parking_lot::Mutex;
 
 use warren_store::writer::Completion;
-use warren_store::{Batch, BodyRef, Op};
+use warren_store::{Batch, BodyRef, Location, Op};
 
 use crate::durable::{Durable, stored};
 use crate::limiter::{Limiter, Wake};
-use crate::message::Message;
+use crate::message::{Entry, Message};
 use crate::outbox::{Delivery, Outbound, Outbox};
 use machine::{
     Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, QueueMachine, Reply,
@@ -51,10 +51,10 @@ pub struct QueueCounts {
 
 #[derive(Debug)]
 struct State {
-    machine: QueueMachine<Arc<Message>>,
+    machine: QueueMachine<Entry>,
     sinks: HashMap<ConsumerId, ConsumerSink>,
     deleted: bool,
-    effects: Vec<Effect<Arc<Message>>>,
+    effects: Vec<Effect<Entry>>,
     /// Whether any consumer ever attached (auto-delete needs one to have left).
     had_consumer: bool,
     /// Store ops produced while carrying out effects, submitted before the lock is released.
@@ -130,8 +130,8 @@ impl Queue {
     fn run(
         self: &Arc<Self>,
         st: &mut State,
-        command: Command<Arc<Message>>,
-    ) -> Result<Reply<Arc<Message>>, MachineError> {
+        command: Command<Entry>,
+    ) -> Result<Reply<Entry>, MachineError> {
         let mut effects = std::mem::take(&mut st.effects);
         let reply = st.machine.apply(self.now_ms(), command, &mut effects);
         self.carry_out(st, &mut effects);
@@ -141,10 +141,10 @@ impl Queue {
         reply
     }
 
-    /// Whether `message` is kept in the store while in this queue.
+    /// Whether `entry` is kept in the store while in this queue.
     #[must_use]
-    pub fn persists(&self, message: &Message) -> bool {
-        self.store.is_some() && message.properties.persistent()
+    pub fn persists(&self, entry: &Entry) -> bool {
+        self.store.is_some() && entry.is_persistent()
     }
 
     /// Whether this queue writes persistent messages to a store.
@@ -161,7 +161,7 @@ impl Queue {
         }
     }
 
-    fn offer_grants(self: &Arc<Self>, st: &mut State, effects: &mut Vec<Effect<Arc<Message>>>) {
+    fn offer_grants(self: &Arc<Self>, st: &mut State, effects: &mut Vec<Effect<Entry>>) {
         let mut candidates = Vec::new();
         loop {
             candidates.clear();
@@ -181,7 +181,7 @@ impl Queue {
         }
     }
 
-    fn carry_out(self: &Arc<Self>, st: &mut State, effects: &mut Vec<Effect<Arc<Message>>>) {
+    fn carry_out(self: &Arc<Self>, st: &mut State, effects: &mut Vec<Effect<Entry>>) {
         for effect in effects.drain(..) {
             match effect {
                 Effect::Removed { id, msg } => {
@@ -255,20 +255,39 @@ impl Queue {
         if st.deleted {
             return false;
         }
-        let _ = self.run(&mut st, Command::Enqueue(message));
+        let _ = self.run(&mut st, Command::Enqueue(Entry::Mem(message)));
         true
+    }
+
+    /// A persistent message is durable at `location`: beyond the head of a long queue, keep
+    /// only that (the body is read back on delivery), so a backlog costs little memory.
+    fn stored_at(&self, id: MsgId, location: Location, size: u32) {
+        let mut st = self.state.lock();
+        if st.machine.ready_bytes() > crate::limits::QUEUE_HEAD_CACHE_BYTES {
+            let _ = st.machine.apply(
+                self.now_ms(),
+                Command::Swap {
+                    id,
+                    msg: Entry::Stored { location, size },
+                },
+                &mut Vec::new(),
+            );
+        }
     }
 
     /// Put a message recovered from the store back, with its stored id, marked redelivered
     /// (it may have been delivered before the restart: the conservative reading, as AMQP
     /// allows).
-    pub fn restore(self: &Arc<Self>, id: MsgId, message: Arc<Message>) {
+    pub fn restore(self: &Arc<Self>, id: MsgId, location: Location) {
         let mut st = self.state.lock();
         let _ = self.run(
             &mut st,
             Command::Restore {
                 id,
-                msg: message,
+                msg: Entry::Stored {
+                    location,
+                    size: location.len,
+                },
                 redelivered: true,
             },
         );
@@ -336,7 +355,7 @@ impl Queue {
     }
 
     /// basic.get: the head message, its redelivered flag and the ready count after it.
-    pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Arc<Message>, bool, u32)> {
+    pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Entry, bool, u32)> {
         let mut st = self.state.lock();
         match self.run(&mut st, Command::Get { no_ack }) {
             Ok(Reply::Got(got)) => got,
@@ -345,9 +364,29 @@ impl Queue {
     }
 
     /// Remove all ready messages; returns how many.
-    pub fn purge(self: &Arc<Self>) -> u32 {
+    /// The removals of stored messages are submitted with `on_commit`'s completion, so the
+    /// caller can hold purge-ok until they are durable.
+    pub fn purge(self: &Arc<Self>, on_commit: &mut dyn FnMut() -> Completion) -> u32 {
         let mut st = self.state.lock();
-        match self.run(&mut st, Command::Purge) {
+        let mut effects = std::mem::take(&mut st.effects);
+        let reply = st
+            .machine
+            .apply(self.now_ms(), Command::Purge, &mut effects);
+        self.carry_out(&mut st, &mut effects);
+        st.effects = effects;
+        if let Some(store) = &self.store
+            && !st.store_ops.is_empty()
+        {
+            let ops = std::mem::take(&mut st.store_ops);
+            store.submit(
+                Batch {
+                    bodies: Vec::new(),
+                    ops,
+                },
+                on_commit(),
+            );
+        }
+        match reply {
             Ok(Reply::Purged(n)) => n,
             _ => 0,
         }
@@ -445,12 +484,40 @@ pub fn publish_persistent(
             }
         }
         if !batch.ops.is_empty() {
-            store.submit(batch, done());
+            // Once durable, long queues drop the body and keep only its place in the store.
+            let placed: Vec<(std::sync::Weak<Queue>, MsgId)> = batch
+                .ops
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Enqueue { queue, id, .. } => stored_targets
+                        .iter()
+                        .find(|q| q.id == *queue)
+                        .map(|q| (Arc::downgrade(q), *id)),
+                    _ => None,
+                })
+                .collect();
+            let size = u32::try_from(message.body.len()).unwrap_or(u32::MAX);
+            let then = done();
+            store.submit(
+                batch,
+                Box::new(move |result| {
+                    if let Ok(locations) = &result
+                        && let Some(location) = locations.first()
+                    {
+                        for (q, id) in &placed {
+                            if let Some(q) = q.upgrade() {
+                                q.stored_at(*id, *location, size);
+                            }
+                        }
+                    }
+                    then(result);
+                }),
+            );
             submitted = true;
         }
         for (q, st) in stored_targets.iter().zip(guards.iter_mut()) {
             if !st.deleted {
-                let _ = q.run(st, Command::Enqueue(Arc::clone(message)));
+                let _ = q.run(st, Command::Enqueue(Entry::Mem(Arc::clone(message))));
                 delivered = true;
             }
         }

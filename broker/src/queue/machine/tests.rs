@@ -224,6 +224,31 @@ fn limited_consumers_receive_one_message_per_grant() {
 }
 
 #[test]
+fn swap_replaces_a_reference_without_moving_it() {
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    for i in 0..3 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    // M(7) and M(0) have the same size (7 % 7 + 1 == 0 % 7 + 1).
+    q.apply(0, Command::Swap { id: 1, msg: M(7) }, &mut fx)
+        .unwrap();
+    q.apply(0, Command::Swap { id: 99, msg: M(7) }, &mut fx)
+        .unwrap();
+    assert_eq!(
+        q.apply(0, Command::Get { no_ack: false }, &mut fx),
+        Ok(Reply::Got(Some((1, M(7), false, 2))))
+    );
+    q.apply(0, Command::Swap { id: 1, msg: M(14) }, &mut fx)
+        .unwrap();
+    q.apply(0, Command::Return(vec![1]), &mut fx).unwrap();
+    assert_eq!(
+        q.apply(0, Command::Get { no_ack: true }, &mut fx),
+        Ok(Reply::Got(Some((1, M(14), true, 2))))
+    );
+}
+
+#[test]
 fn get_and_purge() {
     let mut q = QueueMachine::new();
     let mut fx = Vec::new();

@@ -1,0 +1,552 @@
+//! `warren-perf`: Warren's PerfTest. Drives any AMQP 0-9-1 broker (Warren, RabbitMQ, LavinMQ)
+//! with N publishers and consumers over one or more queues and reports publish, confirm and
+//! consume rates and latency percentiles (HdrHistogram): a progress line per second and a final
+//! JSON summary. With `--broker-pid` it also reports the broker's CPU per message and peak RSS
+//! from `/proc`, which do not depend on the client's own cost.
+//!
+//! Examples (see docs/benchmarks.md for the scenarios):
+//!
+//! ```text
+//! warren-perf --producers 1 --consumers 1 --size 1024 --duration 20
+//! warren-perf --durable --persistent --confirm 1000 --prefetch 1000 --multi-ack 100
+//! warren-perf --durable --persistent --confirm 1000 --consumers 0 --pmessages 2000000
+//! warren-perf --consumers 1 --producers 0 --cmessages 2000000 --no-declare
+//! ```
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use futures_lite::StreamExt;
+use hdrhistogram::Histogram;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    QueuePurgeOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
+use serde::Serialize;
+use tokio::sync::watch;
+
+/// Drive an AMQP 0-9-1 broker and measure it.
+#[derive(Debug, Clone, Parser, Serialize)]
+#[command(name = "warren-perf", version, about)]
+struct Args {
+    /// Broker URI.
+    #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    uri: String,
+    /// Publishing connections.
+    #[arg(long, default_value_t = 1)]
+    producers: usize,
+    /// Consuming connections per queue.
+    #[arg(long, default_value_t = 1)]
+    consumers: usize,
+    /// Queues (`<queue>-0`, `<queue>-1`, ...); producers are spread over them round-robin.
+    #[arg(long, default_value_t = 1)]
+    queues: usize,
+    /// Queue name prefix.
+    #[arg(long, default_value = "perf")]
+    queue: String,
+    /// Message body size in bytes (at least 8: the send timestamp).
+    #[arg(long, default_value_t = 1024)]
+    size: usize,
+    /// Publisher confirms: unconfirmed messages allowed per producer (0 = no confirms).
+    #[arg(long, default_value_t = 0)]
+    confirm: usize,
+    /// Consumer prefetch (basic.qos).
+    #[arg(long, default_value_t = 1000)]
+    prefetch: u16,
+    /// Ack every N deliveries with multiple=true (1 = one ack per message).
+    #[arg(long, default_value_t = 100)]
+    multi_ack: u64,
+    /// Consume with no-ack.
+    #[arg(long)]
+    autoack: bool,
+    /// Publish with delivery_mode 2.
+    #[arg(long)]
+    persistent: bool,
+    /// Declare the queues durable.
+    #[arg(long)]
+    durable: bool,
+    /// Extra queue argument `key=value` (integers are sent as integers), repeatable.
+    #[arg(long = "queue-arg")]
+    queue_args: Vec<String>,
+    /// Publish to exchange `<queue>-x` of this type, bound to every queue (e.g. fanout).
+    #[arg(long)]
+    exchange_type: Option<String>,
+    /// Messages per second per producer (0 = as fast as possible).
+    #[arg(long, default_value_t = 0)]
+    rate: u64,
+    /// Stop after this many seconds (0 = when the message counts are reached).
+    #[arg(long, default_value_t = 10)]
+    duration: u64,
+    /// Messages per producer, then it stops (0 = unlimited).
+    #[arg(long, default_value_t = 0)]
+    pmessages: u64,
+    /// Messages per consumer, then it stops (0 = unlimited).
+    #[arg(long, default_value_t = 0)]
+    cmessages: u64,
+    /// Do not declare queues or exchanges (use what exists).
+    #[arg(long)]
+    no_declare: bool,
+    /// Purge the queues before starting.
+    #[arg(long)]
+    purge: bool,
+    /// Broker process to sample for CPU time and RSS (Linux /proc).
+    #[arg(long)]
+    broker_pid: Option<u32>,
+    /// Also write the JSON summary to this file.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+/// Counters and histograms shared by all tasks.
+struct Stats {
+    published: AtomicU64,
+    confirmed: AtomicU64,
+    nacked: AtomicU64,
+    consumed: AtomicU64,
+    /// (whole run, current second) in microseconds.
+    confirm_us: Mutex<(Histogram<u64>, Histogram<u64>)>,
+    e2e_us: Mutex<(Histogram<u64>, Histogram<u64>)>,
+}
+
+fn histogram() -> Histogram<u64> {
+    // 1 us .. 1 hour, 3 significant digits.
+    Histogram::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds")
+}
+
+fn record(h: &Mutex<(Histogram<u64>, Histogram<u64>)>, us: u64) {
+    let mut g = h.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let us = us.max(1);
+    let _ = g.0.record(us);
+    let _ = g.1.record(us);
+}
+
+#[derive(Debug, Serialize)]
+struct Percentiles {
+    count: u64,
+    p50: u64,
+    p95: u64,
+    p99: u64,
+    p999: u64,
+    max: u64,
+}
+
+fn percentiles(h: &Histogram<u64>) -> Percentiles {
+    Percentiles {
+        count: h.len(),
+        p50: h.value_at_quantile(0.5),
+        p95: h.value_at_quantile(0.95),
+        p99: h.value_at_quantile(0.99),
+        p999: h.value_at_quantile(0.999),
+        max: h.max(),
+    }
+}
+
+/// Process CPU seconds (user + system) and resident set size in bytes, from /proc.
+fn proc_sample(pid: u32) -> Option<(f64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat.rsplit(')').next()?.split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|v| v.parse::<f64>().ok());
+    // Clock ticks are 100 per second on Linux.
+    let cpu = (ticks(11)? + ticks(12)?) / 100.0;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let rss_kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse::<u64>().ok())?;
+    Some((cpu, rss_kb * 1024))
+}
+
+fn queue_arguments(args: &Args) -> anyhow::Result<FieldTable> {
+    let mut t = FieldTable::default();
+    for kv in &args.queue_args {
+        let (k, v) = kv
+            .split_once('=')
+            .with_context(|| format!("--queue-arg {kv}: expected key=value"))?;
+        let value = match v.parse::<i64>() {
+            Ok(n) => AMQPValue::LongLongInt(n),
+            Err(_) => AMQPValue::LongString(LongString::from(v)),
+        };
+        t.insert(k.into(), value);
+    }
+    Ok(t)
+}
+
+fn queue_name(args: &Args, i: usize) -> String {
+    format!("{}-{i}", args.queue)
+}
+
+async fn connect(uri: &str) -> anyhow::Result<Connection> {
+    Connection::connect(uri, ConnectionProperties::default())
+        .await
+        .with_context(|| format!("connecting to {uri}"))
+}
+
+async fn declare(args: &Args) -> anyhow::Result<()> {
+    let conn = connect(&args.uri).await?;
+    let ch = conn.create_channel().await?;
+    let arguments = queue_arguments(args)?;
+    for i in 0..args.queues {
+        let name = queue_name(args, i);
+        if !args.no_declare {
+            ch.queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions {
+                    durable: args.durable,
+                    ..QueueDeclareOptions::default()
+                },
+                arguments.clone(),
+            )
+            .await
+            .with_context(|| format!("declaring queue {name}"))?;
+        }
+        if args.purge {
+            ch.queue_purge(name.as_str().into(), QueuePurgeOptions::default())
+                .await?;
+        }
+    }
+    if let (Some(kind), false) = (&args.exchange_type, args.no_declare) {
+        let x = format!("{}-x", args.queue);
+        let kind = match kind.as_str() {
+            "direct" => ExchangeKind::Direct,
+            "fanout" => ExchangeKind::Fanout,
+            "topic" => ExchangeKind::Topic,
+            "headers" => ExchangeKind::Headers,
+            other => anyhow::bail!("unknown exchange type {other}"),
+        };
+        ch.exchange_declare(
+            x.as_str().into(),
+            kind,
+            ExchangeDeclareOptions {
+                durable: args.durable,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+        for i in 0..args.queues {
+            let name = queue_name(args, i);
+            ch.queue_bind(
+                name.as_str().into(),
+                x.as_str().into(),
+                name.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        }
+    }
+    conn.close(200, "declared".into()).await?;
+    Ok(())
+}
+
+fn nanos_since(epoch: Instant) -> u64 {
+    u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+async fn producer(
+    args: Arc<Args>,
+    index: usize,
+    epoch: Instant,
+    stats: Arc<Stats>,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let conn = connect(&args.uri).await?;
+    let ch = conn.create_channel().await?;
+    if args.confirm > 0 {
+        ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    }
+    let queue = queue_name(&args, index % args.queues.max(1));
+    let (exchange, routing_key) = match &args.exchange_type {
+        Some(_) => (format!("{}-x", args.queue), queue.clone()),
+        None => (String::new(), queue.clone()),
+    };
+    let props = if args.persistent {
+        BasicProperties::default().with_delivery_mode(2)
+    } else {
+        BasicProperties::default()
+    };
+    let mut body = vec![0u8; args.size.max(8)];
+    let mut pending = VecDeque::new();
+    let started = Instant::now();
+    let mut sent = 0u64;
+    while !*stop.borrow() && (args.pmessages == 0 || sent < args.pmessages) {
+        if args.rate > 0 {
+            let due = started + Duration::from_secs_f64(sent as f64 / args.rate as f64);
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {},
+                    _ = stop.changed() => break,
+                }
+            }
+        }
+        let now = nanos_since(epoch);
+        body[..8].copy_from_slice(&now.to_be_bytes());
+        let confirm = ch
+            .basic_publish(
+                exchange.as_str().into(),
+                routing_key.as_str().into(),
+                BasicPublishOptions::default(),
+                &body,
+                props.clone(),
+            )
+            .await?;
+        sent += 1;
+        stats.published.fetch_add(1, Ordering::Relaxed);
+        if args.confirm > 0 {
+            pending.push_back((now, confirm));
+            while pending.len() >= args.confirm {
+                settle_confirm(&mut pending, epoch, &stats).await?;
+            }
+        }
+    }
+    while !pending.is_empty() {
+        settle_confirm(&mut pending, epoch, &stats).await?;
+    }
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}
+
+async fn settle_confirm(
+    pending: &mut VecDeque<(u64, lapin::PublisherConfirm)>,
+    epoch: Instant,
+    stats: &Stats,
+) -> anyhow::Result<()> {
+    if let Some((sent_at, confirm)) = pending.pop_front() {
+        let c = confirm.await?;
+        let latency = nanos_since(epoch).saturating_sub(sent_at) / 1000;
+        record(&stats.confirm_us, latency);
+        if c.is_ack() {
+            stats.confirmed.fetch_add(1, Ordering::Relaxed);
+        } else {
+            stats.nacked.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    Ok(())
+}
+
+async fn consumer(
+    args: Arc<Args>,
+    queue_index: usize,
+    epoch: Instant,
+    stats: Arc<Stats>,
+    mut stop: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    let conn = connect(&args.uri).await?;
+    let ch = conn.create_channel().await?;
+    ch.basic_qos(args.prefetch, BasicQosOptions::default())
+        .await?;
+    let queue = queue_name(&args, queue_index);
+    let mut deliveries = ch
+        .basic_consume(
+            queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions {
+                no_ack: args.autoack,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let mut n = 0u64;
+    let mut unacked = 0u64;
+    loop {
+        let next = tokio::select! {
+            d = deliveries.next() => d,
+            _ = stop.changed() => None,
+        };
+        let Some(delivery) = next else { break };
+        let delivery = delivery?;
+        if delivery.data.len() >= 8 {
+            let sent_at = u64::from_be_bytes(delivery.data[..8].try_into().unwrap_or_default());
+            record(
+                &stats.e2e_us,
+                nanos_since(epoch).saturating_sub(sent_at) / 1000,
+            );
+        }
+        stats.consumed.fetch_add(1, Ordering::Relaxed);
+        n += 1;
+        let done = args.cmessages > 0 && n >= args.cmessages;
+        if !args.autoack {
+            unacked += 1;
+            if unacked >= args.multi_ack.max(1) || done {
+                delivery
+                    .ack(BasicAckOptions {
+                        multiple: args.multi_ack > 1,
+                    })
+                    .await?;
+                unacked = 0;
+            }
+        }
+        if done {
+            break;
+        }
+    }
+    let _ = conn.close(200, "done".into()).await;
+    Ok(())
+}
+
+#[derive(Debug, Serialize)]
+struct Summary {
+    args: Args,
+    elapsed_s: f64,
+    published: u64,
+    confirmed: u64,
+    nacked: u64,
+    consumed: u64,
+    publish_rate: f64,
+    confirm_rate: f64,
+    consume_rate: f64,
+    confirm_latency_us: Percentiles,
+    e2e_latency_us: Percentiles,
+    broker_cpu_s: Option<f64>,
+    broker_cpu_us_per_msg: Option<f64>,
+    broker_peak_rss_mb: Option<f64>,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    anyhow::ensure!(args.queues >= 1, "--queues must be at least 1");
+    declare(&args).await?;
+    let args = Arc::new(args);
+    let stats = Arc::new(Stats {
+        published: AtomicU64::new(0),
+        confirmed: AtomicU64::new(0),
+        nacked: AtomicU64::new(0),
+        consumed: AtomicU64::new(0),
+        confirm_us: Mutex::new((histogram(), histogram())),
+        e2e_us: Mutex::new((histogram(), histogram())),
+    });
+    let epoch = Instant::now();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = Vec::new();
+    for q in 0..args.queues {
+        for _ in 0..args.consumers {
+            tasks.push(tokio::spawn(consumer(
+                Arc::clone(&args),
+                q,
+                epoch,
+                Arc::clone(&stats),
+                stop_rx.clone(),
+            )));
+        }
+    }
+    for p in 0..args.producers {
+        tasks.push(tokio::spawn(producer(
+            Arc::clone(&args),
+            p,
+            epoch,
+            Arc::clone(&stats),
+            stop_rx.clone(),
+        )));
+    }
+    let broker_start = args.broker_pid.and_then(proc_sample);
+    let mut peak_rss = broker_start.map_or(0, |(_, rss)| rss);
+    let started = Instant::now();
+    let mut last = (0u64, 0u64, 0u64);
+    let mut second = 0u64;
+    let all_done = async {
+        for t in &mut tasks {
+            match t.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => eprintln!("warren-perf: task failed: {e:#}"),
+                Err(e) => eprintln!("warren-perf: task panicked: {e}"),
+            }
+        }
+    };
+    tokio::pin!(all_done);
+    let mut tick = tokio::time::interval_at(
+        tokio::time::Instant::now() + Duration::from_secs(1),
+        Duration::from_secs(1),
+    );
+    let deadline = (args.duration > 0).then(|| started + Duration::from_secs(args.duration));
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            () = &mut all_done => break,
+            _ = tick.tick() => {
+                second += 1;
+                let now = (
+                    stats.published.load(Ordering::Relaxed),
+                    stats.confirmed.load(Ordering::Relaxed),
+                    stats.consumed.load(Ordering::Relaxed),
+                );
+                let (c, e) = {
+                    let mut c = stats.confirm_us.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let mut e = stats.e2e_us.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    let r = (percentiles(&c.1), percentiles(&e.1));
+                    c.1.reset();
+                    e.1.reset();
+                    r
+                };
+                let mut line = format!(
+                    "{second:>4}s  published {:>7}/s  confirmed {:>7}/s  consumed {:>7}/s  confirm p50/p99 {}/{} us  e2e p50/p99 {}/{} us",
+                    now.0 - last.0, now.1 - last.1, now.2 - last.2, c.p50, c.p99, e.p50, e.p99
+                );
+                if let Some((_, rss)) = args.broker_pid.and_then(proc_sample) {
+                    peak_rss = peak_rss.max(rss);
+                    line.push_str(&format!("  broker rss {} MB", rss / (1024 * 1024)));
+                }
+                println!("{line}");
+                last = now;
+                if !stopping && deadline.is_some_and(|d| Instant::now() >= d) {
+                    stopping = true;
+                    let _ = stop_tx.send(true);
+                }
+            }
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let broker_end = args.broker_pid.and_then(proc_sample);
+    if let Some((_, rss)) = broker_end {
+        peak_rss = peak_rss.max(rss);
+    }
+    let published = stats.published.load(Ordering::Relaxed);
+    let consumed = stats.consumed.load(Ordering::Relaxed);
+    let confirmed = stats.confirmed.load(Ordering::Relaxed);
+    let broker_cpu_s = broker_start.zip(broker_end).map(|((a, _), (b, _))| b - a);
+    let summary = Summary {
+        args: (*args).clone(),
+        elapsed_s: elapsed,
+        published,
+        confirmed,
+        nacked: stats.nacked.load(Ordering::Relaxed),
+        consumed,
+        publish_rate: published as f64 / elapsed,
+        confirm_rate: confirmed as f64 / elapsed,
+        consume_rate: consumed as f64 / elapsed,
+        confirm_latency_us: percentiles(
+            &stats
+                .confirm_us
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0,
+        ),
+        e2e_latency_us: percentiles(
+            &stats
+                .e2e_us
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0,
+        ),
+        broker_cpu_s,
+        broker_cpu_us_per_msg: broker_cpu_s
+            .map(|cpu| cpu * 1e6 / published.max(consumed).max(1) as f64),
+        broker_peak_rss_mb: args.broker_pid.map(|_| peak_rss as f64 / (1024.0 * 1024.0)),
+    };
+    let json = serde_json::to_string_pretty(&summary)?;
+    println!("{json}");
+    if let Some(path) = &args.json {
+        std::fs::write(path, &json).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
