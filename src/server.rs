@@ -234,16 +234,30 @@ async fn serve(
         }
         process_events(&mut conn, &mut session, &broker, &outbox, &mut out);
         if let Some(s) = session.as_mut() {
-            s.flush(&mut out);
-            if let Some(e) = s.store_failure()
-                && conn.is_open()
-            {
-                conn.close_with(e, &mut out, Instant::now().into_std());
+            if s.store_failed() {
+                tracing::error!(%peer, "dropping the connection: a store operation it waits for failed");
+                break;
             }
+            s.flush(&mut out);
+        }
+    }
+    // Replies held for the store are owed only once it committed them (bounded wait).
+    let give_up = Instant::now() + SHUTDOWN_GRACE;
+    while let Some(s) = session.as_mut() {
+        s.drain_completions();
+        if !s.output_held() || s.store_failed() {
+            break;
+        }
+        if tokio::time::timeout_at(give_up, outbox.notified())
+            .await
+            .is_err()
+        {
+            break;
         }
     }
     // Best effort: deliver the close frames we owe, then drop the socket.
-    if out.pending() > 0 {
+    let may_write = !output_held(&session) && !session.as_ref().is_some_and(Session::store_failed);
+    if may_write && out.pending() > 0 {
         let _ = tokio::time::timeout(Duration::from_secs(1), wr.write_all(out.as_slice())).await;
     }
     let _ = wr.shutdown().await;

@@ -64,6 +64,14 @@ impl Durable {
         self.segments.read(location)
     }
 
+    /// Hold a record's segment open (see [`warren_store::Segments::pin`]).
+    ///
+    /// # Errors
+    /// The segment cannot be opened.
+    pub fn pin(&self, location: Location) -> Result<warren_store::Pinned, StoreError> {
+        self.segments.pin(location)
+    }
+
     /// Bytes submitted and not yet committed.
     #[must_use]
     pub fn pending_bytes(&self) -> u64 {

@@ -107,24 +107,64 @@ impl Loaded {
 }
 
 impl Entry {
-    /// The message itself, reading it from `store` if only its place is held.
+    /// Make the message deliverable: in memory already, or its record pinned (its segment held
+    /// open) so that it can still be read after its settle is committed and the segment
+    /// deleted. Call while the message is still referenced (under the queue lock, before its
+    /// removal is submitted).
+    #[must_use]
+    pub fn pin(&self, store: Option<&crate::durable::Durable>) -> Outgoing {
+        match self {
+            Self::Mem(m) => Outgoing::Mem(Arc::clone(m)),
+            Self::Stored { location, size } => match store.map(|s| s.pin(*location)) {
+                Some(Ok(pinned)) => Outgoing::Stored {
+                    pinned,
+                    size: *size,
+                },
+                Some(Err(e)) => Outgoing::Unreadable(e.to_string()),
+                None => Outgoing::Unreadable("stored message without a store".into()),
+            },
+        }
+    }
+}
+
+/// A message on its way to a client (see [`Entry::pin`]).
+#[derive(Debug, Clone)]
+pub enum Outgoing {
+    /// In memory.
+    Mem(Arc<Message>),
+    /// Its record, held open.
+    Stored {
+        /// The record.
+        pinned: warren_store::Pinned,
+        /// Body size.
+        size: u32,
+    },
+    /// Its record could not be opened (the store is damaged).
+    Unreadable(String),
+}
+
+impl Outgoing {
+    /// Body size (for consumer windows).
+    #[must_use]
+    pub fn size(&self) -> u64 {
+        match self {
+            Self::Mem(m) => m.body.len() as u64,
+            Self::Stored { size, .. } => u64::from(*size),
+            Self::Unreadable(_) => 0,
+        }
+    }
+
+    /// The message, read from the store if needed.
     ///
     /// # Errors
-    /// The record cannot be read or fails its checksum (or there is no store to read from).
-    pub fn load(
-        &self,
-        store: Option<&crate::durable::Durable>,
-    ) -> Result<Loaded, warren_store::StoreError> {
+    /// The record cannot be read or fails its checksum.
+    pub fn load(&self) -> Result<Loaded, String> {
         match self {
             Self::Mem(m) => Ok(Loaded::Mem(Arc::clone(m))),
-            Self::Stored { location, .. } => match store {
-                Some(s) => s.read(*location).map(Loaded::Read),
-                None => Err(warren_store::StoreError::Corrupt {
-                    path: std::path::PathBuf::new(),
-                    offset: location.offset,
-                    detail: "stored message without a store".into(),
-                }),
-            },
+            Self::Stored { pinned, .. } => {
+                pinned.read().map(Loaded::Read).map_err(|e| e.to_string())
+            }
+            Self::Unreadable(e) => Err(e.clone()),
         }
     }
 }

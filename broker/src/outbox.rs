@@ -12,7 +12,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
-use crate::message::Entry;
+use crate::message::Outgoing;
 use crate::queue::Queue;
 use crate::queue::machine::{ConsumerId, MsgId};
 
@@ -28,7 +28,7 @@ pub struct Delivery {
     /// Message id in that queue.
     pub id: MsgId,
     /// The message (read from the store when written out, if it is not in memory).
-    pub message: Entry,
+    pub message: Outgoing,
     /// Delivered before.
     pub redelivered: bool,
     /// Holds a slot of the channel's shared limit until settled.

@@ -22,9 +22,9 @@ use crate::exchange::{Destination, ExchangeKind};
 use crate::limiter::Limiter;
 use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
-use crate::queue::machine::{ConsumerId, ConsumerSpec, MachineError, MessageRef, MsgId};
+use crate::queue::machine::{ConsumerId, ConsumerSpec, MachineError, MsgId};
 use crate::queue::{ConsumerSink, Queue, publish_persistent};
-use crate::vhost::{ExchangeDecl, VHost, rs};
+use crate::vhost::{ExchangeDecl, OnCommit, VHost, rs};
 
 /// What a connection knows about itself, shared by its channels.
 #[derive(Debug)]
@@ -165,16 +165,26 @@ fn group_by_queue(items: impl IntoIterator<Item = Unacked>) -> Vec<(Arc<Queue>, 
 
 /// Settle, requeue or discard unacked messages, then give their slots back to the channel's
 /// shared limit (after the queue locks are released).
-fn apply_acks(limiter: &Limiter, action: AckAction, items: impl IntoIterator<Item = Unacked>) {
+/// `on_commit` is given when the caller waits for the removals to be durable (tx.commit).
+fn apply_acks(
+    limiter: &Limiter,
+    action: AckAction,
+    items: impl IntoIterator<Item = Unacked>,
+    mut on_commit: Option<OnCommit<'_>>,
+) {
     let mut counted = 0u32;
     let items = items
         .into_iter()
         .inspect(|u| counted += u32::from(u.counted));
     for (q, ids) in group_by_queue(items) {
         match action {
-            AckAction::Settle => q.settle(ids),
+            AckAction::Settle => {
+                q.settle(ids, on_commit.as_mut().map(|f| &mut **f as OnCommit<'_>))
+            }
             AckAction::Requeue => q.requeue(ids),
-            AckAction::Discard => q.discard(ids),
+            AckAction::Discard => {
+                q.discard(ids, on_commit.as_mut().map(|f| &mut **f as OnCommit<'_>));
+            }
         }
     }
     limiter.release(counted).run();
@@ -242,7 +252,7 @@ impl Session {
         if let Mode::Tx(buf) = chan.mode {
             pending.extend(buf.acks.into_iter().map(|(_, _, u)| u));
         }
-        apply_acks(&chan.limiter, AckAction::Requeue, pending);
+        apply_acks(&chan.limiter, AckAction::Requeue, pending, None);
     }
 
     /// The connection is gone: release every channel and delete exclusive queues.
@@ -291,24 +301,54 @@ impl Session {
                 Outbound::Cancel { channel, consumer } => {
                     self.consumer_cancelled(channel, consumer, out)
                 }
-                Outbound::Committed { ok } => {
+                done @ (Outbound::Committed { .. } | Outbound::Confirmed { .. }) => {
+                    self.store_completion(&done);
+                }
+            }
+        }
+        self.drained = items;
+    }
+
+    fn store_completion(&mut self, item: &Outbound) {
+        match *item {
+            Outbound::Committed { ok } => {
+                if ok {
                     self.ctx.gate.set(self.ctx.gate.get().saturating_sub(1));
-                    self.store_failed |= !ok;
+                } else {
+                    // The held replies must never go out: keep the gate raised.
+                    self.store_failed = true;
                 }
-                Outbound::Confirmed {
-                    channel,
-                    epoch,
-                    seq,
-                    ok,
-                } => {
-                    self.store_failed |= !ok;
-                    if let Some(chan) = self.channels.get_mut(&channel)
-                        && chan.epoch == epoch
-                        && let Mode::Confirm { unconfirmed, .. } = &mut chan.mode
-                    {
-                        unconfirmed.remove(&seq);
-                    }
+            }
+            Outbound::Confirmed {
+                channel,
+                epoch,
+                seq,
+                ok,
+            } => {
+                if !ok {
+                    // Never confirmed: the seq stays waiting, so no ack passes it.
+                    self.store_failed = true;
+                } else if let Some(chan) = self.channels.get_mut(&channel)
+                    && chan.epoch == epoch
+                    && let Mode::Confirm { unconfirmed, .. } = &mut chan.mode
+                {
+                    unconfirmed.remove(&seq);
                 }
+            }
+            _ => {}
+        }
+    }
+
+    /// The connection is closing: take the store completions from the outbox (so held replies
+    /// can be released); deliveries found there go back to their queues.
+    pub fn drain_completions(&mut self) {
+        self.ctx.outbox.drain(&mut self.drained);
+        let mut items = std::mem::take(&mut self.drained);
+        for item in items.drain(..) {
+            match item {
+                Outbound::Deliver(d) => d.queue.requeue(vec![d.id]),
+                Outbound::Cancel { .. } => {}
+                done => self.store_completion(&done),
             }
         }
         self.drained = items;
@@ -321,16 +361,12 @@ impl Session {
         self.ctx.gate.get() > 0
     }
 
-    /// The store failed a write this connection depends on: it must be closed with 541, since
-    /// nothing it was promised can be confirmed any more.
+    /// The store failed a write (or a read) this connection depends on. The connection must
+    /// be dropped without writing what it holds: held replies and confirms would promise what
+    /// is not on disk.
     #[must_use]
-    pub fn store_failure(&self) -> Option<AmqpError> {
-        self.store_failed.then(|| {
-            AmqpError::connection(
-                ReplyCode::InternalError,
-                "store write failed; see the broker log",
-            )
-        })
+    pub fn store_failed(&self) -> bool {
+        self.store_failed
     }
 
     fn deliver(&mut self, d: Delivery, out: &mut FrameWriter) {
@@ -351,7 +387,7 @@ impl Session {
             }
             return;
         };
-        let m = match d.message.load(self.ctx.vhost.store().map(AsRef::as_ref)) {
+        let m = match d.message.load() {
             Ok(m) => m,
             Err(e) => {
                 // The message goes back to its queue; the connection closes with 541.
@@ -909,7 +945,12 @@ fn handle_tx(
                     .iter()
                     .filter(|(a, _, _)| *a == action)
                     .map(|(_, _, u)| u.clone());
-                apply_acks(&chan.limiter, action, of_kind);
+                apply_acks(
+                    &chan.limiter,
+                    action,
+                    of_kind,
+                    Some(&mut || ctx.on_commit()),
+                );
             }
             reply(
                 out,
@@ -982,7 +1023,12 @@ fn settle(
         buf.acks
             .extend(taken.into_iter().map(|(t, u)| (action, t, u)));
     } else {
-        apply_acks(&chan.limiter, action, taken.into_iter().map(|(_, u)| u));
+        apply_acks(
+            &chan.limiter,
+            action,
+            taken.into_iter().map(|(_, u)| u),
+            None,
+        );
     }
     Ok(())
 }
@@ -1213,7 +1259,7 @@ fn handle_basic(
                             },
                         );
                     }
-                    let msg = msg.load(ctx.vhost.store().map(AsRef::as_ref)).map_err(|e| {
+                    let msg = msg.load().map_err(|e| {
                         tracing::error!(queue = %q.name, error = %e, "cannot read a stored message");
                         AmqpError::connection(ReplyCode::InternalError, "cannot read a stored message")
                     })?;
@@ -1257,7 +1303,7 @@ fn recover(chan: &mut Channel, requeue: bool) -> Result<(), AmqpError> {
         ));
     }
     let all = std::mem::take(&mut chan.unacked);
-    apply_acks(&chan.limiter, AckAction::Requeue, all.into_values());
+    apply_acks(&chan.limiter, AckAction::Requeue, all.into_values(), None);
     Ok(())
 }
 

@@ -310,8 +310,14 @@ impl VHost {
         }
         let mut ops = Vec::new();
         self.exchange_removed(&t, ex, &mut ops);
+        let durable = ex.durable;
         t.exchanges.remove(name);
-        self.remove_destination(&mut t, &Destination::Exchange(name.to_string()), &mut ops);
+        self.remove_destination(
+            &mut t,
+            &Destination::Exchange(name.to_string()),
+            durable,
+            &mut ops,
+        );
         self.submit(ops, on_commit);
         Ok(())
     }
@@ -332,18 +338,20 @@ impl VHost {
         }
     }
 
-    /// Remove every binding to `dest` (which is still in the topology, or was durable iff
-    /// stored), then auto-delete sources left without bindings. Store ops go to `ops`.
-    fn remove_destination(&self, t: &mut Topology, dest: &Destination, ops: &mut Vec<Op>) {
+    /// Remove every binding to `dest` (already out of the topology; `dest_durable` says
+    /// whether it was stored, and so whether bindings to it were), then auto-delete sources left
+    /// without bindings. Store ops go to `ops`.
+    fn remove_destination(
+        &self,
+        t: &mut Topology,
+        dest: &Destination,
+        dest_durable: bool,
+        ops: &mut Vec<Op>,
+    ) {
         let mut emptied = Vec::new();
-        if self.store.is_some() {
-            for ex in t.exchanges.values() {
-                if !ex.durable {
-                    continue;
-                }
+        if self.store.is_some() && dest_durable {
+            for ex in t.exchanges.values().filter(|ex| ex.durable) {
                 for b in ex.bindings().iter().filter(|b| &b.destination == dest) {
-                    // The destination may already be gone from the map: deleting a binding
-                    // that was never stored is harmless, so durability of the source decides.
                     ops.push(self.binding_record(&ex.name, b).delete());
                 }
             }
@@ -354,10 +362,11 @@ impl VHost {
             }
         }
         for name in emptied {
-            if let Some(ex) = t.exchanges.remove(&name) {
+            let durable = t.exchanges.remove(&name).is_some_and(|ex| {
                 self.exchange_removed(t, &ex, ops);
-            }
-            self.remove_destination(t, &Destination::Exchange(name), ops);
+                ex.durable
+            });
+            self.remove_destination(t, &Destination::Exchange(name), durable, ops);
         }
     }
 
@@ -425,10 +434,16 @@ impl VHost {
             delete_source = ex.unbind(&binding) && ex.auto_delete && ex.bindings().is_empty();
         }
         if delete_source {
-            if let Some(ex) = t.exchanges.remove(source) {
+            let durable = t.exchanges.remove(source).is_some_and(|ex| {
                 self.exchange_removed(&t, &ex, &mut ops);
-            }
-            self.remove_destination(&mut t, &Destination::Exchange(source.to_string()), &mut ops);
+                ex.durable
+            });
+            self.remove_destination(
+                &mut t,
+                &Destination::Exchange(source.to_string()),
+                durable,
+                &mut ops,
+            );
         }
         self.submit(ops, on_commit);
         Ok(())
@@ -519,11 +534,21 @@ impl VHost {
                 table: MetaTable::Queues,
                 key: QueueRecord::key(&self.name, &queue.name),
             });
-            self.remove_destination(&mut t, &Destination::Queue(queue.name.clone()), &mut ops);
+            self.remove_destination(
+                &mut t,
+                &Destination::Queue(queue.name.clone()),
+                true,
+                &mut ops,
+            );
             // Record, bindings and messages go in one submission, made under both locks.
             Some(queue.delete(ops, on_commit))
         } else {
-            self.remove_destination(&mut t, &Destination::Queue(queue.name.clone()), &mut ops);
+            self.remove_destination(
+                &mut t,
+                &Destination::Queue(queue.name.clone()),
+                false,
+                &mut ops,
+            );
             self.submit(ops, on_commit);
             drop(t);
             Some(queue.delete(Vec::new(), &mut || Box::new(|_| {})))

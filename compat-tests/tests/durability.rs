@@ -363,7 +363,7 @@ async fn fanout_to_durable_queues_is_stored_once_and_settled_per_queue() {
 
 #[tokio::test]
 async fn committed_transactions_survive_and_rolled_back_ones_do_not() {
-    //! tx.commit-ok means the transaction's persistent messages are on disk.
+    //! tx.commit-ok means the transaction's persistent messages and acks are on disk.
     let b = Broker::start();
     let conn = connect(&b).await;
     let ch = conn.create_channel().await.unwrap();
@@ -379,9 +379,27 @@ async fn committed_transactions_survive_and_rolled_back_ones_do_not() {
         )
     };
     send(b"committed").await.unwrap();
+    send(b"acked in a transaction").await.unwrap();
     ch.tx_commit().await.unwrap();
     send(b"rolled back").await.unwrap();
     ch.tx_rollback().await.unwrap();
+    // An ack-only transaction: commit-ok means the ack is on disk.
+    let m = ch
+        .basic_get("txq".into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .unwrap();
+    let m2 = ch
+        .basic_get("txq".into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(m2.delivery.data, b"acked in a transaction");
+    ch.basic_ack(m2.delivery.delivery_tag, BasicAckOptions::default())
+        .await
+        .unwrap();
+    ch.tx_commit().await.unwrap();
+    drop(m);
 
     let b = restart(b, true);
     let conn = connect(&b).await;

@@ -30,7 +30,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 pub use error::StoreError;
 pub use record::StoredMessage;
-pub use segment::{Location, Segments};
+pub use segment::{Location, Pinned, Segments};
 pub use writer::Writer;
 
 use record::{RECORD_HEADER, RECORD_MAX};
@@ -251,8 +251,18 @@ impl Store {
         // 1. Verify every segment (headers, record checksums) in one sequential pass each.
         let ids = segment::list(&seg_dir)?;
         let mut scanned = HashMap::new();
+        // A damaged header matters only if the index references the segment: a crash while a
+        // new segment's header was written leaves such a file, with nothing committed in it.
+        let mut bad_headers: HashMap<u64, StoreError> = HashMap::new();
         for (n, id) in ids.iter().enumerate() {
-            let s = segment::scan(&seg_dir, *id)?;
+            let s = match segment::scan(&seg_dir, *id) {
+                Ok(s) => s,
+                Err(e @ StoreError::Corrupt { .. }) => {
+                    bad_headers.insert(*id, e);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             if ids.len() > 16 && n % 16 == 0 {
                 tracing::info!(
                     segment = id,
@@ -296,6 +306,9 @@ impl Store {
                                 ),
                             });
                         };
+                        if let Some(e) = bad_headers.remove(&location.segment) {
+                            return Err(e);
+                        }
                         let intact = scanned
                             .get(&location.segment)
                             .is_some_and(|s| location.end() <= s.valid_len);
@@ -331,6 +344,10 @@ impl Store {
         }
 
         // 3. Drop what nothing committed references: uncommitted tails, unreferenced segments.
+        for (id, e) in bad_headers {
+            tracing::warn!(segment = id, error = %e, "deleting an unreferenced segment with a damaged header");
+            remove_segment(&seg_dir, id)?;
+        }
         for s in scanned.values() {
             if refs.get(&s.id).copied().unwrap_or(0) == 0 {
                 remove_segment(&seg_dir, s.id)?;

@@ -283,8 +283,45 @@ impl Segments {
 
     /// Read and verify one record.
     pub fn read(&self, loc: Location) -> Result<StoredMessage, StoreError> {
-        let file = self.file(loc.segment)?;
-        let path = || segment_path(&self.dir, loc.segment);
+        self.pin(loc)?.read()
+    }
+
+    /// An open handle on the record's segment. Reading through it works even after the
+    /// segment is deleted (the data lives while the handle does), so a caller that pins a
+    /// record while it is still referenced can read it after settling it.
+    pub fn pin(&self, loc: Location) -> Result<Pinned, StoreError> {
+        Ok(Pinned {
+            file: self.file(loc.segment)?,
+            path: segment_path(&self.dir, loc.segment),
+            location: loc,
+        })
+    }
+
+    /// Forget a deleted segment's handle.
+    pub fn forget(&self, id: u64) {
+        self.files.write().remove(&id);
+    }
+}
+
+/// A record whose segment is held open: see [`Segments::pin`].
+#[derive(Debug, Clone)]
+pub struct Pinned {
+    file: Arc<File>,
+    path: PathBuf,
+    location: Location,
+}
+
+impl Pinned {
+    /// Where the record is.
+    #[must_use]
+    pub fn location(&self) -> Location {
+        self.location
+    }
+
+    /// Read and verify the record.
+    pub fn read(&self) -> Result<StoredMessage, StoreError> {
+        let (file, loc) = (&self.file, self.location);
+        let path = || self.path.clone();
         let mut buf = vec![0u8; RECORD_HEADER + loc.len as usize];
         file.read_exact_at(&mut buf, loc.offset)
             .map_err(|e| StoreError::io("read message", path(), e))?;
@@ -303,10 +340,5 @@ impl Segments {
             return Err(corrupt("record checksum mismatch"));
         }
         StoredMessage::decode(&payload).map_err(|m| corrupt(m.0))
-    }
-
-    /// Forget a deleted segment's handle.
-    pub fn forget(&self, id: u64) {
-        self.files.write().remove(&id);
     }
 }

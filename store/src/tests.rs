@@ -179,11 +179,6 @@ fn a_segment_stays_while_any_queue_references_it() {
     );
 }
 
-fn active_segment_file(dir: &Path) -> PathBuf {
-    let ids = segment::list(&dir.join("segments")).unwrap();
-    segment::segment_path(&dir.join("segments"), *ids.last().unwrap())
-}
-
 fn first_segment_file(dir: &Path) -> PathBuf {
     let ids = segment::list(&dir.join("segments")).unwrap();
     segment::segment_path(&dir.join("segments"), ids[0])
@@ -308,7 +303,31 @@ fn a_segment_of_another_version_refuses_to_open() {
         open(dir.path(), SEGMENT_MAX_DEFAULT),
         Err(StoreError::Corrupt { .. })
     ));
-    let _ = active_segment_file(dir.path());
+}
+
+#[test]
+fn a_damaged_header_on_an_unreferenced_segment_is_crash_debris() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, _) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    store
+        .commit(&Batch {
+            bodies: vec![msg(b"kept")],
+            ops: vec![enqueue(1, 1, 0)],
+        })
+        .unwrap();
+    drop(store);
+    // A crash right after creating the next segment: its header never reached the disk.
+    let seg_dir = dir.path().join("segments");
+    let next = segment::list(&seg_dir).unwrap().last().unwrap() + 1;
+    let debris = segment::segment_path(&seg_dir, next);
+    std::fs::write(&debris, [0u8; 40]).unwrap();
+    let (store, r) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    assert_eq!(live(&r), vec![(1, 1)]);
+    assert!(!debris.exists());
+    assert_eq!(
+        store.segments().read(r.messages[0].location).unwrap().body,
+        Bytes::from_static(b"kept")
+    );
 }
 
 #[derive(Debug, Clone)]

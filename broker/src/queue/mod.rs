@@ -23,8 +23,9 @@ use warren_store::{Batch, BodyRef, Location, Op};
 
 use crate::durable::{Durable, stored};
 use crate::limiter::{Limiter, Wake};
-use crate::message::{Entry, Message};
+use crate::message::{Entry, Message, Outgoing};
 use crate::outbox::{Delivery, Outbound, Outbox};
+use crate::vhost::OnCommit;
 use machine::{
     Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, QueueMachine, Reply,
 };
@@ -132,12 +133,23 @@ impl Queue {
         st: &mut State,
         command: Command<Entry>,
     ) -> Result<Reply<Entry>, MachineError> {
+        let reply = self.apply(st, command);
+        self.submit_store_ops(st, None);
+        reply
+    }
+
+    /// [`Queue::run`] without submitting the store ops it produced (the caller does, after
+    /// pinning what it must read, or with its own completion).
+    fn apply(
+        self: &Arc<Self>,
+        st: &mut State,
+        command: Command<Entry>,
+    ) -> Result<Reply<Entry>, MachineError> {
         let mut effects = std::mem::take(&mut st.effects);
         let reply = st.machine.apply(self.now_ms(), command, &mut effects);
         self.carry_out(st, &mut effects);
         self.offer_grants(st, &mut effects);
         st.effects = effects;
-        self.submit_store_ops(st);
         reply
     }
 
@@ -153,11 +165,23 @@ impl Queue {
         self.store.is_some()
     }
 
-    fn submit_store_ops(&self, st: &mut State) {
+    /// Submit the store ops produced under this lock; `on_commit` provides a completion when
+    /// the caller waits for them (e.g. purge-ok, tx.commit-ok).
+    fn submit_store_ops(&self, st: &mut State, on_commit: Option<OnCommit<'_>>) {
         if let Some(store) = &self.store
             && !st.store_ops.is_empty()
         {
-            store.submit_ops(std::mem::take(&mut st.store_ops));
+            let ops = std::mem::take(&mut st.store_ops);
+            match on_commit {
+                Some(done) => store.submit(
+                    Batch {
+                        bodies: Vec::new(),
+                        ops,
+                    },
+                    done(),
+                ),
+                None => store.submit_ops(ops),
+            }
         }
     }
 
@@ -208,7 +232,7 @@ impl Queue {
                         consumer,
                         queue: Arc::clone(self),
                         id,
-                        message: msg,
+                        message: msg.pin(self.store.as_deref()),
                         redelivered,
                         counted: st.machine.is_limited(consumer),
                     }));
@@ -223,7 +247,7 @@ impl Queue {
         let mut effects = std::mem::take(&mut st.effects);
         self.offer_grants(&mut st, &mut effects);
         st.effects = effects;
-        self.submit_store_ops(&mut st);
+        self.submit_store_ops(&mut st, None);
     }
 
     /// Put a consumer under its channel's shared limit or release it from it.
@@ -337,9 +361,10 @@ impl Queue {
     }
 
     /// Acknowledge.
-    pub fn settle(self: &Arc<Self>, ids: Vec<MsgId>) {
+    pub fn settle(self: &Arc<Self>, ids: Vec<MsgId>, on_commit: Option<OnCommit<'_>>) {
         let mut st = self.state.lock();
-        let _ = self.run(&mut st, Command::Settle(ids));
+        let _ = self.apply(&mut st, Command::Settle(ids));
+        self.submit_store_ops(&mut st, on_commit);
     }
 
     /// Requeue (nack/reject with requeue, recover, channel close).
@@ -349,43 +374,33 @@ impl Queue {
     }
 
     /// Drop (nack/reject without requeue).
-    pub fn discard(self: &Arc<Self>, ids: Vec<MsgId>) {
+    pub fn discard(self: &Arc<Self>, ids: Vec<MsgId>, on_commit: Option<OnCommit<'_>>) {
         let mut st = self.state.lock();
-        let _ = self.run(&mut st, Command::Discard(ids));
+        let _ = self.apply(&mut st, Command::Discard(ids));
+        self.submit_store_ops(&mut st, on_commit);
     }
 
     /// basic.get: the head message, its redelivered flag and the ready count after it.
-    pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Entry, bool, u32)> {
+    pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Outgoing, bool, u32)> {
         let mut st = self.state.lock();
-        match self.run(&mut st, Command::Get { no_ack }) {
-            Ok(Reply::Got(got)) => got,
+        // Pinned before the settle of a no-ack get is submitted.
+        let got = match self.apply(&mut st, Command::Get { no_ack }) {
+            Ok(Reply::Got(Some((id, entry, redelivered, left)))) => {
+                Some((id, entry.pin(self.store.as_deref()), redelivered, left))
+            }
             _ => None,
-        }
+        };
+        self.submit_store_ops(&mut st, None);
+        got
     }
 
     /// Remove all ready messages; returns how many.
     /// The removals of stored messages are submitted with `on_commit`'s completion, so the
     /// caller can hold purge-ok until they are durable.
-    pub fn purge(self: &Arc<Self>, on_commit: &mut dyn FnMut() -> Completion) -> u32 {
+    pub fn purge(self: &Arc<Self>, on_commit: OnCommit<'_>) -> u32 {
         let mut st = self.state.lock();
-        let mut effects = std::mem::take(&mut st.effects);
-        let reply = st
-            .machine
-            .apply(self.now_ms(), Command::Purge, &mut effects);
-        self.carry_out(&mut st, &mut effects);
-        st.effects = effects;
-        if let Some(store) = &self.store
-            && !st.store_ops.is_empty()
-        {
-            let ops = std::mem::take(&mut st.store_ops);
-            store.submit(
-                Batch {
-                    bodies: Vec::new(),
-                    ops,
-                },
-                on_commit(),
-            );
-        }
+        let reply = self.apply(&mut st, Command::Purge);
+        self.submit_store_ops(&mut st, Some(on_commit));
         match reply {
             Ok(Reply::Purged(n)) => n,
             _ => 0,
@@ -405,11 +420,7 @@ impl Queue {
     /// Mark deleted and tell every consumer's connection to cancel it. Returns the ready count.
     /// A stored queue's messages are dropped from the store (`more_ops`, e.g. its record and
     /// bindings, go in the same submission; `done` runs when it is durable).
-    pub fn delete(
-        self: &Arc<Self>,
-        more_ops: Vec<Op>,
-        on_commit: &mut dyn FnMut() -> Completion,
-    ) -> u32 {
+    pub fn delete(self: &Arc<Self>, more_ops: Vec<Op>, on_commit: OnCommit<'_>) -> u32 {
         let mut st = self.state.lock();
         st.deleted = true;
         if let Some(store) = &self.store {
