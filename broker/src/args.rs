@@ -328,3 +328,28 @@ fn erlang_value(v: &AMQPValue) -> String {
         ),
     }
 }
+
+/// The queue machine's configuration from validated declare arguments (validate first: values
+/// that do not fit are ignored here).
+#[must_use]
+pub fn queue_config(args: &FieldTable) -> crate::queue::machine::QueueConfig {
+    use crate::queue::machine::{Overflow, QueueConfig};
+    let int = |k: &str| args.inner().get(k).and_then(int_value);
+    QueueConfig {
+        max_priority: int("x-max-priority")
+            .and_then(|n| u8::try_from(n).ok())
+            .filter(|n| *n > 0),
+        max_length: int("x-max-length").and_then(|n| u64::try_from(n).ok()),
+        max_length_bytes: int("x-max-length-bytes").and_then(|n| u64::try_from(n).ok()),
+        overflow: match args
+            .inner()
+            .get("x-overflow")
+            .and_then(string_like)
+            .as_deref()
+        {
+            Some(b"reject-publish") => Overflow::RejectPublish,
+            Some(b"reject-publish-dlx") => Overflow::RejectPublishDlx,
+            _ => Overflow::DropHead,
+        },
+    }
+}

@@ -36,6 +36,8 @@ pub enum Entry {
         location: Location,
         /// Body size in bytes (for queue byte counts).
         size: u32,
+        /// Its priority property (kept in the store's index flags).
+        priority: u8,
     },
 }
 
@@ -55,6 +57,13 @@ impl MessageRef for Entry {
         match self {
             Self::Mem(m) => m.body.len() as u64,
             Self::Stored { size, .. } => u64::from(*size),
+        }
+    }
+
+    fn priority(&self) -> u8 {
+        match self {
+            Self::Mem(m) => m.properties.priority.unwrap_or(0),
+            Self::Stored { priority, .. } => *priority,
         }
     }
 }
@@ -115,7 +124,7 @@ impl Entry {
     pub fn pin(&self, store: Option<&crate::durable::Durable>) -> Outgoing {
         match self {
             Self::Mem(m) => Outgoing::Mem(Arc::clone(m)),
-            Self::Stored { location, size } => match store.map(|s| s.pin(*location)) {
+            Self::Stored { location, size, .. } => match store.map(|s| s.pin(*location)) {
                 Some(Ok(pinned)) => Outgoing::Stored {
                     pinned,
                     size: *size,

@@ -117,7 +117,7 @@ impl Broker {
             };
             // Only the place in the store is kept: bodies are read when delivered (their
             // checksums were verified when the store opened).
-            q.restore(m.id, m.location);
+            q.restore(m.id, m.location, u8::try_from(m.flags & 0xff).unwrap_or(0));
             report.messages += 1;
             if (n + 1) % 250_000 == 0 {
                 tracing::info!(

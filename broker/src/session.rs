@@ -14,7 +14,9 @@ use amq_protocol::protocol::{AMQPClass, access, basic, channel, confirm, exchang
 use amq_protocol::types::FieldTable;
 use warren_amqp::assembler::{Command, Content};
 use warren_amqp::frame::FrameWriter;
-use warren_amqp::method::{put_basic_ack, put_basic_deliver, put_basic_get_ok, put_basic_return};
+use warren_amqp::method::{
+    put_basic_ack, put_basic_deliver, put_basic_get_ok, put_basic_nack, put_basic_return,
+};
 use warren_amqp::{AmqpError, ReplyCode};
 
 use crate::broker::Broker;
@@ -23,7 +25,7 @@ use crate::limiter::Limiter;
 use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
 use crate::queue::machine::{ConsumerId, ConsumerSpec, MachineError, MsgId};
-use crate::queue::{ConsumerSink, Queue, publish_persistent};
+use crate::queue::{ConsumerSink, Enqueued, Queue, publish_persistent};
 use crate::vhost::{ExchangeDecl, OnCommit, VHost, rs};
 
 /// What a connection knows about itself, shared by its channels.
@@ -97,6 +99,8 @@ enum Mode {
         acked_upto: u64,
         /// Publishes waiting for the store; nothing at or above the lowest is acked.
         unconfirmed: BTreeSet<u64>,
+        /// Publishes a queue refused: nacked (never acked) when their turn comes.
+        nacks: BTreeSet<u64>,
     },
     Tx(TxBuffer),
 }
@@ -278,9 +282,22 @@ impl Session {
                 last_seq,
                 acked_upto,
                 unconfirmed,
+                nacks,
             } = &mut chan.mode
             {
                 let upto = unconfirmed.first().map_or(*last_seq, |first| first - 1);
+                while let Some(&n) = nacks.first()
+                    && n <= upto
+                {
+                    nacks.pop_first();
+                    unconfirmed.remove(&n);
+                    if n - 1 > *acked_upto {
+                        let multiple = n - 1 - *acked_upto > 1;
+                        out.method_with(*ch, |b| put_basic_ack(b, n - 1, multiple));
+                    }
+                    out.method_with(*ch, |b| put_basic_nack(b, n, false));
+                    *acked_upto = n;
+                }
                 if upto > *acked_upto {
                     let multiple = upto - *acked_upto > 1;
                     out.method_with(*ch, |b| put_basic_ack(b, upto, multiple));
@@ -497,6 +514,7 @@ impl Session {
                         last_seq: 0,
                         acked_upto: 0,
                         unconfirmed: BTreeSet::new(),
+                        nacks: BTreeSet::new(),
                     };
                     Ok(())
                 }
@@ -1349,11 +1367,11 @@ fn enqueue_routed(
         }
         _ => None,
     };
-    let mut delivered = false;
+    let mut outcome = Enqueued::Gone;
     if message.properties.persistent() && targets.iter().any(|q| q.is_stored()) {
         let epoch = chan.epoch;
         let mode = &mut chan.mode;
-        (delivered, _) = publish_persistent(&targets, message, || match (mode, seq) {
+        (outcome, _) = publish_persistent(&targets, message, || match (mode, seq) {
             (Mode::Confirm { unconfirmed, .. }, Some(seq)) => {
                 // Confirmed only once the store has it (flush acks below the lowest waiting).
                 unconfirmed.insert(seq);
@@ -1374,10 +1392,16 @@ fn enqueue_routed(
         targets.clear();
     } else {
         for q in targets.drain(..) {
-            delivered |= q.publish(Arc::clone(message));
+            outcome = outcome.and(q.publish(Arc::clone(message)));
         }
     }
-    if !delivered && mandatory {
+    if let (Enqueued::Rejected, Some(seq), Mode::Confirm { nacks, .. }) =
+        (outcome, seq, &mut chan.mode)
+    {
+        // A queue at its limit refused it (reject-publish): nack, and no basic.return.
+        nacks.insert(seq);
+    }
+    if outcome == Enqueued::Gone && mandatory {
         out.method_with(ch, |b| {
             put_basic_return(
                 b,

@@ -185,7 +185,6 @@ PENDING_ISSUE4 = {
     "test_direct_reply_to_round_trip",
     "test_direct_reply_to_requires_no_ack",
     "test_direct_reply_to_publish_without_consumer_is_406",
-    "test_queue_max_length_drops_head",
 }
 
 

@@ -508,6 +508,47 @@ async fn a_no_ack_consumer_drains_recovered_messages_across_deleted_segments() {
     }
 }
 
+#[tokio::test]
+async fn priorities_and_length_limits_survive_a_restart() {
+    //! A durable priority queue comes back with its priority order (kept in the store's index)
+    //! and its declared limits still apply.
+    let b = Broker::start();
+    let conn = connect(&b).await;
+    let ch = confirm_channel(&conn).await;
+    let mut args = FieldTable::default();
+    args.insert("x-max-priority".into(), lapin::types::AMQPValue::LongInt(5));
+    args.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(4));
+    ch.queue_declare(
+        "prio".into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    for (body, priority) in [("low", 1u8), ("high", 5), ("mid", 3), ("high2", 5)] {
+        publish(
+            &ch,
+            "",
+            "prio",
+            body.as_bytes(),
+            persistent().with_priority(priority),
+        )
+        .await;
+    }
+    let b = restart(b, true);
+    let conn = connect(&b).await;
+    let ch = confirm_channel(&conn).await;
+    // The limit still holds after the restart: one more drops the head (highest first).
+    publish(&ch, "", "prio", b"zero", persistent()).await;
+    assert_eq!(
+        bodies(&drain(&ch, "prio").await),
+        ["high2", "mid", "low", "zero"]
+    );
+}
+
 fn dir_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
         .unwrap()

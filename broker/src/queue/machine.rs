@@ -15,9 +15,15 @@
 //!                └──────────── Return ─────────────┘
 //! ```
 //!
-//! Ready order: never-delivered messages wait in `fresh` (FIFO); returned messages wait in
-//! `returned`, ordered by id. Every returned id is smaller than every fresh id (a message only
-//! leaves `fresh` from its head), so "returned first, then fresh" is exactly original order.
+//! Ready order: one [`Level`] per message priority (one level unless `x-max-priority` is set),
+//! served highest first. Within a level, never-delivered messages wait in `fresh` (FIFO);
+//! returned messages wait in `returned`, ordered by id. Every returned id is smaller than every
+//! fresh id of its level (a message only leaves `fresh` from its head), so "returned first, then
+//! fresh" is exactly original order.
+//!
+//! Limits (`x-max-length`, `x-max-length-bytes`) count ready messages only, as RabbitMQ does;
+//! `drop-head` removes from the head after delivery to waiting consumers, `reject-publish`
+//! refuses the new message.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -28,8 +34,50 @@ pub type ConsumerId = u64;
 
 /// What the machine needs to know about a message reference.
 pub trait MessageRef: Clone {
-    /// Body + properties size in bytes (for `message_bytes`).
+    /// Body size in bytes (for `message_bytes` and `x-max-length-bytes`).
     fn size(&self) -> u64;
+    /// The message's `priority` property (0 when absent).
+    fn priority(&self) -> u8 {
+        0
+    }
+}
+
+/// What happens to a publish that would exceed a length limit (`x-overflow`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Overflow {
+    /// Drop (dead-letter) messages from the head until within limits (RabbitMQ's default).
+    #[default]
+    DropHead,
+    /// Refuse the new message (publisher nack).
+    RejectPublish,
+    /// Refuse the new message and dead-letter it.
+    RejectPublishDlx,
+}
+
+/// A queue's declared behaviour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QueueConfig {
+    /// `x-max-priority`: number of priority levels above 0 (None: priorities ignored).
+    pub max_priority: Option<u8>,
+    /// `x-max-length`: most ready messages.
+    pub max_length: Option<u64>,
+    /// `x-max-length-bytes`: most ready body bytes.
+    pub max_length_bytes: Option<u64>,
+    /// `x-overflow`.
+    pub overflow: Overflow,
+}
+
+/// Why a message left the queue without being acknowledged or delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Removal {
+    /// Acknowledged, or delivered to a no-ack `basic.get`.
+    Settled,
+    /// Rejected or nacked without requeue.
+    Rejected,
+    /// Purged.
+    Purged,
+    /// Dropped from the head by a length limit.
+    MaxLen,
 }
 
 /// How a consumer receives.
@@ -118,13 +166,16 @@ pub enum Effect<M> {
         /// The consumer does not ack: the message left the queue with this delivery.
         settled: bool,
     },
-    /// A message left the queue for good (acked, rejected without requeue, purged, or taken by
-    /// a no-ack `basic.get`), so the driver can release what it stored for it.
+    /// A message left the queue for good (acked, rejected without requeue, purged, dropped by
+    /// a length limit, or taken by a no-ack `basic.get`), so the driver can release what it
+    /// stored for it (and dead-letter it, depending on `reason`).
     Removed {
         /// Its id.
         id: MsgId,
         /// The message.
         msg: M,
+        /// Why.
+        reason: Removal,
     },
 }
 
@@ -133,6 +184,9 @@ pub enum Effect<M> {
 pub enum Reply<M> {
     /// Nothing to report.
     Ok,
+    /// `Enqueue` refused by a length limit with `x-overflow` reject-publish(-dlx): the message
+    /// is handed back.
+    Rejected(M),
     /// basic.get result: the message, whether redelivered, and the ready count after it.
     Got(Option<(MsgId, M, bool, u32)>),
     /// Messages removed by a purge.
@@ -203,14 +257,63 @@ pub struct Counters {
     pub discarded: u64,
     /// Messages purged.
     pub purged: u64,
+    /// Messages dropped from the head by a length limit.
+    pub dropped: u64,
+}
+
+impl Counters {
+    /// Messages still in the queue according to the counters.
+    #[must_use]
+    pub fn live(&self) -> u64 {
+        self.enqueued - self.settled - self.discarded - self.purged - self.dropped
+    }
+}
+
+/// Ready messages of one priority.
+#[derive(Debug, Clone)]
+struct Level<M> {
+    fresh: VecDeque<Ready<M>>,
+    returned: BTreeMap<MsgId, Ready<M>>,
+}
+
+impl<M> Default for Level<M> {
+    fn default() -> Self {
+        Self {
+            fresh: VecDeque::new(),
+            returned: BTreeMap::new(),
+        }
+    }
+}
+
+impl<M> Level<M> {
+    fn len(&self) -> usize {
+        self.fresh.len() + self.returned.len()
+    }
+
+    fn pop(&mut self) -> Option<Ready<M>> {
+        match self.returned.pop_first() {
+            Some((_, r)) => Some(r),
+            None => self.fresh.pop_front(),
+        }
+    }
+
+    fn get_mut(&mut self, id: MsgId) -> Option<&mut Ready<M>> {
+        if let Some(r) = self.returned.get_mut(&id) {
+            return Some(r);
+        }
+        let i = self.fresh.binary_search_by_key(&id, |r| r.id).ok()?;
+        self.fresh.get_mut(i)
+    }
 }
 
 /// A classic queue's delivery state.
 #[derive(Debug, Clone)]
 pub struct QueueMachine<M> {
+    config: QueueConfig,
     next_id: MsgId,
-    fresh: VecDeque<Ready<M>>,
-    returned: BTreeMap<MsgId, Ready<M>>,
+    /// Ready messages per priority level, served from the highest.
+    levels: BTreeMap<u8, Level<M>>,
+    ready_count: usize,
     unacked: HashMap<MsgId, Unacked<M>>,
     consumers: BTreeMap<ConsumerId, Consumer>,
     /// Consumers with credit, round-robin within each priority (highest served first).
@@ -230,13 +333,20 @@ impl<M: MessageRef> Default for QueueMachine<M> {
 }
 
 impl<M: MessageRef> QueueMachine<M> {
-    /// An empty queue.
+    /// An empty queue without limits or priorities.
     #[must_use]
     pub fn new() -> Self {
+        Self::with_config(QueueConfig::default())
+    }
+
+    /// An empty queue with `config`.
+    #[must_use]
+    pub fn with_config(config: QueueConfig) -> Self {
         Self {
+            config,
             next_id: 1,
-            fresh: VecDeque::new(),
-            returned: BTreeMap::new(),
+            levels: BTreeMap::new(),
+            ready_count: 0,
             unacked: HashMap::new(),
             consumers: BTreeMap::new(),
             rings: BTreeMap::new(),
@@ -251,7 +361,64 @@ impl<M: MessageRef> QueueMachine<M> {
     /// Messages ready for delivery.
     #[must_use]
     pub fn ready_len(&self) -> usize {
-        self.fresh.len() + self.returned.len()
+        self.ready_count
+    }
+
+    /// The priority level a message waits in: its priority capped at `x-max-priority`, or 0
+    /// when the queue has no priorities.
+    fn level_of(&self, msg: &M) -> u8 {
+        self.config
+            .max_priority
+            .map_or(0, |max| msg.priority().min(max))
+    }
+
+    fn push_fresh(&mut self, r: Ready<M>) {
+        let level = self.level_of(&r.msg);
+        self.ready_bytes += r.msg.size();
+        self.ready_count += 1;
+        let l = self.levels.entry(level).or_default();
+        debug_assert!(
+            l.fresh.back().is_none_or(|b| b.id < r.id),
+            "fresh ids increase"
+        );
+        l.fresh.push_back(r);
+    }
+
+    fn push_returned(&mut self, r: Ready<M>) {
+        let level = self.level_of(&r.msg);
+        self.ready_bytes += r.msg.size();
+        self.ready_count += 1;
+        let l = self.levels.entry(level).or_default();
+        debug_assert!(l.fresh.front().is_none_or(|f| f.id > r.id));
+        l.returned.insert(r.id, r);
+    }
+
+    /// Whether one more message of `size` bytes would exceed a length limit.
+    fn would_overflow(&self, size: u64) -> bool {
+        self.config
+            .max_length
+            .is_some_and(|max| self.ready_count as u64 + 1 > max)
+            || self
+                .config
+                .max_length_bytes
+                .is_some_and(|max| self.ready_bytes + size > max)
+    }
+
+    fn over_limits(&self) -> bool {
+        self.config
+            .max_length
+            .is_some_and(|max| self.ready_count as u64 > max)
+            || self
+                .config
+                .max_length_bytes
+                .is_some_and(|max| self.ready_bytes > max)
+    }
+
+    /// Whether `Enqueue(msg)` would be refused (reject-publish): lets a driver skip writing a
+    /// message the queue will not take.
+    #[must_use]
+    pub fn would_reject(&self, msg: &M) -> bool {
+        self.config.overflow != Overflow::DropHead && self.would_overflow(msg.size())
     }
 
     /// The id the next `Enqueue` will get.
@@ -329,11 +496,13 @@ impl<M: MessageRef> QueueMachine<M> {
         let _ = now_ms; // TTLs (next issue) read it; kept in the signature so drivers pass it.
         let reply = match command {
             Command::Enqueue(msg) => {
+                if self.would_reject(&msg) {
+                    return Ok(Reply::Rejected(msg));
+                }
                 let id = self.next_id;
                 self.next_id += 1;
                 self.counters.enqueued += 1;
-                self.ready_bytes += msg.size();
-                self.fresh.push_back(Ready {
+                self.push_fresh(Ready {
                     id,
                     msg,
                     redelivered: false,
@@ -351,8 +520,7 @@ impl<M: MessageRef> QueueMachine<M> {
                 );
                 self.next_id = self.next_id.max(id + 1);
                 self.counters.enqueued += 1;
-                self.ready_bytes += msg.size();
-                self.fresh.push_back(Ready {
+                self.push_fresh(Ready {
                     id,
                     msg,
                     redelivered,
@@ -424,7 +592,11 @@ impl<M: MessageRef> QueueMachine<M> {
                 for id in ids {
                     if let Some(msg) = self.take_unacked(id) {
                         self.counters.settled += 1;
-                        effects.push(Effect::Removed { id, msg });
+                        effects.push(Effect::Removed {
+                            id,
+                            msg,
+                            reason: Removal::Settled,
+                        });
                     }
                 }
                 Reply::Ok
@@ -433,7 +605,11 @@ impl<M: MessageRef> QueueMachine<M> {
                 for id in ids {
                     if let Some(msg) = self.take_unacked(id) {
                         self.counters.discarded += 1;
-                        effects.push(Effect::Removed { id, msg });
+                        effects.push(Effect::Removed {
+                            id,
+                            msg,
+                            reason: Removal::Rejected,
+                        });
                     }
                 }
                 Reply::Ok
@@ -441,16 +617,11 @@ impl<M: MessageRef> QueueMachine<M> {
             Command::Return(ids) => {
                 for id in ids {
                     if let Some(msg) = self.take_unacked(id) {
-                        debug_assert!(self.fresh.front().is_none_or(|f| f.id > id));
-                        self.ready_bytes += msg.size();
-                        self.returned.insert(
+                        self.push_returned(Ready {
                             id,
-                            Ready {
-                                id,
-                                msg,
-                                redelivered: true,
-                            },
-                        );
+                            msg,
+                            redelivered: true,
+                        });
                     }
                 }
                 Reply::Ok
@@ -459,12 +630,12 @@ impl<M: MessageRef> QueueMachine<M> {
                 None => Reply::Got(None),
                 Some(r) => {
                     let size = r.msg.size();
-                    self.ready_bytes -= size;
                     if no_ack {
                         self.counters.settled += 1;
                         effects.push(Effect::Removed {
                             id: r.id,
                             msg: r.msg.clone(),
+                            reason: Removal::Settled,
                         });
                     } else {
                         self.unacked_bytes += size;
@@ -481,12 +652,10 @@ impl<M: MessageRef> QueueMachine<M> {
                 }
             },
             Command::Swap { id, msg } => {
-                let slot = if let Some(r) = self.returned.get_mut(&id) {
-                    Some((&mut r.msg, true))
-                } else if let Ok(i) = self.fresh.binary_search_by_key(&id, |r| r.id) {
-                    self.fresh.get_mut(i).map(|r| (&mut r.msg, true))
-                } else {
-                    self.unacked.get_mut(&id).map(|u| (&mut u.msg, false))
+                let level = self.level_of(&msg);
+                let slot = match self.levels.get_mut(&level).and_then(|l| l.get_mut(id)) {
+                    Some(r) => Some((&mut r.msg, true)),
+                    None => self.unacked.get_mut(&id).map(|u| (&mut u.msg, false)),
                 };
                 if let Some((old, ready)) = slot {
                     let (before, after) = (old.size(), msg.size());
@@ -530,27 +699,35 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Purge => {
                 let n = self.ready_len();
-                for r in std::mem::take(&mut self.returned)
-                    .into_values()
-                    .chain(std::mem::take(&mut self.fresh))
-                {
-                    effects.push(Effect::Removed {
-                        id: r.id,
-                        msg: r.msg,
-                    });
+                for (_, level) in std::mem::take(&mut self.levels).into_iter().rev() {
+                    for r in level.returned.into_values().chain(level.fresh) {
+                        effects.push(Effect::Removed {
+                            id: r.id,
+                            msg: r.msg,
+                            reason: Removal::Purged,
+                        });
+                    }
                 }
+                self.ready_count = 0;
                 self.ready_bytes = 0;
                 self.counters.purged += n as u64;
                 Reply::Purged(u32::try_from(n).unwrap_or(u32::MAX))
             }
         };
         self.dispatch(effects);
+        // Waiting consumers took what they could; a drop-head limit now trims the rest.
+        while self.config.overflow == Overflow::DropHead && self.over_limits() {
+            let Some(r) = self.pop_ready() else { break };
+            self.counters.dropped += 1;
+            effects.push(Effect::Removed {
+                id: r.id,
+                msg: r.msg,
+                reason: Removal::MaxLen,
+            });
+        }
         debug_assert_eq!(
             (self.ready_len() + self.unacked.len()) as u64,
-            self.counters.enqueued
-                - self.counters.settled
-                - self.counters.discarded
-                - self.counters.purged,
+            self.counters.live(),
             "message conservation"
         );
         #[cfg(test)]
@@ -600,11 +777,18 @@ impl<M: MessageRef> QueueMachine<M> {
         id
     }
 
+    /// Take the next message to deliver (highest priority, then original order), keeping the
+    /// ready counters.
     fn pop_ready(&mut self) -> Option<Ready<M>> {
-        if let Some((_, r)) = self.returned.pop_first() {
-            return Some(r);
+        let mut top = self.levels.last_entry()?;
+        let r = top.get_mut().pop();
+        if top.get().len() == 0 {
+            top.remove();
         }
-        self.fresh.pop_front()
+        let r = r?;
+        self.ready_count -= 1;
+        self.ready_bytes -= r.msg.size();
+        Some(r)
     }
 
     /// Hand ready messages to consumers with credit, one each in turn.
@@ -625,7 +809,6 @@ impl<M: MessageRef> QueueMachine<M> {
                 break;
             };
             let size = r.msg.size();
-            self.ready_bytes -= size;
             c.unwritten += 1;
             c.unwritten_bytes += size;
             if c.is_limited() {
@@ -669,33 +852,37 @@ impl<M: MessageRef> QueueMachine<M> {
     pub fn check_invariants(&self) {
         let c = self.counters;
         let live = (self.ready_len() + self.unacked.len()) as u64;
-        assert_eq!(
-            live,
-            c.enqueued - c.settled - c.discarded - c.purged,
-            "message conservation"
-        );
-        if let (Some((max_returned, _)), Some(first_fresh)) =
-            (self.returned.last_key_value(), self.fresh.front())
-        {
+        assert_eq!(live, c.live(), "message conservation");
+        let mut ready_bytes = 0;
+        let mut ready_count = 0;
+        for (level, l) in &self.levels {
+            assert!(l.len() > 0, "no empty levels");
+            if let (Some((max_returned, _)), Some(first_fresh)) =
+                (l.returned.last_key_value(), l.fresh.front())
+            {
+                assert!(
+                    *max_returned < first_fresh.id,
+                    "returned messages precede fresh ones"
+                );
+            }
             assert!(
-                *max_returned < first_fresh.id,
-                "returned messages precede fresh ones"
+                l.fresh
+                    .iter()
+                    .zip(l.fresh.iter().skip(1))
+                    .all(|(a, b)| a.id < b.id),
+                "fresh is FIFO"
             );
+            for r in l.fresh.iter().chain(l.returned.values()) {
+                assert_eq!(self.level_of(&r.msg), *level, "message in its level");
+                ready_bytes += r.msg.size();
+                ready_count += 1;
+            }
         }
-        assert!(
-            self.fresh
-                .iter()
-                .zip(self.fresh.iter().skip(1))
-                .all(|(a, b)| a.id < b.id),
-            "fresh is FIFO"
-        );
-        let ready_bytes: u64 = self
-            .fresh
-            .iter()
-            .chain(self.returned.values())
-            .map(|r| r.msg.size())
-            .sum();
+        assert_eq!(ready_count, self.ready_count, "ready count");
         assert_eq!(ready_bytes, self.ready_bytes, "ready bytes");
+        if self.config.overflow == Overflow::DropHead {
+            assert!(!self.over_limits(), "within length limits");
+        }
         let unacked_bytes: u64 = self.unacked.values().map(|u| u.msg.size()).sum();
         assert_eq!(unacked_bytes, self.unacked_bytes, "unacked bytes");
         assert_eq!(

@@ -100,6 +100,7 @@ impl Queue {
         store: Option<Arc<Durable>>,
     ) -> Arc<Self> {
         let store = store.filter(|_| durable && exclusive_owner.is_none());
+        let config = crate::args::queue_config(&arguments);
         Arc::new(Self {
             id,
             store,
@@ -111,7 +112,7 @@ impl Queue {
             arguments,
             epoch: Instant::now(),
             state: Mutex::new(State {
-                machine: QueueMachine::new(),
+                machine: QueueMachine::with_config(config),
                 sinks: HashMap::new(),
                 deleted: false,
                 effects: Vec::new(),
@@ -208,7 +209,7 @@ impl Queue {
     fn carry_out(self: &Arc<Self>, st: &mut State, effects: &mut Vec<Effect<Entry>>) {
         for effect in effects.drain(..) {
             match effect {
-                Effect::Removed { id, msg } => {
+                Effect::Removed { id, msg, .. } => {
                     if self.persists(&msg) {
                         st.store_ops.push(Op::Settle { queue: self.id, id });
                     }
@@ -273,26 +274,32 @@ impl Queue {
     }
 
     /// Enqueue a routed message that needs no store write (transient, or this queue has no
-    /// store). Returns false if the queue was deleted meanwhile.
-    pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> bool {
+    /// store).
+    pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> Enqueued {
         let mut st = self.state.lock();
         if st.deleted {
-            return false;
+            return Enqueued::Gone;
         }
-        let _ = self.run(&mut st, Command::Enqueue(Entry::Mem(message)));
-        true
+        match self.run(&mut st, Command::Enqueue(Entry::Mem(message))) {
+            Ok(Reply::Rejected(_)) => Enqueued::Rejected,
+            _ => Enqueued::Accepted,
+        }
     }
 
     /// A persistent message is durable at `location`: beyond the head of a long queue, keep
     /// only that (the body is read back on delivery), so a backlog costs little memory.
-    fn stored_at(&self, id: MsgId, location: Location, size: u32) {
+    fn stored_at(&self, id: MsgId, location: Location, size: u32, priority: u8) {
         let mut st = self.state.lock();
         if st.machine.ready_bytes() > crate::limits::QUEUE_HEAD_CACHE_BYTES {
             let _ = st.machine.apply(
                 self.now_ms(),
                 Command::Swap {
                     id,
-                    msg: Entry::Stored { location, size },
+                    msg: Entry::Stored {
+                        location,
+                        size,
+                        priority,
+                    },
                 },
                 &mut Vec::new(),
             );
@@ -302,7 +309,7 @@ impl Queue {
     /// Put a message recovered from the store back, with its stored id, marked redelivered
     /// (it may have been delivered before the restart: the conservative reading, as AMQP
     /// allows).
-    pub fn restore(self: &Arc<Self>, id: MsgId, location: Location) {
+    pub fn restore(self: &Arc<Self>, id: MsgId, location: Location, priority: u8) {
         let mut st = self.state.lock();
         let _ = self.run(
             &mut st,
@@ -311,6 +318,7 @@ impl Queue {
                 msg: Entry::Stored {
                     location,
                     size: location.len,
+                    priority,
                 },
                 redelivered: true,
             },
@@ -466,31 +474,34 @@ impl Queue {
 /// Enqueue a persistent message into the stored queues among `targets` (one store write for
 /// all of them) and into the others in memory. The store submission happens while every stored
 /// target is locked (in id order, so concurrent publishers cannot deadlock) and before any of
-/// them can deliver the message. Returns (reached any queue, `done` was submitted): when no
-/// stored queue took the message, `done` is not called.
+/// them can deliver the message; queues that will refuse it (reject-publish) are not written.
+/// Returns the combined outcome and whether `done` was submitted (when no stored queue took
+/// the message, `done` is not called).
 pub fn publish_persistent(
     targets: &[Arc<Queue>],
     message: &Arc<Message>,
     done: impl FnOnce() -> Completion,
-) -> (bool, bool) {
+) -> (Enqueued, bool) {
     let mut stored_targets: Vec<&Arc<Queue>> =
         targets.iter().filter(|q| q.store.is_some()).collect();
     stored_targets.sort_unstable_by_key(|q| q.id);
-    let mut delivered = false;
+    let mut outcome = Enqueued::Gone;
     let mut submitted = false;
+    let entry = Entry::Mem(Arc::clone(message));
     if let Some(store) = stored_targets.first().and_then(|q| q.store.clone()) {
         let mut guards: Vec<_> = stored_targets.iter().map(|q| q.state.lock()).collect();
         let mut batch = Batch {
             bodies: vec![stored(message)],
             ops: Vec::with_capacity(stored_targets.len()),
         };
+        let priority = message.properties.priority.unwrap_or(0);
         for (q, st) in stored_targets.iter().zip(&guards) {
-            if !st.deleted {
+            if !st.deleted && !st.machine.would_reject(&entry) {
                 batch.ops.push(Op::Enqueue {
                     queue: q.id,
                     id: st.machine.next_id(),
                     body: BodyRef::New(0),
-                    flags: 0,
+                    flags: u32::from(priority),
                 });
             }
         }
@@ -517,7 +528,7 @@ pub fn publish_persistent(
                     {
                         for (q, id) in &placed {
                             if let Some(q) = q.upgrade() {
-                                q.stored_at(*id, *location, size);
+                                q.stored_at(*id, *location, size, priority);
                             }
                         }
                     }
@@ -528,13 +539,41 @@ pub fn publish_persistent(
         }
         for (q, st) in stored_targets.iter().zip(guards.iter_mut()) {
             if !st.deleted {
-                let _ = q.run(st, Command::Enqueue(Entry::Mem(Arc::clone(message))));
-                delivered = true;
+                let this = match q.run(st, Command::Enqueue(entry.clone())) {
+                    Ok(Reply::Rejected(_)) => Enqueued::Rejected,
+                    _ => Enqueued::Accepted,
+                };
+                outcome = outcome.and(this);
             }
         }
     }
     for q in targets.iter().filter(|q| q.store.is_none()) {
-        delivered |= q.publish(Arc::clone(message));
+        outcome = outcome.and(q.publish(Arc::clone(message)));
     }
-    (delivered, submitted)
+    (outcome, submitted)
+}
+
+/// What became of a publish to one queue, or (combined with [`Enqueued::and`]) to all the
+/// queues it was routed to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enqueued {
+    /// No queue (or the queue was deleted meanwhile).
+    Gone,
+    /// Taken.
+    Accepted,
+    /// Refused by a length limit (reject-publish): the publisher gets a nack.
+    Rejected,
+}
+
+impl Enqueued {
+    /// Combine outcomes: a rejection anywhere wins (RabbitMQ nacks the publish), then any
+    /// acceptance.
+    #[must_use]
+    pub fn and(self, other: Self) -> Self {
+        match (self, other) {
+            (Self::Rejected, _) | (_, Self::Rejected) => Self::Rejected,
+            (Self::Accepted, _) | (_, Self::Accepted) => Self::Accepted,
+            _ => Self::Gone,
+        }
+    }
 }

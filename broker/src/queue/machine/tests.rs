@@ -13,6 +13,28 @@ impl MessageRef for M {
     fn size(&self) -> u64 {
         self.0 % 7 + 1
     }
+
+    /// Hundreds digit: M(0..99) have priority 0, M(300..399) priority 3.
+    fn priority(&self) -> u8 {
+        u8::try_from(self.0 / 100).unwrap_or(u8::MAX)
+    }
+}
+
+fn got_id(r: Result<Reply<M>, MachineError>) -> Option<MsgId> {
+    match r {
+        Ok(Reply::Got(Some((id, _, _, _)))) => Some(id),
+        _ => None,
+    }
+}
+
+fn removed(effects: &[Effect<M>]) -> Vec<(MsgId, Removal)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Removed { id, reason, .. } => Some((*id, *reason)),
+            Effect::Deliver { .. } => None,
+        })
+        .collect()
 }
 
 fn spec(prefetch: u32) -> ConsumerSpec {
@@ -249,6 +271,100 @@ fn swap_replaces_a_reference_without_moving_it() {
 }
 
 #[test]
+fn priorities_are_served_highest_first_fifo_within_a_level_and_clamped() {
+    let mut q = QueueMachine::with_config(QueueConfig {
+        max_priority: Some(3),
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    // ids 1..=5 with priorities 0, 5 (clamped to 3), 1, 3, 2.
+    for m in [M(0), M(500), M(100), M(300), M(200)] {
+        q.apply(0, Command::Enqueue(m), &mut fx).unwrap();
+    }
+    let order: Vec<MsgId> = (0..5)
+        .filter_map(|_| got_id(q.apply(0, Command::Get { no_ack: false }, &mut fx)))
+        .collect();
+    assert_eq!(order, [2, 4, 5, 3, 1]);
+    // A requeued message keeps its priority and goes before fresh ones of its level.
+    q.apply(0, Command::Return(vec![4, 3]), &mut fx).unwrap();
+    q.apply(0, Command::Enqueue(M(301)), &mut fx).unwrap();
+    let order: Vec<MsgId> = (0..3)
+        .filter_map(|_| got_id(q.apply(0, Command::Get { no_ack: true }, &mut fx)))
+        .collect();
+    assert_eq!(order, [4, 6, 3]);
+}
+
+#[test]
+fn without_max_priority_the_priority_property_is_ignored() {
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    for m in [M(0), M(900)] {
+        q.apply(0, Command::Enqueue(m), &mut fx).unwrap();
+    }
+    assert_eq!(
+        got_id(q.apply(0, Command::Get { no_ack: true }, &mut fx)),
+        Some(1)
+    );
+}
+
+#[test]
+fn drop_head_trims_ready_messages_after_waiting_consumers_took_theirs() {
+    let mut q = QueueMachine::with_config(QueueConfig {
+        max_length: Some(2),
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    for i in 0..3 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    assert_eq!(removed(&fx), [(1, Removal::MaxLen)]);
+    assert_eq!(q.ready_len(), 2);
+    assert_eq!(q.counters().dropped, 1);
+    // Unacked messages do not count; a consumer with credit takes a message before the limit
+    // applies.
+    fx.clear();
+    q.apply(0, Command::Checkout(1, spec(1)), &mut fx).unwrap();
+    q.apply(0, Command::Enqueue(M(3)), &mut fx).unwrap();
+    q.apply(0, Command::Enqueue(M(4)), &mut fx).unwrap();
+    assert_eq!(delivered(&fx), [(1, 2, false)]);
+    assert_eq!(removed(&fx), [(3, Removal::MaxLen)]);
+    assert_eq!((q.ready_len(), q.unacked_len()), (2, 1));
+}
+
+#[test]
+fn max_length_bytes_counts_ready_body_bytes() {
+    let mut q = QueueMachine::with_config(QueueConfig {
+        max_length_bytes: Some(10),
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    // Sizes 4, 4, 4: the third makes 12 > 10 and the head goes.
+    for m in [M(3), M(10), M(17)] {
+        q.apply(0, Command::Enqueue(m), &mut fx).unwrap();
+    }
+    assert_eq!(removed(&fx), [(1, Removal::MaxLen)]);
+    assert_eq!(q.ready_bytes(), 8);
+}
+
+#[test]
+fn reject_publish_refuses_at_the_limit_and_keeps_the_queue() {
+    let mut q = QueueMachine::with_config(QueueConfig {
+        max_length: Some(1),
+        overflow: Overflow::RejectPublish,
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    assert_eq!(q.apply(0, Command::Enqueue(M(1)), &mut fx), Ok(Reply::Ok));
+    assert!(q.would_reject(&M(2)));
+    assert_eq!(
+        q.apply(0, Command::Enqueue(M(2)), &mut fx),
+        Ok(Reply::Rejected(M(2)))
+    );
+    assert_eq!((q.ready_len(), q.counters().enqueued), (1, 1));
+    assert!(fx.is_empty());
+}
+
+#[test]
 fn get_and_purge() {
     let mut q = QueueMachine::new();
     let mut fx = Vec::new();
@@ -407,6 +523,87 @@ proptest! {
             }
             prop_assert_eq!(q.ready_len(), m.ready.len());
             prop_assert_eq!(q.unacked_len(), m.unacked.len());
+        }
+    }
+}
+
+fn config() -> impl Strategy<Value = QueueConfig> {
+    (
+        proptest::option::of(0u8..4),
+        proptest::option::of(0u64..5),
+        proptest::option::of(0u64..20),
+        prop_oneof![
+            Just(Overflow::DropHead),
+            Just(Overflow::RejectPublish),
+            Just(Overflow::RejectPublishDlx)
+        ],
+    )
+        .prop_map(
+            |(max_priority, max_length, max_length_bytes, overflow)| QueueConfig {
+                max_priority: max_priority.filter(|p| *p > 0),
+                max_length,
+                max_length_bytes,
+                overflow,
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// With priorities and length limits, over random commands: the machine's invariants hold
+    /// after every step (checked inside `apply` in tests), every accepted message is accounted
+    /// for exactly once (queued, unacked, or reported removed), and a delivery or get never
+    /// passes over a ready message of a higher priority level.
+    #[test]
+    fn limits_and_priorities_account_for_every_message(
+        cfg in config(),
+        ops in proptest::collection::vec((0u8..6, 0u64..600, 0usize..8), 1..150),
+    ) {
+        let mut q: QueueMachine<M> = QueueMachine::with_config(cfg);
+        let mut unacked: Vec<MsgId> = Vec::new();
+        let mut accepted = 0u64;
+        let mut gone = 0u64;
+        for (kind, value, pick) in ops {
+            let mut fx = Vec::new();
+            let top_before = q.levels.keys().next_back().copied();
+            let reply = match kind {
+                0 | 1 => q.apply(0, Command::Enqueue(M(value)), &mut fx).unwrap(),
+                2 => q.apply(0, Command::Get { no_ack: pick % 2 == 0 }, &mut fx).unwrap(),
+                3 if !unacked.is_empty() => {
+                    let id = unacked.remove(pick % unacked.len());
+                    q.apply(0, Command::Return(vec![id]), &mut fx).unwrap()
+                }
+                4 if !unacked.is_empty() => {
+                    let id = unacked.remove(pick % unacked.len());
+                    q.apply(0, Command::Settle(vec![id]), &mut fx).unwrap()
+                }
+                5 => q.apply(0, Command::Checkout(value % 3, spec(1)), &mut fx).unwrap_or(Reply::Ok),
+                _ => Reply::Ok,
+            };
+            match reply {
+                Reply::Ok if kind <= 1 => accepted += 1,
+                Reply::Got(Some((id, msg, _, _))) => {
+                    if let Some(top) = top_before {
+                        prop_assert_eq!(q.level_of(&msg), top, "get takes the highest level");
+                    }
+                    if pick % 2 != 0 { unacked.push(id); }
+                }
+                _ => {}
+            }
+            for e in &fx {
+                match e {
+                    Effect::Removed { .. } => gone += 1,
+                    Effect::Deliver { id, settled, .. } => {
+                        if *settled { gone += 1 } else { unacked.push(*id) }
+                    }
+                }
+            }
+            prop_assert_eq!(
+                accepted,
+                gone + q.ready_len() as u64 + q.unacked_len() as u64,
+                "every accepted message is queued, unacked or removed"
+            );
         }
     }
 }
