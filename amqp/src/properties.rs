@@ -54,6 +54,8 @@ pub struct Properties {
     /// priority, if present.
     pub priority: Option<u8>,
     headers: Option<Range<usize>>,
+    /// Where the headers field is, or would be inserted.
+    headers_at: usize,
     expiration: Option<Range<usize>>,
     user_id: Option<Range<usize>>,
     reply_to: Option<Range<usize>>,
@@ -93,6 +95,7 @@ impl Properties {
         if flags & FLAG_CONTENT_ENCODING != 0 {
             short_string(&mut p)?;
         }
+        props.headers_at = p;
         if flags & FLAG_HEADERS != 0 {
             let end = check_table(data, p, table_depth_max)?;
             props.headers = Some(p..end);
@@ -138,6 +141,31 @@ impl Properties {
         let _ = p;
         props.raw = raw;
         Ok(props)
+    }
+
+    /// The same property list with the headers table replaced by `headers` (an encoded table,
+    /// length prefix included) and, if `drop_expiration`, without the expiration property:
+    /// what a dead-lettered message carries. Every other property is kept byte for byte.
+    #[must_use]
+    pub fn rewrite(&self, headers: &[u8], drop_expiration: bool) -> Bytes {
+        let raw = &self.raw[..];
+        let mut flags = u16::from_be_bytes([raw[0], raw[1]]) | FLAG_HEADERS;
+        let mut out = Vec::with_capacity(raw.len() + headers.len());
+        let after_headers = self.headers.as_ref().map_or(self.headers_at, |h| h.end);
+        let (skip_from, skip_to) = match (&self.expiration, drop_expiration) {
+            (Some(e), true) => {
+                flags &= !FLAG_EXPIRATION;
+                // The short string's length octet precedes its text.
+                (e.start - 1, e.end)
+            }
+            _ => (raw.len(), raw.len()),
+        };
+        out.extend_from_slice(&flags.to_be_bytes());
+        out.extend_from_slice(&raw[2..self.headers_at]);
+        out.extend_from_slice(headers);
+        out.extend_from_slice(&raw[after_headers..skip_from]);
+        out.extend_from_slice(&raw[skip_to..]);
+        Bytes::from(out)
     }
 
     /// The raw headers table (length prefix included), if present.
@@ -199,6 +227,52 @@ mod tests {
         assert_eq!(p.user_id(), Some(&b"guest"[..]));
         assert_eq!(p.headers_raw().map(<[u8]>::len), Some(9));
         assert_eq!(&p.raw[..], &raw[..]);
+    }
+
+    #[test]
+    fn rewrite_replaces_headers_and_drops_expiration_keeping_the_rest() {
+        use amq_protocol::protocol::BasicProperties;
+        use amq_protocol::types::{AMQPValue, FieldTable};
+        let mut h = FieldTable::default();
+        h.insert("old".into(), AMQPValue::LongInt(1));
+        let original = BasicProperties::default()
+            .with_content_type("text/plain".into())
+            .with_headers(h)
+            .with_delivery_mode(2)
+            .with_expiration("60000".into())
+            .with_message_id("m-1".into())
+            .with_app_id("app".into());
+        let raw = cookie_factory::gen_simple(
+            amq_protocol::protocol::basic::gen_properties(&original),
+            Vec::new(),
+        )
+        .unwrap();
+        let p = Properties::parse(Bytes::from(raw), 8).unwrap();
+        let mut new_headers = FieldTable::default();
+        new_headers.insert("x-death".into(), AMQPValue::LongString("yes".into()));
+        let encoded = crate::table::encode_table(&new_headers);
+        for drop_expiration in [true, false] {
+            let rewritten = p.rewrite(&encoded, drop_expiration);
+            let (_, back) =
+                amq_protocol::protocol::basic::parse_properties(&rewritten[..]).unwrap();
+            assert_eq!(back.headers(), &Some(new_headers.clone()));
+            assert_eq!(back.content_type(), original.content_type());
+            assert_eq!(back.delivery_mode(), &Some(2));
+            assert_eq!(back.message_id(), original.message_id());
+            assert_eq!(back.app_id(), original.app_id());
+            let expected = if drop_expiration {
+                &None
+            } else {
+                original.expiration()
+            };
+            assert_eq!(back.expiration(), expected);
+        }
+        // No headers before: they are inserted in their place.
+        let bare = Properties::parse(Bytes::from_static(&[0x10, 0x00, 2]), 8).unwrap();
+        let rewritten = bare.rewrite(&encoded, true);
+        let (_, back) = amq_protocol::protocol::basic::parse_properties(&rewritten[..]).unwrap();
+        assert_eq!(back.headers(), &Some(new_headers));
+        assert_eq!(back.delivery_mode(), &Some(2));
     }
 
     #[test]

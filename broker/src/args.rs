@@ -351,5 +351,6 @@ pub fn queue_config(args: &FieldTable) -> crate::queue::machine::QueueConfig {
             Some(b"reject-publish-dlx") => Overflow::RejectPublishDlx,
             _ => Overflow::DropHead,
         },
+        message_ttl: int("x-message-ttl").and_then(|n| u64::try_from(n).ok()),
     }
 }

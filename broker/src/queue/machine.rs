@@ -40,6 +40,10 @@ pub trait MessageRef: Clone {
     fn priority(&self) -> u8 {
         0
     }
+    /// The message's own TTL in milliseconds (the `expiration` property), if it has one.
+    fn expiration_ms(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// What happens to a publish that would exceed a length limit (`x-overflow`).
@@ -65,6 +69,8 @@ pub struct QueueConfig {
     pub max_length_bytes: Option<u64>,
     /// `x-overflow`.
     pub overflow: Overflow,
+    /// `x-message-ttl` in milliseconds.
+    pub message_ttl: Option<u64>,
 }
 
 /// Why a message left the queue without being acknowledged or delivered.
@@ -78,6 +84,8 @@ pub enum Removal {
     Purged,
     /// Dropped from the head by a length limit.
     MaxLen,
+    /// Its TTL ran out before it was delivered.
+    Expired,
 }
 
 /// How a consumer receives.
@@ -135,6 +143,8 @@ pub enum Command<M> {
     },
     /// Remove all ready messages.
     Purge,
+    /// Time passed: drop messages whose TTL ran out (see [`QueueMachine::next_expiry`]).
+    Expire,
     /// A limited consumer may receive one more message.
     Grant(ConsumerId),
     /// Replace the reference held for message `id` (ready or unacked) by an equivalent one of
@@ -209,12 +219,16 @@ struct Ready<M> {
     id: MsgId,
     msg: M,
     redelivered: bool,
+    /// Machine time (ms) from which it must not be delivered.
+    expires_at: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
 struct Unacked<M> {
     msg: M,
     consumer: Option<ConsumerId>,
+    /// Kept for a requeue: a returned message keeps its original expiry.
+    expires_at: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -259,13 +273,15 @@ pub struct Counters {
     pub purged: u64,
     /// Messages dropped from the head by a length limit.
     pub dropped: u64,
+    /// Messages whose TTL ran out.
+    pub expired: u64,
 }
 
 impl Counters {
     /// Messages still in the queue according to the counters.
     #[must_use]
     pub fn live(&self) -> u64 {
-        self.enqueued - self.settled - self.discarded - self.purged - self.dropped
+        self.enqueued - self.settled - self.discarded - self.purged - self.dropped - self.expired
     }
 }
 
@@ -297,6 +313,10 @@ impl<M> Level<M> {
         }
     }
 
+    fn peek(&self) -> Option<&Ready<M>> {
+        self.returned.values().next().or_else(|| self.fresh.front())
+    }
+
     fn get_mut(&mut self, id: MsgId) -> Option<&mut Ready<M>> {
         if let Some(r) = self.returned.get_mut(&id) {
             return Some(r);
@@ -310,6 +330,11 @@ impl<M> Level<M> {
 #[derive(Debug, Clone)]
 pub struct QueueMachine<M> {
     config: QueueConfig,
+    /// Time of the command being applied.
+    now: u64,
+    /// The message enqueued by the command being applied: it may go to a waiting consumer
+    /// even with a TTL of 0 (RabbitMQ's immediate delivery).
+    arriving: Option<MsgId>,
     next_id: MsgId,
     /// Ready messages per priority level, served from the highest.
     levels: BTreeMap<u8, Level<M>>,
@@ -344,6 +369,8 @@ impl<M: MessageRef> QueueMachine<M> {
     pub fn with_config(config: QueueConfig) -> Self {
         Self {
             config,
+            now: 0,
+            arriving: None,
             next_id: 1,
             levels: BTreeMap::new(),
             ready_count: 0,
@@ -493,7 +520,9 @@ impl<M: MessageRef> QueueMachine<M> {
         command: Command<M>,
         effects: &mut Vec<Effect<M>>,
     ) -> Result<Reply<M>, MachineError> {
-        let _ = now_ms; // TTLs (next issue) read it; kept in the signature so drivers pass it.
+        self.now = self.now.max(now_ms);
+        self.arriving = None;
+        self.expire_heads(effects);
         let reply = match command {
             Command::Enqueue(msg) => {
                 if self.would_reject(&msg) {
@@ -502,10 +531,13 @@ impl<M: MessageRef> QueueMachine<M> {
                 let id = self.next_id;
                 self.next_id += 1;
                 self.counters.enqueued += 1;
+                let expires_at = self.expiry_of(&msg);
+                self.arriving = Some(id);
                 self.push_fresh(Ready {
                     id,
                     msg,
                     redelivered: false,
+                    expires_at,
                 });
                 Reply::Ok
             }
@@ -520,10 +552,12 @@ impl<M: MessageRef> QueueMachine<M> {
                 );
                 self.next_id = self.next_id.max(id + 1);
                 self.counters.enqueued += 1;
+                let expires_at = self.expiry_of(&msg);
                 self.push_fresh(Ready {
                     id,
                     msg,
                     redelivered,
+                    expires_at,
                 });
                 Reply::Ok
             }
@@ -590,7 +624,7 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Settle(ids) => {
                 for id in ids {
-                    if let Some(msg) = self.take_unacked(id) {
+                    if let Some((msg, _)) = self.take_unacked(id) {
                         self.counters.settled += 1;
                         effects.push(Effect::Removed {
                             id,
@@ -603,7 +637,7 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Discard(ids) => {
                 for id in ids {
-                    if let Some(msg) = self.take_unacked(id) {
+                    if let Some((msg, _)) = self.take_unacked(id) {
                         self.counters.discarded += 1;
                         effects.push(Effect::Removed {
                             id,
@@ -616,17 +650,18 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Return(ids) => {
                 for id in ids {
-                    if let Some(msg) = self.take_unacked(id) {
+                    if let Some((msg, expires_at)) = self.take_unacked(id) {
                         self.push_returned(Ready {
                             id,
                             msg,
                             redelivered: true,
+                            expires_at,
                         });
                     }
                 }
                 Reply::Ok
             }
-            Command::Get { no_ack } => match self.pop_ready() {
+            Command::Get { no_ack } => match self.pop_live(effects) {
                 None => Reply::Got(None),
                 Some(r) => {
                     let size = r.msg.size();
@@ -644,6 +679,7 @@ impl<M: MessageRef> QueueMachine<M> {
                             Unacked {
                                 msg: r.msg.clone(),
                                 consumer: None,
+                                expires_at: r.expires_at,
                             },
                         );
                     }
@@ -697,6 +733,7 @@ impl<M: MessageRef> QueueMachine<M> {
                 }
                 Reply::Ok
             }
+            Command::Expire => Reply::Ok,
             Command::Purge => {
                 let n = self.ready_len();
                 for (_, level) in std::mem::take(&mut self.levels).into_iter().rev() {
@@ -715,6 +752,9 @@ impl<M: MessageRef> QueueMachine<M> {
             }
         };
         self.dispatch(effects);
+        // What waiting consumers did not take expires now if its time is up (a TTL of 0).
+        self.arriving = None;
+        self.expire_heads(effects);
         // Waiting consumers took what they could; a drop-head limit now trims the rest.
         while self.config.overflow == Overflow::DropHead && self.over_limits() {
             let Some(r) = self.pop_ready() else { break };
@@ -725,6 +765,8 @@ impl<M: MessageRef> QueueMachine<M> {
                 reason: Removal::MaxLen,
             });
         }
+        // Dropping may have brought an expired message to a head.
+        self.expire_heads(effects);
         debug_assert_eq!(
             (self.ready_len() + self.unacked.len()) as u64,
             self.counters.live(),
@@ -735,7 +777,7 @@ impl<M: MessageRef> QueueMachine<M> {
         Ok(reply)
     }
 
-    fn take_unacked(&mut self, id: MsgId) -> Option<M> {
+    fn take_unacked(&mut self, id: MsgId) -> Option<(M, Option<u64>)> {
         let u = self.unacked.remove(&id)?;
         self.unacked_bytes -= u.msg.size();
         if let Some(cid) = u.consumer
@@ -744,7 +786,73 @@ impl<M: MessageRef> QueueMachine<M> {
             c.unacked -= 1;
             self.refresh_ring(cid);
         }
-        Some(u.msg)
+        Some((u.msg, u.expires_at))
+    }
+
+    /// When a message arriving now expires: the shorter of the queue's and its own TTL.
+    fn expiry_of(&self, msg: &M) -> Option<u64> {
+        let ttl = match (self.config.message_ttl, msg.expiration_ms()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        ttl.map(|t| self.now.saturating_add(t))
+    }
+
+    fn is_expired(&self, r: &Ready<M>) -> bool {
+        r.expires_at.is_some_and(|at| at <= self.now) && self.arriving != Some(r.id)
+    }
+
+    /// Drop expired messages at the head of every level (RabbitMQ expires messages when they
+    /// reach the head, so a long per-message TTL in front holds shorter ones behind it).
+    fn expire_heads(&mut self, effects: &mut Vec<Effect<M>>) {
+        let levels: Vec<u8> = self.levels.keys().copied().collect();
+        for level in levels {
+            loop {
+                let head_expired = self
+                    .levels
+                    .get(&level)
+                    .and_then(Level::peek)
+                    .is_some_and(|r| self.is_expired(r));
+                if !head_expired {
+                    break;
+                }
+                let Some(r) = self.pop_level(level) else {
+                    break;
+                };
+                self.counters.expired += 1;
+                effects.push(Effect::Removed {
+                    id: r.id,
+                    msg: r.msg,
+                    reason: Removal::Expired,
+                });
+            }
+        }
+    }
+
+    /// The next ready message that has not expired (expired ones met on the way are removed).
+    fn pop_live(&mut self, effects: &mut Vec<Effect<M>>) -> Option<Ready<M>> {
+        loop {
+            let r = self.pop_ready()?;
+            if !self.is_expired(&r) {
+                return Some(r);
+            }
+            self.counters.expired += 1;
+            effects.push(Effect::Removed {
+                id: r.id,
+                msg: r.msg,
+                reason: Removal::Expired,
+            });
+        }
+    }
+
+    /// The earliest time at which a message at the head of a level expires: the driver runs
+    /// [`Command::Expire`] then.
+    #[must_use]
+    pub fn next_expiry(&self) -> Option<u64> {
+        self.levels
+            .values()
+            .filter_map(|l| l.peek().and_then(|r| r.expires_at))
+            .min()
     }
 
     /// Put the consumer in its priority's ring if it has credit and is not there yet.
@@ -780,10 +888,15 @@ impl<M: MessageRef> QueueMachine<M> {
     /// Take the next message to deliver (highest priority, then original order), keeping the
     /// ready counters.
     fn pop_ready(&mut self) -> Option<Ready<M>> {
-        let mut top = self.levels.last_entry()?;
-        let r = top.get_mut().pop();
-        if top.get().len() == 0 {
-            top.remove();
+        let top = *self.levels.keys().next_back()?;
+        self.pop_level(top)
+    }
+
+    fn pop_level(&mut self, level: u8) -> Option<Ready<M>> {
+        let l = self.levels.get_mut(&level)?;
+        let r = l.pop();
+        if l.len() == 0 {
+            self.levels.remove(&level);
         }
         let r = r?;
         self.ready_count -= 1;
@@ -804,7 +917,11 @@ impl<M: MessageRef> QueueMachine<M> {
             if !c.has_credit() {
                 continue;
             }
-            let Some(r) = self.pop_ready() else { break };
+            let Some(r) = self.pop_live(effects) else {
+                // Only expired messages were left: the consumer keeps its turn.
+                self.refresh_ring(cid);
+                break;
+            };
             let Some(c) = self.consumers.get_mut(&cid) else {
                 break;
             };
@@ -824,6 +941,7 @@ impl<M: MessageRef> QueueMachine<M> {
                     Unacked {
                         msg: r.msg.clone(),
                         consumer: Some(cid),
+                        expires_at: r.expires_at,
                     },
                 );
             }

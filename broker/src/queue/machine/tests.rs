@@ -18,6 +18,11 @@ impl MessageRef for M {
     fn priority(&self) -> u8 {
         u8::try_from(self.0 / 100).unwrap_or(u8::MAX)
     }
+
+    /// Values ending in 9 carry their own TTL of (value % 4) ms.
+    fn expiration_ms(&self) -> Option<u64> {
+        (self.0 % 10 == 9).then_some(self.0 % 4)
+    }
 }
 
 fn got_id(r: Result<Reply<M>, MachineError>) -> Option<MsgId> {
@@ -365,6 +370,60 @@ fn reject_publish_refuses_at_the_limit_and_keeps_the_queue() {
 }
 
 #[test]
+fn ttl_expires_at_the_head_and_zero_ttl_only_reaches_waiting_consumers() {
+    let mut q = QueueMachine::with_config(QueueConfig {
+        message_ttl: Some(10),
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    q.apply(0, Command::Enqueue(M(1)), &mut fx).unwrap();
+    q.apply(5, Command::Enqueue(M(2)), &mut fx).unwrap();
+    assert_eq!(q.next_expiry(), Some(10));
+    q.apply(10, Command::Expire, &mut fx).unwrap();
+    assert_eq!(removed(&fx), [(1, Removal::Expired)]);
+    assert_eq!(q.next_expiry(), Some(15));
+    // A requeued message keeps its original expiry.
+    assert_eq!(
+        got_id(q.apply(11, Command::Get { no_ack: false }, &mut fx)),
+        Some(2)
+    );
+    q.apply(12, Command::Return(vec![2]), &mut fx).unwrap();
+    assert_eq!(q.next_expiry(), Some(15));
+    fx.clear();
+    assert_eq!(
+        got_id(q.apply(15, Command::Get { no_ack: true }, &mut fx)),
+        None
+    );
+    assert_eq!(removed(&fx), [(2, Removal::Expired)]);
+
+    // TTL 0: delivered to a consumer waiting for it, otherwise expired at once.
+    let mut q = QueueMachine::with_config(QueueConfig {
+        message_ttl: Some(0),
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    q.apply(0, Command::Enqueue(M(1)), &mut fx).unwrap();
+    assert_eq!(removed(&fx), [(1, Removal::Expired)]);
+    q.apply(0, Command::Checkout(7, spec(1)), &mut fx).unwrap();
+    q.apply(0, Command::Enqueue(M(2)), &mut fx).unwrap();
+    assert_eq!(delivered(&fx), [(7, 2, false)]);
+    q.apply(0, Command::Enqueue(M(3)), &mut fx).unwrap();
+    assert_eq!(removed(&fx), [(1, Removal::Expired), (3, Removal::Expired)]);
+}
+
+#[test]
+fn the_shorter_of_queue_and_message_ttl_applies() {
+    let mut q = QueueMachine::with_config(QueueConfig {
+        message_ttl: Some(100),
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    // M(9): own TTL 9 % 4 = 1 ms.
+    q.apply(0, Command::Enqueue(M(9)), &mut fx).unwrap();
+    assert_eq!(q.next_expiry(), Some(1));
+}
+
+#[test]
 fn get_and_purge() {
     let mut q = QueueMachine::new();
     let mut fx = Vec::new();
@@ -537,13 +596,15 @@ fn config() -> impl Strategy<Value = QueueConfig> {
             Just(Overflow::RejectPublish),
             Just(Overflow::RejectPublishDlx)
         ],
+        proptest::option::of(0u64..6),
     )
         .prop_map(
-            |(max_priority, max_length, max_length_bytes, overflow)| QueueConfig {
+            |(max_priority, max_length, max_length_bytes, overflow, message_ttl)| QueueConfig {
                 max_priority: max_priority.filter(|p| *p > 0),
                 max_length,
                 max_length_bytes,
                 overflow,
+                message_ttl,
             },
         )
 }
@@ -558,38 +619,47 @@ proptest! {
     #[test]
     fn limits_and_priorities_account_for_every_message(
         cfg in config(),
-        ops in proptest::collection::vec((0u8..6, 0u64..600, 0usize..8), 1..150),
+        ops in proptest::collection::vec((0u8..7, 0u64..600, 0usize..8, 0u64..3), 1..150),
     ) {
         let mut q: QueueMachine<M> = QueueMachine::with_config(cfg);
         let mut unacked: Vec<MsgId> = Vec::new();
         let mut accepted = 0u64;
         let mut gone = 0u64;
-        for (kind, value, pick) in ops {
+        let mut now = 0u64;
+        for (kind, value, pick, dt) in ops {
+            now += dt;
             let mut fx = Vec::new();
-            let top_before = q.levels.keys().next_back().copied();
             let reply = match kind {
-                0 | 1 => q.apply(0, Command::Enqueue(M(value)), &mut fx).unwrap(),
-                2 => q.apply(0, Command::Get { no_ack: pick % 2 == 0 }, &mut fx).unwrap(),
+                0 | 1 => q.apply(now, Command::Enqueue(M(value)), &mut fx).unwrap(),
+                2 => q.apply(now, Command::Get { no_ack: pick % 2 == 0 }, &mut fx).unwrap(),
                 3 if !unacked.is_empty() => {
                     let id = unacked.remove(pick % unacked.len());
-                    q.apply(0, Command::Return(vec![id]), &mut fx).unwrap()
+                    q.apply(now, Command::Return(vec![id]), &mut fx).unwrap()
                 }
                 4 if !unacked.is_empty() => {
                     let id = unacked.remove(pick % unacked.len());
-                    q.apply(0, Command::Settle(vec![id]), &mut fx).unwrap()
+                    q.apply(now, Command::Settle(vec![id]), &mut fx).unwrap()
                 }
-                5 => q.apply(0, Command::Checkout(value % 3, spec(1)), &mut fx).unwrap_or(Reply::Ok),
+                5 => q.apply(now, Command::Checkout(value % 3, spec(1)), &mut fx).unwrap_or(Reply::Ok),
+                6 => q.apply(now, Command::Expire, &mut fx).unwrap(),
                 _ => Reply::Ok,
             };
             match reply {
                 Reply::Ok if kind <= 1 => accepted += 1,
                 Reply::Got(Some((id, msg, _, _))) => {
-                    if let Some(top) = top_before {
-                        prop_assert_eq!(q.level_of(&msg), top, "get takes the highest level");
+                    // Nothing of a higher level is left behind a get.
+                    if let Some(top) = q.levels.keys().next_back() {
+                        prop_assert!(q.level_of(&msg) >= *top, "get takes the highest level");
                     }
                     if pick % 2 != 0 { unacked.push(id); }
                 }
                 _ => {}
+            }
+            // Nothing expired is left at a head.
+            for l in q.levels.values() {
+                if let Some(r) = l.peek() {
+                    prop_assert!(r.expires_at.is_none_or(|at| at > q.now), "expired head left");
+                }
             }
             for e in &fx {
                 match e {
