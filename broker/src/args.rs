@@ -354,3 +354,64 @@ pub fn queue_config(args: &FieldTable) -> crate::queue::machine::QueueConfig {
         message_ttl: int("x-message-ttl").and_then(|n| u64::try_from(n).ok()),
     }
 }
+
+/// Validate a message's `expiration` property as RabbitMQ's `rabbit_basic:parse_expiration`
+/// does: an integer number of milliseconds, 0 ..= 2^32-1, nothing after it.
+///
+/// # Errors
+/// 406 `invalid expiration '<value>': <reason>` with RabbitMQ's reason term.
+pub fn check_expiration(raw: &[u8]) -> Result<u64, warren_amqp::AmqpError> {
+    let text = String::from_utf8_lossy(raw);
+    let fail = |term: String| {
+        warren_amqp::AmqpError::channel(
+            warren_amqp::ReplyCode::PreconditionFailed,
+            format!("invalid expiration '{text}': {term}"),
+        )
+    };
+    // Erlang's string:to_integer: an optional sign, then digits; the rest is left over.
+    let bytes = text.as_bytes();
+    let sign_len = usize::from(matches!(bytes.first(), Some(b'-' | b'+')));
+    let digits = bytes[sign_len..]
+        .iter()
+        .take_while(|b| b.is_ascii_digit())
+        .count();
+    if digits == 0 {
+        return Err(fail("no_integer".into()));
+    }
+    let (number, rest) = text.split_at(sign_len + digits);
+    if !rest.is_empty() {
+        return Err(fail(format!("{{leftover_string,\"{rest}\"}}")));
+    }
+    let n: i128 = number.parse().map_err(|_| fail("no_integer".into()))?;
+    if n < 0 {
+        return Err(fail(format!("{{value_negative,{n}}}")));
+    }
+    if n > MAX_EXPIRY_TIMER {
+        return Err(fail(format!("{{value_too_large,{n},{MAX_EXPIRY_TIMER}}}")));
+    }
+    u64::try_from(n).map_err(|_| fail("no_integer".into()))
+}
+
+#[cfg(test)]
+mod expiration_tests {
+    use super::check_expiration;
+
+    #[test]
+    fn expiration_is_parsed_as_rabbitmq_does() {
+        assert_eq!(check_expiration(b"60000").unwrap(), 60_000);
+        assert_eq!(check_expiration(b"0").unwrap(), 0);
+        let text = |raw: &[u8]| check_expiration(raw).unwrap_err().text;
+        assert_eq!(
+            text(b"abc"),
+            "PRECONDITION_FAILED - invalid expiration 'abc': no_integer"
+        );
+        assert_eq!(
+            text(b"10s"),
+            "PRECONDITION_FAILED - invalid expiration '10s': {leftover_string,\"s\"}"
+        );
+        assert_eq!(
+            text(b"-5"),
+            "PRECONDITION_FAILED - invalid expiration '-5': {value_negative,-5}"
+        );
+    }
+}

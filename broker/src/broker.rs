@@ -69,9 +69,10 @@ impl Broker {
             next_id: AtomicU64::new(1),
             name_seed: std::collections::hash_map::RandomState::new(),
         };
-        b.vhosts
-            .write()
-            .insert("/".into(), Arc::new(VHost::new("/", store)));
+        b.vhosts.write().insert(
+            "/".into(),
+            Arc::new(VHost::new("/", store, Some(crate::timers::Timers::start()))),
+        );
         b.users.write().insert(
             "guest".into(),
             User {

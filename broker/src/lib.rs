@@ -29,6 +29,7 @@ pub mod outbox;
 pub mod queue;
 pub mod recovery;
 pub mod session;
+pub mod timers;
 pub mod vhost;
 
 pub use broker::{Broker, BrokerConfig};

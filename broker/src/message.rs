@@ -66,6 +66,18 @@ impl MessageRef for Entry {
             Self::Stored { priority, .. } => *priority,
         }
     }
+
+    fn expiration_ms(&self) -> Option<u64> {
+        match self {
+            Self::Mem(m) => m
+                .properties
+                .expiration()
+                .and_then(|e| std::str::from_utf8(e).ok())
+                .and_then(|e| e.parse().ok()),
+            // Recovered and paged-out messages keep only the queue's TTL (documented).
+            Self::Stored { .. } => None,
+        }
+    }
 }
 
 /// A message ready to be written to a client: from memory, or just read from the store.

@@ -85,7 +85,7 @@ impl Broker {
                 r.auto_delete,
                 None,
                 r.arguments,
-                vh.store().cloned(),
+                vh.queue_env(),
             );
             by_id.insert(r.id, Arc::clone(&q));
             vh.restore_queue(q);

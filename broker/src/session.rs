@@ -630,7 +630,7 @@ fn handle_queue(
                             d.auto_delete,
                             owner,
                             d.arguments.clone(),
-                            vhost.store().cloned(),
+                            vhost.queue_env(),
                         )
                     },
                     &mut || ctx.on_commit(),
@@ -1081,6 +1081,9 @@ fn handle_basic(
                         ctx.user
                     ),
                 ));
+            }
+            if let Some(e) = content.properties.expiration() {
+                crate::args::check_expiration(e)?;
             }
             let mut targets = std::mem::take(&mut chan.route_buf);
             targets.clear();

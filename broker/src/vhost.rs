@@ -39,6 +39,7 @@ pub struct VHost {
     pub name: String,
     topology: RwLock<Topology>,
     store: Option<Arc<Durable>>,
+    timers: Option<Arc<crate::timers::Timers>>,
 }
 
 /// The declaration flags of an exchange.
@@ -89,7 +90,11 @@ fn equivalence_fail(
 impl VHost {
     /// A vhost with the predeclared exchanges; durable objects go to `store` if given.
     #[must_use]
-    pub fn new(name: &str, store: Option<Arc<Durable>>) -> Self {
+    pub fn new(
+        name: &str,
+        store: Option<Arc<Durable>>,
+        timers: Option<Arc<crate::timers::Timers>>,
+    ) -> Self {
         let mut t = Topology::default();
         for (ex, kind) in PREDECLARED {
             t.exchanges.insert(
@@ -101,6 +106,16 @@ impl VHost {
             name: name.to_string(),
             topology: RwLock::new(t),
             store,
+            timers,
+        }
+    }
+
+    /// What queues of this vhost are connected to (store, timers).
+    #[must_use]
+    pub fn queue_env(&self) -> crate::queue::QueueEnv {
+        crate::queue::QueueEnv {
+            store: self.store.clone(),
+            timers: self.timers.clone(),
         }
     }
 

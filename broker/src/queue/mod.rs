@@ -13,7 +13,6 @@ pub mod machine;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use amq_protocol::types::FieldTable;
 use parking_lot::Mutex;
@@ -60,6 +59,17 @@ struct State {
     had_consumer: bool,
     /// Store ops produced while carrying out effects, submitted before the lock is released.
     store_ops: Vec<Op>,
+    /// When the timer thread will call [`Queue::on_timer`] (None: not armed).
+    timer_at: Option<u64>,
+}
+
+/// What a queue is connected to in its broker.
+#[derive(Debug, Clone, Default)]
+pub struct QueueEnv {
+    /// The node's store (used only by durable, non-exclusive queues).
+    pub store: Option<Arc<Durable>>,
+    /// The node's timer thread (message expiry).
+    pub timers: Option<Arc<crate::timers::Timers>>,
 }
 
 /// A queue with its declaration and delivery state.
@@ -81,12 +91,12 @@ pub struct Queue {
     pub arguments: FieldTable,
     /// Where persistent messages go (durable, non-exclusive queues of a broker with a store).
     store: Option<Arc<Durable>>,
-    epoch: Instant,
+    timers: Option<Arc<crate::timers::Timers>>,
     state: Mutex<State>,
 }
 
 impl Queue {
-    /// A new empty queue. `store` is used only if the queue is durable and not exclusive.
+    /// A new empty queue. The store is used only if the queue is durable and not exclusive.
     #[must_use]
     #[allow(clippy::too_many_arguments)]
     pub fn new(
@@ -97,9 +107,9 @@ impl Queue {
         auto_delete: bool,
         exclusive_owner: Option<u64>,
         arguments: FieldTable,
-        store: Option<Arc<Durable>>,
+        env: QueueEnv,
     ) -> Arc<Self> {
-        let store = store.filter(|_| durable && exclusive_owner.is_none());
+        let store = env.store.filter(|_| durable && exclusive_owner.is_none());
         let config = crate::args::queue_config(&arguments);
         Arc::new(Self {
             id,
@@ -110,7 +120,7 @@ impl Queue {
             auto_delete,
             exclusive_owner,
             arguments,
-            epoch: Instant::now(),
+            timers: env.timers,
             state: Mutex::new(State {
                 machine: QueueMachine::with_config(config),
                 sinks: HashMap::new(),
@@ -118,12 +128,31 @@ impl Queue {
                 effects: Vec::new(),
                 had_consumer: false,
                 store_ops: Vec::new(),
+                timer_at: None,
             }),
         })
     }
 
+    /// The machine's time: wall-clock milliseconds (absolute, so expiry times can be stored).
     fn now_ms(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+        crate::timers::wall_ms()
+    }
+
+    /// Make sure the timer thread wakes this queue when its next message expires.
+    fn arm_timer(self: &Arc<Self>, st: &mut State) {
+        if let (Some(timers), Some(next)) = (&self.timers, st.machine.next_expiry())
+            && st.timer_at.is_none_or(|armed| next < armed)
+        {
+            st.timer_at = Some(next);
+            timers.schedule(next, self);
+        }
+    }
+
+    /// Called by the timer thread: expire what is due, then re-arm.
+    pub fn on_timer(self: &Arc<Self>) {
+        let mut st = self.state.lock();
+        st.timer_at = None;
+        let _ = self.run(&mut st, Command::Expire);
     }
 
     /// Apply a command and carry out its effects, under the queue lock. Then consumers under a
@@ -151,6 +180,7 @@ impl Queue {
         self.carry_out(st, &mut effects);
         self.offer_grants(st, &mut effects);
         st.effects = effects;
+        self.arm_timer(st);
         reply
     }
 
