@@ -71,7 +71,7 @@ impl Broker {
         };
         b.vhosts.write().insert(
             "/".into(),
-            Arc::new(VHost::new("/", store, Some(crate::timers::Timers::start()))),
+            VHost::new("/", store, Some(crate::timers::Timers::start())),
         );
         b.users.write().insert(
             "guest".into(),

@@ -20,6 +20,7 @@
 
 pub mod args;
 pub mod broker;
+pub mod deadletter;
 pub mod durable;
 pub mod exchange;
 pub mod limiter;

@@ -125,6 +125,15 @@ impl Loaded {
             Self::Read(m) => &m.body,
         }
     }
+
+    /// Body, shared (no copy).
+    #[must_use]
+    pub fn body_bytes(&self) -> Bytes {
+        match self {
+            Self::Mem(m) => m.body.clone(),
+            Self::Read(m) => m.body.clone(),
+        }
+    }
 }
 
 impl Entry {

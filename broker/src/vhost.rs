@@ -40,6 +40,7 @@ pub struct VHost {
     topology: RwLock<Topology>,
     store: Option<Arc<Durable>>,
     timers: Option<Arc<crate::timers::Timers>>,
+    me: std::sync::Weak<VHost>,
 }
 
 /// The declaration flags of an exchange.
@@ -94,7 +95,7 @@ impl VHost {
         name: &str,
         store: Option<Arc<Durable>>,
         timers: Option<Arc<crate::timers::Timers>>,
-    ) -> Self {
+    ) -> Arc<Self> {
         let mut t = Topology::default();
         for (ex, kind) in PREDECLARED {
             t.exchanges.insert(
@@ -102,20 +103,23 @@ impl VHost {
                 Exchange::new(ex, *kind, true, false, false, FieldTable::default()),
             );
         }
-        Self {
+        Arc::new_cyclic(|me| Self {
             name: name.to_string(),
             topology: RwLock::new(t),
             store,
             timers,
-        }
+            me: me.clone(),
+        })
     }
 
-    /// What queues of this vhost are connected to (store, timers).
+    /// What queues of this vhost are connected to (store, timers, the vhost itself for
+    /// dead-lettering).
     #[must_use]
     pub fn queue_env(&self) -> crate::queue::QueueEnv {
         crate::queue::QueueEnv {
             store: self.store.clone(),
             timers: self.timers.clone(),
+            vhost: self.me.clone(),
         }
     }
 
@@ -579,12 +583,35 @@ impl VHost {
         headers: Option<&FieldTable>,
         out: &mut Vec<Arc<Queue>>,
     ) -> Result<(), AmqpError> {
+        self.route_inner(exchange, routing_key, headers, out, true)
+    }
+
+    /// Route a message the broker itself publishes (dead-lettering): internal exchanges are
+    /// allowed, as in RabbitMQ.
+    pub fn route_internal(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        headers: Option<&FieldTable>,
+        out: &mut Vec<Arc<Queue>>,
+    ) -> Result<(), AmqpError> {
+        self.route_inner(exchange, routing_key, headers, out, false)
+    }
+
+    fn route_inner(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        headers: Option<&FieldTable>,
+        out: &mut Vec<Arc<Queue>>,
+        from_client: bool,
+    ) -> Result<(), AmqpError> {
         let t = self.topology.read();
         let ex = t
             .exchanges
             .get(exchange)
             .ok_or_else(|| self.not_found("exchange", exchange))?;
-        if ex.internal {
+        if ex.internal && from_client {
             return Err(AmqpError::channel(
                 ReplyCode::AccessRefused,
                 format!(

@@ -448,6 +448,12 @@ impl<M: MessageRef> QueueMachine<M> {
         self.config.overflow != Overflow::DropHead && self.would_overflow(msg.size())
     }
 
+    /// The queue's configuration.
+    #[must_use]
+    pub fn config(&self) -> &QueueConfig {
+        &self.config
+    }
+
     /// The id the next `Enqueue` will get.
     #[must_use]
     pub fn next_id(&self) -> MsgId {

@@ -13,6 +13,7 @@ pub mod machine;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use amq_protocol::types::FieldTable;
 use parking_lot::Mutex;
@@ -20,13 +21,15 @@ use parking_lot::Mutex;
 use warren_store::writer::Completion;
 use warren_store::{Batch, BodyRef, Location, Op};
 
+use crate::deadletter::{self, DeadLetterTarget};
 use crate::durable::{Durable, stored};
 use crate::limiter::{Limiter, Wake};
 use crate::message::{Entry, Message, Outgoing};
 use crate::outbox::{Delivery, Outbound, Outbox};
 use crate::vhost::OnCommit;
 use machine::{
-    Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, QueueMachine, Reply,
+    Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, Overflow, QueueMachine,
+    Removal, Reply,
 };
 
 /// Where a consumer's deliveries go.
@@ -61,6 +64,9 @@ struct State {
     store_ops: Vec<Op>,
     /// When the timer thread will call [`Queue::on_timer`] (None: not armed).
     timer_at: Option<u64>,
+    /// Messages to dead-letter once the lock is released (pinned: their store records stay
+    /// readable after the settles submitted under the lock commit).
+    dead_letters: Vec<(Outgoing, Removal)>,
 }
 
 /// What a queue is connected to in its broker.
@@ -70,6 +76,8 @@ pub struct QueueEnv {
     pub store: Option<Arc<Durable>>,
     /// The node's timer thread (message expiry).
     pub timers: Option<Arc<crate::timers::Timers>>,
+    /// The vhost, for dead-lettering.
+    pub vhost: std::sync::Weak<crate::vhost::VHost>,
 }
 
 /// A queue with its declaration and delivery state.
@@ -92,6 +100,11 @@ pub struct Queue {
     /// Where persistent messages go (durable, non-exclusive queues of a broker with a store).
     store: Option<Arc<Durable>>,
     timers: Option<Arc<crate::timers::Timers>>,
+    vhost_ref: std::sync::Weak<crate::vhost::VHost>,
+    /// `x-dead-letter-exchange` and routing key.
+    dead_letter: Option<DeadLetterTarget>,
+    /// Set when `State::dead_letters` has work (checked without the lock).
+    dead_letters_pending: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -119,8 +132,11 @@ impl Queue {
             durable,
             auto_delete,
             exclusive_owner,
+            dead_letter: DeadLetterTarget::from_args(&arguments),
             arguments,
             timers: env.timers,
+            vhost_ref: env.vhost,
+            dead_letters_pending: AtomicBool::new(false),
             state: Mutex::new(State {
                 machine: QueueMachine::with_config(config),
                 sinks: HashMap::new(),
@@ -129,6 +145,7 @@ impl Queue {
                 had_consumer: false,
                 store_ops: Vec::new(),
                 timer_at: None,
+                dead_letters: Vec::new(),
             }),
         })
     }
@@ -150,9 +167,74 @@ impl Queue {
 
     /// Called by the timer thread: expire what is due, then re-arm.
     pub fn on_timer(self: &Arc<Self>) {
-        let mut st = self.state.lock();
-        st.timer_at = None;
-        let _ = self.run(&mut st, Command::Expire);
+        {
+            let mut st = self.state.lock();
+            st.timer_at = None;
+            let _ = self.run(&mut st, Command::Expire);
+        }
+        self.dead_letter_pending();
+    }
+
+    fn hold_dead_letter(&self, st: &mut State, msg: &Entry, reason: Removal) {
+        st.dead_letters
+            .push((msg.pin(self.store.as_deref()), reason));
+        self.dead_letters_pending.store(true, Ordering::Release);
+    }
+
+    /// Republish what this queue dead-lettered to its dead-letter exchange. Call with no
+    /// queue lock held (routing takes the vhost lock, publishing takes other queues' locks).
+    pub fn dead_letter_pending(self: &Arc<Self>) {
+        if !self.dead_letters_pending.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let items = std::mem::take(&mut self.state.lock().dead_letters);
+        let (Some(target), Some(vhost)) = (&self.dead_letter, self.vhost_ref.upgrade()) else {
+            return;
+        };
+        let now_s = crate::timers::wall_ms() / 1000;
+        let mut targets = Vec::new();
+        for (out, reason) in items {
+            let Some(reason) = deadletter::reason_name(reason) else {
+                continue;
+            };
+            let loaded = match out.load() {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(queue = %self.name, error = %e, "cannot read a message to dead-letter");
+                    continue;
+                }
+            };
+            let depth = warren_amqp::limits::TABLE_DEPTH_MAX;
+            let Some(msg) =
+                deadletter::dead_lettered(&loaded, &self.name, reason, now_s, target, depth)
+            else {
+                continue;
+            };
+            let headers = msg.properties.headers();
+            targets.clear();
+            // A missing dead-letter exchange drops the message, as in RabbitMQ.
+            if vhost
+                .route_internal(
+                    &msg.exchange,
+                    &msg.routing_key,
+                    headers.as_ref(),
+                    &mut targets,
+                )
+                .is_err()
+            {
+                continue;
+            }
+            let deaths = deadletter::deaths(headers.as_ref());
+            targets.retain(|q| !deadletter::is_cycle(&deaths, &q.name));
+            let msg = Arc::new(msg);
+            if msg.properties.persistent() && targets.iter().any(|q| q.is_stored()) {
+                let _ = publish_persistent(&targets, &msg, || Box::new(|_| {}));
+            } else {
+                for q in &targets {
+                    let _ = q.publish(Arc::clone(&msg));
+                }
+            }
+        }
     }
 
     /// Apply a command and carry out its effects, under the queue lock. Then consumers under a
@@ -239,7 +321,10 @@ impl Queue {
     fn carry_out(self: &Arc<Self>, st: &mut State, effects: &mut Vec<Effect<Entry>>) {
         for effect in effects.drain(..) {
             match effect {
-                Effect::Removed { id, msg, .. } => {
+                Effect::Removed { id, msg, reason } => {
+                    if self.dead_letter.is_some() && deadletter::reason_name(reason).is_some() {
+                        self.hold_dead_letter(st, &msg, reason);
+                    }
                     if self.persists(&msg) {
                         st.store_ops.push(Op::Settle { queue: self.id, id });
                     }
@@ -274,11 +359,14 @@ impl Queue {
 
     /// A limiter has room again: offer its waiting consumers here a slot.
     pub fn regrant(self: &Arc<Self>) {
-        let mut st = self.state.lock();
-        let mut effects = std::mem::take(&mut st.effects);
-        self.offer_grants(&mut st, &mut effects);
-        st.effects = effects;
-        self.submit_store_ops(&mut st, None);
+        {
+            let mut st = self.state.lock();
+            let mut effects = std::mem::take(&mut st.effects);
+            self.offer_grants(&mut st, &mut effects);
+            st.effects = effects;
+            self.submit_store_ops(&mut st, None);
+        }
+        self.dead_letter_pending();
     }
 
     /// Put a consumer under its channel's shared limit or release it from it.
@@ -290,6 +378,7 @@ impl Queue {
             wake
         };
         wake.run();
+        self.dead_letter_pending();
     }
 
     /// An unused grant goes back to the limiter (the consumer is leaving or changing mode).
@@ -306,12 +395,29 @@ impl Queue {
     /// Enqueue a routed message that needs no store write (transient, or this queue has no
     /// store).
     pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> Enqueued {
-        let mut st = self.state.lock();
-        if st.deleted {
-            return Enqueued::Gone;
-        }
-        match self.run(&mut st, Command::Enqueue(Entry::Mem(message))) {
-            Ok(Reply::Rejected(_)) => Enqueued::Rejected,
+        let outcome = {
+            let mut st = self.state.lock();
+            if st.deleted {
+                return Enqueued::Gone;
+            }
+            let r = self.run(&mut st, Command::Enqueue(Entry::Mem(message)));
+            self.enqueued(&mut st, r)
+        };
+        self.dead_letter_pending();
+        outcome
+    }
+
+    /// The outcome of an `Enqueue`; a refusal under reject-publish-dlx is dead-lettered.
+    fn enqueued(&self, st: &mut State, reply: Result<Reply<Entry>, MachineError>) -> Enqueued {
+        match reply {
+            Ok(Reply::Rejected(entry)) => {
+                if self.dead_letter.is_some()
+                    && st.machine.config().overflow == Overflow::RejectPublishDlx
+                {
+                    self.hold_dead_letter(st, &entry, Removal::MaxLen);
+                }
+                Enqueued::Rejected
+            }
             _ => Enqueued::Accepted,
         }
     }
@@ -362,13 +468,16 @@ impl Queue {
         spec: ConsumerSpec,
         sink: ConsumerSink,
     ) -> Result<(), MachineError> {
-        let mut st = self.state.lock();
-        st.sinks.insert(id, sink);
-        if let Err(e) = self.run(&mut st, Command::Checkout(id, spec)) {
-            st.sinks.remove(&id);
-            return Err(e);
+        {
+            let mut st = self.state.lock();
+            st.sinks.insert(id, sink);
+            if let Err(e) = self.run(&mut st, Command::Checkout(id, spec)) {
+                st.sinks.remove(&id);
+                return Err(e);
+            }
+            st.had_consumer = true;
         }
-        st.had_consumer = true;
+        self.dead_letter_pending();
         Ok(())
     }
 
@@ -389,46 +498,63 @@ impl Queue {
             (last, wake)
         };
         wake.run();
+        self.dead_letter_pending();
         last
     }
 
     /// Deliveries to `consumer` were written to its socket: restore its window.
     pub fn written(self: &Arc<Self>, consumer: ConsumerId, n: u32, bytes: u64) {
-        let mut st = self.state.lock();
-        let _ = self.run(&mut st, Command::Written(consumer, n, bytes));
+        {
+            let mut st = self.state.lock();
+            let _ = self.run(&mut st, Command::Written(consumer, n, bytes));
+        }
+        self.dead_letter_pending();
     }
 
     /// Acknowledge.
     pub fn settle(self: &Arc<Self>, ids: Vec<MsgId>, on_commit: Option<OnCommit<'_>>) {
-        let mut st = self.state.lock();
-        let _ = self.apply(&mut st, Command::Settle(ids));
-        self.submit_store_ops(&mut st, on_commit);
+        {
+            let mut st = self.state.lock();
+            let _ = self.apply(&mut st, Command::Settle(ids));
+            self.submit_store_ops(&mut st, on_commit);
+        }
+        self.dead_letter_pending();
     }
 
     /// Requeue (nack/reject with requeue, recover, channel close).
     pub fn requeue(self: &Arc<Self>, ids: Vec<MsgId>) {
-        let mut st = self.state.lock();
-        let _ = self.run(&mut st, Command::Return(ids));
+        {
+            let mut st = self.state.lock();
+            let _ = self.run(&mut st, Command::Return(ids));
+        }
+        self.dead_letter_pending();
     }
 
     /// Drop (nack/reject without requeue).
     pub fn discard(self: &Arc<Self>, ids: Vec<MsgId>, on_commit: Option<OnCommit<'_>>) {
-        let mut st = self.state.lock();
-        let _ = self.apply(&mut st, Command::Discard(ids));
-        self.submit_store_ops(&mut st, on_commit);
+        {
+            let mut st = self.state.lock();
+            let _ = self.apply(&mut st, Command::Discard(ids));
+            self.submit_store_ops(&mut st, on_commit);
+        }
+        self.dead_letter_pending();
     }
 
     /// basic.get: the head message, its redelivered flag and the ready count after it.
     pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Outgoing, bool, u32)> {
-        let mut st = self.state.lock();
-        // Pinned before the settle of a no-ack get is submitted.
-        let got = match self.apply(&mut st, Command::Get { no_ack }) {
-            Ok(Reply::Got(Some((id, entry, redelivered, left)))) => {
-                Some((id, entry.pin(self.store.as_deref()), redelivered, left))
-            }
-            _ => None,
+        let got = {
+            let mut st = self.state.lock();
+            // Pinned before the settle of a no-ack get is submitted.
+            let got = match self.apply(&mut st, Command::Get { no_ack }) {
+                Ok(Reply::Got(Some((id, entry, redelivered, left)))) => {
+                    Some((id, entry.pin(self.store.as_deref()), redelivered, left))
+                }
+                _ => None,
+            };
+            self.submit_store_ops(&mut st, None);
+            got
         };
-        self.submit_store_ops(&mut st, None);
+        self.dead_letter_pending();
         got
     }
 
@@ -569,12 +695,13 @@ pub fn publish_persistent(
         }
         for (q, st) in stored_targets.iter().zip(guards.iter_mut()) {
             if !st.deleted {
-                let this = match q.run(st, Command::Enqueue(entry.clone())) {
-                    Ok(Reply::Rejected(_)) => Enqueued::Rejected,
-                    _ => Enqueued::Accepted,
-                };
-                outcome = outcome.and(this);
+                let r = q.run(st, Command::Enqueue(entry.clone()));
+                outcome = outcome.and(q.enqueued(st, r));
             }
+        }
+        drop(guards);
+        for q in &stored_targets {
+            q.dead_letter_pending();
         }
     }
     for q in targets.iter().filter(|q| q.store.is_none()) {
