@@ -168,6 +168,23 @@ impl Properties {
         Bytes::from(out)
     }
 
+    /// The same property list with the reply-to property (which must be present) replaced by
+    /// `value` (at most 255 bytes): how direct reply-to names the requester.
+    #[must_use]
+    pub fn with_reply_to(&self, value: &[u8]) -> Bytes {
+        let raw = &self.raw[..];
+        let Some(r) = &self.reply_to else {
+            return self.raw.clone();
+        };
+        let value = &value[..value.len().min(255)];
+        let mut out = Vec::with_capacity(raw.len() + value.len());
+        out.extend_from_slice(&raw[..r.start - 1]);
+        out.push(u8::try_from(value.len()).unwrap_or(u8::MAX));
+        out.extend_from_slice(value);
+        out.extend_from_slice(&raw[r.end..]);
+        Bytes::from(out)
+    }
+
     /// The raw headers table (length prefix included), if present.
     #[must_use]
     pub fn headers_raw(&self) -> Option<&[u8]> {

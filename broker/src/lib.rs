@@ -29,6 +29,7 @@ pub mod message;
 pub mod outbox;
 pub mod queue;
 pub mod recovery;
+pub mod reply_to;
 pub mod session;
 pub mod timers;
 pub mod vhost;

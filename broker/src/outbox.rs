@@ -47,6 +47,15 @@ pub enum Outbound {
         /// The consumer.
         consumer: ConsumerId,
     },
+    /// A direct reply-to message for the requester consuming on `channel`.
+    Reply {
+        /// Channel of the reply consumer.
+        channel: u16,
+        /// That channel's incarnation.
+        epoch: u64,
+        /// The reply.
+        message: Arc<crate::message::Message>,
+    },
     /// A metadata change (or tx commit) this connection waits for is durable (`ok`) or failed.
     Committed {
         /// Whether the store committed it.

@@ -26,6 +26,7 @@ use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
 use crate::queue::machine::{ConsumerId, ConsumerSpec, MachineError, MsgId};
 use crate::queue::{ConsumerSink, Enqueued, Queue, publish_persistent};
+use crate::reply_to::{REPLY_TO, REPLY_TO_PREFIX};
 use crate::vhost::{ExchangeDecl, OnCommit, VHost, rs};
 
 /// What a connection knows about itself, shared by its channels.
@@ -120,6 +121,8 @@ struct Channel {
     mode: Mode,
     /// For the empty-queue-name shortcut.
     last_queue: Option<String>,
+    /// Consumer of `amq.rabbitmq.reply-to` on this channel: (consumer tag, reply name).
+    reply_consumer: Option<(String, String)>,
     route_buf: Vec<Arc<Queue>>,
 }
 
@@ -135,6 +138,7 @@ impl Channel {
             limiter: Arc::new(Limiter::default()),
             mode: Mode::Plain,
             last_queue: None,
+            reply_consumer: None,
             route_buf: Vec::new(),
         }
     }
@@ -245,6 +249,9 @@ impl Session {
         let Some(chan) = self.channels.remove(&ch) else {
             return;
         };
+        if let Some((_, name)) = &chan.reply_consumer {
+            self.ctx.vhost.replies.unregister(name);
+        }
         for (_, c) in chan.consumers {
             if c.queue.cancel(c.id) {
                 self.ctx
@@ -318,12 +325,41 @@ impl Session {
                 Outbound::Cancel { channel, consumer } => {
                     self.consumer_cancelled(channel, consumer, out)
                 }
+                Outbound::Reply {
+                    channel,
+                    epoch,
+                    message,
+                } => self.deliver_reply(channel, epoch, &message, out),
                 done @ (Outbound::Committed { .. } | Outbound::Confirmed { .. }) => {
                     self.store_completion(&done);
                 }
             }
         }
         self.drained = items;
+    }
+
+    /// A direct reply-to message for this connection's reply consumer (no-ack: nothing to
+    /// track); dropped if the channel or consumer is gone meanwhile.
+    fn deliver_reply(&mut self, ch: u16, epoch: u64, m: &Message, out: &mut FrameWriter) {
+        let Some(chan) = self.channels.get_mut(&ch) else {
+            return;
+        };
+        let Some((tag, _)) = chan.reply_consumer.as_ref().filter(|_| chan.epoch == epoch) else {
+            return;
+        };
+        let delivery_tag = chan.next_tag;
+        chan.next_tag += 1;
+        out.method_with(ch, |b| {
+            put_basic_deliver(
+                b,
+                tag.as_bytes(),
+                delivery_tag,
+                false,
+                m.exchange.as_bytes(),
+                m.routing_key.as_bytes(),
+            );
+        });
+        out.content(ch, &m.properties.raw, &m.body);
     }
 
     fn store_completion(&mut self, item: &Outbound) {
@@ -1085,6 +1121,21 @@ fn handle_basic(
             if let Some(e) = content.properties.expiration() {
                 crate::args::check_expiration(e)?;
             }
+            let mut content = content;
+            if content.properties.reply_to() == Some(REPLY_TO.as_bytes()) {
+                let Some((_, name)) = &chan.reply_consumer else {
+                    return Err(AmqpError::channel(
+                        ReplyCode::PreconditionFailed,
+                        "fast reply consumer does not exist",
+                    ));
+                };
+                let raw = content.properties.with_reply_to(name.as_bytes());
+                content.properties = warren_amqp::properties::Properties::parse(
+                    raw,
+                    warren_amqp::limits::TABLE_DEPTH_MAX,
+                )
+                .map_err(|_| AmqpError::connection(ReplyCode::InternalError, "reply-to rewrite"))?;
+            }
             let mut targets = std::mem::take(&mut chan.route_buf);
             targets.clear();
             let message = route(
@@ -1156,6 +1207,40 @@ fn handle_basic(
                 ch,
                 AMQPClass::Basic(basic::AMQPMethod::QosOk(basic::QosOk {})),
             );
+            Ok(())
+        }
+        basic::AMQPMethod::Consume(c) if c.queue.as_str() == REPLY_TO => {
+            if !c.no_ack {
+                return Err(AmqpError::channel(
+                    ReplyCode::PreconditionFailed,
+                    "reply consumer cannot acknowledge",
+                ));
+            }
+            let tag = if c.consumer_tag.as_str().is_empty() {
+                ctx.broker.unique_name("amq.ctag-")
+            } else {
+                c.consumer_tag.as_str().to_string()
+            };
+            if chan.consumers.contains_key(&tag) || chan.reply_consumer.is_some() {
+                return Err(AmqpError::channel(
+                    ReplyCode::NotAllowed,
+                    format!("attempt to reuse consumer tag '{tag}'"),
+                ));
+            }
+            let name = format!("{REPLY_TO_PREFIX}{}", ctx.broker.unique_name(""));
+            ctx.vhost
+                .replies
+                .register(&name, &ctx.outbox, ch, chan.epoch);
+            chan.reply_consumer = Some((tag.clone(), name));
+            if !c.nowait {
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+                        consumer_tag: tag.as_str().into(),
+                    })),
+                );
+            }
             Ok(())
         }
         basic::AMQPMethod::Consume(c) => {
@@ -1242,6 +1327,12 @@ fn handle_basic(
             Ok(())
         }
         basic::AMQPMethod::Cancel(c) => {
+            if let Some((_, name)) = chan
+                .reply_consumer
+                .take_if(|(tag, _)| tag.as_str() == c.consumer_tag.as_str())
+            {
+                ctx.vhost.replies.unregister(&name);
+            }
             if let Some(entry) = chan.consumers.remove(c.consumer_tag.as_str())
                 && entry.queue.cancel(entry.id)
             {
@@ -1352,6 +1443,11 @@ fn route(
     }))
 }
 
+/// Whether a publish is a direct reply (default exchange, a reply-to name as routing key).
+fn is_direct_reply(exchange: &str, routing_key: &str) -> bool {
+    exchange.is_empty() && routing_key.starts_with(REPLY_TO_PREFIX)
+}
+
 /// Enqueue a routed message; returns it unroutable (basic.return) when mandatory and no queue
 /// took it, and counts the publish for confirms. Gives back the emptied target buffer.
 fn enqueue_routed(
@@ -1371,6 +1467,11 @@ fn enqueue_routed(
         _ => None,
     };
     let mut outcome = Enqueued::Gone;
+    if is_direct_reply(&message.exchange, &message.routing_key)
+        && ctx.vhost.replies.deliver(message)
+    {
+        outcome = Enqueued::Accepted;
+    }
     if message.properties.persistent() && targets.iter().any(|q| q.is_stored()) {
         let epoch = chan.epoch;
         let mode = &mut chan.mode;

@@ -41,6 +41,8 @@ pub struct VHost {
     store: Option<Arc<Durable>>,
     timers: Option<Arc<crate::timers::Timers>>,
     me: std::sync::Weak<VHost>,
+    /// Direct reply-to names of this vhost.
+    pub replies: crate::reply_to::Replies,
 }
 
 /// The declaration flags of an exchange.
@@ -109,6 +111,7 @@ impl VHost {
             store,
             timers,
             me: me.clone(),
+            replies: crate::reply_to::Replies::default(),
         })
     }
 

@@ -181,11 +181,7 @@ def ch(conn):
 
 # Features that RabbitMQ has and Warren builds in a later issue (queue semantics, issue 4).
 # Against Warren they are expected to fail, strictly: the day one passes, the marker must go.
-PENDING_ISSUE4 = {
-    "test_direct_reply_to_round_trip",
-    "test_direct_reply_to_requires_no_ack",
-    "test_direct_reply_to_publish_without_consumer_is_406",
-}
+PENDING_ISSUE4: set = set()
 
 
 def pytest_configure(config):

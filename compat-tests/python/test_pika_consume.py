@@ -1,6 +1,8 @@
 """basic.get / consume / qos / ack / nack / reject / recover / cancel semantics."""
 
 import pika
+import pytest
+from pika.exceptions import UnroutableError
 
 from amqp_helpers import (
     bodies_of,
@@ -490,3 +492,24 @@ def test_direct_reply_to_publish_without_consumer_is_406(ch):
     # asserted: direct reply-to was reimplemented in 4.2).
     with channel_closed(406):
         ch.queue_declare("", exclusive=True)
+
+
+def test_direct_reply_to_unknown_name_is_unroutable(ch):
+    """A publish to a reply-to name nobody holds is unroutable: returned when mandatory."""
+    ch.confirm_delivery()
+    with pytest.raises(UnroutableError):
+        ch.basic_publish("", "amq.rabbitmq.reply-to.no-such-requester", b"x", mandatory=True)
+
+
+def test_direct_reply_to_stops_after_cancel(conn, names):
+    """After the reply consumer is cancelled, its name no longer routes."""
+    q = names.q("rpc")
+    client, server = conn.channel(), conn.channel()
+    server.queue_declare(q)
+    tag = client.basic_consume("amq.rabbitmq.reply-to", lambda *a: None, auto_ack=True)
+    client.basic_publish("", q, b"req", pika.BasicProperties(reply_to="amq.rabbitmq.reply-to"))
+    _, props, _ = server.basic_get(q, auto_ack=True)
+    client.basic_cancel(tag)
+    server.confirm_delivery()
+    with pytest.raises(UnroutableError):
+        server.basic_publish("", props.reply_to, b"late", mandatory=True)

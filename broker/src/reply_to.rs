@@ -1,0 +1,69 @@
+//! Direct reply-to (`amq.rabbitmq.reply-to`): RPC replies go straight to the requester's
+//! channel without a queue.
+//!
+//! A channel consuming from `amq.rabbitmq.reply-to` (no-ack only) gets a unique name
+//! `amq.rabbitmq.reply-to.<token>`; a publish from that channel with `reply_to` set to the
+//! pseudo-queue has the property rewritten to that name; a publish to the default exchange with
+//! that name as routing key is handed to the channel's connection directly. Unknown names are
+//! unroutable (returned if mandatory), as in RabbitMQ.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Weak};
+
+use parking_lot::RwLock;
+
+use crate::message::Message;
+use crate::outbox::{Outbound, Outbox};
+
+/// The pseudo-queue clients consume from and put in `reply_to`.
+pub const REPLY_TO: &str = "amq.rabbitmq.reply-to";
+/// Prefix of the per-channel names the broker hands out.
+pub const REPLY_TO_PREFIX: &str = "amq.rabbitmq.reply-to.";
+
+#[derive(Debug, Clone)]
+struct Route {
+    outbox: Weak<Outbox>,
+    channel: u16,
+    epoch: u64,
+}
+
+/// Reply names of one vhost and where they lead.
+#[derive(Debug, Default)]
+pub struct Replies {
+    routes: RwLock<HashMap<String, Route>>,
+}
+
+impl Replies {
+    /// `name` now leads to `channel` (incarnation `epoch`) of the connection owning `outbox`.
+    pub fn register(&self, name: &str, outbox: &Arc<Outbox>, channel: u16, epoch: u64) {
+        self.routes.write().insert(
+            name.to_string(),
+            Route {
+                outbox: Arc::downgrade(outbox),
+                channel,
+                epoch,
+            },
+        );
+    }
+
+    /// Forget `name` (consumer cancelled, channel or connection closed).
+    pub fn unregister(&self, name: &str) {
+        self.routes.write().remove(name);
+    }
+
+    /// Hand `message` to the requester named by its routing key; false if there is none.
+    pub fn deliver(&self, message: &Arc<Message>) -> bool {
+        let route = self.routes.read().get(&message.routing_key).cloned();
+        match route.and_then(|r| r.outbox.upgrade().map(|o| (o, r))) {
+            Some((outbox, r)) => {
+                outbox.push(Outbound::Reply {
+                    channel: r.channel,
+                    epoch: r.epoch,
+                    message: Arc::clone(message),
+                });
+                true
+            }
+            None => false,
+        }
+    }
+}
