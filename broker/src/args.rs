@@ -352,6 +352,10 @@ pub fn queue_config(args: &FieldTable) -> crate::queue::machine::QueueConfig {
             _ => Overflow::DropHead,
         },
         message_ttl: int("x-message-ttl").and_then(|n| u64::try_from(n).ok()),
+        single_active: matches!(
+            args.inner().get("x-single-active-consumer"),
+            Some(AMQPValue::Boolean(true))
+        ),
     }
 }
 

@@ -5,7 +5,7 @@ import pika
 import pytest
 from pika.exceptions import NackError, UnroutableError
 
-from amqp_helpers import bodies_of, counts, get_all
+from amqp_helpers import bodies_of, counts, get_all, pump, wait_until
 
 
 def _publish_all(ch, q, items):
@@ -110,3 +110,23 @@ def test_unroutable_mandatory_is_still_returned_next_to_limits(ch, names):
     ch.confirm_delivery()
     with pytest.raises(UnroutableError):
         ch.basic_publish(x, "nowhere", b"m", mandatory=True)
+
+
+def test_single_active_consumer_fails_over_in_attach_order(conn, names):
+    """x-single-active-consumer: only the first consumer receives; when its channel closes,
+    its unacked messages come back and the next consumer takes over."""
+    q = names.q()
+    first, second, pub = conn.channel(), conn.channel(), conn.channel()
+    first.queue_declare(q, arguments={"x-single-active-consumer": True})
+    got1, got2 = [], []
+    first.basic_consume(q, lambda c, m, p, b: got1.append(b))
+    second.basic_consume(q, lambda c, m, p, b: got2.append(b))
+    pub.confirm_delivery()
+    for i in range(4):
+        pub.basic_publish("", q, b"%d" % i)
+    wait_until(conn, lambda: len(got1) == 4)
+    pump(conn, 0.2)
+    assert got2 == []
+    first.close()
+    wait_until(conn, lambda: len(got2) == 4)
+    assert sorted(got2) == [b"0", b"1", b"2", b"3"]

@@ -71,6 +71,9 @@ pub struct QueueConfig {
     pub overflow: Overflow,
     /// `x-message-ttl` in milliseconds.
     pub message_ttl: Option<u64>,
+    /// `x-single-active-consumer`: only the longest-attached consumer receives; the next one
+    /// takes over when it leaves.
+    pub single_active: bool,
 }
 
 /// Why a message left the queue without being acknowledged or delivered.
@@ -239,6 +242,10 @@ struct Consumer {
     unwritten_bytes: u64,
     /// Holds an unused [`Command::Grant`] (limited consumers only).
     granted: bool,
+    /// May receive (always, unless the queue has a single active consumer and this is not it).
+    active: bool,
+    /// Attach order (single active consumer fails over to the smallest).
+    attached: u64,
     /// Present in the service ring.
     in_ring: bool,
 }
@@ -248,9 +255,10 @@ impl Consumer {
         self.spec.limited && !self.spec.no_ack
     }
 
-    /// Credit apart from a shared limit: prefetch and window.
+    /// Credit apart from a shared limit: prefetch and window (and being the active consumer).
     fn own_credit(&self) -> bool {
-        (self.spec.no_ack || self.spec.prefetch == 0 || self.unacked < self.spec.prefetch)
+        self.active
+            && (self.spec.no_ack || self.spec.prefetch == 0 || self.unacked < self.spec.prefetch)
             && self.unwritten < self.spec.window
             && (self.unwritten == 0 || self.unwritten_bytes < self.spec.window_bytes)
     }
@@ -346,6 +354,8 @@ pub struct QueueMachine<M> {
     exclusive_consumer: Option<ConsumerId>,
     /// Attached consumers under a shared limit.
     limited_consumers: usize,
+    /// Consumers ever attached (their attach order).
+    attach_seq: u64,
     ready_bytes: u64,
     unacked_bytes: u64,
     counters: Counters,
@@ -379,6 +389,7 @@ impl<M: MessageRef> QueueMachine<M> {
             rings: BTreeMap::new(),
             exclusive_consumer: None,
             limited_consumers: 0,
+            attach_seq: 0,
             ready_bytes: 0,
             unacked_bytes: 0,
             counters: Counters::default(),
@@ -582,6 +593,8 @@ impl<M: MessageRef> QueueMachine<M> {
                 if spec.limited && !spec.no_ack {
                     self.limited_consumers += 1;
                 }
+                let active = !self.config.single_active || self.consumers.is_empty();
+                self.attach_seq += 1;
                 self.consumers.insert(
                     consumer,
                     Consumer {
@@ -590,6 +603,8 @@ impl<M: MessageRef> QueueMachine<M> {
                         unwritten: 0,
                         unwritten_bytes: 0,
                         granted: false,
+                        active,
+                        attached: self.attach_seq,
                         in_ring: false,
                     },
                 );
@@ -616,6 +631,15 @@ impl<M: MessageRef> QueueMachine<M> {
                     }
                     if self.exclusive_consumer == Some(consumer) {
                         self.exclusive_consumer = None;
+                    }
+                    // Single active consumer: the longest-attached remaining one takes over.
+                    if gone.active
+                        && self.config.single_active
+                        && let Some((&next, c)) =
+                            self.consumers.iter_mut().min_by_key(|(_, c)| c.attached)
+                    {
+                        c.active = true;
+                        self.refresh_ring(next);
                     }
                 }
                 Reply::Ok
@@ -1014,6 +1038,17 @@ impl<M: MessageRef> QueueMachine<M> {
             self.consumers.values().filter(|c| c.is_limited()).count(),
             "limited consumer count"
         );
+        if self.config.single_active {
+            let active: Vec<_> = self.consumers.iter().filter(|(_, c)| c.active).collect();
+            let oldest = self.consumers.values().map(|c| c.attached).min();
+            assert!(
+                active.len() == usize::from(!self.consumers.is_empty())
+                    && active
+                        .first()
+                        .is_none_or(|(_, c)| Some(c.attached) == oldest),
+                "exactly the longest-attached consumer is active"
+            );
+        }
         for (id, consumer) in &self.consumers {
             let owned = self
                 .unacked

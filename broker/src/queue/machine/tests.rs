@@ -424,6 +424,31 @@ fn the_shorter_of_queue_and_message_ttl_applies() {
 }
 
 #[test]
+fn single_active_consumer_serves_one_and_fails_over_in_attach_order() {
+    let mut q = QueueMachine::with_config(QueueConfig {
+        single_active: true,
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    q.apply(0, Command::Checkout(1, spec(1)), &mut fx).unwrap();
+    q.apply(0, Command::Checkout(2, spec(1)), &mut fx).unwrap();
+    q.apply(0, Command::Checkout(3, spec(1)), &mut fx).unwrap();
+    for i in 0..3 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    // Only consumer 1 receives, within its prefetch of 1.
+    assert_eq!(delivered(&fx), [(1, 1, false)]);
+    fx.clear();
+    // It leaves with its message unacked: consumer 2 takes over; the message comes back.
+    q.apply(0, Command::Cancel(1), &mut fx).unwrap();
+    assert_eq!(delivered(&fx), [(2, 2, false)]);
+    fx.clear();
+    q.apply(0, Command::Return(vec![1]), &mut fx).unwrap();
+    q.apply(0, Command::Settle(vec![2]), &mut fx).unwrap();
+    assert_eq!(delivered(&fx), [(2, 1, true)]);
+}
+
+#[test]
 fn get_and_purge() {
     let mut q = QueueMachine::new();
     let mut fx = Vec::new();
@@ -605,6 +630,7 @@ fn config() -> impl Strategy<Value = QueueConfig> {
                 max_length_bytes,
                 overflow,
                 message_ttl,
+                single_active: message_ttl.is_some_and(|t| t % 2 == 0),
             },
         )
 }
