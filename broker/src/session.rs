@@ -684,6 +684,8 @@ fn handle_queue(
                 q
             };
             chan.last_queue = Some(q.name.clone());
+            // A declare counts as use for x-expires (and arms its timer on a new queue).
+            q.touch();
             if !d.nowait {
                 let c = q.counts();
                 reply(

@@ -79,3 +79,51 @@ def test_invalid_expiration_is_406(ch, names):
     # RabbitMQ: "PRECONDITION_FAILED - invalid expiration 'soon': no_integer"
     with channel_closed(406, "invalid expiration"):
         ch.basic_publish("", q, b"m", pika.BasicProperties(expiration="soon"))
+
+
+def _exists(conn, q):
+    c = conn.channel()
+    try:
+        c.queue_declare(q, passive=True)
+        return True
+    except pika.exceptions.ChannelClosedByBroker as e:
+        assert e.reply_code == 404
+        return False
+    finally:
+        if c.is_open:
+            c.close()
+
+
+def _wait_gone(conn, ch, q, timeout=5.0):
+    """Wait until the default exchange no longer routes to `q`. A passive declare would count
+    as use and restart x-expires, so probe with mandatory publishes (unroutable once gone)."""
+    import time
+    deadline = time.monotonic() + timeout
+    ch.confirm_delivery()
+    while True:
+        try:
+            ch.basic_publish("", q, b"probe", mandatory=True)
+        except pika.exceptions.UnroutableError:
+            return
+        assert time.monotonic() < deadline, "queue did not expire"
+        conn.process_data_events(time_limit=0.05)
+
+
+def test_unused_queue_expires(conn, ch, names):
+    """x-expires: a queue without consumers that nobody declares or reads is deleted, even
+    with messages in it (publishing does not count as use)."""
+    q = names.q()
+    ch.queue_declare(q, arguments={"x-expires": 200})
+    ch.basic_publish("", q, b"m")
+    _wait_gone(conn, ch, q)
+
+
+def test_queue_with_a_consumer_does_not_expire(conn, ch, names):
+    """x-expires does not apply while a consumer is attached; after it leaves, it does."""
+    q = names.q()
+    ch.queue_declare(q, arguments={"x-expires": 100})
+    tag = ch.basic_consume(q, lambda *a: None, auto_ack=True)
+    pump(conn, 0.4)  # longer than x-expires: prove it does not expire
+    assert _exists(conn, q)
+    ch.basic_cancel(tag)
+    _wait_gone(conn, ch, q)

@@ -64,6 +64,8 @@ struct State {
     store_ops: Vec<Op>,
     /// When the timer thread will call [`Queue::on_timer`] (None: not armed).
     timer_at: Option<u64>,
+    /// Last use for `x-expires` (declare, consume, get, last consumer gone).
+    last_used: u64,
     /// Messages to dead-letter once the lock is released (pinned: their store records stay
     /// readable after the settles submitted under the lock commit).
     dead_letters: Vec<(Outgoing, Removal)>,
@@ -105,6 +107,8 @@ pub struct Queue {
     dead_letter: Option<DeadLetterTarget>,
     /// Set when `State::dead_letters` has work (checked without the lock).
     dead_letters_pending: AtomicBool,
+    /// `x-expires` in milliseconds.
+    expires: Option<u64>,
     state: Mutex<State>,
 }
 
@@ -133,6 +137,11 @@ impl Queue {
             auto_delete,
             exclusive_owner,
             dead_letter: DeadLetterTarget::from_args(&arguments),
+            expires: arguments
+                .inner()
+                .get("x-expires")
+                .and_then(crate::args::int_value)
+                .and_then(|n| u64::try_from(n).ok()),
             arguments,
             timers: env.timers,
             vhost_ref: env.vhost,
@@ -143,6 +152,7 @@ impl Queue {
                 deleted: false,
                 effects: Vec::new(),
                 had_consumer: false,
+                last_used: crate::timers::wall_ms(),
                 store_ops: Vec::new(),
                 timer_at: None,
                 dead_letters: Vec::new(),
@@ -157,7 +167,11 @@ impl Queue {
 
     /// Make sure the timer thread wakes this queue when its next message expires.
     fn arm_timer(self: &Arc<Self>, st: &mut State) {
-        if let (Some(timers), Some(next)) = (&self.timers, st.machine.next_expiry())
+        let next = match (st.machine.next_expiry(), self.unused_until(st)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        if let (Some(timers), Some(next)) = (&self.timers, next)
             && st.timer_at.is_none_or(|armed| next < armed)
         {
             st.timer_at = Some(next);
@@ -165,14 +179,35 @@ impl Queue {
         }
     }
 
-    /// Called by the timer thread: expire what is due, then re-arm.
+    /// `x-expires`: when the queue is deleted if nobody uses it until then (None while it has
+    /// consumers or no such argument).
+    fn unused_until(&self, st: &State) -> Option<u64> {
+        self.expires
+            .filter(|_| st.machine.consumer_count() == 0 && !st.deleted)
+            .map(|ms| st.last_used.saturating_add(ms))
+    }
+
+    /// The queue was used (declared, consumed from, read with basic.get): `x-expires` starts
+    /// again.
+    pub fn touch(self: &Arc<Self>) {
+        let mut st = self.state.lock();
+        st.last_used = self.now_ms();
+        self.arm_timer(&mut st);
+    }
+
+    /// Called by the timer thread: expire messages that are due, delete the queue if it has
+    /// been unused for its `x-expires`, then re-arm.
     pub fn on_timer(self: &Arc<Self>) {
-        {
+        let unused = {
             let mut st = self.state.lock();
             st.timer_at = None;
             let _ = self.run(&mut st, Command::Expire);
-        }
+            self.unused_until(&st).is_some_and(|at| at <= self.now_ms())
+        };
         self.dead_letter_pending();
+        if unused && let Some(vhost) = self.vhost_ref.upgrade() {
+            vhost.delete_queue(self, &mut || Box::new(|_| {}));
+        }
     }
 
     fn hold_dead_letter(&self, st: &mut State, msg: &Entry, reason: Removal) {
@@ -476,6 +511,7 @@ impl Queue {
                 return Err(e);
             }
             st.had_consumer = true;
+            st.last_used = self.now_ms();
         }
         self.dead_letter_pending();
         Ok(())
@@ -490,6 +526,7 @@ impl Queue {
             if st.sinks.remove(&id).is_none() {
                 return false;
             }
+            st.last_used = self.now_ms();
             let _ = self.run(&mut st, Command::Cancel(id));
             let last = self.auto_delete
                 && st.had_consumer
@@ -544,6 +581,7 @@ impl Queue {
     pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Outgoing, bool, u32)> {
         let got = {
             let mut st = self.state.lock();
+            st.last_used = self.now_ms();
             // Pinned before the settle of a no-ack get is submitted.
             let got = match self.apply(&mut st, Command::Get { no_ack }) {
                 Ok(Reply::Got(Some((id, entry, redelivered, left)))) => {
