@@ -146,6 +146,9 @@ pub fn dead_lettered(
             e.insert("exchange".into(), long_str(&exchange));
             let mut keys = FieldArray::default();
             keys.push(long_str(&routing_key));
+            for cc in sender_selected(&props).0 {
+                keys.push(long_str(&cc));
+            }
             e.insert("routing-keys".into(), AMQPValue::FieldArray(keys));
             if let Some(x) = &expiration {
                 e.insert("original-expiration".into(), long_str(x));
@@ -177,4 +180,29 @@ pub fn dead_lettered(
         properties,
         body: loaded.body_bytes(),
     })
+}
+
+/// The `CC` and `BCC` routing keys of a message (sender-selected distribution), if any. A
+/// cheap byte search skips the table parse for the common message without them.
+#[must_use]
+pub fn sender_selected(props: &Properties) -> (Vec<String>, Vec<String>) {
+    let Some(raw) = props.headers_raw() else {
+        return (Vec::new(), Vec::new());
+    };
+    let has = |key: &[u8]| raw.windows(key.len()).any(|w| w == key);
+    if !has(b"\x02CC") && !has(b"\x03BCC") {
+        return (Vec::new(), Vec::new());
+    }
+    let Some(headers) = props.headers() else {
+        return (Vec::new(), Vec::new());
+    };
+    let keys = |name: &str| -> Vec<String> {
+        match headers.inner().get(name) {
+            Some(AMQPValue::FieldArray(a)) => {
+                a.as_slice().iter().filter_map(|v| text(Some(v))).collect()
+            }
+            _ => Vec::new(),
+        }
+    };
+    (keys("CC"), keys("BCC"))
 }

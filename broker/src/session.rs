@@ -1430,17 +1430,40 @@ fn route(
     content: Content,
     targets: &mut Vec<Arc<Queue>>,
 ) -> Result<Arc<Message>, AmqpError> {
-    let headers = if ctx.vhost.routes_on_headers() {
-        content.properties.headers()
+    let mut properties = content.properties;
+    // Sender-selected distribution: CC and BCC header keys route too; BCC is removed.
+    let (cc, bcc) = crate::deadletter::sender_selected(&properties);
+    let headers = if ctx.vhost.routes_on_headers() || !(cc.is_empty() && bcc.is_empty()) {
+        properties.headers()
     } else {
         None
     };
     ctx.vhost
         .route(exchange, routing_key, headers.as_ref(), targets)?;
+    if !(cc.is_empty() && bcc.is_empty()) {
+        for key in cc.iter().chain(&bcc) {
+            ctx.vhost.route(exchange, key, headers.as_ref(), targets)?;
+        }
+        let mut seen = std::collections::HashSet::new();
+        targets.retain(|q| seen.insert(Arc::as_ptr(q)));
+        if !bcc.is_empty()
+            && let Some(h) = headers
+        {
+            let mut map = h.inner().clone();
+            map.remove("BCC");
+            let h = FieldTable::from(map);
+            let raw = properties.rewrite(&warren_amqp::table::encode_table(&h), false);
+            properties = warren_amqp::properties::Properties::parse(
+                raw,
+                warren_amqp::limits::TABLE_DEPTH_MAX,
+            )
+            .map_err(|_| AmqpError::connection(ReplyCode::InternalError, "BCC removal"))?;
+        }
+    }
     Ok(Arc::new(Message {
         exchange: exchange.to_string(),
         routing_key: routing_key.to_string(),
-        properties: content.properties,
+        properties,
         body: content.body,
     }))
 }

@@ -217,3 +217,23 @@ def test_unbind_stops_routing(ch, names):
     ch.queue_unbind(q, x, "never-bound")  # RabbitMQ: unbind of a missing binding is a no-op
     ch.basic_publish(x, "k", b"after")
     assert bodies_of(get_all(ch, q)) == [b"before"]
+
+
+def test_cc_and_bcc_headers_route_copies_and_bcc_is_removed(conn, ch, names):
+    """Sender-selected distribution: CC and BCC header keys are routed like the routing key;
+    the BCC header is removed from every copy, CC is kept."""
+    x = names.x()
+    qa, qb, qc = names.q("a"), names.q("b"), names.q("c")
+    ch.exchange_declare(x, exchange_type="direct")
+    for q, key in ((qa, "ka"), (qb, "kb"), (qc, "kc")):
+        ch.queue_declare(q)
+        ch.queue_bind(q, x, key)
+    ch.confirm_delivery()
+    ch.basic_publish(x, "ka", b"m", pika.BasicProperties(headers={"CC": ["kb"], "BCC": ["kc", "ka"]}))
+    for q in (qa, qb, qc):
+        m, props, body = ch.basic_get(q, auto_ack=True)
+        assert body == b"m", q
+        assert m.routing_key == "ka"
+        assert props.headers.get("CC") == ["kb"]
+        assert "BCC" not in props.headers
+        assert ch.basic_get(q, auto_ack=True)[0] is None, "one copy per queue"
