@@ -230,9 +230,10 @@ fn check_queue_type(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
         format!("\"unsupported queue type '{s}'\"")
     })?;
     match string_like(v).as_deref() {
-        Some(b"classic") => Ok(()),
-        // Quorum queues and streams arrive with their own issues; accepting them as classic
-        // queues would silently weaken what the application asked for.
+        // Quorum queues run on this node only until clustering lands (see the docs).
+        Some(b"classic" | b"quorum") => Ok(()),
+        // Streams arrive with their own issue; accepting them as classic queues would
+        // silently weaken what the application asked for.
         Some(other) => Err(format!(
             "\"queue type '{}' is not supported yet\"",
             String::from_utf8_lossy(other)
@@ -356,7 +357,29 @@ pub fn queue_config(args: &FieldTable) -> crate::queue::machine::QueueConfig {
             args.inner().get("x-single-active-consumer"),
             Some(AMQPValue::Boolean(true))
         ),
+        // Only quorum queues count deliveries (20 by default, RabbitMQ 4); 0 means none.
+        delivery_limit: if is_quorum(args) {
+            match int("x-delivery-limit") {
+                Some(n) if n <= 0 => None,
+                Some(n) => u32::try_from(n).ok(),
+                None => Some(QUORUM_DELIVERY_LIMIT_DEFAULT),
+            }
+        } else {
+            None
+        },
     }
+}
+
+/// RabbitMQ 4's default `x-delivery-limit` for quorum queues.
+pub const QUORUM_DELIVERY_LIMIT_DEFAULT: u32 = 20;
+
+/// Whether the arguments declare a quorum queue.
+#[must_use]
+pub fn is_quorum(args: &FieldTable) -> bool {
+    args.inner()
+        .get("x-queue-type")
+        .and_then(string_like)
+        .is_some_and(|t| t == b"quorum")
 }
 
 /// Validate a message's `expiration` property as RabbitMQ's `rabbit_basic:parse_expiration`

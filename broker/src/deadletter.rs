@@ -45,6 +45,7 @@ pub fn reason_name(reason: Removal) -> Option<&'static str> {
         Removal::Rejected => Some("rejected"),
         Removal::Expired => Some("expired"),
         Removal::MaxLen => Some("maxlen"),
+        Removal::DeliveryLimit => Some("delivery_limit"),
         Removal::Settled | Removal::Purged => None,
     }
 }
@@ -205,4 +206,20 @@ pub fn sender_selected(props: &Properties) -> (Vec<String>, Vec<String>) {
         }
     };
     (keys("CC"), keys("BCC"))
+}
+
+/// A property list with `x-delivery-count` set (quorum queues report how often a message was
+/// returned when they deliver it again). Unparseable input is returned unchanged.
+#[must_use]
+pub fn with_delivery_count(raw: &[u8], count: u32) -> Bytes {
+    let raw = Bytes::copy_from_slice(raw);
+    let Ok(props) = Properties::parse(raw.clone(), warren_amqp::limits::TABLE_DEPTH_MAX) else {
+        return raw;
+    };
+    let mut headers = props.headers().unwrap_or_default();
+    headers.insert(
+        "x-delivery-count".into(),
+        AMQPValue::LongLongInt(i64::from(count)),
+    );
+    props.rewrite(&encode_table(&headers), false)
 }

@@ -33,6 +33,8 @@ pub struct Delivery {
     pub redelivered: bool,
     /// Holds a slot of the channel's shared limit until settled.
     pub counted: bool,
+    /// Times it was returned before (reported as `x-delivery-count` by quorum queues).
+    pub delivery_count: u32,
 }
 
 /// Work for a connection task.

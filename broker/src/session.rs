@@ -468,7 +468,12 @@ impl Session {
                 m.routing_key(),
             );
         });
-        out.content(d.channel, m.properties(), m.body());
+        if d.delivery_count > 0 && d.queue.is_quorum {
+            let props = crate::deadletter::with_delivery_count(m.properties(), d.delivery_count);
+            out.content(d.channel, &props, m.body());
+        } else {
+            out.content(d.channel, m.properties(), m.body());
+        }
         if !no_ack {
             chan.unacked.insert(
                 tag,
@@ -653,6 +658,24 @@ fn handle_queue(
                     ));
                 }
                 crate::args::validate_queue_args(&d.arguments, &rs("queue", &name, &vhost.name))?;
+                if crate::args::is_quorum(&d.arguments) {
+                    // rabbit_quorum_queue:declare's checks, in its order.
+                    for (bad, property) in [
+                        (d.auto_delete, "auto-delete"),
+                        (d.exclusive, "exclusive-owner"),
+                        (!d.durable, "non-durable"),
+                    ] {
+                        if bad {
+                            return Err(AmqpError::channel(
+                                ReplyCode::PreconditionFailed,
+                                format!(
+                                    "invalid property '{property}' for {}",
+                                    rs("queue", &name, &vhost.name)
+                                ),
+                            ));
+                        }
+                    }
+                }
                 // RabbitMQ forces exclusive queues to be non-durable.
                 let durable = d.durable && !d.exclusive;
                 let owner = d.exclusive.then_some(ctx.conn_id);
@@ -1360,7 +1383,7 @@ fn handle_basic(
                     ch,
                     AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
                 ),
-                Some((id, msg, redelivered, remaining)) => {
+                Some((id, msg, redelivered, remaining, delivery_count)) => {
                     let tag = chan.next_tag;
                     chan.next_tag += 1;
                     if !g.no_ack {
@@ -1387,7 +1410,15 @@ fn handle_basic(
                             remaining,
                         );
                     });
-                    out.content(ch, msg.properties(), msg.body());
+                    if delivery_count > 0 && q.is_quorum {
+                        let props = crate::deadletter::with_delivery_count(
+                            msg.properties(),
+                            delivery_count,
+                        );
+                        out.content(ch, &props, msg.body());
+                    } else {
+                        out.content(ch, msg.properties(), msg.body());
+                    }
                 }
             }
             Ok(())

@@ -74,6 +74,9 @@ pub struct QueueConfig {
     /// `x-single-active-consumer`: only the longest-attached consumer receives; the next one
     /// takes over when it leaves.
     pub single_active: bool,
+    /// `x-delivery-limit` (quorum queues; 20 by default there): a message returned more than
+    /// this many times is removed (dead-lettered with reason `delivery_limit`).
+    pub delivery_limit: Option<u32>,
 }
 
 /// Why a message left the queue without being acknowledged or delivered.
@@ -89,6 +92,8 @@ pub enum Removal {
     MaxLen,
     /// Its TTL ran out before it was delivered.
     Expired,
+    /// Returned more often than the delivery limit allows.
+    DeliveryLimit,
 }
 
 /// How a consumer receives.
@@ -178,6 +183,8 @@ pub enum Effect<M> {
         redelivered: bool,
         /// The consumer does not ack: the message left the queue with this delivery.
         settled: bool,
+        /// Times it was returned before (quorum queues report it in `x-delivery-count`).
+        delivery_count: u32,
     },
     /// A message left the queue for good (acked, rejected without requeue, purged, dropped by
     /// a length limit, or taken by a no-ack `basic.get`), so the driver can release what it
@@ -200,8 +207,9 @@ pub enum Reply<M> {
     /// `Enqueue` refused by a length limit with `x-overflow` reject-publish(-dlx): the message
     /// is handed back.
     Rejected(M),
-    /// basic.get result: the message, whether redelivered, and the ready count after it.
-    Got(Option<(MsgId, M, bool, u32)>),
+    /// basic.get result: the message, whether redelivered, the ready count after it, and how
+    /// often it was returned before.
+    Got(Option<(MsgId, M, bool, u32, u32)>),
     /// Messages removed by a purge.
     Purged(u32),
 }
@@ -224,6 +232,8 @@ struct Ready<M> {
     redelivered: bool,
     /// Machine time (ms) from which it must not be delivered.
     expires_at: Option<u64>,
+    /// Times it was returned after a delivery.
+    delivery_count: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -232,6 +242,8 @@ struct Unacked<M> {
     consumer: Option<ConsumerId>,
     /// Kept for a requeue: a returned message keeps its original expiry.
     expires_at: Option<u64>,
+    /// Times it was returned before this delivery.
+    delivery_count: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -555,6 +567,7 @@ impl<M: MessageRef> QueueMachine<M> {
                     msg,
                     redelivered: false,
                     expires_at,
+                    delivery_count: 0,
                 });
                 Reply::Ok
             }
@@ -575,6 +588,7 @@ impl<M: MessageRef> QueueMachine<M> {
                     msg,
                     redelivered,
                     expires_at,
+                    delivery_count: 0,
                 });
                 Reply::Ok
             }
@@ -654,7 +668,7 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Settle(ids) => {
                 for id in ids {
-                    if let Some((msg, _)) = self.take_unacked(id) {
+                    if let Some((msg, _, _)) = self.take_unacked(id) {
                         self.counters.settled += 1;
                         effects.push(Effect::Removed {
                             id,
@@ -667,7 +681,7 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Discard(ids) => {
                 for id in ids {
-                    if let Some((msg, _)) = self.take_unacked(id) {
+                    if let Some((msg, _, _)) = self.take_unacked(id) {
                         self.counters.discarded += 1;
                         effects.push(Effect::Removed {
                             id,
@@ -680,12 +694,27 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Return(ids) => {
                 for id in ids {
-                    if let Some((msg, expires_at)) = self.take_unacked(id) {
+                    if let Some((msg, expires_at, count)) = self.take_unacked(id) {
+                        let delivery_count = count.saturating_add(1);
+                        if self
+                            .config
+                            .delivery_limit
+                            .is_some_and(|limit| delivery_count > limit)
+                        {
+                            self.counters.discarded += 1;
+                            effects.push(Effect::Removed {
+                                id,
+                                msg,
+                                reason: Removal::DeliveryLimit,
+                            });
+                            continue;
+                        }
                         self.push_returned(Ready {
                             id,
                             msg,
                             redelivered: true,
                             expires_at,
+                            delivery_count,
                         });
                     }
                 }
@@ -710,11 +739,18 @@ impl<M: MessageRef> QueueMachine<M> {
                                 msg: r.msg.clone(),
                                 consumer: None,
                                 expires_at: r.expires_at,
+                                delivery_count: r.delivery_count,
                             },
                         );
                     }
                     let remaining = u32::try_from(self.ready_len()).unwrap_or(u32::MAX);
-                    Reply::Got(Some((r.id, r.msg, r.redelivered, remaining)))
+                    Reply::Got(Some((
+                        r.id,
+                        r.msg,
+                        r.redelivered,
+                        remaining,
+                        r.delivery_count,
+                    )))
                 }
             },
             Command::Swap { id, msg } => {
@@ -807,7 +843,7 @@ impl<M: MessageRef> QueueMachine<M> {
         Ok(reply)
     }
 
-    fn take_unacked(&mut self, id: MsgId) -> Option<(M, Option<u64>)> {
+    fn take_unacked(&mut self, id: MsgId) -> Option<(M, Option<u64>, u32)> {
         let u = self.unacked.remove(&id)?;
         self.unacked_bytes -= u.msg.size();
         if let Some(cid) = u.consumer
@@ -816,7 +852,7 @@ impl<M: MessageRef> QueueMachine<M> {
             c.unacked -= 1;
             self.refresh_ring(cid);
         }
-        Some((u.msg, u.expires_at))
+        Some((u.msg, u.expires_at, u.delivery_count))
     }
 
     /// When a message arriving now expires: the shorter of the queue's and its own TTL.
@@ -972,6 +1008,7 @@ impl<M: MessageRef> QueueMachine<M> {
                         msg: r.msg.clone(),
                         consumer: Some(cid),
                         expires_at: r.expires_at,
+                        delivery_count: r.delivery_count,
                     },
                 );
             }
@@ -981,6 +1018,7 @@ impl<M: MessageRef> QueueMachine<M> {
                 msg: r.msg,
                 redelivered: r.redelivered,
                 settled: c.spec.no_ack,
+                delivery_count: r.delivery_count,
             });
             if c.has_credit() {
                 c.in_ring = true;

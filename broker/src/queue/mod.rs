@@ -109,6 +109,8 @@ pub struct Queue {
     dead_letters_pending: AtomicBool,
     /// `x-expires` in milliseconds.
     expires: Option<u64>,
+    /// Declared with `x-queue-type: quorum` (delivery limit, `x-delivery-count`).
+    pub is_quorum: bool,
     state: Mutex<State>,
 }
 
@@ -137,6 +139,7 @@ impl Queue {
             auto_delete,
             exclusive_owner,
             dead_letter: DeadLetterTarget::from_args(&arguments),
+            is_quorum: crate::args::is_quorum(&arguments),
             expires: arguments
                 .inner()
                 .get("x-expires")
@@ -370,6 +373,7 @@ impl Queue {
                     msg,
                     redelivered,
                     settled,
+                    delivery_count,
                 } => {
                     if settled && self.persists(&msg) {
                         st.store_ops.push(Op::Settle { queue: self.id, id });
@@ -386,6 +390,7 @@ impl Queue {
                         message: msg.pin(self.store.as_deref()),
                         redelivered,
                         counted: st.machine.is_limited(consumer),
+                        delivery_count,
                     }));
                 }
             }
@@ -577,16 +582,21 @@ impl Queue {
         self.dead_letter_pending();
     }
 
-    /// basic.get: the head message, its redelivered flag and the ready count after it.
-    pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Outgoing, bool, u32)> {
+    /// basic.get: the head message, its redelivered flag, the ready count after it and its
+    /// delivery count.
+    pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Outgoing, bool, u32, u32)> {
         let got = {
             let mut st = self.state.lock();
             st.last_used = self.now_ms();
             // Pinned before the settle of a no-ack get is submitted.
             let got = match self.apply(&mut st, Command::Get { no_ack }) {
-                Ok(Reply::Got(Some((id, entry, redelivered, left)))) => {
-                    Some((id, entry.pin(self.store.as_deref()), redelivered, left))
-                }
+                Ok(Reply::Got(Some((id, entry, redelivered, left, count)))) => Some((
+                    id,
+                    entry.pin(self.store.as_deref()),
+                    redelivered,
+                    left,
+                    count,
+                )),
                 _ => None,
             };
             self.submit_store_ops(&mut st, None);

@@ -27,7 +27,7 @@ impl MessageRef for M {
 
 fn got_id(r: Result<Reply<M>, MachineError>) -> Option<MsgId> {
     match r {
-        Ok(Reply::Got(Some((id, _, _, _)))) => Some(id),
+        Ok(Reply::Got(Some((id, _, _, _, _)))) => Some(id),
         _ => None,
     }
 }
@@ -264,14 +264,14 @@ fn swap_replaces_a_reference_without_moving_it() {
         .unwrap();
     assert_eq!(
         q.apply(0, Command::Get { no_ack: false }, &mut fx),
-        Ok(Reply::Got(Some((1, M(7), false, 2))))
+        Ok(Reply::Got(Some((1, M(7), false, 2, 0))))
     );
     q.apply(0, Command::Swap { id: 1, msg: M(14) }, &mut fx)
         .unwrap();
     q.apply(0, Command::Return(vec![1]), &mut fx).unwrap();
     assert_eq!(
         q.apply(0, Command::Get { no_ack: true }, &mut fx),
-        Ok(Reply::Got(Some((1, M(14), true, 2))))
+        Ok(Reply::Got(Some((1, M(14), true, 2, 1))))
     );
 }
 
@@ -449,6 +449,23 @@ fn single_active_consumer_serves_one_and_fails_over_in_attach_order() {
 }
 
 #[test]
+fn delivery_limit_removes_a_message_returned_too_often() {
+    let mut q = QueueMachine::with_config(QueueConfig {
+        delivery_limit: Some(2),
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    q.apply(0, Command::Enqueue(M(1)), &mut fx).unwrap();
+    for returned in 0..3 {
+        let got = q.apply(0, Command::Get { no_ack: false }, &mut fx);
+        assert_eq!(got_id(got), Some(1), "delivery after {returned} returns");
+        q.apply(0, Command::Return(vec![1]), &mut fx).unwrap();
+    }
+    assert_eq!(removed(&fx), [(1, Removal::DeliveryLimit)]);
+    assert_eq!(q.ready_len(), 0);
+}
+
+#[test]
 fn get_and_purge() {
     let mut q = QueueMachine::new();
     let mut fx = Vec::new();
@@ -457,7 +474,7 @@ fn get_and_purge() {
     }
     assert_eq!(
         q.apply(0, Command::Get { no_ack: false }, &mut fx),
-        Ok(Reply::Got(Some((1, M(0), false, 2))))
+        Ok(Reply::Got(Some((1, M(0), false, 2, 0))))
     );
     assert_eq!(q.apply(0, Command::Purge, &mut fx), Ok(Reply::Purged(2)));
     assert_eq!(
@@ -467,7 +484,7 @@ fn get_and_purge() {
     q.apply(0, Command::Return(vec![1]), &mut fx).unwrap();
     assert_eq!(
         q.apply(0, Command::Get { no_ack: true }, &mut fx),
-        Ok(Reply::Got(Some((1, M(0), true, 0))))
+        Ok(Reply::Got(Some((1, M(0), true, 0, 1))))
     );
 }
 
@@ -576,7 +593,7 @@ proptest! {
                     let expected = m.ready.pop_first();
                     match (r, expected) {
                         (Reply::Got(None), None) => {}
-                        (Reply::Got(Some((id, _, redelivered, left))), Some(e)) => {
+                        (Reply::Got(Some((id, _, redelivered, left, _))), Some(e)) => {
                             prop_assert_eq!(id, e);
                             prop_assert_eq!(redelivered, m.redelivered.contains(&e));
                             prop_assert_eq!(left as usize, m.ready.len());
@@ -631,6 +648,7 @@ fn config() -> impl Strategy<Value = QueueConfig> {
                 overflow,
                 message_ttl,
                 single_active: message_ttl.is_some_and(|t| t % 2 == 0),
+                delivery_limit: max_length.map(|n| u32::try_from(n).unwrap_or(0)),
             },
         )
 }
@@ -672,7 +690,7 @@ proptest! {
             };
             match reply {
                 Reply::Ok if kind <= 1 => accepted += 1,
-                Reply::Got(Some((id, msg, _, _))) => {
+                Reply::Got(Some((id, msg, _, _, _))) => {
                     // Nothing of a higher level is left behind a get.
                     if let Some(top) = q.levels.keys().next_back() {
                         prop_assert!(q.level_of(&msg) >= *top, "get takes the highest level");
