@@ -176,7 +176,16 @@ async fn serve(
         if conn.is_closed() {
             break;
         }
-        let timer = conn.poll_timeout().map(Instant::from_std);
+        let timer = earliest(
+            conn.poll_timeout().map(Instant::from_std),
+            session
+                .as_mut()
+                .and_then(Session::next_deadline)
+                .map(|wall| {
+                    let wait = wall.saturating_sub(warren_broker::timers::wall_ms());
+                    Instant::now() + Duration::from_millis(wait)
+                }),
+        );
         // Mark the commit generation seen before looking at the backlog: a commit after this
         // point wakes the select below, so no wake-up is lost.
         store.commits.borrow_and_update();
@@ -222,6 +231,11 @@ async fn serve(
             _ = store.commits.changed(), if store_paused => {},
             () = sleep_until(timer) => {
                 conn.handle_timeout(Instant::now().into_std(), &mut out);
+                if let Some(s) = session.as_mut() {
+                    for (ch, e) in s.timed_out(warren_broker::timers::wall_ms()) {
+                        conn.close_channel(ch, e, &mut out);
+                    }
+                }
             },
             changed = shutdown.changed(), if !shutting_down => {
                 shutting_down = true;
@@ -263,6 +277,13 @@ async fn serve(
     let _ = wr.shutdown().await;
     if let Some(mut s) = session {
         s.close();
+    }
+}
+
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 

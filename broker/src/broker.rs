@@ -29,6 +29,9 @@ pub struct BrokerConfig {
     pub consumer_window: u32,
     /// Unwritten delivery bytes per consumer ([`crate::limits::CONSUMER_WINDOW_BYTES_DEFAULT`]).
     pub consumer_window_bytes: u64,
+    /// Time a delivery may stay unacked before its channel is closed with 406 (RabbitMQ's
+    /// `consumer_timeout`, 30 minutes by default; None or 0 disables it).
+    pub consumer_timeout_ms: Option<u64>,
 }
 
 impl Default for BrokerConfig {
@@ -36,6 +39,7 @@ impl Default for BrokerConfig {
         Self {
             consumer_window: crate::limits::CONSUMER_WINDOW_DEFAULT,
             consumer_window_bytes: crate::limits::CONSUMER_WINDOW_BYTES_DEFAULT,
+            consumer_timeout_ms: Some(crate::limits::CONSUMER_TIMEOUT_DEFAULT_MS),
         }
     }
 }

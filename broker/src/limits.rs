@@ -15,3 +15,5 @@ pub const CONSUMERS_PER_CHANNEL_MAX: usize = 65_535;
 /// that become durable while more than this is ready keep only their place in the store and are
 /// read back on delivery: a long backlog costs tens of bytes per message, not its bodies.
 pub const QUEUE_HEAD_CACHE_BYTES: u64 = 8 * 1024 * 1024;
+/// RabbitMQ's default `consumer_timeout`: a delivery unacked for 30 minutes closes its channel.
+pub const CONSUMER_TIMEOUT_DEFAULT_MS: u64 = 30 * 60 * 1000;

@@ -66,6 +66,8 @@ struct Unacked {
     id: MsgId,
     /// Holds a slot of the channel's [`Limiter`].
     counted: bool,
+    /// Wall-clock ms by which it must be acked (consumer timeout), `u64::MAX` for never.
+    deadline: u64,
 }
 
 /// A settled-or-requeued decision, applied now or at tx.commit.
@@ -123,10 +125,41 @@ struct Channel {
     last_queue: Option<String>,
     /// Consumer of `amq.rabbitmq.reply-to` on this channel: (consumer tag, reply name).
     reply_consumer: Option<(String, String)>,
+    /// (deadline, delivery tag) of unacked deliveries with a consumer timeout; entries whose
+    /// tag is no longer unacked are dropped lazily.
+    deadlines: BTreeSet<(u64, u64)>,
+    /// Closed by a consumer timeout (waiting for the client's close-ok).
+    timed_out: bool,
     route_buf: Vec<Arc<Queue>>,
 }
 
 impl Channel {
+    /// Record an unacked delivery (and its consumer-timeout deadline).
+    fn track(&mut self, tag: u64, u: Unacked) {
+        if u.deadline != u64::MAX {
+            self.deadlines.insert((u.deadline, tag));
+        }
+        self.unacked.insert(tag, u);
+    }
+
+    /// The earliest consumer-timeout deadline of a delivery still unacked.
+    fn next_deadline(&mut self) -> Option<u64> {
+        if self.timed_out {
+            return None;
+        }
+        while let Some(&(deadline, tag)) = self.deadlines.first() {
+            if self
+                .unacked
+                .get(&tag)
+                .is_some_and(|u| u.deadline == deadline)
+            {
+                return Some(deadline);
+            }
+            self.deadlines.pop_first();
+        }
+        None
+    }
+
     fn new(epoch: u64) -> Self {
         Self {
             epoch,
@@ -139,6 +172,8 @@ impl Channel {
             mode: Mode::Plain,
             last_queue: None,
             reply_consumer: None,
+            deadlines: BTreeSet::new(),
+            timed_out: false,
             route_buf: Vec::new(),
         }
     }
@@ -407,6 +442,42 @@ impl Session {
         self.drained = items;
     }
 
+    /// The earliest consumer-timeout deadline (wall-clock ms) on any channel.
+    pub fn next_deadline(&mut self) -> Option<u64> {
+        self.channels
+            .values_mut()
+            .filter_map(Channel::next_deadline)
+            .min()
+    }
+
+    /// Channels with a delivery not acked within its consumer timeout at `now` (wall-clock
+    /// ms), with the error RabbitMQ closes them with (406).
+    pub fn timed_out(&mut self, now: u64) -> Vec<(u16, AmqpError)> {
+        let mut closing = Vec::new();
+        for (ch, chan) in &mut self.channels {
+            if let Some(deadline) = chan.next_deadline()
+                && deadline <= now
+            {
+                let timeout = chan
+                    .deadlines
+                    .first()
+                    .and_then(|(_, tag)| chan.unacked.get(tag))
+                    .map_or(0, |u| consumer_timeout(&self.ctx, &u.queue).unwrap_or(0));
+                chan.timed_out = true;
+                closing.push((
+                    *ch,
+                    AmqpError::channel(
+                        ReplyCode::PreconditionFailed,
+                        format!(
+                            "delivery acknowledgement on channel {ch} timed out. Timeout value used: {timeout} ms. This timeout value can be configured, see consumers doc guide to learn more"
+                        ),
+                    ),
+                ));
+            }
+        }
+        closing
+    }
+
     /// Whether output must be held: a change the client was (or is about to be) answered for
     /// is not durable yet. Reading may go on; replies stay in order because nothing is written.
     #[must_use]
@@ -475,12 +546,14 @@ impl Session {
             out.content(d.channel, m.properties(), m.body());
         }
         if !no_ack {
-            chan.unacked.insert(
+            let deadline = consumer_deadline(&self.ctx, &d.queue);
+            chan.track(
                 tag,
                 Unacked {
                     queue: Arc::clone(&d.queue),
                     id: d.id,
                     counted: d.counted,
+                    deadline,
                 },
             );
         }
@@ -1045,7 +1118,7 @@ fn handle_tx(
             let buf = std::mem::take(buf);
             // Acks not committed make their messages unacked again.
             for (_, tag, u) in buf.acks {
-                chan.unacked.insert(tag, u);
+                chan.track(tag, u);
             }
             reply(
                 out,
@@ -1387,12 +1460,14 @@ fn handle_basic(
                     let tag = chan.next_tag;
                     chan.next_tag += 1;
                     if !g.no_ack {
-                        chan.unacked.insert(
+                        let deadline = consumer_deadline(ctx, &q);
+                        chan.track(
                             tag,
                             Unacked {
                                 queue: Arc::clone(&q),
                                 id,
                                 counted: false,
+                                deadline,
                             },
                         );
                     }
@@ -1497,6 +1572,19 @@ fn route(
         properties,
         body: content.body,
     }))
+}
+
+/// The consumer timeout of deliveries from `queue`: its `x-consumer-timeout`, else the
+/// broker's default.
+fn consumer_timeout(ctx: &Ctx, queue: &Queue) -> Option<u64> {
+    queue
+        .consumer_timeout
+        .or(ctx.broker.config.consumer_timeout_ms)
+        .filter(|t| *t > 0)
+}
+
+fn consumer_deadline(ctx: &Ctx, queue: &Queue) -> u64 {
+    consumer_timeout(ctx, queue).map_or(u64::MAX, |t| crate::timers::wall_ms().saturating_add(t))
 }
 
 /// Whether a publish is a direct reply (default exchange, a reply-to name as routing key).

@@ -513,3 +513,20 @@ def test_direct_reply_to_stops_after_cancel(conn, names):
     server.confirm_delivery()
     with pytest.raises(UnroutableError):
         server.basic_publish("", props.reply_to, b"late", mandatory=True)
+
+
+@pytest.mark.warren_only
+def test_consumer_timeout_closes_the_channel_and_requeues(conn, names):
+    """x-consumer-timeout: a delivery not acked in time closes its channel with 406 and the
+    message goes back to the queue. (The queue argument exists from RabbitMQ 3.12, and
+    RabbitMQ checks timeouts only about once a minute, so the 3.10 reference cannot run it.)"""
+    q = names.q()
+    ch = conn.channel()
+    ch.queue_declare(q, arguments={"x-consumer-timeout": 300})
+    ch.confirm_delivery()
+    ch.basic_publish("", q, b"slow")
+    got = []
+    ch.basic_consume(q, lambda c, m, p, b: got.append(b))
+    wait_until(conn, lambda: ch.is_closed, timeout=10)
+    assert got == [b"slow"]
+    wait_until(conn, lambda: counts(conn, q) == (1, 0))

@@ -111,6 +111,8 @@ pub struct Queue {
     expires: Option<u64>,
     /// Declared with `x-queue-type: quorum` (delivery limit, `x-delivery-count`).
     pub is_quorum: bool,
+    /// `x-consumer-timeout` in milliseconds (overrides the broker's default).
+    pub consumer_timeout: Option<u64>,
     state: Mutex<State>,
 }
 
@@ -140,6 +142,11 @@ impl Queue {
             exclusive_owner,
             dead_letter: DeadLetterTarget::from_args(&arguments),
             is_quorum: crate::args::is_quorum(&arguments),
+            consumer_timeout: arguments
+                .inner()
+                .get("x-consumer-timeout")
+                .and_then(crate::args::int_value)
+                .and_then(|n| u64::try_from(n).ok()),
             expires: arguments
                 .inner()
                 .get("x-expires")
