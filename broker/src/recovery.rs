@@ -117,7 +117,13 @@ impl Broker {
             };
             // Only the place in the store is kept: bodies are read when delivered (their
             // checksums were verified when the store opened).
-            q.restore(m.id, m.location, u8::try_from(m.flags & 0xff).unwrap_or(0));
+            let priority = u8::try_from(m.flags & 0xff).unwrap_or(0);
+            q.restore(
+                m.id,
+                m.location,
+                priority,
+                (m.expires_at > 0).then_some(m.expires_at),
+            );
             report.messages += 1;
             if (n + 1) % 250_000 == 0 {
                 tracing::info!(

@@ -549,6 +549,52 @@ async fn priorities_and_length_limits_survive_a_restart() {
     );
 }
 
+#[tokio::test]
+async fn message_ttls_keep_running_across_a_restart() {
+    //! A persistent message's expiry is stored with it: after a kill -9 it still expires at its
+    //! original time (its own `expiration` included), while the message without one stays.
+    let b = Broker::start();
+    let conn = connect(&b).await;
+    let ch = confirm_channel(&conn).await;
+    queue(&ch, "ttl", true).await;
+    publish(
+        &ch,
+        "",
+        "ttl",
+        b"short",
+        persistent().with_expiration("1500".into()),
+    )
+    .await;
+    publish(&ch, "", "ttl", b"stays", persistent()).await;
+    let b = restart(b, true);
+    let conn = connect(&b).await;
+    let ch = conn.create_channel().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let q = ch
+            .queue_declare(
+                "ttl".into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        if q.message_count() == 1 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stored expiry was lost"
+        );
+        // Bounded poll of the queue depth: the event is the broker's own timer.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(bodies(&drain(&ch, "ttl").await), ["stays"]);
+}
+
 fn dir_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
         .unwrap()

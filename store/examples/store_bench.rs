@@ -52,6 +52,7 @@ fn segments(dir: &Path, n: u64, batch: u64, body: &Bytes) {
                 id: id + i,
                 body: BodyRef::New(i as usize),
                 flags: 0,
+                expires_at: 0,
             });
         }
         store.commit(&b).expect("commit");

@@ -37,7 +37,7 @@ use record::{RECORD_HEADER, RECORD_MAX};
 use segment::{ActiveSegment, SEGMENT_HEADER};
 
 /// Version of the data directory layout (redb tables and index encoding).
-pub const FORMAT_VERSION: u64 = 1;
+pub const FORMAT_VERSION: u64 = 2;
 /// Default segment size before the writer rolls to a new file.
 pub const SEGMENT_MAX_DEFAULT: u64 = 64 * 1024 * 1024;
 
@@ -106,8 +106,10 @@ pub enum Op {
         id: u64,
         /// Its body.
         body: BodyRef,
-        /// Per-message flags kept in the index (reserved for queue semantics; 0 today).
+        /// Per-message flags kept in the index (the broker keeps the priority here).
         flags: u32,
+        /// When the message expires (machine time, ms; 0 = never), so TTLs survive restarts.
+        expires_at: u64,
     },
     /// A message leaves a queue (ack, reject, drop). Absent is fine.
     Settle {
@@ -151,6 +153,8 @@ pub struct IndexedMessage {
     pub location: Location,
     /// Flags stored with it.
     pub flags: u32,
+    /// Expiry stored with it (0 = never).
+    pub expires_at: u64,
 }
 
 /// Metadata rows of one table: (key, value) in key order.
@@ -189,18 +193,19 @@ impl Default for Options {
     }
 }
 
-const ENTRY_LEN: usize = 24;
+const ENTRY_LEN: usize = 32;
 
-fn encode_entry(loc: Location, flags: u32) -> [u8; ENTRY_LEN] {
+fn encode_entry(loc: Location, flags: u32, expires_at: u64) -> [u8; ENTRY_LEN] {
     let mut e = [0u8; ENTRY_LEN];
     e[0..8].copy_from_slice(&loc.segment.to_be_bytes());
     e[8..16].copy_from_slice(&loc.offset.to_be_bytes());
     e[16..20].copy_from_slice(&loc.len.to_be_bytes());
     e[20..24].copy_from_slice(&flags.to_be_bytes());
+    e[24..32].copy_from_slice(&expires_at.to_be_bytes());
     e
 }
 
-fn decode_entry(e: &[u8]) -> Option<(Location, u32)> {
+fn decode_entry(e: &[u8]) -> Option<(Location, u32, u64)> {
     if e.len() != ENTRY_LEN {
         return None;
     }
@@ -213,6 +218,7 @@ fn decode_entry(e: &[u8]) -> Option<(Location, u32)> {
             len: u32_at(16),
         },
         u32_at(20),
+        u64_at(24),
     ))
 }
 
@@ -297,7 +303,7 @@ impl Store {
                     for row in t.iter().map_err(|e| StoreError::db(&db_path, e))? {
                         let (k, v) = row.map_err(|e| StoreError::db(&db_path, e))?;
                         let (queue, id) = k.value();
-                        let Some((location, flags)) = decode_entry(v.value()) else {
+                        let Some((location, flags, expires_at)) = decode_entry(v.value()) else {
                             return Err(StoreError::Corrupt {
                                 path: db_path.clone(),
                                 offset: 0,
@@ -329,6 +335,7 @@ impl Store {
                             id,
                             location,
                             flags,
+                            expires_at,
                         });
                         if recovered.messages.len() % 250_000 == 0 {
                             tracing::info!(
@@ -442,6 +449,7 @@ impl Store {
                         id,
                         body,
                         flags,
+                        expires_at,
                     } => {
                         let loc = match body {
                             BodyRef::New(i) => {
@@ -457,11 +465,14 @@ impl Store {
                             BodyRef::Stored(loc) => *loc,
                         };
                         let old = messages
-                            .insert((*queue, *id), encode_entry(loc, *flags).as_slice())
+                            .insert(
+                                (*queue, *id),
+                                encode_entry(loc, *flags, *expires_at).as_slice(),
+                            )
                             .map_err(|e| StoreError::db(&self.db_path, e))?
                             .and_then(|g| decode_entry(g.value()));
                         *delta.entry(loc.segment).or_default() += 1;
-                        if let Some((old, _)) = old {
+                        if let Some((old, _, _)) = old {
                             *delta.entry(old.segment).or_default() -= 1;
                         }
                     }
@@ -470,7 +481,7 @@ impl Store {
                             .remove((*queue, *id))
                             .map_err(|e| StoreError::db(&self.db_path, e))?
                             .and_then(|g| decode_entry(g.value()));
-                        if let Some((old, _)) = old {
+                        if let Some((old, _, _)) = old {
                             *delta.entry(old.segment).or_default() -= 1;
                         }
                     }
@@ -480,7 +491,7 @@ impl Store {
                             .map_err(|e| StoreError::db(&self.db_path, e))?;
                         for row in removed {
                             let (_, v) = row.map_err(|e| StoreError::db(&self.db_path, e))?;
-                            if let Some((old, _)) = decode_entry(v.value()) {
+                            if let Some((old, _, _)) = decode_entry(v.value()) {
                                 *delta.entry(old.segment).or_default() -= 1;
                             }
                         }

@@ -23,6 +23,7 @@ fn enqueue(queue: u64, id: u64, body: usize) -> Op {
         id,
         body: BodyRef::New(body),
         flags: 0,
+        expires_at: 0,
     }
 }
 

@@ -130,6 +130,8 @@ pub enum Command<M> {
         msg: M,
         /// Whether to mark it redelivered.
         redelivered: bool,
+        /// Its stored expiry (None: computed from the queue's TTL now).
+        expires_at: Option<u64>,
     },
     /// Attach a consumer.
     Checkout(ConsumerId, ConsumerSpec),
@@ -575,6 +577,7 @@ impl<M: MessageRef> QueueMachine<M> {
                 id,
                 msg,
                 redelivered,
+                expires_at: stored_expiry,
             } => {
                 debug_assert!(
                     id >= self.next_id,
@@ -582,7 +585,7 @@ impl<M: MessageRef> QueueMachine<M> {
                 );
                 self.next_id = self.next_id.max(id + 1);
                 self.counters.enqueued += 1;
-                let expires_at = self.expiry_of(&msg);
+                let expires_at = stored_expiry.or_else(|| self.expiry_of(&msg));
                 self.push_fresh(Ready {
                     id,
                     msg,
@@ -857,11 +860,17 @@ impl<M: MessageRef> QueueMachine<M> {
 
     /// When a message arriving now expires: the shorter of the queue's and its own TTL.
     fn expiry_of(&self, msg: &M) -> Option<u64> {
+        self.expiry_at(msg, self.now)
+    }
+
+    /// When `msg` would expire if enqueued at `now` (drivers store it with the message).
+    #[must_use]
+    pub fn expiry_at(&self, msg: &M, now: u64) -> Option<u64> {
         let ttl = match (self.config.message_ttl, msg.expiration_ms()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        ttl.map(|t| self.now.saturating_add(t))
+        ttl.map(|t| now.saturating_add(t))
     }
 
     fn is_expired(&self, r: &Ready<M>) -> bool {

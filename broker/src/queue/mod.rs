@@ -492,7 +492,13 @@ impl Queue {
     /// Put a message recovered from the store back, with its stored id, marked redelivered
     /// (it may have been delivered before the restart: the conservative reading, as AMQP
     /// allows).
-    pub fn restore(self: &Arc<Self>, id: MsgId, location: Location, priority: u8) {
+    pub fn restore(
+        self: &Arc<Self>,
+        id: MsgId,
+        location: Location,
+        priority: u8,
+        expires_at: Option<u64>,
+    ) {
         let mut st = self.state.lock();
         let _ = self.run(
             &mut st,
@@ -504,6 +510,7 @@ impl Queue {
                     priority,
                 },
                 redelivered: true,
+                expires_at,
             },
         );
     }
@@ -706,6 +713,7 @@ pub fn publish_persistent(
             ops: Vec::with_capacity(stored_targets.len()),
         };
         let priority = message.properties.priority.unwrap_or(0);
+        let now = crate::timers::wall_ms();
         for (q, st) in stored_targets.iter().zip(&guards) {
             if !st.deleted && !st.machine.would_reject(&entry) {
                 batch.ops.push(Op::Enqueue {
@@ -713,6 +721,7 @@ pub fn publish_persistent(
                     id: st.machine.next_id(),
                     body: BodyRef::New(0),
                     flags: u32::from(priority),
+                    expires_at: st.machine.expiry_at(&entry, now).unwrap_or(0),
                 });
             }
         }
