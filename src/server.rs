@@ -65,6 +65,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         queues = report.queues,
         bindings = report.bindings,
         messages = report.messages,
+        delayed = report.delayed,
         dropped = report.dropped,
         elapsed_ms = started.elapsed().as_millis() as u64,
         "recovered durable state"

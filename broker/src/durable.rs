@@ -194,7 +194,10 @@ impl ExchangeRecord {
         let mut v = vec![RECORD_VERSION];
         put_str(&mut v, decl.kind.as_str());
         v.push(
-            u8::from(decl.durable) | u8::from(decl.auto_delete) << 1 | u8::from(decl.internal) << 2,
+            u8::from(decl.durable)
+                | u8::from(decl.auto_delete) << 1
+                | u8::from(decl.internal) << 2
+                | u8::from(decl.delayed) << 3,
         );
         v.extend_from_slice(&encode_table(&decl.arguments));
         Op::Put {
@@ -234,6 +237,7 @@ impl ExchangeRecord {
                 durable: flags & 1 != 0,
                 auto_delete: flags & 2 != 0,
                 internal: flags & 4 != 0,
+                delayed: flags & 8 != 0,
                 arguments,
             },
         })
@@ -428,6 +432,7 @@ mod tests {
             durable: true,
             auto_delete: true,
             internal: false,
+            delayed: true,
             arguments: args(),
         };
         let Op::Put { key, value, .. } = ExchangeRecord::put("/", "ex", &decl) else {
@@ -436,7 +441,7 @@ mod tests {
         let r = ExchangeRecord::decode(&key, &value).unwrap();
         assert_eq!((r.vhost.as_str(), r.name.as_str()), ("/", "ex"));
         assert_eq!(r.decl.kind, ExchangeKind::Topic);
-        assert!(r.decl.durable && r.decl.auto_delete && !r.decl.internal);
+        assert!(r.decl.durable && r.decl.auto_delete && !r.decl.internal && r.decl.delayed);
         assert_eq!(r.decl.arguments, args());
         assert!(ExchangeRecord::decode(&key, &value[..value.len() - 1]).is_err());
     }

@@ -21,6 +21,7 @@
 pub mod args;
 pub mod broker;
 pub mod deadletter;
+pub mod delayed;
 pub mod durable;
 pub mod exchange;
 pub mod limiter;

@@ -33,6 +33,8 @@ pub struct RecoveryReport {
     pub bindings: usize,
     /// Persistent messages put back into queues.
     pub messages: usize,
+    /// Scheduled messages of delayed exchanges put back.
+    pub delayed: usize,
     /// Records dropped because what they belonged to is gone (a vhost that does not exist, a
     /// binding whose end is missing, messages of a deleted queue).
     pub dropped: usize,
@@ -108,6 +110,14 @@ impl Broker {
         let store = self.vhost("/").and_then(|vh| vh.store().cloned());
         let mut orphaned: Vec<u64> = Vec::new();
         for (n, m) in recovered.messages.iter().enumerate() {
+            if m.queue == crate::delayed::DELAYED_QUEUE_ID {
+                // Only vhost "/" exists until vhosts can be created (issue 6).
+                if let Some(vh) = self.vhost("/") {
+                    vh.delayed.restore(m.id, m.location, m.expires_at);
+                    report.delayed += 1;
+                }
+                continue;
+            }
             let Some(q) = by_id.get(&m.queue) else {
                 if orphaned.last() != Some(&m.queue) {
                     orphaned.push(m.queue);

@@ -966,12 +966,26 @@ fn handle_exchange(
                 }
                 vhost.check_exchange(name)?;
             } else {
-                let kind = ExchangeKind::parse(d.kind.as_str()).ok_or_else(|| {
-                    AmqpError::channel(
-                        ReplyCode::PreconditionFailed,
-                        format!("unknown exchange type '{}'", d.kind.as_str()),
-                    )
-                })?;
+                let delayed = d.kind.as_str() == crate::exchange::DELAYED_TYPE;
+                let kind = if delayed {
+                    // rabbitmq_delayed_message_exchange: the routing type comes from
+                    // x-delayed-type.
+                    crate::args::string_arg(&d.arguments, "x-delayed-type")
+                        .and_then(|t| ExchangeKind::parse(&t))
+                        .ok_or_else(|| {
+                            AmqpError::channel(
+                                ReplyCode::PreconditionFailed,
+                                "Invalid argument, 'x-delayed-type' must be an existing exchange type",
+                            )
+                        })?
+                } else {
+                    ExchangeKind::parse(d.kind.as_str()).ok_or_else(|| {
+                        AmqpError::channel(
+                            ReplyCode::PreconditionFailed,
+                            format!("unknown exchange type '{}'", d.kind.as_str()),
+                        )
+                    })?
+                };
                 if name.is_empty() {
                     return Err(default_refused());
                 }
@@ -982,6 +996,7 @@ fn handle_exchange(
                         durable: d.durable,
                         auto_delete: d.auto_delete,
                         internal: d.internal,
+                        delayed,
                         arguments: d.arguments,
                     },
                     &mut || ctx.on_commit(),
@@ -1233,6 +1248,16 @@ fn handle_basic(
                     warren_amqp::limits::TABLE_DEPTH_MAX,
                 )
                 .map_err(|_| AmqpError::connection(ReplyCode::InternalError, "reply-to rewrite"))?;
+            }
+            if schedule_delayed(
+                ctx,
+                chan,
+                ch,
+                p.exchange.as_str(),
+                p.routing_key.as_str(),
+                &content,
+            ) {
+                return Ok(());
             }
             let mut targets = std::mem::take(&mut chan.route_buf);
             targets.clear();
@@ -1587,6 +1612,71 @@ fn consumer_deadline(ctx: &Ctx, queue: &Queue) -> u64 {
     consumer_timeout(ctx, queue).map_or(u64::MAX, |t| crate::timers::wall_ms().saturating_add(t))
 }
 
+/// The completion a publish waiting for the store gets: in confirm mode it confirms `seq`
+/// (acks are held below the lowest waiting one), in tx mode it releases the held commit-ok.
+fn durable_completion(
+    ctx: &Ctx,
+    mode: &mut Mode,
+    epoch: u64,
+    ch: u16,
+    seq: Option<u64>,
+) -> warren_store::writer::Completion {
+    match (mode, seq) {
+        (Mode::Confirm { unconfirmed, .. }, Some(seq)) => {
+            unconfirmed.insert(seq);
+            let outbox = Arc::clone(&ctx.outbox);
+            Box::new(move |r| {
+                outbox.push(Outbound::Confirmed {
+                    channel: ch,
+                    epoch,
+                    seq,
+                    ok: r.is_ok(),
+                });
+            })
+        }
+        (Mode::Tx(_), _) => ctx.on_commit(),
+        _ => Box::new(|_| {}),
+    }
+}
+
+/// A publish to a delayed exchange with a positive `x-delay`: held until due (see
+/// [`crate::delayed`]). Returns false if it is not one.
+fn schedule_delayed(
+    ctx: &Ctx,
+    chan: &mut Channel,
+    ch: u16,
+    exchange: &str,
+    routing_key: &str,
+    content: &Content,
+) -> bool {
+    let Some(delay) = crate::delayed::delay_of(&content.properties) else {
+        return false;
+    };
+    let Some(durable) = ctx.vhost.delayed_exchange(exchange) else {
+        return false;
+    };
+    let seq = match &mut chan.mode {
+        Mode::Confirm { last_seq, .. } => {
+            *last_seq += 1;
+            Some(*last_seq)
+        }
+        _ => None,
+    };
+    let message = Arc::new(Message {
+        exchange: exchange.to_string(),
+        routing_key: routing_key.to_string(),
+        properties: content.properties.clone(),
+        body: content.body.clone(),
+    });
+    let due = crate::timers::wall_ms().saturating_add(delay);
+    let epoch = chan.epoch;
+    let mode = &mut chan.mode;
+    ctx.vhost.delayed.schedule(message, due, durable, || {
+        durable_completion(ctx, mode, epoch, ch, seq)
+    });
+    true
+}
+
 /// Whether a publish is a direct reply (default exchange, a reply-to name as routing key).
 fn is_direct_reply(exchange: &str, routing_key: &str) -> bool {
     exchange.is_empty() && routing_key.starts_with(REPLY_TO_PREFIX)
@@ -1619,23 +1709,8 @@ fn enqueue_routed(
     if message.properties.persistent() && targets.iter().any(|q| q.is_stored()) {
         let epoch = chan.epoch;
         let mode = &mut chan.mode;
-        (outcome, _) = publish_persistent(&targets, message, || match (mode, seq) {
-            (Mode::Confirm { unconfirmed, .. }, Some(seq)) => {
-                // Confirmed only once the store has it (flush acks below the lowest waiting).
-                unconfirmed.insert(seq);
-                let outbox = Arc::clone(&ctx.outbox);
-                Box::new(move |r| {
-                    outbox.push(Outbound::Confirmed {
-                        channel: ch,
-                        epoch,
-                        seq,
-                        ok: r.is_ok(),
-                    });
-                })
-            }
-            // tx.commit-ok is held until the transaction's messages are durable.
-            (Mode::Tx(_), _) => ctx.on_commit(),
-            _ => Box::new(|_| {}),
+        (outcome, _) = publish_persistent(&targets, message, || {
+            durable_completion(ctx, mode, epoch, ch, seq)
         });
         targets.clear();
     } else {

@@ -13,7 +13,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::queue::Queue;
+/// Something the timer thread wakes (a queue, the delayed-message store).
+pub trait TimerTarget: Send + Sync {
+    /// Called on the timer thread at (or soon after) the time it asked for, with no timer
+    /// lock held.
+    fn fire(self: Arc<Self>);
+}
 
 /// Milliseconds since the Unix epoch: the machine time of queues (absolute, so it survives a
 /// restart).
@@ -27,7 +32,7 @@ pub fn wall_ms() -> u64 {
 struct Entry {
     due: u64,
     seq: u64,
-    queue: Weak<Queue>,
+    target: Weak<dyn TimerTarget>,
 }
 
 impl PartialEq for Entry {
@@ -86,17 +91,13 @@ impl Timers {
         timers
     }
 
-    /// Call `queue.on_timer()` at `due` (wall-clock ms) or soon after.
-    pub fn schedule(&self, due: u64, queue: &Arc<Queue>) {
+    /// Call `target.fire()` at `due` (wall-clock ms) or soon after (if it still exists).
+    pub fn schedule(&self, due: u64, target: Weak<dyn TimerTarget>) {
         let mut s = self.state.lock();
         s.seq += 1;
         let seq = s.seq;
         let earliest = s.heap.peek().is_none_or(|Reverse(e)| due < e.due);
-        s.heap.push(Reverse(Entry {
-            due,
-            seq,
-            queue: Arc::downgrade(queue),
-        }));
+        s.heap.push(Reverse(Entry { due, seq, target }));
         drop(s);
         if earliest {
             self.wake.notify_one();
@@ -127,13 +128,13 @@ impl Timers {
                         break;
                     }
                     if let Some(Reverse(e)) = s.heap.pop() {
-                        due_now.push(e.queue);
+                        due_now.push(e.target);
                     }
                 }
             }
-            for q in due_now.drain(..) {
-                if let Some(q) = q.upgrade() {
-                    q.on_timer();
+            for t in due_now.drain(..) {
+                if let Some(t) = t.upgrade() {
+                    t.fire();
                 }
             }
         }

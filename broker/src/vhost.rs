@@ -43,6 +43,8 @@ pub struct VHost {
     me: std::sync::Weak<VHost>,
     /// Direct reply-to names of this vhost.
     pub replies: crate::reply_to::Replies,
+    /// Messages held by delayed exchanges.
+    pub delayed: Arc<crate::delayed::Delayed>,
 }
 
 /// The declaration flags of an exchange.
@@ -56,8 +58,33 @@ pub struct ExchangeDecl {
     pub auto_delete: bool,
     /// Internal.
     pub internal: bool,
+    /// `x-delayed-message` with `kind` as its `x-delayed-type`.
+    pub delayed: bool,
     /// Arguments.
     pub arguments: FieldTable,
+}
+
+impl ExchangeDecl {
+    fn type_name(&self) -> &'static str {
+        if self.delayed {
+            crate::exchange::DELAYED_TYPE
+        } else {
+            self.kind.as_str()
+        }
+    }
+
+    fn build(&self, name: &str) -> Exchange {
+        let mut ex = Exchange::new(
+            name,
+            self.kind,
+            self.durable,
+            self.auto_delete,
+            self.internal,
+            self.arguments.clone(),
+        );
+        ex.delayed = self.delayed;
+        ex
+    }
 }
 
 /// Predeclared exchanges every vhost has.
@@ -108,6 +135,7 @@ impl VHost {
         Arc::new_cyclic(|me| Self {
             name: name.to_string(),
             topology: RwLock::new(t),
+            delayed: crate::delayed::Delayed::new(me.clone(), store.clone(), timers.clone()),
             store,
             timers,
             me: me.clone(),
@@ -183,12 +211,12 @@ impl VHost {
         let mut t = self.topology.write();
         let what = rs("exchange", name, &self.name);
         if let Some(ex) = t.exchanges.get(name) {
-            if ex.kind != decl.kind {
+            if ex.kind != decl.kind || ex.delayed != decl.delayed {
                 return Err(equivalence_fail(
                     "type",
                     &what,
-                    format!("'{}'", decl.kind.as_str()),
-                    format!("'{}'", ex.kind.as_str()),
+                    format!("'{}'", decl.type_name()),
+                    format!("'{}'", ex.type_name()),
                 ));
             }
             for (arg, want, have) in [
@@ -232,33 +260,16 @@ impl VHost {
                 on_commit,
             );
         }
-        t.exchanges.insert(
-            name.to_string(),
-            Exchange::new(
-                name,
-                decl.kind,
-                decl.durable,
-                decl.auto_delete,
-                decl.internal,
-                decl.arguments,
-            ),
-        );
+        t.exchanges.insert(name.to_string(), decl.build(name));
         Ok(())
     }
 
     /// Put back a durable exchange recovered from the store.
     pub fn restore_exchange(&self, name: &str, decl: ExchangeDecl) {
-        self.topology.write().exchanges.insert(
-            name.to_string(),
-            Exchange::new(
-                name,
-                decl.kind,
-                decl.durable,
-                decl.auto_delete,
-                decl.internal,
-                decl.arguments,
-            ),
-        );
+        self.topology
+            .write()
+            .exchanges
+            .insert(name.to_string(), decl.build(name));
     }
 
     /// Put back a durable queue recovered from the store.
@@ -287,6 +298,17 @@ impl VHost {
             }
             _ => false,
         }
+    }
+
+    /// For a delayed exchange (`x-delayed-message`), whether it is durable; None otherwise.
+    #[must_use]
+    pub fn delayed_exchange(&self, name: &str) -> Option<bool> {
+        self.topology
+            .read()
+            .exchanges
+            .get(name)
+            .filter(|ex| ex.delayed)
+            .map(|ex| ex.durable)
     }
 
     /// Whether an exchange exists.

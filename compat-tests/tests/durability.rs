@@ -595,6 +595,72 @@ async fn message_ttls_keep_running_across_a_restart() {
     assert_eq!(bodies(&drain(&ch, "ttl").await), ["stays"]);
 }
 
+#[tokio::test]
+async fn delayed_messages_survive_a_restart_and_are_released_on_time() {
+    //! A persistent message held by a durable x-delayed-message exchange is confirmed once
+    //! stored, survives a kill -9, and is routed when its delay runs out.
+    let b = Broker::start();
+    let conn = connect(&b).await;
+    let ch = confirm_channel(&conn).await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-delayed-type".into(),
+        lapin::types::AMQPValue::LongString("direct".into()),
+    );
+    ch.exchange_declare(
+        "later".into(),
+        ExchangeKind::Custom("x-delayed-message".into()),
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    queue(&ch, "due", true).await;
+    ch.queue_bind(
+        "due".into(),
+        "later".into(),
+        "k".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let mut headers = FieldTable::default();
+    headers.insert("x-delay".into(), lapin::types::AMQPValue::LongInt(1500));
+    publish(
+        &ch,
+        "later",
+        "k",
+        b"scheduled",
+        persistent().with_headers(headers),
+    )
+    .await;
+    let b = restart(b, true);
+    let conn = connect(&b).await;
+    let ch = conn.create_channel().await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            "due".into(),
+            "c".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let d = tokio::time::timeout(WAIT, consumer.next())
+        .await
+        .expect("released within the wait")
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.data, b"scheduled");
+}
+
 fn dir_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
         .unwrap()

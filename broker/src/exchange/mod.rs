@@ -7,6 +7,9 @@ use std::collections::HashMap;
 
 use amq_protocol::types::FieldTable;
 
+/// The type name of delayed exchanges (compatible with rabbitmq_delayed_message_exchange).
+pub const DELAYED_TYPE: &str = "x-delayed-message";
+
 /// Exchange types Warren routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ExchangeKind {
@@ -78,6 +81,9 @@ pub struct Exchange {
     pub auto_delete: bool,
     /// Refuses direct publishes.
     pub internal: bool,
+    /// Declared as `x-delayed-message` (`kind` is its `x-delayed-type`): publishes with an
+    /// `x-delay` header are held until due.
+    pub delayed: bool,
     /// Declare arguments.
     pub arguments: FieldTable,
     bindings: Vec<Binding>,
@@ -102,10 +108,21 @@ impl Exchange {
             durable,
             auto_delete,
             internal,
+            delayed: false,
             arguments,
             bindings: Vec::new(),
             direct: HashMap::new(),
             topic: topic::TopicTrie::default(),
+        }
+    }
+
+    /// The type name as declared (`x-delayed-message` for delayed exchanges).
+    #[must_use]
+    pub fn type_name(&self) -> &'static str {
+        if self.delayed {
+            DELAYED_TYPE
+        } else {
+            self.kind.as_str()
         }
     }
 

@@ -185,7 +185,9 @@ impl Queue {
             && st.timer_at.is_none_or(|armed| next < armed)
         {
             st.timer_at = Some(next);
-            timers.schedule(next, self);
+            let weak: std::sync::Weak<Self> = Arc::downgrade(self);
+            let target: std::sync::Weak<dyn crate::timers::TimerTarget> = weak;
+            timers.schedule(next, target);
         }
     }
 
@@ -796,5 +798,11 @@ impl Enqueued {
             (Self::Accepted, _) | (_, Self::Accepted) => Self::Accepted,
             _ => Self::Gone,
         }
+    }
+}
+
+impl crate::timers::TimerTarget for Queue {
+    fn fire(self: Arc<Self>) {
+        self.on_timer();
     }
 }
