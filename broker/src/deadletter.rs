@@ -82,13 +82,18 @@ pub fn deaths(headers: Option<&FieldTable>) -> Vec<(String, String)> {
         .collect()
 }
 
-/// Whether dead-lettering into `queue` would close a cycle that RabbitMQ drops: the message
-/// already died in that queue and no death on the way was a rejection (a client decision
-/// breaks the cycle; automatic ones would loop forever).
+/// Whether dead-lettering into `queue` would close a cycle that RabbitMQ drops
+/// (`mc:is_cycle_v2`): the message already died in that queue and none of the deaths since
+/// then (newest first, up to and including the last one in that queue) was a rejection. A
+/// client decision breaks a cycle; automatic ones would loop forever.
 #[must_use]
 pub fn is_cycle(deaths: &[(String, String)], queue: &str) -> bool {
-    deaths.iter().any(|(q, _)| q == queue) && deaths.iter().all(|(_, r)| r != "rejected")
+    let Some(last_here) = deaths.iter().position(|(q, _)| q == queue) else {
+        return false;
+    };
+    deaths[..=last_here].iter().all(|(_, r)| r != "rejected")
 }
+
 
 /// The message to republish: `x-death` and friends updated, expiration moved into the entry,
 /// exchange and routing key set as RabbitMQ does.
@@ -222,4 +227,27 @@ pub fn with_delivery_count(raw: &[u8], count: u32) -> Bytes {
         AMQPValue::LongLongInt(i64::from(count)),
     );
     props.rewrite(&encode_table(&headers), false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_cycle;
+
+    fn d(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(q, r)| ((*q).to_string(), (*r).to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn only_deaths_since_the_last_one_in_the_target_queue_count() {
+        assert!(!is_cycle(&d(&[("a", "expired")]), "b"));
+        assert!(is_cycle(&d(&[("b", "expired"), ("a", "expired")]), "a"));
+        assert!(!is_cycle(&d(&[("b", "rejected"), ("a", "expired")]), "a"));
+        // A rejection long ago, before the last lap, does not break the new cycle.
+        assert!(is_cycle(
+            &d(&[("r", "expired"), ("w", "expired"), ("w", "rejected")]),
+            "w"
+        ));
+    }
 }

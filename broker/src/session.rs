@@ -1186,6 +1186,11 @@ fn settle(
     multiple: bool,
 ) -> Result<(), AmqpError> {
     let taken = take_acked(chan, tag, multiple)?;
+    for (t, u) in &taken {
+        if u.deadline != u64::MAX {
+            chan.deadlines.remove(&(u.deadline, *t));
+        }
+    }
     if let Mode::Tx(buf) = &mut chan.mode {
         buf.acks
             .extend(taken.into_iter().map(|(t, u)| (action, t, u)));
@@ -1548,6 +1553,7 @@ fn recover(chan: &mut Channel, requeue: bool) -> Result<(), AmqpError> {
         ));
     }
     let all = std::mem::take(&mut chan.unacked);
+    chan.deadlines.clear();
     apply_acks(&chan.limiter, AckAction::Requeue, all.into_values(), None);
     Ok(())
 }
@@ -1652,9 +1658,13 @@ fn schedule_delayed(
     let Some(delay) = crate::delayed::delay_of(&content.properties) else {
         return false;
     };
-    let Some(durable) = ctx.vhost.delayed_exchange(exchange) else {
+    let Some((durable, internal)) = ctx.vhost.delayed_exchange(exchange) else {
         return false;
     };
+    if internal {
+        // Routing refuses it with 403, as for any internal exchange.
+        return false;
+    }
     let seq = match &mut chan.mode {
         Mode::Confirm { last_seq, .. } => {
             *last_seq += 1;

@@ -300,15 +300,16 @@ impl VHost {
         }
     }
 
-    /// For a delayed exchange (`x-delayed-message`), whether it is durable; None otherwise.
+    /// For a delayed exchange (`x-delayed-message`), whether it is durable and internal; None
+    /// otherwise.
     #[must_use]
-    pub fn delayed_exchange(&self, name: &str) -> Option<bool> {
+    pub fn delayed_exchange(&self, name: &str) -> Option<(bool, bool)> {
         self.topology
             .read()
             .exchanges
             .get(name)
             .filter(|ex| ex.delayed)
-            .map(|ex| ex.durable)
+            .map(|ex| (ex.durable, ex.internal))
     }
 
     /// Whether an exchange exists.
@@ -565,9 +566,20 @@ impl VHost {
     /// Remove a queue and its bindings; consumers get basic.cancel. Returns the ready count,
     /// or None if it was already gone. Only removes this very queue (not a re-declared one).
     pub fn delete_queue(&self, queue: &Arc<Queue>, on_commit: OnCommit<'_>) -> Option<u32> {
+        self.delete_queue_if(queue, |_| true, on_commit)
+    }
+
+    /// [`VHost::delete_queue`] if `still` holds when checked under the vhost write lock (so no
+    /// declare can slip in between the check and the deletion).
+    pub fn delete_queue_if(
+        &self,
+        queue: &Arc<Queue>,
+        still: impl FnOnce(&Queue) -> bool,
+        on_commit: OnCommit<'_>,
+    ) -> Option<u32> {
         let mut t = self.topology.write();
         match t.queues.get(&queue.name) {
-            Some(q) if Arc::ptr_eq(q, queue) => {
+            Some(q) if Arc::ptr_eq(q, queue) && still(queue) => {
                 t.queues.remove(&queue.name);
             }
             _ => return None,

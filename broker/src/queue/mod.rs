@@ -177,6 +177,9 @@ impl Queue {
 
     /// Make sure the timer thread wakes this queue when its next message expires.
     fn arm_timer(self: &Arc<Self>, st: &mut State) {
+        if st.deleted {
+            return;
+        }
         let next = match (st.machine.next_expiry(), self.unused_until(st)) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -218,8 +221,15 @@ impl Queue {
         };
         self.dead_letter_pending();
         if unused && let Some(vhost) = self.vhost_ref.upgrade() {
-            vhost.delete_queue(self, &mut || Box::new(|_| {}));
+            // Checked again under the vhost lock: a consumer or declare may have come since.
+            vhost.delete_queue_if(self, Self::is_unused_now, &mut || Box::new(|_| {}));
         }
+    }
+
+    /// Whether `x-expires` has run out right now.
+    fn is_unused_now(&self) -> bool {
+        let st = self.state.lock();
+        self.unused_until(&st).is_some_and(|at| at <= self.now_ms())
     }
 
     fn hold_dead_letter(&self, st: &mut State, msg: &Entry, reason: Removal) {
@@ -230,7 +240,39 @@ impl Queue {
 
     /// Republish what this queue dead-lettered to its dead-letter exchange. Call with no
     /// queue lock held (routing takes the vhost lock, publishing takes other queues' locks).
+    ///
+    /// Dead-lettering into a queue can make that queue dead-letter in turn (a full drop-head
+    /// queue): such nested work is queued on this thread and drained by the outermost call, so
+    /// the stack does not grow with the length of the chain.
     pub fn dead_letter_pending(self: &Arc<Self>) {
+        if !self.dead_letters_pending.load(Ordering::Acquire) {
+            return;
+        }
+        let nested = DEAD_LETTER_WORK.with(|w| {
+            let mut w = w.borrow_mut();
+            match w.as_mut() {
+                Some(queue) => {
+                    queue.push_back(Arc::clone(self));
+                    true
+                }
+                None => {
+                    *w = Some(std::collections::VecDeque::new());
+                    false
+                }
+            }
+        });
+        if nested {
+            return;
+        }
+        let mut next = Some(Arc::clone(self));
+        while let Some(q) = next {
+            q.dead_letter_now();
+            next = DEAD_LETTER_WORK.with(|w| w.borrow_mut().as_mut().and_then(|v| v.pop_front()));
+        }
+        DEAD_LETTER_WORK.with(|w| *w.borrow_mut() = None);
+    }
+
+    fn dead_letter_now(self: &Arc<Self>) {
         if !self.dead_letters_pending.swap(false, Ordering::AcqRel) {
             return;
         }
@@ -270,6 +312,15 @@ impl Queue {
                 .is_err()
             {
                 continue;
+            }
+            // Without x-dead-letter-routing-key the message keeps all its keys, CC included.
+            if target.routing_key.is_none() {
+                for cc in deadletter::sender_selected(&msg.properties).0 {
+                    let _ =
+                        vhost.route_internal(&msg.exchange, &cc, headers.as_ref(), &mut targets);
+                }
+                let mut seen = std::collections::HashSet::new();
+                targets.retain(|q| seen.insert(Arc::as_ptr(q)));
             }
             let deaths = deadletter::deaths(headers.as_ref());
             targets.retain(|q| !deadletter::is_cycle(&deaths, &q.name));
@@ -369,6 +420,10 @@ impl Queue {
         for effect in effects.drain(..) {
             match effect {
                 Effect::Removed { id, msg, reason } => {
+                    // A deleted queue's messages are gone with it (its store records too).
+                    if st.deleted {
+                        continue;
+                    }
                     if self.dead_letter.is_some() && deadletter::reason_name(reason).is_some() {
                         self.hold_dead_letter(st, &msg, reason);
                     }
@@ -473,11 +528,15 @@ impl Queue {
 
     /// A persistent message is durable at `location`: beyond the head of a long queue, keep
     /// only that (the body is read back on delivery), so a backlog costs little memory.
-    fn stored_at(&self, id: MsgId, location: Location, size: u32, priority: u8) {
-        let mut st = self.state.lock();
-        if st.machine.ready_bytes() > crate::limits::QUEUE_HEAD_CACHE_BYTES {
-            let _ = st.machine.apply(
-                self.now_ms(),
+    fn stored_at(self: &Arc<Self>, id: MsgId, location: Location, size: u32, priority: u8) {
+        {
+            let mut st = self.state.lock();
+            if st.machine.ready_bytes() <= crate::limits::QUEUE_HEAD_CACHE_BYTES {
+                return;
+            }
+            // Through apply: the command also expires heads, whose effects must be carried out.
+            let _ = self.run(
+                &mut st,
                 Command::Swap {
                     id,
                     msg: Entry::Stored {
@@ -486,9 +545,9 @@ impl Queue {
                         priority,
                     },
                 },
-                &mut Vec::new(),
             );
         }
+        self.dead_letter_pending();
     }
 
     /// Put a message recovered from the store back, with its stored id, marked redelivered
@@ -651,6 +710,12 @@ impl Queue {
     pub fn delete(self: &Arc<Self>, more_ops: Vec<Op>, on_commit: OnCommit<'_>) -> u32 {
         let mut st = self.state.lock();
         st.deleted = true;
+        // Its ready messages go with it (unacked ones are settled by their channels, to no
+        // effect): nothing expires or is dead-lettered from a deleted queue.
+        let ready = u32::try_from(st.machine.ready_len()).unwrap_or(u32::MAX);
+        let _ = st
+            .machine
+            .apply(self.now_ms(), Command::Purge, &mut Vec::new());
         if let Some(store) = &self.store {
             let mut ops = more_ops;
             ops.push(Op::DropQueue { queue: self.id });
@@ -676,7 +741,6 @@ impl Queue {
                 consumer,
             });
         }
-        let ready = u32::try_from(st.machine.ready_len()).unwrap_or(u32::MAX);
         drop(st);
         for wake in wakes {
             wake.run();
@@ -716,6 +780,13 @@ pub fn publish_persistent(
         };
         let priority = message.properties.priority.unwrap_or(0);
         let now = crate::timers::wall_ms();
+        // Expire first, as the Enqueue below will: a limit check on a queue still holding
+        // expired messages would leave out a message the queue then accepts.
+        for (q, st) in stored_targets.iter().zip(guards.iter_mut()) {
+            if !st.deleted {
+                let _ = q.apply(st, Command::Expire);
+            }
+        }
         for (q, st) in stored_targets.iter().zip(&guards) {
             if !st.deleted && !st.machine.would_reject(&entry) {
                 batch.ops.push(Op::Enqueue {
@@ -799,6 +870,12 @@ impl Enqueued {
             _ => Self::Gone,
         }
     }
+}
+
+thread_local! {
+    /// Queues with dead letters waiting while this thread is already dead-lettering.
+    static DEAD_LETTER_WORK: std::cell::RefCell<Option<std::collections::VecDeque<Arc<Queue>>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 impl crate::timers::TimerTarget for Queue {
