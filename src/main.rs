@@ -1,5 +1,6 @@
 //! The `warren` binary: command-line parsing and wiring. Everything else lives in the crates.
 
+mod admin;
 mod config;
 mod server;
 
@@ -19,11 +20,26 @@ struct Cli {
 enum Cmd {
     /// Run the broker.
     Server(config::ServerArgs),
+    /// Manage a running broker (rabbitmqctl-style subcommands).
+    Ctl {
+        /// The broker's data directory (its admin socket lives there).
+        #[arg(long, default_value = "./warren-data")]
+        data_dir: std::path::PathBuf,
+        #[command(subcommand)]
+        command: admin::CtlCommand,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Cmd::Ctl { data_dir, command } => match admin::ctl(&data_dir, command) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("warren ctl: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Cmd::Server(args) => {
             let cfg = match config::ServerConfig::load(args) {
                 Ok(c) => c,

@@ -66,6 +66,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         bindings = report.bindings,
         messages = report.messages,
         delayed = report.delayed,
+        policies = report.policies,
         dropped = report.dropped,
         elapsed_ms = started.elapsed().as_millis() as u64,
         "recovered durable state"
@@ -86,6 +87,10 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
 
+    let admin = tokio::spawn(crate::admin::serve(
+        crate::admin::socket_path(&cfg.data_dir),
+        Arc::clone(&broker),
+    ));
     let signal = shutdown_signal();
     tokio::pin!(signal);
     loop {
@@ -121,6 +126,8 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     {
         tracing::warn!("some connections did not close in time");
     }
+    admin.abort();
+    let _ = std::fs::remove_file(crate::admin::socket_path(&cfg.data_dir));
     // Everything submitted is committed before the process exits.
     durable.shutdown();
     tracing::info!("stopped");

@@ -94,7 +94,6 @@ pub fn is_cycle(deaths: &[(String, String)], queue: &str) -> bool {
     deaths[..=last_here].iter().all(|(_, r)| r != "rejected")
 }
 
-
 /// The message to republish: `x-death` and friends updated, expiration moved into the entry,
 /// exchange and routing key set as RabbitMQ does.
 #[must_use]

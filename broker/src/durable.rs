@@ -97,6 +97,14 @@ pub struct DecodeError {
     why: &'static str,
 }
 
+impl DecodeError {
+    /// A record of kind `what` that failed for `why`.
+    #[must_use]
+    pub fn new(what: &'static str, why: &'static str) -> Self {
+        Self { what, why }
+    }
+}
+
 struct Reader<'a> {
     data: &'a [u8],
     what: &'static str,

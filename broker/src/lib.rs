@@ -28,6 +28,7 @@ pub mod limiter;
 pub mod limits;
 pub mod message;
 pub mod outbox;
+pub mod policy;
 pub mod queue;
 pub mod recovery;
 pub mod reply_to;

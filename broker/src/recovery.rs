@@ -35,6 +35,8 @@ pub struct RecoveryReport {
     pub messages: usize,
     /// Scheduled messages of delayed exchanges put back.
     pub delayed: usize,
+    /// Policies put back.
+    pub policies: usize,
     /// Records dropped because what they belonged to is gone (a vhost that does not exist, a
     /// binding whose end is missing, messages of a deleted queue).
     pub dropped: usize,
@@ -56,6 +58,19 @@ impl Broker {
                 .map(Vec::as_slice)
                 .unwrap_or_default()
         };
+        for (_, v) in rows(MetaTable::Policies) {
+            let def: crate::policy::PolicyDef =
+                serde_json::from_slice(v).map_err(|_| DecodeError::new("policy", "bad JSON"))?;
+            let policy = crate::policy::Policy::new(def)
+                .map_err(|_| DecodeError::new("policy", "does not validate"))?;
+            match self.vhost(&policy.def.vhost) {
+                Some(vh) => {
+                    vh.restore_policy(policy);
+                    report.policies += 1;
+                }
+                None => report.dropped += 1,
+            }
+        }
         for (k, v) in rows(MetaTable::Exchanges) {
             let r = ExchangeRecord::decode(k, v)?;
             match self.vhost(&r.vhost) {
@@ -90,6 +105,9 @@ impl Broker {
                 vh.queue_env(),
             );
             by_id.insert(r.id, Arc::clone(&q));
+            if let Some(policy) = vh.policy_for(&q.name, q.policy_kind()) {
+                q.apply_policy(Some(&policy));
+            }
             vh.restore_queue(q);
             report.queues += 1;
         }

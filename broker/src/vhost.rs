@@ -45,6 +45,8 @@ pub struct VHost {
     pub replies: crate::reply_to::Replies,
     /// Messages held by delayed exchanges.
     pub delayed: Arc<crate::delayed::Delayed>,
+    /// Policies of this vhost. Lock order: after topology (never topology while holding it).
+    policies: RwLock<Vec<crate::policy::Policy>>,
 }
 
 /// The declaration flags of an exchange.
@@ -140,6 +142,7 @@ impl VHost {
             timers,
             me: me.clone(),
             replies: crate::reply_to::Replies::default(),
+            policies: RwLock::new(Vec::new()),
         })
     }
 
@@ -260,16 +263,24 @@ impl VHost {
                 on_commit,
             );
         }
-        t.exchanges.insert(name.to_string(), decl.build(name));
+        let mut ex = decl.build(name);
+        ex.policy_alternate = crate::policy::alternate_exchange(crate::policy::choose(
+            &self.policies.read(),
+            name,
+            crate::policy::Applies::Exchange,
+        ));
+        t.exchanges.insert(name.to_string(), ex);
         Ok(())
     }
 
     /// Put back a durable exchange recovered from the store.
     pub fn restore_exchange(&self, name: &str, decl: ExchangeDecl) {
-        self.topology
-            .write()
-            .exchanges
-            .insert(name.to_string(), decl.build(name));
+        let mut ex = decl.build(name);
+        ex.policy_alternate = crate::policy::alternate_exchange(
+            self.policy_for(name, crate::policy::Applies::Exchange)
+                .as_ref(),
+        );
+        self.topology.write().exchanges.insert(name.to_string(), ex);
     }
 
     /// Put back a durable queue recovered from the store.
@@ -297,6 +308,111 @@ impl VHost {
                 true
             }
             _ => false,
+        }
+    }
+
+    /// The policy that applies to an object named `name` of `kind`, if any.
+    #[must_use]
+    pub fn policy_for(
+        &self,
+        name: &str,
+        kind: crate::policy::Applies,
+    ) -> Option<crate::policy::Policy> {
+        crate::policy::choose(&self.policies.read(), name, kind).cloned()
+    }
+
+    /// Policies, by name.
+    #[must_use]
+    pub fn policies(&self) -> Vec<crate::policy::PolicyDef> {
+        let mut defs: Vec<_> = self.policies.read().iter().map(|p| p.def.clone()).collect();
+        defs.sort_by(|a, b| a.name.cmp(&b.name));
+        defs
+    }
+
+    /// Set (add or replace) a policy: stored, then applied to every matching queue and
+    /// exchange at once.
+    ///
+    /// # Errors
+    /// The definition does not validate.
+    pub fn set_policy(
+        &self,
+        def: crate::policy::PolicyDef,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), crate::policy::PolicyError> {
+        let policy = crate::policy::Policy::new(def)?;
+        {
+            let mut ps = self.policies.write();
+            if self.store.is_some() {
+                let value = serde_json::to_vec(&policy.def).unwrap_or_default();
+                self.submit(
+                    vec![Op::Put {
+                        table: MetaTable::Policies,
+                        key: ExchangeRecord::key(&self.name, &policy.def.name),
+                        value,
+                    }],
+                    on_commit,
+                );
+            }
+            ps.retain(|p| p.def.name != policy.def.name);
+            ps.push(policy);
+        }
+        self.reapply_policies();
+        Ok(())
+    }
+
+    /// Remove a policy; false if there was none of that name.
+    pub fn clear_policy(&self, name: &str, on_commit: OnCommit<'_>) -> bool {
+        let removed = {
+            let mut ps = self.policies.write();
+            let before = ps.len();
+            ps.retain(|p| p.def.name != name);
+            let removed = ps.len() != before;
+            if removed {
+                self.submit(
+                    vec![Op::Delete {
+                        table: MetaTable::Policies,
+                        key: ExchangeRecord::key(&self.name, name),
+                    }],
+                    on_commit,
+                );
+            }
+            removed
+        };
+        if removed {
+            self.reapply_policies();
+        }
+        removed
+    }
+
+    /// Put back a policy recovered from the store (before queues and exchanges).
+    pub fn restore_policy(&self, policy: crate::policy::Policy) {
+        self.policies.write().push(policy);
+    }
+
+    /// Recompute every queue's and exchange's policy settings.
+    fn reapply_policies(&self) {
+        let (queues, exchanges): (Vec<Arc<Queue>>, Vec<String>) = {
+            let t = self.topology.read();
+            (
+                t.queues.values().cloned().collect(),
+                t.exchanges.keys().cloned().collect(),
+            )
+        };
+        for q in queues {
+            q.apply_policy(self.policy_for(&q.name, q.policy_kind()).as_ref());
+        }
+        let alternates: Vec<(String, Option<String>)> = exchanges
+            .into_iter()
+            .map(|name| {
+                let p = self.policy_for(&name, crate::policy::Applies::Exchange);
+                (name, crate::policy::alternate_exchange(p.as_ref()))
+            })
+            .collect();
+        let mut t = self.topology.write();
+        for (name, ae) in alternates {
+            if let Some(ex) = t.exchanges.get_mut(&name) {
+                ex.policy_alternate = ae;
+            }
         }
     }
 
@@ -544,6 +660,10 @@ impl VHost {
         on_commit: OnCommit<'_>,
     ) -> (Arc<Queue>, bool) {
         let candidate = make();
+        // Applied before the queue is visible (and with no vhost lock held).
+        if let Some(policy) = self.policy_for(&candidate.name, candidate.policy_kind()) {
+            candidate.apply_policy(Some(&policy));
+        }
         let mut t = self.topology.write();
         if let Some(q) = t.queues.get(&candidate.name) {
             return (Arc::clone(q), false);
@@ -678,11 +798,13 @@ impl VHost {
             dests.clear();
             ex.route(routing_key, headers, &mut dests);
             if dests.is_empty() {
-                if let Some(ae) = ex.arguments.inner().get("alternate-exchange")
-                    && let Some(ae_name) = t
-                        .exchanges
-                        .get_key_value(&crate::args::render_plain(ae))
-                        .map(|(k, _)| k.as_str())
+                // The argument wins over a policy's alternate-exchange.
+                let ae = match ex.arguments.inner().get("alternate-exchange") {
+                    Some(v) => Some(crate::args::render_plain(v)),
+                    None => ex.policy_alternate.clone(),
+                };
+                if let Some(ae) = ae
+                    && let Some(ae_name) = t.exchanges.get_key_value(&ae).map(|(k, _)| k.as_str())
                 {
                     pending.push(ae_name);
                 }

@@ -77,6 +77,8 @@ def amqp_url():
             )
             try:
                 _wait_for_port(port, proc, STARTUP_DEADLINE_S, log_path)
+                _BROKER["data_dir"] = data_dir
+                _BROKER["binary"] = binary
                 yield f"amqp://guest:guest@127.0.0.1:{port}/%2F"
             finally:
                 if proc.poll() is None:
@@ -86,6 +88,24 @@ def amqp_url():
                     except subprocess.TimeoutExpired:
                         proc.kill()
                         proc.wait()
+
+
+_BROKER = {}
+
+
+@pytest.fixture
+def ctl(amqp_url):
+    """Run a rabbitmqctl-style command against the broker under test: `warren ctl` for
+    Warren, `rabbitmqctl` when the suite runs against RabbitMQ (same subcommands and
+    arguments). Returns (exit code, output)."""
+    def run(*args):
+        if os.environ.get("WARREN_TEST_AMQP_URL"):
+            cmd = ["rabbitmqctl", *args]
+        else:
+            cmd = [_BROKER["binary"], "ctl", "--data-dir", str(_BROKER["data_dir"]), *args]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        return p.returncode, p.stdout + p.stderr
+    return run
 
 
 @pytest.fixture

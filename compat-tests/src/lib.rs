@@ -100,6 +100,26 @@ impl Broker {
         &self.data_dir
     }
 
+    /// Run `warren ctl --data-dir <dir> <args>`; returns (success, stdout + stderr).
+    ///
+    /// # Panics
+    /// If the binary cannot be run.
+    #[must_use]
+    pub fn ctl(&self, args: &[&str]) -> (bool, String) {
+        let out = Command::new(binary())
+            .arg("ctl")
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .args(args)
+            .output()
+            .expect("run warren ctl");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    }
+
     /// SIGKILL the broker (no chance to flush anything) and return its data directory, which
     /// is kept for a restart.
     #[must_use]

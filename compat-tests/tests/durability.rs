@@ -661,6 +661,35 @@ async fn delayed_messages_survive_a_restart_and_are_released_on_time() {
     assert_eq!(d.data, b"scheduled");
 }
 
+#[tokio::test]
+async fn policies_survive_a_restart() {
+    //! A policy set with `warren ctl` is stored: after a kill -9 it is listed again and still
+    //! limits the queues it matches.
+    let b = Broker::start();
+    let (ok, out) = b.ctl(&[
+        "set_policy",
+        "cap",
+        "^pol\\.",
+        r#"{"max-length": 2}"#,
+        "--apply-to",
+        "queues",
+    ]);
+    assert!(ok, "{out}");
+    let b = restart(b, true);
+    let (ok, out) = b.ctl(&["list_policies"]);
+    assert!(
+        ok && out.contains("\"cap\"") && out.contains("max-length"),
+        "{out}"
+    );
+    let conn = connect(&b).await;
+    let ch = confirm_channel(&conn).await;
+    queue(&ch, "pol.q", true).await;
+    for body in ["1", "2", "3"] {
+        publish(&ch, "", "pol.q", body.as_bytes(), persistent()).await;
+    }
+    assert_eq!(bodies(&drain(&ch, "pol.q").await), ["2", "3"]);
+}
+
 fn dir_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
         .unwrap()

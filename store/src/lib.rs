@@ -54,17 +54,25 @@ pub enum MetaTable {
     Queues,
     /// Bindings between durable objects.
     Bindings,
+    /// Policies.
+    Policies,
 }
 
 impl MetaTable {
     /// All tables, in recovery order.
-    pub const ALL: [Self; 3] = [Self::Exchanges, Self::Queues, Self::Bindings];
+    pub const ALL: [Self; 4] = [
+        Self::Policies,
+        Self::Exchanges,
+        Self::Queues,
+        Self::Bindings,
+    ];
 
     fn definition(self) -> TableDefinition<'static, &'static [u8], &'static [u8]> {
         TableDefinition::new(match self {
             Self::Exchanges => "exchanges",
             Self::Queues => "queues",
             Self::Bindings => "bindings",
+            Self::Policies => "policies",
         })
     }
 }

@@ -86,6 +86,8 @@ pub struct Exchange {
     pub delayed: bool,
     /// Declare arguments.
     pub arguments: FieldTable,
+    /// The alternate exchange its policy gives it (its argument wins).
+    pub policy_alternate: Option<String>,
     bindings: Vec<Binding>,
     direct: HashMap<String, Vec<usize>>,
     topic: topic::TopicTrie,
@@ -109,6 +111,7 @@ impl Exchange {
             auto_delete,
             internal,
             delayed: false,
+            policy_alternate: None,
             arguments,
             bindings: Vec::new(),
             direct: HashMap::new(),
@@ -124,12 +127,6 @@ impl Exchange {
         } else {
             self.kind.as_str()
         }
-    }
-
-    /// The alternate-exchange argument, if set to a string.
-    #[must_use]
-    pub fn alternate_exchange(&self) -> Option<String> {
-        crate::args::string_arg(&self.arguments, "alternate-exchange")
     }
 
     /// Bindings from this exchange.

@@ -155,6 +155,9 @@ pub enum Command<M> {
     Purge,
     /// Time passed: drop messages whose TTL ran out (see [`QueueMachine::next_expiry`]).
     Expire,
+    /// New settings (a policy changed). Limits apply at once; TTLs apply to messages enqueued
+    /// from now on; priority levels and single-active are fixed at declaration.
+    Configure(QueueConfig),
     /// A limited consumer may receive one more message.
     Grant(ConsumerId),
     /// Replace the reference held for message `id` (ready or unacked) by an equivalent one of
@@ -803,6 +806,15 @@ impl<M: MessageRef> QueueMachine<M> {
                 Reply::Ok
             }
             Command::Expire => Reply::Ok,
+            Command::Configure(config) => {
+                // Priority levels and single-active are fixed at declaration (not policies).
+                self.config = QueueConfig {
+                    max_priority: self.config.max_priority,
+                    single_active: self.config.single_active,
+                    ..config
+                };
+                Reply::Ok
+            }
             Command::Purge => {
                 let n = self.ready_len();
                 for (_, level) in std::mem::take(&mut self.levels).into_iter().rev() {

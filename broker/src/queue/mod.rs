@@ -66,6 +66,10 @@ struct State {
     timer_at: Option<u64>,
     /// Last use for `x-expires` (declare, consume, get, last consumer gone).
     last_used: u64,
+    /// Dead-letter target (declare arguments and policy).
+    dead_letter: Option<DeadLetterTarget>,
+    /// Queue expiry in milliseconds (declare arguments and policy).
+    expires: Option<u64>,
     /// Messages to dead-letter once the lock is released (pinned: their store records stay
     /// readable after the settles submitted under the lock commit).
     dead_letters: Vec<(Outgoing, Removal)>,
@@ -103,12 +107,8 @@ pub struct Queue {
     store: Option<Arc<Durable>>,
     timers: Option<Arc<crate::timers::Timers>>,
     vhost_ref: std::sync::Weak<crate::vhost::VHost>,
-    /// `x-dead-letter-exchange` and routing key.
-    dead_letter: Option<DeadLetterTarget>,
     /// Set when `State::dead_letters` has work (checked without the lock).
     dead_letters_pending: AtomicBool,
-    /// `x-expires` in milliseconds.
-    expires: Option<u64>,
     /// Declared with `x-queue-type: quorum` (delivery limit, `x-delivery-count`).
     pub is_quorum: bool,
     /// `x-consumer-timeout` in milliseconds (overrides the broker's default).
@@ -131,7 +131,7 @@ impl Queue {
         env: QueueEnv,
     ) -> Arc<Self> {
         let store = env.store.filter(|_| durable && exclusive_owner.is_none());
-        let config = crate::args::queue_config(&arguments);
+        let settings = crate::policy::queue_settings(&arguments, None);
         Arc::new(Self {
             id,
             store,
@@ -140,16 +140,10 @@ impl Queue {
             durable,
             auto_delete,
             exclusive_owner,
-            dead_letter: DeadLetterTarget::from_args(&arguments),
             is_quorum: crate::args::is_quorum(&arguments),
             consumer_timeout: arguments
                 .inner()
                 .get("x-consumer-timeout")
-                .and_then(crate::args::int_value)
-                .and_then(|n| u64::try_from(n).ok()),
-            expires: arguments
-                .inner()
-                .get("x-expires")
                 .and_then(crate::args::int_value)
                 .and_then(|n| u64::try_from(n).ok()),
             arguments,
@@ -157,7 +151,9 @@ impl Queue {
             vhost_ref: env.vhost,
             dead_letters_pending: AtomicBool::new(false),
             state: Mutex::new(State {
-                machine: QueueMachine::with_config(config),
+                machine: QueueMachine::with_config(settings.config),
+                dead_letter: settings.dead_letter,
+                expires: settings.expires,
                 sinks: HashMap::new(),
                 deleted: false,
                 effects: Vec::new(),
@@ -197,9 +193,32 @@ impl Queue {
     /// `x-expires`: when the queue is deleted if nobody uses it until then (None while it has
     /// consumers or no such argument).
     fn unused_until(&self, st: &State) -> Option<u64> {
-        self.expires
+        st.expires
             .filter(|_| st.machine.consumer_count() == 0 && !st.deleted)
             .map(|ms| st.last_used.saturating_add(ms))
+    }
+
+    /// Apply the queue's policy (None: no policy matches any more): its effective settings
+    /// are recomputed from the declare arguments and the policy, and take effect at once.
+    pub fn apply_policy(self: &Arc<Self>, policy: Option<&crate::policy::Policy>) {
+        let settings = crate::policy::queue_settings(&self.arguments, policy);
+        {
+            let mut st = self.state.lock();
+            st.dead_letter = settings.dead_letter;
+            st.expires = settings.expires;
+            let _ = self.run(&mut st, Command::Configure(settings.config));
+        }
+        self.dead_letter_pending();
+    }
+
+    /// The kind of queue policies see it as.
+    #[must_use]
+    pub fn policy_kind(&self) -> crate::policy::Applies {
+        if self.is_quorum {
+            crate::policy::Applies::QuorumQueue
+        } else {
+            crate::policy::Applies::ClassicQueue
+        }
     }
 
     /// The queue was used (declared, consumed from, read with basic.get): `x-expires` starts
@@ -276,8 +295,11 @@ impl Queue {
         if !self.dead_letters_pending.swap(false, Ordering::AcqRel) {
             return;
         }
-        let items = std::mem::take(&mut self.state.lock().dead_letters);
-        let (Some(target), Some(vhost)) = (&self.dead_letter, self.vhost_ref.upgrade()) else {
+        let (items, target) = {
+            let mut st = self.state.lock();
+            (std::mem::take(&mut st.dead_letters), st.dead_letter.clone())
+        };
+        let (Some(target), Some(vhost)) = (target.as_ref(), self.vhost_ref.upgrade()) else {
             return;
         };
         let now_s = crate::timers::wall_ms() / 1000;
@@ -424,7 +446,7 @@ impl Queue {
                     if st.deleted {
                         continue;
                     }
-                    if self.dead_letter.is_some() && deadletter::reason_name(reason).is_some() {
+                    if st.dead_letter.is_some() && deadletter::reason_name(reason).is_some() {
                         self.hold_dead_letter(st, &msg, reason);
                     }
                     if self.persists(&msg) {
@@ -515,7 +537,7 @@ impl Queue {
     fn enqueued(&self, st: &mut State, reply: Result<Reply<Entry>, MachineError>) -> Enqueued {
         match reply {
             Ok(Reply::Rejected(entry)) => {
-                if self.dead_letter.is_some()
+                if st.dead_letter.is_some()
                     && st.machine.config().overflow == Overflow::RejectPublishDlx
                 {
                     self.hold_dead_letter(st, &entry, Removal::MaxLen);
