@@ -1374,6 +1374,16 @@ fn handle_basic(
         basic::AMQPMethod::Consume(c) => {
             let qname = expand_queue_name(chan, c.queue.as_str())?;
             let q = usable_queue(ctx, &qname)?;
+            if q.is_quorum && chan.prefetch_channel > 0 {
+                // rabbit_quorum_queue refuses consumers under a channel-wide (global) QoS.
+                return Err(AmqpError::connection(
+                    ReplyCode::NotImplemented,
+                    format!(
+                        "{} does not support global qos",
+                        rs("queue", &q.name, &ctx.vhost.name)
+                    ),
+                ));
+            }
             let tag = if c.consumer_tag.as_str().is_empty() {
                 ctx.broker.unique_name("amq.ctag-")
             } else {

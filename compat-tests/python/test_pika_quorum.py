@@ -66,3 +66,22 @@ def test_delivery_limit_dead_letters_and_counts_deliveries(conn, ch, names):
     assert box[0][1].headers["x-death"][0]["reason"] == "delivery_limit"
     assert counts(conn, q)[0] == 0
     ch.queue_delete(q)
+
+
+def test_global_qos_is_refused_for_quorum_queues(connect, names):
+    """Consuming from a quorum queue on a channel with a global (channel-wide) prefetch is
+    refused with 540 NOT_IMPLEMENTED, which closes the connection (RabbitMQ's behaviour)."""
+    import pika.exceptions
+
+    conn = connect()
+    ch = conn.channel()
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments=QUORUM)
+    ch.basic_qos(prefetch_count=10, global_qos=True)
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as info:
+        ch.basic_consume(q, lambda *a: None)
+    assert info.value.reply_code == 540
+    assert "global qos" in info.value.reply_text
+    c2 = connect()
+    c2.channel().queue_delete(q)
+    c2.close()
