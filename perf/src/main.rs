@@ -76,9 +76,16 @@ struct Args {
     /// Extra queue argument `key=value` (integers are sent as integers), repeatable.
     #[arg(long = "queue-arg")]
     queue_args: Vec<String>,
-    /// Publish to exchange `<queue>-x` of this type, bound to every queue (e.g. fanout).
+    /// Publish to exchange `<queue>-x` of this type, bound to every queue (e.g. fanout, or
+    /// x-delayed-message with `--exchange-arg x-delayed-type=direct`).
     #[arg(long)]
     exchange_type: Option<String>,
+    /// Extra exchange argument `key=value`, repeatable.
+    #[arg(long = "exchange-arg")]
+    exchange_args: Vec<String>,
+    /// Message header `key=value` (integers sent as integers), repeatable; e.g. x-delay=2000.
+    #[arg(long = "header")]
+    headers: Vec<String>,
     /// Messages per second per producer (0 = as fast as possible).
     #[arg(long, default_value_t = 0)]
     rate: u64,
@@ -166,11 +173,16 @@ fn proc_sample(pid: u32) -> Option<(f64, u64)> {
 }
 
 fn queue_arguments(args: &Args) -> anyhow::Result<FieldTable> {
+    table(&args.queue_args)
+}
+
+/// `key=value` pairs as a field table (integers as integers).
+fn table(pairs: &[String]) -> anyhow::Result<FieldTable> {
     let mut t = FieldTable::default();
-    for kv in &args.queue_args {
+    for kv in pairs {
         let (k, v) = kv
             .split_once('=')
-            .with_context(|| format!("--queue-arg {kv}: expected key=value"))?;
+            .with_context(|| format!("{kv}: expected key=value"))?;
         let value = match v.parse::<i64>() {
             Ok(n) => AMQPValue::LongLongInt(n),
             Err(_) => AMQPValue::LongString(LongString::from(v)),
@@ -220,7 +232,7 @@ async fn declare(args: &Args) -> anyhow::Result<()> {
             "fanout" => ExchangeKind::Fanout,
             "topic" => ExchangeKind::Topic,
             "headers" => ExchangeKind::Headers,
-            other => anyhow::bail!("unknown exchange type {other}"),
+            other => ExchangeKind::Custom(other.into()),
         };
         ch.exchange_declare(
             x.as_str().into(),
@@ -229,7 +241,7 @@ async fn declare(args: &Args) -> anyhow::Result<()> {
                 durable: args.durable,
                 ..ExchangeDeclareOptions::default()
             },
-            FieldTable::default(),
+            table(&args.exchange_args)?,
         )
         .await?;
         for i in 0..args.queues {
@@ -269,11 +281,14 @@ async fn producer(
         Some(_) => (format!("{}-x", args.queue), queue.clone()),
         None => (String::new(), queue.clone()),
     };
-    let props = if args.persistent {
+    let mut props = if args.persistent {
         BasicProperties::default().with_delivery_mode(2)
     } else {
         BasicProperties::default()
     };
+    if !args.headers.is_empty() {
+        props = props.with_headers(table(&args.headers)?);
+    }
     let mut body = vec![0u8; args.size.max(8)];
     let mut pending = VecDeque::new();
     let started = Instant::now();
