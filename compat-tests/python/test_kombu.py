@@ -214,3 +214,46 @@ def test_py_amqp_server_generated_consumer_tag(amqp_url, names):
         ch.basic_cancel(tag)
     finally:
         c.close()
+
+
+def test_kombu_priority_queue_and_ttl_dead_lettering(kconn, names):
+    """kombu's queue_arguments and message options: x-max-priority orders by the priority
+    option; x-message-ttl with a dead-letter exchange moves expired messages with x-death."""
+    prio = Queue(names.q("prio"), queue_arguments={"x-max-priority": 5}, durable=False)
+    dlx = Exchange(names.x("dlx"), type="fanout", durable=False)
+    dead = Queue(names.q("dead"), exchange=dlx, durable=False)
+    ttl = Queue(names.q("ttl"), durable=False,
+                queue_arguments={"x-message-ttl": 50, "x-dead-letter-exchange": dlx.name})
+    with kconn.channel() as ch:
+        for q in (prio, dead, ttl):
+            q(ch).declare()
+        producer = Producer(ch)
+        for body, priority in (("low", 1), ("high", 5), ("mid", 3)):
+            producer.publish(body, routing_key=prio.name, priority=priority, serializer="json")
+        producer.publish("old", routing_key=ttl.name, serializer="json")
+        got = [prio(ch).get(no_ack=True).payload for _ in range(3)]
+        assert got == ["high", "mid", "low"]
+        deadline = time.monotonic() + 10
+        msg = None
+        while msg is None and time.monotonic() < deadline:
+            msg = dead(ch).get(no_ack=True)
+            if msg is None:
+                time.sleep(0.02)  # bounded poll of basic.get: the event is the broker's timer
+        assert msg is not None and msg.payload == "old"
+        assert msg.headers["x-death"][0]["reason"] == "expired"
+        assert msg.headers["x-death"][0]["queue"] == ttl.name
+
+
+def test_kombu_max_length_reject_publish_nacks(kconn, names):
+    """With confirms on (kombu's confirm_publish), a reject-publish queue at its limit makes
+    the publish fail."""
+    q = Queue(names.q("full"), durable=False,
+              queue_arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    with Connection(kconn.as_uri(include_password=True),
+                    transport_options={"confirm_publish": True}) as c:
+        with c.channel() as ch:
+            q(ch).declare()
+            producer = Producer(ch)
+            producer.publish("one", routing_key=q.name, serializer="json")
+            with pytest.raises(Exception):
+                producer.publish("two", routing_key=q.name, serializer="json")
