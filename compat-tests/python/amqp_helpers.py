@@ -41,6 +41,21 @@ def wait_until(conn, predicate, timeout=DEFAULT_TIMEOUT, step=0.05):
         conn.process_data_events(time_limit=min(step, remaining))
 
 
+def wait_get(conn, ch, queue, auto_ack=True, timeout=DEFAULT_TIMEOUT):
+    """basic.get from `queue` until a message arrives (pumping I/O); returns (method, props,
+    body). For messages the broker moves on its own (expiry, dead-lettering, delays)."""
+    box = []
+
+    def poll():
+        m = ch.basic_get(queue, auto_ack=auto_ack)
+        if m[0] is not None:
+            box.append(m)
+        return bool(box)
+
+    wait_until(conn, poll, timeout=timeout)
+    return box[0]
+
+
 def pump(conn, duration):
     """Let I/O run for `duration` seconds. Only used to prove that something does NOT
     happen (e.g. no delivery beyond the prefetch window); never as synchronisation."""

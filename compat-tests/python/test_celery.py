@@ -1,5 +1,7 @@
 """A real Celery worker (subprocess, solo pool) talking to the broker, with the rpc:// result backend."""
 
+import contextlib
+import importlib
 import os
 import signal
 import subprocess
@@ -28,17 +30,19 @@ def _wait_for_log(path, needle, proc, deadline_s):
     raise AssertionError(f"celery worker not ready after {deadline_s}s:\n{path.read_text(errors='replace')}")
 
 
-@pytest.fixture(scope="module")
-def celery_worker(amqp_url, tmp_path_factory):
-    queue = f"compat.celery.{uuid.uuid4().hex[:10]}"
+@contextlib.contextmanager
+def run_worker(app_module, queue_env, amqp_url, tmp_path_factory, prefix):
+    """Start a real Celery worker (solo pool) for `app_module` on a fresh queue, wait until it
+    is ready, and stop it (then delete its queue and same-named exchange) afterwards."""
+    queue = f"{prefix}.{uuid.uuid4().hex[:10]}"
     node = f"compat-{uuid.uuid4().hex[:8]}@localhost"
     os.environ["WARREN_COMPAT_BROKER"] = amqp_url
-    os.environ["WARREN_COMPAT_QUEUE"] = queue
+    os.environ[queue_env] = queue
     log_path = tmp_path_factory.mktemp("celery") / "worker.log"
     env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "celery_compat_app", "worker",
+            [sys.executable, "-m", "celery", "-A", app_module, "worker",
              "--pool=solo", "-c", "1", "-Q", queue, "-n", node, "--loglevel=INFO"],
             cwd=str(HERE), env=env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -46,10 +50,8 @@ def celery_worker(amqp_url, tmp_path_factory):
     try:
         _wait_for_log(log_path, " ready.", proc, READY_DEADLINE_S)
         # Import only after the env vars are set: the app reads them at import time.
-        import celery_compat_app
-
-        yield {"proc": proc, "app": celery_compat_app, "node": node, "log": log_path,
-               "queue": queue}
+        app = importlib.import_module(app_module)
+        yield {"proc": proc, "app": app, "node": node, "log": log_path, "queue": queue}
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -71,6 +73,13 @@ def celery_worker(amqp_url, tmp_path_factory):
             c.close()
         except Exception:
             pass
+
+
+@pytest.fixture(scope="module")
+def celery_worker(amqp_url, tmp_path_factory):
+    with run_worker("celery_compat_app", "WARREN_COMPAT_QUEUE", amqp_url, tmp_path_factory,
+                    "compat.celery") as worker:
+        yield worker
 
 
 def test_celery_add_round_trip(celery_worker):

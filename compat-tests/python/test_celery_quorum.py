@@ -3,56 +3,18 @@ delayed delivery (topic exchanges, exchange-to-exchange bindings, quorum queues 
 dead-lettering)."""
 
 import os
-import signal
-import subprocess
-import sys
 import time
-import uuid
-from pathlib import Path
 
 import pytest
 
-from test_celery import READY_DEADLINE_S, TASK_TIMEOUT_S, _wait_for_log
-
-HERE = Path(__file__).resolve().parent
+from test_celery import TASK_TIMEOUT_S, run_worker
 
 
 @pytest.fixture(scope="module")
 def quorum_worker(amqp_url, tmp_path_factory):
-    queue = f"compat.celery.qq.{uuid.uuid4().hex[:10]}"
-    node = f"compat-qq-{uuid.uuid4().hex[:8]}@localhost"
-    os.environ["WARREN_COMPAT_BROKER"] = amqp_url
-    os.environ["WARREN_COMPAT_QQUEUE"] = queue
-    log_path = tmp_path_factory.mktemp("celery-qq") / "worker.log"
-    env = dict(os.environ, PYTHONPATH=str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "celery_quorum_app", "worker",
-             "--pool=solo", "-c", "1", "-Q", queue, "-n", node, "--loglevel=INFO"],
-            cwd=str(HERE), env=env, stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )
-    try:
-        _wait_for_log(log_path, " ready.", proc, READY_DEADLINE_S)
-        import celery_quorum_app
-
-        yield {"proc": proc, "app": celery_quorum_app, "log": log_path, "queue": queue}
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        try:
-            import pika
-
-            c = pika.BlockingConnection(pika.URLParameters(amqp_url))
-            c.channel().queue_delete(queue)
-            c.close()
-        except Exception:
-            pass
+    with run_worker("celery_quorum_app", "WARREN_COMPAT_QQUEUE", amqp_url, tmp_path_factory,
+                    "compat.celery.qq") as worker:
+        yield worker
 
 
 def test_celery_task_on_a_quorum_queue(quorum_worker):

@@ -5,7 +5,7 @@ import datetime
 
 import pika
 
-from amqp_helpers import counts, pump, wait_until
+from amqp_helpers import counts, pump, wait_get, wait_until
 
 
 def _dlx_setup(ch, names, **queue_args):
@@ -18,17 +18,6 @@ def _dlx_setup(ch, names, **queue_args):
     return src, dead, dlx
 
 
-def _wait_get(conn, ch, q):
-    box = []
-    def poll():
-        m = ch.basic_get(q, auto_ack=True)
-        if m[0] is not None:
-            box.append(m)
-        return bool(box)
-    wait_until(conn, poll)
-    return box[0]
-
-
 def test_rejected_message_is_dead_lettered_with_x_death(conn, ch, names):
     """basic.reject without requeue dead-letters with reason 'rejected' and a full x-death
     entry; the message keeps its routing key and gets the DLX as exchange."""
@@ -38,7 +27,7 @@ def test_rejected_message_is_dead_lettered_with_x_death(conn, ch, names):
                                                           headers={"app": "keep"}))
     m, _, _ = ch.basic_get(src, auto_ack=False)
     ch.basic_reject(m.delivery_tag, requeue=False)
-    method, props, body = _wait_get(conn, ch, dead)
+    method, props, body = wait_get(conn, ch, dead)
     assert body == b"m"
     assert method.exchange == dlx
     assert method.routing_key == src
@@ -79,7 +68,7 @@ def test_expired_message_is_dead_lettered_with_original_expiration(conn, ch, nam
     src, dead, _ = _dlx_setup(ch, names)
     ch.confirm_delivery()
     ch.basic_publish("", src, b"old", pika.BasicProperties(expiration="20"))
-    method, props, body = _wait_get(conn, ch, dead)
+    method, props, body = wait_get(conn, ch, dead)
     assert body == b"old"
     assert props.expiration is None
     [death] = props.headers["x-death"]
@@ -95,7 +84,7 @@ def test_queue_ttl_expiry_dead_letters_to_a_routing_key(conn, ch, names):
                                      "x-dead-letter-routing-key": target})
     ch.confirm_delivery()
     ch.basic_publish("", src, b"m")
-    method, props, _ = _wait_get(conn, ch, target)
+    method, props, _ = wait_get(conn, ch, target)
     assert method.routing_key == target
     assert props.headers["x-death"][0]["routing-keys"] == [src]
 
@@ -106,7 +95,7 @@ def test_max_length_drop_head_dead_letters_with_maxlen(conn, ch, names):
     ch.confirm_delivery()
     ch.basic_publish("", src, b"first")
     ch.basic_publish("", src, b"second")
-    method, props, body = _wait_get(conn, ch, dead)
+    method, props, body = wait_get(conn, ch, dead)
     assert body == b"first"
     assert props.headers["x-death"][0]["reason"] == "maxlen"
 
@@ -121,7 +110,7 @@ def test_reject_publish_dlx_dead_letters_the_refused_message(conn, ch, names):
         ch.basic_publish("", src, b"refused")
     except pika.exceptions.NackError:
         pass
-    method, props, body = _wait_get(conn, ch, dead)
+    method, props, body = wait_get(conn, ch, dead)
     assert body == b"refused"
     assert props.headers["x-death"][0]["reason"] == "maxlen"
     assert counts(conn, src) == (1, 0)
@@ -136,15 +125,9 @@ def test_repeated_rejection_counts_in_one_entry(conn, ch, names):
     ch.confirm_delivery()
     ch.basic_publish("", q, b"m")
     for _ in range(2):
-        box = []
-        def poll():
-            m = ch.basic_get(q, auto_ack=False)
-            if m[0] is not None:
-                box.append(m)
-            return bool(box)
-        wait_until(conn, poll)
-        ch.basic_reject(box[0][0].delivery_tag, requeue=False)
-    method, props, _ = _wait_get(conn, ch, q)
+        m, _, _ = wait_get(conn, ch, q, auto_ack=False)
+        ch.basic_reject(m.delivery_tag, requeue=False)
+    method, props, _ = wait_get(conn, ch, q)
     [death] = props.headers["x-death"]
     assert (death["count"], death["reason"], death["queue"]) == (2, "rejected", q)
 

@@ -4,7 +4,7 @@ x-delivery-count."""
 import pika
 import pytest
 
-from amqp_helpers import channel_closed, counts, wait_until
+from amqp_helpers import channel_closed, counts, wait_get
 
 QUORUM = {"x-queue-type": "quorum"}
 
@@ -43,27 +43,14 @@ def test_delivery_limit_dead_letters_and_counts_deliveries(conn, ch, names):
     ch.basic_publish("", q, b"poison", pika.BasicProperties(delivery_mode=2))
     seen = []
     for _ in range(3):
-        box = []
-        def poll():
-            m = ch.basic_get(q, auto_ack=False)
-            if m[0] is not None:
-                box.append(m)
-            return bool(box)
-        wait_until(conn, poll)
-        m, props, _ = box[0]
+        m, props, _ = wait_get(conn, ch, q, auto_ack=False)
         seen.append((props.headers or {}).get("x-delivery-count"))
         ch.basic_nack(m.delivery_tag, requeue=True)
     # RabbitMQ 3.12+ (and 4.x) leaves the header out of the first delivery; 3.10 sent 0.
     assert seen[0] in (None, 0)
     assert seen[1:] == [1, 2]
-    box = []
-    def dead_poll():
-        m = ch.basic_get(dead, auto_ack=True)
-        if m[0] is not None:
-            box.append(m)
-        return bool(box)
-    wait_until(conn, dead_poll)
-    assert box[0][1].headers["x-death"][0]["reason"] == "delivery_limit"
+    _, dead_props, _ = wait_get(conn, ch, dead)
+    assert dead_props.headers["x-death"][0]["reason"] == "delivery_limit"
     assert counts(conn, q)[0] == 0
     ch.queue_delete(q)
 

@@ -178,3 +178,83 @@ impl Drop for Broker {
         }
     }
 }
+
+/// lapin helpers shared by the integration tests (each panics on failure: a test fails).
+pub mod client {
+    use std::time::Duration;
+
+    use futures_lite::StreamExt;
+    use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+
+    use super::Broker;
+
+    /// How long a test waits for an expected delivery.
+    pub const WAIT: Duration = Duration::from_secs(10);
+
+    /// Connect as guest to vhost "/".
+    ///
+    /// # Panics
+    /// If the connection fails.
+    pub async fn connect(b: &Broker) -> Connection {
+        Connection::connect(&b.uri(), ConnectionProperties::default())
+            .await
+            .expect("connect")
+    }
+
+    /// Declare a queue with default flags (or durable).
+    ///
+    /// # Panics
+    /// If the broker refuses.
+    pub async fn queue(ch: &Channel, name: &str, durable: bool) {
+        ch.queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                durable,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare");
+    }
+
+    /// Publish and wait for the confirm (if the channel is in confirm mode, it must be an ack).
+    ///
+    /// # Panics
+    /// If the publish fails or is nacked.
+    pub async fn publish(
+        ch: &Channel,
+        exchange: &str,
+        rk: &str,
+        body: &[u8],
+        props: BasicProperties,
+    ) {
+        let confirm = ch
+            .basic_publish(
+                exchange.into(),
+                rk.into(),
+                BasicPublishOptions::default(),
+                body,
+                props,
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirm");
+        assert!(!confirm.is_nack(), "publish nacked");
+    }
+
+    /// The next delivery of `consumer`, within [`WAIT`].
+    ///
+    /// # Panics
+    /// If none arrives in time or the stream ends.
+    pub async fn next(consumer: &mut lapin::Consumer) -> lapin::message::Delivery {
+        tokio::time::timeout(WAIT, consumer.next())
+            .await
+            .expect("delivery in time")
+            .expect("stream open")
+            .expect("delivery")
+    }
+}

@@ -10,16 +10,9 @@ use std::time::Duration;
 use futures_lite::StreamExt;
 use lapin::options::*;
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
 use warren_compat_tests::Broker;
-
-const WAIT: Duration = Duration::from_secs(10);
-
-async fn connect(b: &Broker) -> Connection {
-    Connection::connect(&b.uri(), ConnectionProperties::default())
-        .await
-        .expect("connect")
-}
+use warren_compat_tests::client::{WAIT, connect, publish, queue};
 
 async fn confirm_channel(conn: &Connection) -> Channel {
     let ch = conn.create_channel().await.unwrap();
@@ -31,36 +24,6 @@ async fn confirm_channel(conn: &Connection) -> Channel {
 
 fn persistent() -> BasicProperties {
     BasicProperties::default().with_delivery_mode(2)
-}
-
-async fn queue(ch: &Channel, name: &str, durable: bool) {
-    ch.queue_declare(
-        name.into(),
-        QueueDeclareOptions {
-            durable,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-}
-
-/// Publish and wait for the broker's confirm (an ack).
-async fn publish(ch: &Channel, exchange: &str, rk: &str, body: &[u8], props: BasicProperties) {
-    let confirm = ch
-        .basic_publish(
-            exchange.into(),
-            rk.into(),
-            BasicPublishOptions::default(),
-            body,
-            props,
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
-    assert!(confirm.is_ack(), "publish confirmed with an ack");
 }
 
 /// Everything in a queue, taken with no-ack basic.get: (body, redelivered).

@@ -1,52 +1,19 @@
 //! lapin against the real binary over TCP: each test says what it proves.
 #![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
 
-use std::time::Duration;
-
 use futures_lite::StreamExt;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Channel, ExchangeKind};
 use warren_compat_tests::Broker;
-
-const WAIT: Duration = Duration::from_secs(10);
-
-async fn connect(b: &Broker) -> Connection {
-    Connection::connect(&b.uri(), ConnectionProperties::default())
-        .await
-        .expect("connect")
-}
+use warren_compat_tests::client::{self, WAIT, connect, next};
 
 async fn declare(ch: &Channel, name: &str) {
-    ch.queue_declare(
-        name.into(),
-        QueueDeclareOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .expect("declare");
+    client::queue(ch, name, false).await;
 }
 
 async fn publish(ch: &Channel, exchange: &str, rk: &str, body: &[u8]) {
-    ch.basic_publish(
-        exchange.into(),
-        rk.into(),
-        BasicPublishOptions::default(),
-        body,
-        BasicProperties::default(),
-    )
-    .await
-    .expect("publish")
-    .await
-    .expect("confirm");
-}
-
-async fn next(consumer: &mut lapin::Consumer) -> lapin::message::Delivery {
-    tokio::time::timeout(WAIT, consumer.next())
-        .await
-        .expect("delivery in time")
-        .expect("stream open")
-        .expect("delivery")
+    client::publish(ch, exchange, rk, body, BasicProperties::default()).await;
 }
 
 #[tokio::test]
