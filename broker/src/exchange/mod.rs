@@ -140,8 +140,11 @@ impl Exchange {
         if self.bindings.contains(&binding) {
             return false;
         }
+        // Indexed incrementally: declaring many bindings costs O(n) each for the duplicate
+        // check, not a rebuild of the whole index.
+        let i = self.bindings.len();
+        self.index(i, &binding.routing_key);
         self.bindings.push(binding);
-        self.reindex();
         true
     }
 
@@ -167,19 +170,26 @@ impl Exchange {
         removed
     }
 
+    /// Rebuild the index after removals (binding positions shift).
     fn reindex(&mut self) {
         self.direct.clear();
         self.topic = topic::TopicTrie::default();
-        for (i, b) in self.bindings.iter().enumerate() {
-            match self.kind {
-                ExchangeKind::Direct => self
-                    .direct
-                    .entry(b.routing_key.clone())
-                    .or_default()
-                    .push(i),
-                ExchangeKind::Topic => self.topic.insert(&b.routing_key, i),
-                ExchangeKind::Fanout | ExchangeKind::Headers => {}
-            }
+        let keys: Vec<String> = self
+            .bindings
+            .iter()
+            .map(|b| b.routing_key.clone())
+            .collect();
+        for (i, key) in keys.iter().enumerate() {
+            self.index(i, key);
+        }
+    }
+
+    /// Index binding number `i` with routing key `key`.
+    fn index(&mut self, i: usize, key: &str) {
+        match self.kind {
+            ExchangeKind::Direct => self.direct.entry(key.to_string()).or_default().push(i),
+            ExchangeKind::Topic => self.topic.insert(key, i),
+            ExchangeKind::Fanout | ExchangeKind::Headers => {}
         }
     }
 
@@ -211,6 +221,57 @@ impl Exchange {
                     .filter(|b| headers::matches(&b.arguments, headers))
                     .map(|b| &b.destination),
             ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bind(ex: &mut Exchange, queue: &str, key: &str) -> bool {
+        ex.bind(Binding {
+            destination: Destination::Queue(queue.into()),
+            routing_key: key.into(),
+            arguments: FieldTable::default(),
+        })
+    }
+
+    fn routed(ex: &Exchange, key: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        ex.route(key, None, &mut out);
+        let mut names: Vec<String> = out
+            .into_iter()
+            .map(|d| match d {
+                Destination::Queue(q) | Destination::Exchange(q) => q.clone(),
+            })
+            .collect();
+        names.sort();
+        names.dedup();
+        names
+    }
+
+    #[test]
+    fn incremental_binds_and_unbinds_keep_the_index_right() {
+        for kind in [ExchangeKind::Direct, ExchangeKind::Topic] {
+            let mut ex = Exchange::new("x", kind, false, false, false, FieldTable::default());
+            assert!(bind(&mut ex, "q1", "a"));
+            assert!(bind(&mut ex, "q2", "b"));
+            assert!(bind(&mut ex, "q3", "a"));
+            assert!(!bind(&mut ex, "q1", "a"), "duplicate binding");
+            assert_eq!(routed(&ex, "a"), ["q1", "q3"]);
+            assert_eq!(routed(&ex, "b"), ["q2"]);
+            ex.unbind(&Binding {
+                destination: Destination::Queue("q1".into()),
+                routing_key: "a".into(),
+                arguments: FieldTable::default(),
+            });
+            assert_eq!(routed(&ex, "a"), ["q3"]);
+            assert_eq!(routed(&ex, "b"), ["q2"]);
+            assert!(bind(&mut ex, "q4", "b"));
+            assert_eq!(routed(&ex, "b"), ["q2", "q4"]);
+            assert_eq!(ex.unbind_destination(&Destination::Queue("q2".into())), 1);
+            assert_eq!(routed(&ex, "b"), ["q4"]);
         }
     }
 }
