@@ -19,6 +19,7 @@ use warren_store::writer::Completion;
 use warren_store::{Batch, BodyRef, Location, Op};
 
 use crate::durable::{Durable, stored};
+use crate::exchange::RoutingHeaders;
 use crate::message::{Entry, Loaded, Message};
 use crate::queue::publish_persistent;
 use crate::timers::{TimerTarget, Timers, wall_ms};
@@ -188,14 +189,14 @@ impl Delayed {
                 }
             };
             if let Some(message) = message_of(&loaded) {
-                let headers = message.properties.headers();
+                let headers = RoutingHeaders::new(&message.properties);
                 targets.clear();
                 // A deleted exchange drops the message, as the plugin does.
                 if vhost
                     .route_internal(
                         &message.exchange,
                         &message.routing_key,
-                        headers.as_ref(),
+                        &headers,
                         &mut targets,
                     )
                     .is_ok()

@@ -20,7 +20,7 @@ use warren_amqp::method::{
 use warren_amqp::{AmqpError, ReplyCode};
 
 use crate::broker::Broker;
-use crate::exchange::{Destination, ExchangeKind};
+use crate::exchange::{Destination, ExchangeKind, RoutingHeaders};
 use crate::limiter::Limiter;
 use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
@@ -1580,21 +1580,16 @@ fn route(
     let mut properties = content.properties;
     // Sender-selected distribution: CC and BCC header keys route too; BCC is removed.
     let (cc, bcc) = crate::deadletter::sender_selected(&properties);
-    let headers = if ctx.vhost.routes_on_headers() || !(cc.is_empty() && bcc.is_empty()) {
-        properties.headers()
-    } else {
-        None
-    };
-    ctx.vhost
-        .route(exchange, routing_key, headers.as_ref(), targets)?;
+    let headers = RoutingHeaders::new(&properties);
+    ctx.vhost.route(exchange, routing_key, &headers, targets)?;
     if !(cc.is_empty() && bcc.is_empty()) {
         for key in cc.iter().chain(&bcc) {
-            ctx.vhost.route(exchange, key, headers.as_ref(), targets)?;
+            ctx.vhost.route(exchange, key, &headers, targets)?;
         }
         let mut seen = std::collections::HashSet::new();
         targets.retain(|q| seen.insert(Arc::as_ptr(q)));
         if !bcc.is_empty()
-            && let Some(h) = headers
+            && let Some(h) = headers.get()
         {
             let mut map = h.inner().clone();
             map.remove("BCC");

@@ -19,7 +19,7 @@ use warren_store::writer::Completion;
 use warren_store::{Batch, MetaTable, Op};
 
 use crate::durable::{BindingRecord, Durable, ExchangeRecord, QueueRecord};
-use crate::exchange::{Binding, Destination, Exchange, ExchangeKind};
+use crate::exchange::{Binding, Destination, Exchange, ExchangeKind, RoutingHeaders};
 use crate::queue::Queue;
 
 /// Produces the completion for a submitted change (called only when something was submitted).
@@ -737,7 +737,7 @@ impl VHost {
         &self,
         exchange: &str,
         routing_key: &str,
-        headers: Option<&FieldTable>,
+        headers: &RoutingHeaders<'_>,
         out: &mut Vec<Arc<Queue>>,
     ) -> Result<(), AmqpError> {
         self.route_inner(exchange, routing_key, headers, out, true)
@@ -749,7 +749,7 @@ impl VHost {
         &self,
         exchange: &str,
         routing_key: &str,
-        headers: Option<&FieldTable>,
+        headers: &RoutingHeaders<'_>,
         out: &mut Vec<Arc<Queue>>,
     ) -> Result<(), AmqpError> {
         self.route_inner(exchange, routing_key, headers, out, false)
@@ -759,7 +759,7 @@ impl VHost {
         &self,
         exchange: &str,
         routing_key: &str,
-        headers: Option<&FieldTable>,
+        headers: &RoutingHeaders<'_>,
         out: &mut Vec<Arc<Queue>>,
         from_client: bool,
     ) -> Result<(), AmqpError> {
@@ -840,18 +840,5 @@ impl VHost {
         for q in owned {
             self.delete_queue(&q, &mut || Box::new(|_| {}));
         }
-    }
-}
-
-impl VHost {
-    /// Whether routing may need the message headers decoded: only when some headers exchange
-    /// has bindings (it may be reached through exchange-to-exchange bindings).
-    #[must_use]
-    pub fn routes_on_headers(&self) -> bool {
-        self.topology
-            .read()
-            .exchanges
-            .values()
-            .any(|e| e.kind == ExchangeKind::Headers && !e.bindings().is_empty())
     }
 }

@@ -3,12 +3,39 @@
 pub mod headers;
 pub mod topic;
 
+use std::cell::OnceCell;
 use std::collections::HashMap;
 
 use amq_protocol::types::FieldTable;
+use warren_amqp::properties::Properties;
 
 /// The type name of delayed exchanges (compatible with rabbitmq_delayed_message_exchange).
 pub const DELAYED_TYPE: &str = "x-delayed-message";
+
+/// A message's headers as routing sees them: decoded at most once, and only when a headers
+/// exchange with bindings is reached, so a publish that never meets one does not pay for it.
+pub struct RoutingHeaders<'a> {
+    properties: &'a Properties,
+    decoded: OnceCell<Option<FieldTable>>,
+}
+
+impl<'a> RoutingHeaders<'a> {
+    /// Headers of `properties`, not yet decoded.
+    #[must_use]
+    pub fn new(properties: &'a Properties) -> Self {
+        Self {
+            properties,
+            decoded: OnceCell::new(),
+        }
+    }
+
+    /// The decoded table (decoding it on first use); `None` if the message has no headers.
+    pub fn get(&self) -> Option<&FieldTable> {
+        self.decoded
+            .get_or_init(|| self.properties.headers())
+            .as_ref()
+    }
+}
 
 /// Exchange types Warren routes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,7 +224,7 @@ impl Exchange {
     pub fn route<'a>(
         &'a self,
         routing_key: &str,
-        headers: Option<&FieldTable>,
+        headers: &RoutingHeaders<'_>,
         out: &mut Vec<&'a Destination>,
     ) {
         match self.kind {
@@ -218,7 +245,7 @@ impl Exchange {
             ExchangeKind::Headers => out.extend(
                 self.bindings
                     .iter()
-                    .filter(|b| headers::matches(&b.arguments, headers))
+                    .filter(|b| headers::matches(&b.arguments, headers.get()))
                     .map(|b| &b.destination),
             ),
         }
@@ -239,7 +266,8 @@ mod tests {
 
     fn routed(ex: &Exchange, key: &str) -> Vec<String> {
         let mut out = Vec::new();
-        ex.route(key, None, &mut out);
+        let props = Properties::default();
+        ex.route(key, &RoutingHeaders::new(&props), &mut out);
         let mut names: Vec<String> = out
             .into_iter()
             .map(|d| match d {
@@ -273,5 +301,59 @@ mod tests {
             assert_eq!(ex.unbind_destination(&Destination::Queue("q2".into())), 1);
             assert_eq!(routed(&ex, "b"), ["q4"]);
         }
+    }
+
+    #[test]
+    fn headers_are_decoded_only_when_a_headers_binding_is_consulted() {
+        use amq_protocol::types::AMQPValue;
+        let mut table = FieldTable::default();
+        table.insert("k".into(), AMQPValue::LongString("v".into()));
+        let mut raw = (1u16 << 13).to_be_bytes().to_vec(); // headers flag only
+        raw.extend(warren_amqp::table::encode_table(&table));
+        let props = Properties::parse(raw.into(), 8).expect("valid properties");
+
+        let mut direct = Exchange::new(
+            "d",
+            ExchangeKind::Direct,
+            false,
+            false,
+            false,
+            FieldTable::default(),
+        );
+        bind(&mut direct, "q", "k");
+        let headers = RoutingHeaders::new(&props);
+        let mut out = Vec::new();
+        direct.route("k", &headers, &mut out);
+        assert_eq!(out.len(), 1);
+        assert!(
+            headers.decoded.get().is_none(),
+            "a direct exchange needs no headers"
+        );
+
+        let mut by_headers = Exchange::new(
+            "h",
+            ExchangeKind::Headers,
+            false,
+            false,
+            false,
+            FieldTable::default(),
+        );
+        by_headers.route("", &headers, &mut out);
+        assert!(
+            headers.decoded.get().is_none(),
+            "no bindings, nothing to match"
+        );
+        let mut args = FieldTable::default();
+        args.insert("x-match".into(), AMQPValue::LongString("all".into()));
+        args.insert("k".into(), AMQPValue::LongString("v".into()));
+        assert!(by_headers.bind(Binding {
+            destination: Destination::Queue("hq".into()),
+            routing_key: String::new(),
+            arguments: args,
+        }));
+        let mut out = Vec::new();
+        by_headers.route("", &headers, &mut out);
+        assert_eq!(out.len(), 1, "the binding matches the message headers");
+        assert!(headers.decoded.get().is_some());
     }
 }

@@ -23,6 +23,7 @@ use warren_store::{Batch, BodyRef, Location, Op};
 
 use crate::deadletter::{self, DeadLetterTarget};
 use crate::durable::{Durable, stored};
+use crate::exchange::RoutingHeaders;
 use crate::limiter::{Limiter, Wake};
 use crate::message::{Entry, Message, Outgoing};
 use crate::outbox::{Delivery, Outbound, Outbox};
@@ -321,16 +322,11 @@ impl Queue {
             else {
                 continue;
             };
-            let headers = msg.properties.headers();
+            let headers = RoutingHeaders::new(&msg.properties);
             targets.clear();
             // A missing dead-letter exchange drops the message, as in RabbitMQ.
             if vhost
-                .route_internal(
-                    &msg.exchange,
-                    &msg.routing_key,
-                    headers.as_ref(),
-                    &mut targets,
-                )
+                .route_internal(&msg.exchange, &msg.routing_key, &headers, &mut targets)
                 .is_err()
             {
                 continue;
@@ -338,13 +334,12 @@ impl Queue {
             // Without x-dead-letter-routing-key the message keeps all its keys, CC included.
             if target.routing_key.is_none() {
                 for cc in deadletter::sender_selected(&msg.properties).0 {
-                    let _ =
-                        vhost.route_internal(&msg.exchange, &cc, headers.as_ref(), &mut targets);
+                    let _ = vhost.route_internal(&msg.exchange, &cc, &headers, &mut targets);
                 }
                 let mut seen = std::collections::HashSet::new();
                 targets.retain(|q| seen.insert(Arc::as_ptr(q)));
             }
-            let deaths = deadletter::deaths(headers.as_ref());
+            let deaths = deadletter::deaths(headers.get());
             targets.retain(|q| !deadletter::is_cycle(&deaths, &q.name));
             let msg = Arc::new(msg);
             if msg.properties.persistent() && targets.iter().any(|q| q.is_stored()) {
