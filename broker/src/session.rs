@@ -494,19 +494,21 @@ impl Session {
     }
 
     fn deliver(&mut self, d: Delivery, out: &mut FrameWriter) {
-        let chan = self.channels.get_mut(&d.channel);
-        let entry = chan.as_ref().and_then(|c| {
-            c.consumers
-                .values()
-                .find(|e| e.id == d.consumer)
-                .map(|e| e.no_ack)
-        });
-        let (Some(chan), Some(no_ack)) = (chan, entry) else {
+        let Some(chan) = self.channels.get_mut(&d.channel) else {
+            // The channel closed after the queue chose its consumer: the message goes back.
+            d.queue.requeue(vec![d.id]);
+            return;
+        };
+        // One lookup gives both the tag to write and the ack mode.
+        let Some((consumer_tag, no_ack)) = chan
+            .consumers
+            .iter()
+            .find(|(_, e)| e.id == d.consumer)
+            .map(|(t, e)| (t.as_str(), e.no_ack))
+        else {
             // The consumer went away after the queue chose it: the message goes back.
             d.queue.requeue(vec![d.id]);
-            if d.counted
-                && let Some(chan) = self.channels.get(&d.channel)
-            {
+            if d.counted {
                 chan.limiter.release(1).run();
             }
             return;
@@ -523,12 +525,6 @@ impl Session {
         };
         let tag = chan.next_tag;
         chan.next_tag += 1;
-        let consumer_tag = chan
-            .consumers
-            .iter()
-            .find(|(_, e)| e.id == d.consumer)
-            .map(|(t, _)| t.as_str())
-            .unwrap_or_default();
         out.method_with(d.channel, |b| {
             put_basic_deliver(
                 b,
