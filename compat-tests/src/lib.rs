@@ -184,7 +184,10 @@ pub mod client {
     use std::time::Duration;
 
     use futures_lite::StreamExt;
-    use lapin::options::{BasicPublishOptions, QueueDeclareOptions};
+    use lapin::options::{
+        BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueBindOptions,
+        QueueDeclareOptions,
+    };
     use lapin::types::FieldTable;
     use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 
@@ -201,6 +204,70 @@ pub mod client {
         Connection::connect(&b.uri(), ConnectionProperties::default())
             .await
             .expect("connect")
+    }
+
+    /// A new channel in confirm mode.
+    ///
+    /// # Panics
+    /// If the channel cannot be opened or confirm.select fails.
+    pub async fn confirm_channel(conn: &Connection) -> Channel {
+        let ch = conn.create_channel().await.expect("channel");
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .expect("confirm.select");
+        ch
+    }
+
+    /// Bind `queue` to `exchange` with `key` and no arguments.
+    ///
+    /// # Panics
+    /// If the broker refuses.
+    pub async fn bind(ch: &Channel, queue: &str, exchange: &str, key: &str) {
+        ch.queue_bind(
+            queue.into(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
+    }
+
+    /// Start a consumer on `queue` with tag `tag` (acking, or no-ack).
+    ///
+    /// # Panics
+    /// If the broker refuses.
+    pub async fn consume(ch: &Channel, queue: &str, tag: &str, no_ack: bool) -> lapin::Consumer {
+        ch.basic_consume(
+            queue.into(),
+            tag.into(),
+            BasicConsumeOptions {
+                no_ack,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("consume")
+    }
+
+    /// The ready-message count of an existing queue (passive declare).
+    ///
+    /// # Panics
+    /// If the queue does not exist.
+    pub async fn message_count(ch: &Channel, queue: &str) -> u32 {
+        ch.queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("passive declare")
+        .message_count()
     }
 
     /// Declare a queue with default flags (or durable).

@@ -12,15 +12,9 @@ use lapin::options::*;
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel, Connection, ExchangeKind};
 use warren_compat_tests::Broker;
-use warren_compat_tests::client::{WAIT, connect, publish, queue};
-
-async fn confirm_channel(conn: &Connection) -> Channel {
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    ch
-}
+use warren_compat_tests::client::{
+    WAIT, bind, confirm_channel, connect, consume, message_count, publish, queue,
+};
 
 fn persistent() -> BasicProperties {
     BasicProperties::default().with_delivery_mode(2)
@@ -137,15 +131,7 @@ async fn unacked_messages_come_back_redelivered_after_a_graceful_restart() {
     for i in 0..5 {
         publish(&ch, "", "work", format!("m{i}").as_bytes(), persistent()).await;
     }
-    let mut consumer = ch
-        .basic_consume(
-            "work".into(),
-            "c".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume(&ch, "work", "c", false).await;
     let mut tags = Vec::new();
     for _ in 0..5 {
         let d = tokio::time::timeout(WAIT, consumer.next())
@@ -204,18 +190,9 @@ async fn durable_topology_survives_and_routes_after_kill_9() {
     for q in ["q1", "q2", "gone-q"] {
         queue(&ch, q, true).await;
     }
-    let bind = |q: &'static str, x: &'static str, k: &'static str| {
-        ch.queue_bind(
-            q.into(),
-            x.into(),
-            k.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-    };
-    bind("q1", "dx", "k1").await.unwrap();
-    bind("q1", "dx", "unbound").await.unwrap();
-    bind("q2", "tx", "a.*").await.unwrap();
+    bind(&ch, "q1", "dx", "k1").await;
+    bind(&ch, "q1", "dx", "unbound").await;
+    bind(&ch, "q2", "tx", "a.*").await;
     ch.exchange_bind(
         "tx".into(),
         "dx".into(),
@@ -294,15 +271,7 @@ async fn fanout_to_durable_queues_is_stored_once_and_settled_per_queue() {
     .unwrap();
     for q in ["f1", "f2", "f3", "purged"] {
         queue(&ch, q, true).await;
-        ch.queue_bind(
-            q.into(),
-            "fan".into(),
-            "".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+        bind(&ch, q, "fan", "").await;
     }
     publish(&ch, "fan", "", b"everyone", persistent()).await;
     let m = ch
@@ -449,18 +418,7 @@ async fn a_no_ack_consumer_drains_recovered_messages_across_deleted_segments() {
     let b = Broker::start_in(dir, &small);
     let conn = connect(&b).await;
     let ch = conn.create_channel().await.unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            "noack".into(),
-            "c".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume(&ch, "noack", "c", true).await;
     for i in 0..2000u32 {
         let d = tokio::time::timeout(WAIT, consumer.next())
             .await
@@ -534,18 +492,7 @@ async fn message_ttls_keep_running_across_a_restart() {
     let ch = conn.create_channel().await.unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let q = ch
-            .queue_declare(
-                "ttl".into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap();
-        if q.message_count() == 1 {
+        if message_count(&ch, "ttl").await == 1 {
             break;
         }
         assert!(
@@ -582,15 +529,7 @@ async fn delayed_messages_survive_a_restart_and_are_released_on_time() {
     .await
     .unwrap();
     queue(&ch, "due", true).await;
-    ch.queue_bind(
-        "due".into(),
-        "later".into(),
-        "k".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    bind(&ch, "due", "later", "k").await;
     let mut headers = FieldTable::default();
     headers.insert("x-delay".into(), lapin::types::AMQPValue::LongInt(1500));
     publish(
@@ -604,18 +543,7 @@ async fn delayed_messages_survive_a_restart_and_are_released_on_time() {
     let b = restart(b, true);
     let conn = connect(&b).await;
     let ch = conn.create_channel().await.unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            "due".into(),
-            "c".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume(&ch, "due", "c", true).await;
     let d = tokio::time::timeout(WAIT, consumer.next())
         .await
         .expect("released within the wait")

@@ -6,7 +6,9 @@ use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 use warren_compat_tests::Broker;
-use warren_compat_tests::client::{self, WAIT, connect, next};
+use warren_compat_tests::client::{
+    self, WAIT, bind, confirm_channel, connect, consume, message_count, next,
+};
 
 async fn declare(ch: &Channel, name: &str) {
     client::queue(ch, name, false).await;
@@ -21,10 +23,7 @@ async fn publish_confirm_consume_ack_round_trip() {
     //! A confirmed publish reaches a consumer byte-exact and the ack empties the queue.
     let b = Broker::start();
     let conn = connect(&b).await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    let ch = confirm_channel(&conn).await;
     declare(&ch, "rt").await;
     let confirm = ch
         .basic_publish(
@@ -39,15 +38,7 @@ async fn publish_confirm_consume_ack_round_trip() {
         .await
         .unwrap();
     assert!(confirm.is_ack());
-    let mut consumer = ch
-        .basic_consume(
-            "rt".into(),
-            "c1".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut consumer = consume(&ch, "rt", "c1", false).await;
     let d = next(&mut consumer).await;
     assert_eq!(d.data, b"hello");
     assert!(!d.redelivered);
@@ -74,10 +65,7 @@ async fn properties_headers_and_large_bodies_round_trip() {
     //! Every basic property, a header table of many types and a 5 MB multi-frame body survive.
     let b = Broker::start();
     let conn = connect(&b).await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    let ch = confirm_channel(&conn).await;
     declare(&ch, "props").await;
     let mut headers = FieldTable::default();
     headers.insert("s".into(), AMQPValue::LongString(LongString::from("text")));
@@ -137,33 +125,14 @@ async fn round_robin_within_prefetch() {
     //! Two consumers with prefetch 1 share messages in turn and get nothing more until they ack.
     let b = Broker::start();
     let conn = connect(&b).await;
-    let pch = conn.create_channel().await.unwrap();
-    pch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    let pch = confirm_channel(&conn).await;
     declare(&pch, "rr").await;
     let c1 = conn.create_channel().await.unwrap();
     let c2 = conn.create_channel().await.unwrap();
     c1.basic_qos(1, BasicQosOptions::default()).await.unwrap();
     c2.basic_qos(1, BasicQosOptions::default()).await.unwrap();
-    let mut s1 = c1
-        .basic_consume(
-            "rr".into(),
-            "a".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let mut s2 = c2
-        .basic_consume(
-            "rr".into(),
-            "b".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut s1 = consume(&c1, "rr", "a", false).await;
+    let mut s2 = consume(&c2, "rr", "b", false).await;
     for i in 0..4u8 {
         publish(&pch, "", "rr", &[i]).await;
     }
@@ -173,18 +142,7 @@ async fn round_robin_within_prefetch() {
     firsts.sort_unstable();
     assert_eq!(firsts, vec![0, 1]);
     // Within prefetch 1 nothing more arrives before the acks.
-    let q = pch
-        .queue_declare(
-            "rr".into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(q.message_count(), 2);
+    assert_eq!(message_count(&pch, "rr").await, 2);
     d1.ack(BasicAckOptions::default()).await.unwrap();
     d2.ack(BasicAckOptions::default()).await.unwrap();
     let mut rest = vec![next(&mut s1).await.data[0], next(&mut s2).await.data[0]];
@@ -197,41 +155,19 @@ async fn unacked_messages_return_in_order_when_channel_closes() {
     //! Closing a channel requeues its unacked deliveries in original order, marked redelivered.
     let b = Broker::start();
     let conn = connect(&b).await;
-    let pch = conn.create_channel().await.unwrap();
-    pch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    let pch = confirm_channel(&conn).await;
     declare(&pch, "requeue").await;
     for i in 0..5u8 {
         publish(&pch, "", "requeue", &[i]).await;
     }
     let cch = conn.create_channel().await.unwrap();
-    let mut s = cch
-        .basic_consume(
-            "requeue".into(),
-            "c".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut s = consume(&cch, "requeue", "c", false).await;
     for i in 0..5u8 {
         assert_eq!(next(&mut s).await.data, vec![i]);
     }
     cch.close(200, "bye".into()).await.unwrap();
     let cch2 = conn.create_channel().await.unwrap();
-    let mut s2 = cch2
-        .basic_consume(
-            "requeue".into(),
-            "c".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut s2 = consume(&cch2, "requeue", "c", true).await;
     for i in 0..5u8 {
         let d = next(&mut s2).await;
         assert_eq!(d.data, vec![i]);
@@ -244,31 +180,12 @@ async fn topic_and_fanout_routing_and_e2e_bindings() {
     //! Topic patterns, fanout and exchange-to-exchange bindings route to exactly the bound queues.
     let b = Broker::start();
     let conn = connect(&b).await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    let ch = confirm_channel(&conn).await;
     for q in ["t-star", "t-hash", "f"] {
         declare(&ch, q).await;
     }
-    ch.queue_bind(
-        "t-star".into(),
-        "amq.topic".into(),
-        "a.*".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    ch.queue_bind(
-        "t-hash".into(),
-        "amq.topic".into(),
-        "a.#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    bind(&ch, "t-star", "amq.topic", "a.*").await;
+    bind(&ch, "t-hash", "amq.topic", "a.#").await;
     ch.exchange_declare(
         "fan".into(),
         ExchangeKind::Fanout,
@@ -286,37 +203,13 @@ async fn topic_and_fanout_routing_and_e2e_bindings() {
     )
     .await
     .unwrap();
-    ch.queue_bind(
-        "f".into(),
-        "fan".into(),
-        "".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
+    bind(&ch, "f", "fan", "").await;
     publish(&ch, "amq.topic", "a.b", b"1").await;
     publish(&ch, "amq.topic", "a.b.c", b"2").await;
     publish(&ch, "amq.topic", "a", b"3").await;
-    let count = |q: &'static str| {
-        let ch = ch.clone();
-        async move {
-            ch.queue_declare(
-                q.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .unwrap()
-            .message_count()
-        }
-    };
-    assert_eq!(count("t-star").await, 1);
-    assert_eq!(count("t-hash").await, 3);
-    assert_eq!(count("f").await, 1);
+    assert_eq!(message_count(&ch, "t-star").await, 1);
+    assert_eq!(message_count(&ch, "t-hash").await, 3);
+    assert_eq!(message_count(&ch, "f").await, 1);
 }
 
 #[tokio::test]
@@ -324,10 +217,7 @@ async fn mandatory_unroutable_is_returned_then_acked() {
     //! An unroutable mandatory publish comes back as basic.return (312) and is still confirmed.
     let b = Broker::start();
     let conn = connect(&b).await;
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
+    let ch = confirm_channel(&conn).await;
     let confirm = ch
         .basic_publish(
             "".into(),
@@ -429,18 +319,7 @@ async fn many_messages_flow_through_a_no_ack_consumer() {
     let ch = conn.create_channel().await.unwrap();
     declare(&ch, "bulk").await;
     let cch = conn.create_channel().await.unwrap();
-    let mut s = cch
-        .basic_consume(
-            "bulk".into(),
-            "c".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
+    let mut s = consume(&cch, "bulk", "c", true).await;
     let total = 20_000u32;
     let publisher = tokio::spawn({
         let ch = ch.clone();
