@@ -120,3 +120,91 @@ impl ServerConfig {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
+
+    use super::*;
+
+    fn args(config: Option<PathBuf>) -> ServerArgs {
+        ServerArgs {
+            config,
+            amqp_listen: None,
+            data_dir: None,
+            log_level: None,
+            store_segment_bytes: None,
+        }
+    }
+
+    fn file(text: &str) -> tempfile::NamedTempFile {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), text).unwrap();
+        f
+    }
+
+    #[test]
+    fn defaults_without_a_file() {
+        let c = ServerConfig::load(args(None)).unwrap();
+        assert_eq!(c.amqp_listen, SocketAddr::from(([0, 0, 0, 0], 5672)));
+        assert_eq!(c.data_dir, PathBuf::from("./warren-data"));
+        assert_eq!(c.log_level, "info");
+        assert_eq!(
+            c.limits,
+            warren_amqp::limits::ConnectionLimits::default(),
+            "protocol limits keep their defaults"
+        );
+        assert_eq!(c.store.segment_max, warren_store::SEGMENT_MAX_DEFAULT);
+    }
+
+    #[test]
+    fn the_file_sets_every_key_and_flags_override_it() {
+        let f = file(
+            "amqp_listen = \"127.0.0.1:5999\"\n\
+             data_dir = \"/tmp/from-file\"\n\
+             log_level = \"debug\"\n\
+             heartbeat_s = 30\n\
+             frame_max = 8192\n\
+             channel_max = 16\n\
+             message_size_max = 1048576\n\
+             store_segment_bytes = 1048576\n",
+        );
+        let c = ServerConfig::load(args(Some(f.path().into()))).unwrap();
+        assert_eq!(c.amqp_listen, SocketAddr::from(([127, 0, 0, 1], 5999)));
+        assert_eq!(c.data_dir, PathBuf::from("/tmp/from-file"));
+        assert_eq!(c.log_level, "debug");
+        assert_eq!(c.limits.heartbeat_s, 30);
+        assert_eq!(c.limits.frame_max, 8192);
+        assert_eq!(c.limits.channel_max, 16);
+        assert_eq!(c.limits.message_size_max, 1_048_576);
+        assert_eq!(c.store.segment_max, 1_048_576);
+
+        let mut flags = args(Some(f.path().into()));
+        flags.data_dir = Some("/tmp/from-flag".into());
+        flags.store_segment_bytes = Some(2_097_152);
+        let c = ServerConfig::load(flags).unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("/tmp/from-flag"));
+        assert_eq!(c.store.segment_max, 2_097_152);
+        assert_eq!(
+            c.log_level, "debug",
+            "keys without a flag still come from the file"
+        );
+    }
+
+    #[test]
+    fn out_of_bounds_and_unknown_keys_are_refused() {
+        for text in [
+            "frame_max = 4095",
+            "channel_max = 0",
+            "message_size_max = 536870913",
+            "store_segment_bytes = 65535",
+            "no_such_key = 1",
+        ] {
+            let f = file(text);
+            assert!(
+                ServerConfig::load(args(Some(f.path().into()))).is_err(),
+                "{text} accepted"
+            );
+        }
+    }
+}
