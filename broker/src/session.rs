@@ -108,6 +108,19 @@ enum Mode {
     Tx(TxBuffer),
 }
 
+impl Mode {
+    /// In confirm mode, number the next publish (from 1, as the client counts); else `None`.
+    fn next_publish_seq(&mut self) -> Option<u64> {
+        match self {
+            Mode::Confirm { last_seq, .. } => {
+                *last_seq += 1;
+                Some(*last_seq)
+            }
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Channel {
     /// Incarnation: store completions for a closed channel must not touch a reopened one.
@@ -793,15 +806,7 @@ fn handle_queue(
             Ok(())
         }
         queue::AMQPMethod::Bind(b) => {
-            let qname = expand_queue_name(chan, b.queue.as_str())?;
-            let rk = if b.routing_key.as_str().is_empty() && b.queue.as_str().is_empty() {
-                qname.clone()
-            } else {
-                b.routing_key.as_str().to_string()
-            };
-            if vhost.queue(&qname).is_some() {
-                usable_queue(ctx, &qname)?;
-            }
+            let (qname, rk) = queue_binding(ctx, chan, b.queue.as_str(), b.routing_key.as_str())?;
             vhost.bind(
                 b.exchange.as_str(),
                 Destination::Queue(qname),
@@ -819,16 +824,7 @@ fn handle_queue(
             Ok(())
         }
         queue::AMQPMethod::Unbind(u) => {
-            let qname = expand_queue_name(chan, u.queue.as_str())?;
-            // Same shortcut as queue.bind: empty queue and key mean the last declared queue.
-            let rk = if u.routing_key.as_str().is_empty() && u.queue.as_str().is_empty() {
-                qname.clone()
-            } else {
-                u.routing_key.as_str().to_string()
-            };
-            if vhost.queue(&qname).is_some() {
-                usable_queue(ctx, &qname)?;
-            }
+            let (qname, rk) = queue_binding(ctx, chan, u.queue.as_str(), u.routing_key.as_str())?;
             vhost.unbind(
                 u.exchange.as_str(),
                 Destination::Queue(qname),
@@ -1564,6 +1560,27 @@ fn recover(chan: &mut Channel, requeue: bool) -> Result<(), AmqpError> {
     Ok(())
 }
 
+/// The queue and routing key a queue.bind or queue.unbind names: an empty queue name means the
+/// channel's last declared queue, and with it an empty key means that queue's name (RabbitMQ's
+/// shortcut). A queue that exists must be usable by this connection (exclusive queues).
+fn queue_binding(
+    ctx: &Ctx,
+    chan: &Channel,
+    queue: &str,
+    routing_key: &str,
+) -> Result<(String, String), AmqpError> {
+    let qname = expand_queue_name(chan, queue)?;
+    let rk = if routing_key.is_empty() && queue.is_empty() {
+        qname.clone()
+    } else {
+        routing_key.to_string()
+    };
+    if ctx.vhost.queue(&qname).is_some() {
+        usable_queue(ctx, &qname)?;
+    }
+    Ok((qname, rk))
+}
+
 /// Resolve the exchange and collect the queues a message goes to (404 for a missing exchange,
 /// 403 for an internal one).
 fn route(
@@ -1666,13 +1683,7 @@ fn schedule_delayed(
         // Routing refuses it with 403, as for any internal exchange.
         return false;
     }
-    let seq = match &mut chan.mode {
-        Mode::Confirm { last_seq, .. } => {
-            *last_seq += 1;
-            Some(*last_seq)
-        }
-        _ => None,
-    };
+    let seq = chan.mode.next_publish_seq();
     let message = Arc::new(Message {
         exchange: exchange.to_string(),
         routing_key: routing_key.to_string(),
@@ -1704,13 +1715,7 @@ fn enqueue_routed(
     mandatory: bool,
     out: &mut FrameWriter,
 ) -> Vec<Arc<Queue>> {
-    let seq = match &mut chan.mode {
-        Mode::Confirm { last_seq, .. } => {
-            *last_seq += 1;
-            Some(*last_seq)
-        }
-        _ => None,
-    };
+    let seq = chan.mode.next_publish_seq();
     let mut outcome = Enqueued::Gone;
     if is_direct_reply(&message.exchange, &message.routing_key)
         && ctx.vhost.replies.deliver(message)
