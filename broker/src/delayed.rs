@@ -21,7 +21,7 @@ use warren_store::{Batch, BodyRef, Location, Op};
 use crate::durable::{Durable, stored};
 use crate::exchange::RoutingHeaders;
 use crate::message::{Entry, Loaded, Message};
-use crate::queue::publish_persistent;
+use crate::queue::publish_routed;
 use crate::timers::{TimerTarget, Timers, wall_ms};
 use crate::vhost::VHost;
 
@@ -202,13 +202,7 @@ impl Delayed {
                     .is_ok()
                 {
                     let message = Arc::new(message);
-                    if message.properties.persistent() && targets.iter().any(|q| q.is_stored()) {
-                        let _ = publish_persistent(&targets, &message, || Box::new(|_| {}));
-                    } else {
-                        for q in &targets {
-                            let _ = q.publish(Arc::clone(&message));
-                        }
-                    }
+                    let _ = publish_routed(&targets, &message, || Box::new(|_| {}));
                 }
             }
             if stored {

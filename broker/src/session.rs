@@ -25,7 +25,7 @@ use crate::limiter::Limiter;
 use crate::message::Message;
 use crate::outbox::{Delivery, Outbound, Outbox};
 use crate::queue::machine::{ConsumerId, ConsumerSpec, MachineError, MsgId};
-use crate::queue::{ConsumerSink, Enqueued, Queue, publish_persistent};
+use crate::queue::{ConsumerSink, Enqueued, Queue, publish_routed};
 use crate::reply_to::{REPLY_TO, REPLY_TO_PREFIX};
 use crate::vhost::{ExchangeDecl, OnCommit, VHost, rs};
 
@@ -1722,18 +1722,13 @@ fn enqueue_routed(
     {
         outcome = Enqueued::Accepted;
     }
-    if message.properties.persistent() && targets.iter().any(|q| q.is_stored()) {
-        let epoch = chan.epoch;
-        let mode = &mut chan.mode;
-        (outcome, _) = publish_persistent(&targets, message, || {
-            durable_completion(ctx, mode, epoch, ch, seq)
-        });
-        targets.clear();
-    } else {
-        for q in targets.drain(..) {
-            outcome = outcome.and(q.publish(Arc::clone(message)));
-        }
-    }
+    let epoch = chan.epoch;
+    let mode = &mut chan.mode;
+    let (routed, _) = publish_routed(&targets, message, || {
+        durable_completion(ctx, mode, epoch, ch, seq)
+    });
+    outcome = outcome.and(routed);
+    targets.clear();
     if let (Enqueued::Rejected, Some(seq), Mode::Confirm { nacks, .. }) =
         (outcome, seq, &mut chan.mode)
     {

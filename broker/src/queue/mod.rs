@@ -342,13 +342,7 @@ impl Queue {
             let deaths = deadletter::deaths(headers.get());
             targets.retain(|q| !deadletter::is_cycle(&deaths, &q.name));
             let msg = Arc::new(msg);
-            if msg.properties.persistent() && targets.iter().any(|q| q.is_stored()) {
-                let _ = publish_persistent(&targets, &msg, || Box::new(|_| {}));
-            } else {
-                for q in &targets {
-                    let _ = q.publish(Arc::clone(&msg));
-                }
-            }
+            let _ = publish_routed(&targets, &msg, || Box::new(|_| {}));
         }
     }
 
@@ -360,7 +354,18 @@ impl Queue {
         st: &mut State,
         command: Command<Entry>,
     ) -> Result<Reply<Entry>, MachineError> {
-        let reply = self.apply(st, command);
+        self.run_at(st, command, self.now_ms())
+    }
+
+    /// [`Queue::run`] at a given machine time: a caller that predicted the outcome of a
+    /// command at `now` (the persistent publish) gets exactly that outcome.
+    fn run_at(
+        self: &Arc<Self>,
+        st: &mut State,
+        command: Command<Entry>,
+        now: u64,
+    ) -> Result<Reply<Entry>, MachineError> {
+        let reply = self.apply_at(st, command, now);
         self.submit_store_ops(st, None);
         reply
     }
@@ -372,8 +377,18 @@ impl Queue {
         st: &mut State,
         command: Command<Entry>,
     ) -> Result<Reply<Entry>, MachineError> {
+        self.apply_at(st, command, self.now_ms())
+    }
+
+    /// [`Queue::apply`] at a given machine time.
+    fn apply_at(
+        self: &Arc<Self>,
+        st: &mut State,
+        command: Command<Entry>,
+        now: u64,
+    ) -> Result<Reply<Entry>, MachineError> {
         let mut effects = std::mem::take(&mut st.effects);
-        let reply = st.machine.apply(self.now_ms(), command, &mut effects);
+        let reply = st.machine.apply(now, command, &mut effects);
         self.carry_out(st, &mut effects);
         self.offer_grants(st, &mut effects);
         st.effects = effects;
@@ -772,17 +787,23 @@ impl Queue {
     }
 }
 
-/// Enqueue a persistent message into the stored queues among `targets` (one store write for
-/// all of them) and into the others in memory. The store submission happens while every stored
-/// target is locked (in id order, so concurrent publishers cannot deadlock) and before any of
-/// them can deliver the message; queues that will refuse it (reject-publish) are not written.
-/// Returns the combined outcome and whether `done` was submitted (when no stored queue took
-/// the message, `done` is not called).
-pub fn publish_persistent(
+/// Enqueue a routed message into every queue of `targets`. A persistent message goes into the
+/// stored queues among them with one store write for all of them, and into the others in
+/// memory. The store submission happens while every stored target is locked (in id order, so
+/// concurrent publishers cannot deadlock) and before any of them can deliver the message;
+/// queues that will refuse it (reject-publish) are not written. Returns the combined outcome
+/// and whether `done` was submitted (when nothing was written, `done` is not called).
+pub fn publish_routed(
     targets: &[Arc<Queue>],
     message: &Arc<Message>,
     done: impl FnOnce() -> Completion,
 ) -> (Enqueued, bool) {
+    if !message.properties.persistent() {
+        let outcome = targets.iter().fold(Enqueued::Gone, |outcome, q| {
+            outcome.and(q.publish(Arc::clone(message)))
+        });
+        return (outcome, false);
+    }
     let mut stored_targets: Vec<&Arc<Queue>> =
         targets.iter().filter(|q| q.store.is_some()).collect();
     stored_targets.sort_unstable_by_key(|q| q.id);
@@ -796,38 +817,35 @@ pub fn publish_persistent(
             ops: Vec::with_capacity(stored_targets.len()),
         };
         let priority = message.properties.priority.unwrap_or(0);
+        // One machine time for the whole publish: the store ops below predict what the
+        // Enqueue will do, and the machine is deterministic only for a given `now`.
         let now = crate::timers::wall_ms();
         // Expire first, as the Enqueue below will: a limit check on a queue still holding
         // expired messages would leave out a message the queue then accepts.
         for (q, st) in stored_targets.iter().zip(guards.iter_mut()) {
             if !st.deleted {
-                let _ = q.apply(st, Command::Expire);
+                let _ = q.apply_at(st, Command::Expire, now);
             }
         }
+        let mut stored_here = Vec::with_capacity(stored_targets.len());
+        // Once durable, long queues drop the body and keep only its place in the store.
+        let mut placed: Vec<(std::sync::Weak<Queue>, MsgId)> = Vec::new();
         for (q, st) in stored_targets.iter().zip(&guards) {
-            if !st.deleted && !st.machine.would_reject(&entry) {
+            let store_it = !st.deleted && !st.machine.would_reject(&entry);
+            stored_here.push(store_it);
+            if store_it {
+                let id = st.machine.next_id();
                 batch.ops.push(Op::Enqueue {
                     queue: q.id,
-                    id: st.machine.next_id(),
+                    id,
                     body: BodyRef::New(0),
                     flags: u32::from(priority),
                     expires_at: st.machine.expiry_at(&entry, now).unwrap_or(0),
                 });
+                placed.push((Arc::downgrade(q), id));
             }
         }
         if !batch.ops.is_empty() {
-            // Once durable, long queues drop the body and keep only its place in the store.
-            let placed: Vec<(std::sync::Weak<Queue>, MsgId)> = batch
-                .ops
-                .iter()
-                .filter_map(|op| match op {
-                    Op::Enqueue { queue, id, .. } => stored_targets
-                        .iter()
-                        .find(|q| q.id == *queue)
-                        .map(|q| (Arc::downgrade(q), *id)),
-                    _ => None,
-                })
-                .collect();
             let size = u32::try_from(message.body.len()).unwrap_or(u32::MAX);
             let then = done();
             store.submit(
@@ -847,10 +865,22 @@ pub fn publish_persistent(
             );
             submitted = true;
         }
-        for (q, st) in stored_targets.iter().zip(guards.iter_mut()) {
+        for ((q, st), stored) in stored_targets
+            .iter()
+            .zip(guards.iter_mut())
+            .zip(stored_here)
+        {
             if !st.deleted {
-                let r = q.run(st, Command::Enqueue(entry.clone()));
-                outcome = outcome.and(q.enqueued(st, r));
+                let r = q.run_at(st, Command::Enqueue(entry.clone()), now);
+                let taken = q.enqueued(st, r);
+                // A message in a queue without its store record would be lost on a crash
+                // after its confirm; one in the store but not the queue would resurrect.
+                debug_assert_eq!(
+                    stored,
+                    taken == Enqueued::Accepted,
+                    "the store op must match the queue's decision"
+                );
+                outcome = outcome.and(taken);
             }
         }
         drop(guards);
