@@ -56,14 +56,6 @@ impl Durable {
         }
     }
 
-    /// Read a stored message.
-    ///
-    /// # Errors
-    /// I/O or checksum failure.
-    pub fn read(&self, location: Location) -> Result<StoredMessage, StoreError> {
-        self.segments.read(location)
-    }
-
     /// Hold a record's segment open (see [`warren_store::Segments::pin`]).
     ///
     /// # Errors

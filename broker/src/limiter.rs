@@ -53,12 +53,6 @@ impl Wake {
 }
 
 impl Limiter {
-    /// Whether a limit is in force.
-    #[must_use]
-    pub fn is_active(&self) -> bool {
-        self.state.lock().limit > 0
-    }
-
     /// Take a slot for `consumer` of `queue`, or register it to be woken when one frees up.
     pub fn try_reserve(&self, queue: &Arc<Queue>, consumer: ConsumerId) -> bool {
         let mut s = self.state.lock();
@@ -101,11 +95,5 @@ impl Limiter {
         } else {
             Wake::default()
         }
-    }
-
-    /// Slots in use (for tests and statistics).
-    #[must_use]
-    pub fn used(&self) -> u32 {
-        self.state.lock().used
     }
 }
