@@ -258,7 +258,14 @@ pub fn scan(dir: &Path, id: u64) -> Result<Scanned, StoreError> {
 #[derive(Debug)]
 pub struct Segments {
     dir: PathBuf,
-    files: RwLock<HashMap<u64, Arc<File>>>,
+    files: RwLock<HashMap<u64, Arc<OpenSegment>>>,
+}
+
+/// An open segment file and its path (kept for error messages, so a read allocates nothing).
+#[derive(Debug)]
+struct OpenSegment {
+    file: File,
+    path: PathBuf,
 }
 
 impl Segments {
@@ -271,12 +278,13 @@ impl Segments {
         }
     }
 
-    fn file(&self, id: u64) -> Result<Arc<File>, StoreError> {
+    fn file(&self, id: u64) -> Result<Arc<OpenSegment>, StoreError> {
         if let Some(f) = self.files.read().get(&id) {
             return Ok(Arc::clone(f));
         }
         let path = segment_path(&self.dir, id);
-        let f = Arc::new(File::open(&path).map_err(|e| StoreError::io("open segment", &path, e))?);
+        let file = File::open(&path).map_err(|e| StoreError::io("open segment", &path, e))?;
+        let f = Arc::new(OpenSegment { file, path });
         self.files.write().insert(id, Arc::clone(&f));
         Ok(f)
     }
@@ -291,8 +299,7 @@ impl Segments {
     /// record while it is still referenced can read it after settling it.
     pub fn pin(&self, loc: Location) -> Result<Pinned, StoreError> {
         Ok(Pinned {
-            file: self.file(loc.segment)?,
-            path: segment_path(&self.dir, loc.segment),
+            segment: self.file(loc.segment)?,
             location: loc,
         })
     }
@@ -306,8 +313,7 @@ impl Segments {
 /// A record whose segment is held open: see [`Segments::pin`].
 #[derive(Debug, Clone)]
 pub struct Pinned {
-    file: Arc<File>,
-    path: PathBuf,
+    segment: Arc<OpenSegment>,
     location: Location,
 }
 
@@ -320,8 +326,8 @@ impl Pinned {
 
     /// Read and verify the record.
     pub fn read(&self) -> Result<StoredMessage, StoreError> {
-        let (file, loc) = (&self.file, self.location);
-        let path = || self.path.clone();
+        let (file, loc) = (&self.segment.file, self.location);
+        let path = || self.segment.path.clone();
         let mut buf = vec![0u8; RECORD_HEADER + loc.len as usize];
         file.read_exact_at(&mut buf, loc.offset)
             .map_err(|e| StoreError::io("read message", path(), e))?;
