@@ -892,6 +892,14 @@ impl<M: MessageRef> QueueMachine<M> {
     /// Drop expired messages at the head of every level (RabbitMQ expires messages when they
     /// reach the head, so a long per-message TTL in front holds shorter ones behind it).
     fn expire_heads(&mut self, effects: &mut Vec<Effect<M>>) {
+        // Runs on every command: the common case (no expired head) must not allocate.
+        if !self
+            .levels
+            .values()
+            .any(|l| l.peek().is_some_and(|r| self.is_expired(r)))
+        {
+            return;
+        }
         let levels: Vec<u8> = self.levels.keys().copied().collect();
         for level in levels {
             loop {
