@@ -180,6 +180,17 @@ fn a_segment_stays_while_any_queue_references_it() {
     );
 }
 
+/// A closed store holding one committed message (queue 1, id 1).
+fn store_with_one_message(dir: &Path, body: &[u8]) {
+    let (mut store, _) = open(dir, SEGMENT_MAX_DEFAULT).unwrap();
+    store
+        .commit(&Batch {
+            bodies: vec![msg(body)],
+            ops: vec![enqueue(1, 1, 0)],
+        })
+        .unwrap();
+}
+
 fn first_segment_file(dir: &Path) -> PathBuf {
     let ids = segment::list(&dir.join("segments")).unwrap();
     segment::segment_path(&dir.join("segments"), ids[0])
@@ -188,14 +199,7 @@ fn first_segment_file(dir: &Path) -> PathBuf {
 #[test]
 fn uncommitted_torn_tail_is_truncated_and_committed_data_kept() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut store, _) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
-    store
-        .commit(&Batch {
-            bodies: vec![msg(b"kept")],
-            ops: vec![enqueue(1, 1, 0)],
-        })
-        .unwrap();
-    drop(store);
+    store_with_one_message(dir.path(), b"kept");
     // A crash after appending (part of) a record that was never committed to the index.
     let path = first_segment_file(dir.path());
     let before = std::fs::metadata(&path).unwrap().len();
@@ -279,14 +283,7 @@ fn other_format_versions_refuse_to_open() {
 #[test]
 fn a_segment_of_another_version_refuses_to_open() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut store, _) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
-    store
-        .commit(&Batch {
-            bodies: vec![msg(b"x")],
-            ops: vec![enqueue(1, 1, 0)],
-        })
-        .unwrap();
-    drop(store);
+    store_with_one_message(dir.path(), b"x");
     let path = first_segment_file(dir.path());
     let mut bytes = std::fs::read(&path).unwrap();
     bytes[8..12].copy_from_slice(&2u32.to_be_bytes());
@@ -309,14 +306,7 @@ fn a_segment_of_another_version_refuses_to_open() {
 #[test]
 fn a_damaged_header_on_an_unreferenced_segment_is_crash_debris() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut store, _) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
-    store
-        .commit(&Batch {
-            bodies: vec![msg(b"kept")],
-            ops: vec![enqueue(1, 1, 0)],
-        })
-        .unwrap();
-    drop(store);
+    store_with_one_message(dir.path(), b"kept");
     // A crash right after creating the next segment: its header never reached the disk.
     let seg_dir = dir.path().join("segments");
     let next = segment::list(&seg_dir).unwrap().last().unwrap() + 1;
