@@ -6,8 +6,8 @@
 //! `consumers x window` deliveries plus one cancel per consumer, plus one store completion per
 //! submission still owed to this connection.
 
-use std::collections::VecDeque;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, mpsc};
 
 use parking_lot::Mutex;
 use tokio::sync::Notify;
@@ -77,30 +77,49 @@ pub enum Outbound {
 }
 
 /// The outbox of one connection.
-#[derive(Debug, Default)]
+///
+/// Pushes come from other threads (queues on other connections' tasks, the store writer's
+/// completions) and must not contend with the owning task's drain: the items travel through a
+/// lock-free channel, and `armed` makes one wake-up cover a whole burst.
+#[derive(Debug)]
 pub struct Outbox {
-    items: Mutex<VecDeque<Outbound>>,
+    tx: mpsc::Sender<Outbound>,
+    /// Only the owning connection task drains; the lock is never contended.
+    rx: Mutex<mpsc::Receiver<Outbound>>,
+    /// Set by the first push after a drain, which also notifies.
+    armed: AtomicBool,
     notify: Notify,
 }
 
+impl Default for Outbox {
+    fn default() -> Self {
+        let (tx, rx) = mpsc::channel();
+        Self {
+            tx,
+            rx: Mutex::new(rx),
+            armed: AtomicBool::new(false),
+            notify: Notify::new(),
+        }
+    }
+}
+
 impl Outbox {
-    /// Queue work and wake the connection task. Lock order: queue state, then outbox.
+    /// Queue work and wake the connection task.
     pub fn push(&self, item: Outbound) {
-        let was_empty = {
-            let mut items = self.items.lock();
-            let was_empty = items.is_empty();
-            items.push_back(item);
-            was_empty
-        };
-        // One wake-up per batch is enough: the task drains everything it finds.
-        if was_empty {
+        // The receiver lives as long as `self`: sending cannot fail.
+        let _ = self.tx.send(item);
+        // Send, then arm: a drain that disarmed before this swap drains the item or is
+        // followed by this notify.
+        if !self.armed.swap(true, Ordering::AcqRel) {
             self.notify.notify_one();
         }
     }
 
     /// Move everything queued into `into`.
     pub fn drain(&self, into: &mut Vec<Outbound>) {
-        into.extend(self.items.lock().drain(..));
+        self.armed.swap(false, Ordering::AcqRel);
+        let rx = self.rx.lock();
+        into.extend(rx.try_iter());
     }
 
     /// Resolves when something was pushed since the last drain.

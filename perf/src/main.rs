@@ -4,9 +4,14 @@
 //! JSON summary. With `--broker-pid` it also reports the broker's CPU per message and peak RSS
 //! from `/proc`, which do not depend on the client's own cost.
 //!
+//! The standard scenarios have names (`--scenario transient|durable|quorum|parallel4|fanout8|
+//! paced5k|backlog|idle|small16`, see [`Scenario`]); explicit flags override a scenario's
+//! settings. The hot path uses a batching client ([`raw`]) unless `--client lapin`.
+//!
 //! Examples (see docs/benchmarks.md for the scenarios):
 //!
 //! ```text
+//! warren-perf --scenario durable --duration 20 --broker-pid $(pidof warren)
 //! warren-perf --producers 1 --consumers 1 --size 1024 --duration 20
 //! warren-perf --durable --persistent --confirm 1000 --prefetch 1000 --multi-ack 100
 //! warren-perf --durable --persistent --confirm 1000 --consumers 0 --pmessages 2000000
@@ -20,7 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use clap::Parser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, ValueEnum};
 use futures_lite::StreamExt;
 use hdrhistogram::Histogram;
 use lapin::options::{
@@ -33,10 +39,52 @@ use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
 use serde::Serialize;
 use tokio::sync::watch;
 
+mod raw;
+
+/// The standard scenarios of the performance issue, each a preset of the flags below.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Scenario {
+    /// 1 publisher -> 1 transient queue -> 1 consumer, 1 KB.
+    Transient,
+    /// Durable queue, persistent messages, confirm window 1000.
+    Durable,
+    /// Quorum queue (`x-queue-type=quorum`), persistent, confirm window 1000.
+    Quorum,
+    /// 4 independent publisher -> queue -> consumer pairs.
+    Parallel4,
+    /// 1 publisher -> fanout exchange -> 8 queues, one consumer each.
+    Fanout8,
+    /// Persistent with confirms paced at 5,000 msg/s: end-to-end latency.
+    Paced5k,
+    /// Publish 500,000 persistent messages with no consumer, then drain them.
+    Backlog,
+    /// Open 10,000 idle connections and report the broker's RSS per connection.
+    Idle,
+    /// Transient 1 -> 1 with 16-byte bodies.
+    Small16,
+}
+
+/// Which client library drives the hot path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Client {
+    /// Warren's batching client (many frames per syscall).
+    Raw,
+    /// lapin, one syscall per frame.
+    Lapin,
+}
+
 /// Drive an AMQP 0-9-1 broker and measure it.
 #[derive(Debug, Clone, Parser, Serialize)]
 #[command(name = "warren-perf", version, about)]
 struct Args {
+    /// A named standard scenario; flags given explicitly override its settings.
+    #[arg(long, value_enum)]
+    scenario: Option<Scenario>,
+    /// Client used for publishing and consuming.
+    #[arg(long, value_enum, default_value_t = Client::Raw)]
+    client: Client,
     /// Broker URI.
     #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
     uri: String,
@@ -98,6 +146,17 @@ struct Args {
     /// Messages per consumer, then it stops (0 = unlimited).
     #[arg(long, default_value_t = 0)]
     cmessages: u64,
+    /// After publishing (with no consumers), drain the queues with `--consumers` consumers
+    /// per queue (at least 1) and report the drain rate separately.
+    #[arg(long)]
+    drain: bool,
+    /// Open this many idle connections and report the broker's RSS per connection (no
+    /// publishing or consuming).
+    #[arg(long, default_value_t = 0)]
+    connections: usize,
+    /// Delete the queues and the exchange when done.
+    #[arg(long)]
+    delete_after: bool,
     /// Do not declare queues or exchanges (use what exists).
     #[arg(long)]
     no_declare: bool,
@@ -276,19 +335,7 @@ async fn producer(
     if args.confirm > 0 {
         ch.confirm_select(ConfirmSelectOptions::default()).await?;
     }
-    let queue = queue_name(&args, index % args.queues.max(1));
-    let (exchange, routing_key) = match &args.exchange_type {
-        Some(_) => (format!("{}-x", args.queue), queue.clone()),
-        None => (String::new(), queue.clone()),
-    };
-    let mut props = if args.persistent {
-        BasicProperties::default().with_delivery_mode(2)
-    } else {
-        BasicProperties::default()
-    };
-    if !args.headers.is_empty() {
-        props = props.with_headers(table(&args.headers)?);
-    }
+    let (exchange, routing_key, props) = publish_target(&args, index)?;
     let mut body = vec![0u8; args.size.max(8)];
     let mut pending = VecDeque::new();
     let started = Instant::now();
@@ -351,6 +398,7 @@ async fn settle_confirm(
 async fn consumer(
     args: Arc<Args>,
     queue_index: usize,
+    limit: u64,
     epoch: Instant,
     stats: Arc<Stats>,
     mut stop: watch::Receiver<bool>,
@@ -389,7 +437,7 @@ async fn consumer(
         }
         stats.consumed.fetch_add(1, Ordering::Relaxed);
         n += 1;
-        let done = args.cmessages > 0 && n >= args.cmessages;
+        let done = limit > 0 && n >= limit;
         if !args.autoack {
             unacked += 1;
             if unacked >= args.multi_ack.max(1) || done {
@@ -409,30 +457,106 @@ async fn consumer(
     Ok(())
 }
 
-#[derive(Debug, Serialize)]
-struct Summary {
-    args: Args,
+/// Set a scenario's flags, except those given on the command line.
+fn apply_scenario(args: &mut Args, matches: &clap::ArgMatches) {
+    let Some(scenario) = args.scenario else {
+        return;
+    };
+    let given = |id: &str| matches.value_source(id) == Some(ValueSource::CommandLine);
+    macro_rules! set {
+        ($field:ident, $value:expr) => {
+            if !given(stringify!($field)) {
+                args.$field = $value;
+            }
+        };
+    }
+    set!(queue, format!("{scenario:?}").to_lowercase());
+    set!(duration, 15);
+    let persistent_confirms = |args: &mut Args| {
+        if !given("durable") {
+            args.durable = true;
+        }
+        if !given("persistent") {
+            args.persistent = true;
+        }
+        if !given("confirm") {
+            args.confirm = 1000;
+        }
+    };
+    match scenario {
+        Scenario::Transient => {}
+        Scenario::Durable => persistent_confirms(args),
+        Scenario::Quorum => {
+            persistent_confirms(args);
+            set!(queue_args, vec!["x-queue-type=quorum".to_string()]);
+        }
+        Scenario::Parallel4 => {
+            set!(queues, 4);
+            set!(producers, 4);
+        }
+        Scenario::Fanout8 => {
+            set!(queues, 8);
+            set!(exchange_type, Some("fanout".to_string()));
+        }
+        Scenario::Paced5k => {
+            persistent_confirms(args);
+            set!(rate, 5000);
+        }
+        Scenario::Backlog => {
+            persistent_confirms(args);
+            set!(pmessages, 500_000);
+            set!(duration, 0);
+            set!(drain, true);
+        }
+        Scenario::Idle => set!(connections, 10_000),
+        Scenario::Small16 => set!(size, 16),
+    }
+}
+
+async fn delete(args: &Args) -> anyhow::Result<()> {
+    let conn = connect(&args.uri).await?;
+    let ch = conn.create_channel().await?;
+    for i in 0..args.queues {
+        ch.queue_delete(
+            queue_name(args, i).as_str().into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await?;
+    }
+    if args.exchange_type.is_some() {
+        ch.exchange_delete(
+            format!("{}-x", args.queue).as_str().into(),
+            lapin::options::ExchangeDeleteOptions::default(),
+        )
+        .await?;
+    }
+    conn.close(200, "deleted".into()).await?;
+    Ok(())
+}
+
+/// What one phase (publish and/or consume) measured.
+struct Phase {
     elapsed_s: f64,
     published: u64,
     confirmed: u64,
     nacked: u64,
     consumed: u64,
-    publish_rate: f64,
-    confirm_rate: f64,
-    consume_rate: f64,
     confirm_latency_us: Percentiles,
     e2e_latency_us: Percentiles,
     broker_cpu_s: Option<f64>,
-    broker_cpu_us_per_msg: Option<f64>,
-    broker_peak_rss_mb: Option<f64>,
+    peak_rss: u64,
+    /// Publisher or consumer tasks that ended with an error.
+    failed: usize,
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    anyhow::ensure!(args.queues >= 1, "--queues must be at least 1");
-    declare(&args).await?;
-    let args = Arc::new(args);
+/// Run `producers` publishers and `consumers` consumers per queue (each stopping after
+/// `consumer_limit` deliveries if non-zero) until they finish or the duration passes.
+async fn run_phase(
+    args: &Arc<Args>,
+    producers: usize,
+    consumers: usize,
+    consumer_limit: u64,
+) -> Phase {
     let stats = Arc::new(Stats {
         published: AtomicU64::new(0),
         confirmed: AtomicU64::new(0),
@@ -445,36 +569,49 @@ async fn main() -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = Vec::new();
     for q in 0..args.queues {
-        for _ in 0..args.consumers {
-            tasks.push(tokio::spawn(consumer(
-                Arc::clone(&args),
-                q,
-                epoch,
-                Arc::clone(&stats),
-                stop_rx.clone(),
-            )));
+        for _ in 0..consumers {
+            let (args, stats, stop) = (Arc::clone(args), Arc::clone(&stats), stop_rx.clone());
+            tasks.push(tokio::spawn(async move {
+                match args.client {
+                    Client::Raw => {
+                        let queue = queue_name(&args, q);
+                        raw::consumer(&args, &queue, consumer_limit, epoch, &stats, stop).await
+                    }
+                    Client::Lapin => consumer(args, q, consumer_limit, epoch, stats, stop).await,
+                }
+            }));
         }
     }
-    for p in 0..args.producers {
-        tasks.push(tokio::spawn(producer(
-            Arc::clone(&args),
-            p,
-            epoch,
-            Arc::clone(&stats),
-            stop_rx.clone(),
-        )));
+    for p in 0..producers {
+        let (args, stats, stop) = (Arc::clone(args), Arc::clone(&stats), stop_rx.clone());
+        tasks.push(tokio::spawn(async move {
+            match args.client {
+                Client::Raw => {
+                    let (exchange, routing_key, props) = publish_target(&args, p)?;
+                    raw::producer(&args, &exchange, &routing_key, &props, epoch, &stats, stop).await
+                }
+                Client::Lapin => producer(args, p, epoch, stats, stop).await,
+            }
+        }));
     }
     let broker_start = args.broker_pid.and_then(proc_sample);
     let mut peak_rss = broker_start.map_or(0, |(_, rss)| rss);
     let started = Instant::now();
     let mut last = (0u64, 0u64, 0u64);
     let mut second = 0u64;
+    let mut failed = 0;
     let all_done = async {
         for t in &mut tasks {
             match t.await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => eprintln!("warren-perf: task failed: {e:#}"),
-                Err(e) => eprintln!("warren-perf: task panicked: {e}"),
+                Ok(Err(e)) => {
+                    failed += 1;
+                    eprintln!("warren-perf: task failed: {e:#}");
+                }
+                Err(e) => {
+                    failed += 1;
+                    eprintln!("warren-perf: task panicked: {e}");
+                }
             }
         }
     };
@@ -520,48 +657,216 @@ async fn main() -> anyhow::Result<()> {
             }
         }
     }
-    let elapsed = started.elapsed().as_secs_f64();
+    let elapsed_s = started.elapsed().as_secs_f64();
     let broker_end = args.broker_pid.and_then(proc_sample);
     if let Some((_, rss)) = broker_end {
         peak_rss = peak_rss.max(rss);
     }
-    let published = stats.published.load(Ordering::Relaxed);
-    let consumed = stats.consumed.load(Ordering::Relaxed);
-    let confirmed = stats.confirmed.load(Ordering::Relaxed);
-    let broker_cpu_s = broker_start.zip(broker_end).map(|((a, _), (b, _))| b - a);
+    let histograms = |h: &Mutex<(Histogram<u64>, Histogram<u64>)>| {
+        percentiles(
+            &h.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0,
+        )
+    };
+    Phase {
+        elapsed_s,
+        published: stats.published.load(Ordering::Relaxed),
+        confirmed: stats.confirmed.load(Ordering::Relaxed),
+        nacked: stats.nacked.load(Ordering::Relaxed),
+        consumed: stats.consumed.load(Ordering::Relaxed),
+        confirm_latency_us: histograms(&stats.confirm_us),
+        e2e_latency_us: histograms(&stats.e2e_us),
+        broker_cpu_s: broker_start.zip(broker_end).map(|((a, _), (b, _))| b - a),
+        peak_rss,
+        failed,
+    }
+}
+
+/// Exchange, routing key and properties producer `index` publishes with.
+fn publish_target(args: &Args, index: usize) -> anyhow::Result<(String, String, BasicProperties)> {
+    let queue = queue_name(args, index % args.queues.max(1));
+    let exchange = match &args.exchange_type {
+        Some(_) => format!("{}-x", args.queue),
+        None => String::new(),
+    };
+    let mut props = BasicProperties::default();
+    if args.persistent {
+        props = props.with_delivery_mode(2);
+    }
+    if !args.headers.is_empty() {
+        props = props.with_headers(table(&args.headers)?);
+    }
+    Ok((exchange, queue, props))
+}
+
+#[derive(Debug, Serialize)]
+struct Summary {
+    args: Args,
+    elapsed_s: f64,
+    published: u64,
+    confirmed: u64,
+    nacked: u64,
+    consumed: u64,
+    publish_rate: f64,
+    confirm_rate: f64,
+    consume_rate: f64,
+    confirm_latency_us: Percentiles,
+    e2e_latency_us: Percentiles,
+    broker_cpu_s: Option<f64>,
+    broker_cpu_us_per_msg: Option<f64>,
+    broker_peak_rss_mb: Option<f64>,
+    /// With `--drain`: deliveries and rate of the drain phase (the fields above are the
+    /// publish phase).
+    drained: Option<u64>,
+    drain_rate: Option<f64>,
+    drain_broker_cpu_us_per_msg: Option<f64>,
+    /// With `--connections`: connections held open, and broker RSS growth per connection.
+    idle_connections: Option<usize>,
+    rss_per_connection_kb: Option<f64>,
+}
+
+fn per_msg_us(cpu: Option<f64>, messages: u64) -> Option<f64> {
+    cpu.map(|c| c * 1e6 / messages.max(1) as f64)
+}
+
+fn mb(bytes: u64) -> f64 {
+    bytes as f64 / (1024.0 * 1024.0)
+}
+
+/// Open `args.connections` idle connections, measure, close them.
+async fn idle(args: &Args) -> anyhow::Result<(usize, Option<f64>, Option<f64>)> {
+    let before = args.broker_pid.and_then(proc_sample);
+    let conns = raw::open_idle(&args.uri, args.connections, 64).await?;
+    let n = conns.len();
+    println!("opened {n} connections");
+    // Let the broker finish the handshakes' bookkeeping before sampling.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = args.broker_pid.and_then(proc_sample);
+    let per_conn = before
+        .zip(after)
+        .map(|((_, a), (_, b))| b.saturating_sub(a) as f64 / 1024.0 / n.max(1) as f64);
+    drop(conns);
+    Ok((n, per_conn, after.map(|(_, rss)| mb(rss))))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let matches = Args::command().get_matches();
+    let mut args = Args::from_arg_matches(&matches)?;
+    apply_scenario(&mut args, &matches);
+    anyhow::ensure!(args.queues >= 1, "--queues must be at least 1");
+    if args.connections > 0 {
+        let (n, per_conn, rss) = idle(&args).await?;
+        println!(
+            "idle connections {n}  broker rss {}  per connection {}",
+            rss.map_or("-".into(), |r| format!("{r:.0} MB")),
+            per_conn.map_or("-".into(), |k| format!("{k:.1} KB"))
+        );
+        let summary = serde_json::json!({
+            "args": args,
+            "idle_connections": n,
+            "rss_per_connection_kb": per_conn,
+            "broker_rss_mb": rss,
+        });
+        return emit(&args, &serde_json::to_string_pretty(&summary)?);
+    }
+    declare(&args).await?;
+    let args = Arc::new(args);
+    let (main, drain) = if args.drain {
+        let publish = run_phase(&args, args.producers, 0, 0).await;
+        println!("published {}; draining", publish.published);
+        let per_consumer = publish.published / (args.queues * args.consumers.max(1)) as u64;
+        let drain = run_phase(&args, 0, args.consumers.max(1), per_consumer.max(1)).await;
+        (publish, Some(drain))
+    } else {
+        let limit = args.cmessages;
+        (
+            run_phase(&args, args.producers, args.consumers, limit).await,
+            None,
+        )
+    };
+    if args.delete_after {
+        delete(&args).await?;
+    }
+    let elapsed = main.elapsed_s;
+    let peak_rss = main.peak_rss.max(drain.as_ref().map_or(0, |d| d.peak_rss));
     let summary = Summary {
         args: (*args).clone(),
         elapsed_s: elapsed,
-        published,
-        confirmed,
-        nacked: stats.nacked.load(Ordering::Relaxed),
-        consumed,
-        publish_rate: published as f64 / elapsed,
-        confirm_rate: confirmed as f64 / elapsed,
-        consume_rate: consumed as f64 / elapsed,
-        confirm_latency_us: percentiles(
-            &stats
-                .confirm_us
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0,
-        ),
-        e2e_latency_us: percentiles(
-            &stats
-                .e2e_us
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0,
-        ),
-        broker_cpu_s,
-        broker_cpu_us_per_msg: broker_cpu_s
-            .map(|cpu| cpu * 1e6 / published.max(consumed).max(1) as f64),
-        broker_peak_rss_mb: args.broker_pid.map(|_| peak_rss as f64 / (1024.0 * 1024.0)),
+        published: main.published,
+        confirmed: main.confirmed,
+        nacked: main.nacked,
+        consumed: main.consumed,
+        publish_rate: main.published as f64 / elapsed,
+        confirm_rate: main.confirmed as f64 / elapsed,
+        consume_rate: main.consumed as f64 / elapsed,
+        confirm_latency_us: main.confirm_latency_us,
+        e2e_latency_us: main.e2e_latency_us,
+        broker_cpu_s: main.broker_cpu_s,
+        broker_cpu_us_per_msg: per_msg_us(main.broker_cpu_s, main.published.max(main.consumed)),
+        broker_peak_rss_mb: args.broker_pid.map(|_| mb(peak_rss)),
+        drained: drain.as_ref().map(|d| d.consumed),
+        drain_rate: drain.as_ref().map(|d| d.consumed as f64 / d.elapsed_s),
+        drain_broker_cpu_us_per_msg: drain
+            .as_ref()
+            .and_then(|d| per_msg_us(d.broker_cpu_s, d.consumed)),
+        idle_connections: None,
+        rss_per_connection_kb: None,
     };
-    let json = serde_json::to_string_pretty(&summary)?;
+    print_table(&summary);
+    emit(&args, &serde_json::to_string_pretty(&summary)?)?;
+    let failed = main.failed + drain.as_ref().map_or(0, |d| d.failed);
+    anyhow::ensure!(failed == 0, "{failed} publisher or consumer tasks failed");
+    Ok(())
+}
+
+/// The final human-readable table.
+fn print_table(s: &Summary) {
+    let opt = |v: Option<f64>, unit: &str| v.map_or("-".to_string(), |v| format!("{v:.1}{unit}"));
+    println!("+---------------------------+----------------------+");
+    let row = |k: &str, v: String| println!("| {k:<25} | {v:>20} |");
+    row(
+        "scenario",
+        s.args
+            .scenario
+            .map_or("custom".into(), |x| format!("{x:?}").to_lowercase()),
+    );
+    row("published msg/s", format!("{:.0}", s.publish_rate));
+    row("confirmed msg/s", format!("{:.0}", s.confirm_rate));
+    row("consumed msg/s", format!("{:.0}", s.consume_rate));
+    row(
+        "confirm p50/p99 ms",
+        format!(
+            "{:.2}/{:.2}",
+            s.confirm_latency_us.p50 as f64 / 1000.0,
+            s.confirm_latency_us.p99 as f64 / 1000.0
+        ),
+    );
+    row(
+        "end-to-end p50/p99 ms",
+        format!(
+            "{:.2}/{:.2}",
+            s.e2e_latency_us.p50 as f64 / 1000.0,
+            s.e2e_latency_us.p99 as f64 / 1000.0
+        ),
+    );
+    row("broker CPU us/msg", opt(s.broker_cpu_us_per_msg, ""));
+    row("broker peak RSS MB", opt(s.broker_peak_rss_mb, ""));
+    if s.drained.is_some() {
+        row("drained msg/s", opt(s.drain_rate, ""));
+        row(
+            "drain broker CPU us/msg",
+            opt(s.drain_broker_cpu_us_per_msg, ""),
+        );
+    }
+    println!("+---------------------------+----------------------+");
+}
+
+fn emit(args: &Args, json: &str) -> anyhow::Result<()> {
     println!("{json}");
     if let Some(path) = &args.json {
-        std::fs::write(path, &json).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(path, json).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }

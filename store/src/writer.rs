@@ -12,17 +12,16 @@
 //! pending or future, receives the error. Confirming anything after a failed write could
 //! confirm what is not on disk.
 //!
-//! Bound: the queue is limited by bytes ([`Writer::pending_bytes`]); submitters pause their
+//! Bound: what is queued is limited by bytes ([`Writer::pending_bytes`]); submitters pause their
 //! producers (stop reading their sockets) while it is above their limit.
 
-use std::collections::VecDeque;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
-use crate::{Batch, BodyRef, Location, Op, Store, StoreError};
+use crate::{Batch, BodyRef, Location, Op, Store, StoreError, StoredMessage};
 
 /// Called once the batch is durable (with its bodies' locations) or failed.
 pub type Completion = Box<dyn FnOnce(Result<Vec<Location>, Arc<StoreError>>) + Send>;
@@ -37,21 +36,26 @@ struct Request {
     batch: Batch,
     /// Bodies in `batch` (its locations are this many of the merged batch's).
     bodies: usize,
+    /// Body bytes in `batch` (what the group limit counts).
+    body_bytes: usize,
+    /// What `pending_bytes` counts for it.
     bytes: u64,
     done: Completion,
 }
 
-#[derive(Default)]
-struct Queue {
-    requests: VecDeque<Request>,
-    closed: bool,
+/// What submitters send the writer thread. A channel rather than a locked queue: submitters
+/// (connection tasks) never wait for the writer thread, nor it for them.
+enum Msg {
+    Request(Request),
+    /// Commit what is queued, then exit.
+    Close,
 }
 
 struct Shared {
-    queue: Mutex<Queue>,
-    wake: Condvar,
     pending_bytes: AtomicU64,
     commits: AtomicU64,
+    /// Set with `failed`; read on every submit without a lock.
+    has_failed: AtomicBool,
     failed: Mutex<Option<Arc<StoreError>>>,
     on_commit: Mutex<Option<CommitHook>>,
 }
@@ -62,6 +66,7 @@ pub type CommitHook = Box<dyn Fn(u64) + Send>;
 /// Handle to the writer thread. Dropping the last handle (or [`Writer::shutdown`]) lets the
 /// thread finish what is queued and exit.
 pub struct Writer {
+    tx: mpsc::Sender<Msg>,
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -75,8 +80,12 @@ impl std::fmt::Debug for Writer {
     }
 }
 
-fn batch_bytes(b: &Batch) -> u64 {
-    b.bodies.iter().map(|m| m.payload_len() as u64).sum::<u64>() + 32 * b.ops.len() as u64
+fn stopped() -> Arc<StoreError> {
+    Arc::new(StoreError::io(
+        "submit",
+        "",
+        std::io::Error::other("store writer stopped"),
+    ))
 }
 
 impl Writer {
@@ -86,18 +95,19 @@ impl Writer {
     /// If the thread cannot be spawned.
     pub fn start(store: Store) -> std::io::Result<Self> {
         let shared = Arc::new(Shared {
-            queue: Mutex::new(Queue::default()),
-            wake: Condvar::new(),
             pending_bytes: AtomicU64::new(0),
             commits: AtomicU64::new(0),
+            has_failed: AtomicBool::new(false),
             failed: Mutex::new(None),
             on_commit: Mutex::new(None),
         });
+        let (tx, rx) = mpsc::channel();
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("warren-store-writer".into())
-            .spawn(move || run(store, &s))?;
+            .spawn(move || run(store, &s, &rx))?;
         Ok(Self {
+            tx,
             shared,
             thread: Mutex::new(Some(thread)),
         })
@@ -105,36 +115,31 @@ impl Writer {
 
     /// Queue a batch; `done` runs on the writer thread once it is durable (keep it short).
     pub fn submit(&self, batch: Batch, done: Completion) {
-        if let Some(e) = self.shared.failed.lock().clone() {
+        if self.shared.has_failed.load(Ordering::Acquire)
+            && let Some(e) = self.shared.failed.lock().clone()
+        {
             done(Err(e));
             return;
         }
-        let bytes = batch_bytes(&batch);
+        let body_bytes: usize = batch.bodies.iter().map(StoredMessage::payload_len).sum();
+        let bytes = body_bytes as u64 + 32 * batch.ops.len() as u64;
         self.shared
             .pending_bytes
             .fetch_add(bytes, Ordering::Relaxed);
-        let mut q = self.shared.queue.lock();
-        if q.closed {
-            drop(q);
-            self.shared
-                .pending_bytes
-                .fetch_sub(bytes, Ordering::Relaxed);
-            done(Err(Arc::new(StoreError::io(
-                "submit",
-                "",
-                std::io::Error::other("store writer stopped"),
-            ))));
-            return;
-        }
-        let bodies = batch.bodies.len();
-        q.requests.push_back(Request {
+        let request = Request {
+            bodies: batch.bodies.len(),
             batch,
-            bodies,
+            body_bytes,
             bytes,
             done,
-        });
-        drop(q);
-        self.shared.wake.notify_one();
+        };
+        if let Err(mpsc::SendError(Msg::Request(r))) = self.tx.send(Msg::Request(request)) {
+            // The thread has exited (shutdown): nothing more is committed.
+            self.shared
+                .pending_bytes
+                .fetch_sub(r.bytes, Ordering::Relaxed);
+            (r.done)(Err(stopped()));
+        }
     }
 
     /// Run `hook` after every group commit (e.g. to resume producers paused on
@@ -155,16 +160,10 @@ impl Writer {
         self.shared.commits.load(Ordering::Relaxed)
     }
 
-    /// The error that stopped the writer, if any.
-    #[must_use]
-    pub fn failure(&self) -> Option<Arc<StoreError>> {
-        self.shared.failed.lock().clone()
-    }
-
-    /// Commit what is queued, then stop the thread and wait for it.
+    /// Commit what is queued, then stop the thread and wait for it. Batches submitted after
+    /// the thread exited complete with an error.
     pub fn shutdown(&self) {
-        self.shared.queue.lock().closed = true;
-        self.shared.wake.notify_one();
+        let _ = self.tx.send(Msg::Close);
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();
         }
@@ -177,35 +176,52 @@ impl Drop for Writer {
     }
 }
 
-fn run(mut store: Store, shared: &Shared) {
+fn run(mut store: Store, shared: &Shared, rx: &mpsc::Receiver<Msg>) {
     let mut group: Vec<Request> = Vec::new();
+    // A request that did not fit the previous group opens the next one.
+    let mut carry: Option<Request> = None;
+    let mut closing = false;
     loop {
-        {
-            let mut q = shared.queue.lock();
-            while q.requests.is_empty() && !q.closed {
-                shared.wake.wait(&mut q);
-            }
-            if q.requests.is_empty() && q.closed {
-                return;
-            }
-            let (mut bytes, mut ops) = (0usize, 0usize);
-            while let Some(r) = q.requests.front() {
-                let body_bytes: usize = r.batch.bodies.iter().map(|b| b.payload_len()).sum();
-                if !group.is_empty()
-                    && (bytes + body_bytes > GROUP_BYTES_MAX
-                        || ops + r.batch.ops.len() > GROUP_OPS_MAX)
-                {
-                    break;
+        let first = match carry.take() {
+            Some(r) => r,
+            None => {
+                let next = if closing {
+                    rx.try_recv().ok()
+                } else {
+                    rx.recv().ok()
+                };
+                match next {
+                    Some(Msg::Request(r)) => r,
+                    Some(Msg::Close) => {
+                        closing = true;
+                        continue;
+                    }
+                    // Closing and drained, or every sender gone.
+                    None => return,
                 }
-                bytes += body_bytes;
-                ops += r.batch.ops.len();
-                if let Some(r) = q.requests.pop_front() {
+            }
+        };
+        let (mut bytes, mut ops) = (first.body_bytes, first.batch.ops.len());
+        group.push(first);
+        while let Ok(msg) = rx.try_recv() {
+            match msg {
+                Msg::Request(r) => {
+                    if bytes + r.body_bytes > GROUP_BYTES_MAX
+                        || ops + r.batch.ops.len() > GROUP_OPS_MAX
+                    {
+                        carry = Some(r);
+                        break;
+                    }
+                    bytes += r.body_bytes;
+                    ops += r.batch.ops.len();
                     group.push(r);
                 }
+                Msg::Close => closing = true,
             }
         }
         let merged = merge(&mut group);
-        let result = match shared.failed.lock().clone() {
+        let failed = shared.failed.lock().clone();
+        let result = match failed {
             Some(e) => Err(e),
             None => store.commit(&merged).map_err(Arc::new),
         };
@@ -213,6 +229,7 @@ fn run(mut store: Store, shared: &Shared) {
         if let Err(e) = &result {
             tracing::error!(error = %e, "store commit failed; no further writes will be confirmed");
             *shared.failed.lock() = Some(Arc::clone(e));
+            shared.has_failed.store(true, Ordering::Release);
         }
         let mut at = 0;
         for r in group.drain(..) {
@@ -339,6 +356,7 @@ mod tests {
     #[test]
     fn merge_shifts_body_references() {
         let req = |n: u64| Request {
+            body_bytes: 0,
             batch: Batch {
                 bodies: vec![msg(n)],
                 ops: vec![Op::Enqueue {

@@ -2,7 +2,7 @@
 //!
 //! The driver owns the machine behind a per-queue mutex (never a global lock, never held across
 //! an `.await`), turns channel calls into machine commands, and carries out the effects:
-//! deliveries go into the consumer's connection [`Outbox`]. Lock order: queue state, then outbox.
+//! deliveries go into the consumer's connection [`Outbox`]. Pushing into an outbox takes no lock.
 //!
 //! A durable queue (with a store) also writes: persistent messages are submitted to the store
 //! under the queue lock *before* the machine may deliver them, and their removals (ack, reject,
@@ -13,7 +13,7 @@ pub mod machine;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use amq_protocol::types::FieldTable;
 use parking_lot::Mutex;
@@ -110,6 +110,9 @@ pub struct Queue {
     vhost_ref: std::sync::Weak<crate::vhost::VHost>,
     /// Set when `State::dead_letters` has work (checked without the lock).
     dead_letters_pending: AtomicBool,
+    /// The machine's ready bytes as of its last command, read without the lock by the store
+    /// writer's completions: most queues are short and need no lock there at all.
+    ready_bytes_hint: AtomicU64,
     /// Declared with `x-queue-type: quorum` (delivery limit, `x-delivery-count`).
     pub is_quorum: bool,
     /// `x-consumer-timeout` in milliseconds (overrides the broker's default).
@@ -151,6 +154,7 @@ impl Queue {
             timers: env.timers,
             vhost_ref: env.vhost,
             dead_letters_pending: AtomicBool::new(false),
+            ready_bytes_hint: AtomicU64::new(0),
             state: Mutex::new(State {
                 machine: QueueMachine::with_config(settings.config),
                 dead_letter: settings.dead_letter,
@@ -393,6 +397,8 @@ impl Queue {
         self.offer_grants(st, &mut effects);
         st.effects = effects;
         self.arm_timer(st);
+        self.ready_bytes_hint
+            .store(st.machine.ready_bytes(), Ordering::Relaxed);
         reply
     }
 
@@ -561,6 +567,11 @@ impl Queue {
     /// A persistent message is durable at `location`: beyond the head of a long queue, keep
     /// only that (the body is read back on delivery), so a backlog costs little memory.
     fn stored_at(self: &Arc<Self>, id: MsgId, location: Location, size: u32, priority: u8) {
+        // A stale hint only keeps a body in memory a little longer (or takes the lock for
+        // nothing); it cannot lose a message.
+        if self.ready_bytes_hint.load(Ordering::Relaxed) <= crate::limits::QUEUE_HEAD_CACHE_BYTES {
+            return;
+        }
         {
             let mut st = self.state.lock();
             if st.machine.ready_bytes() <= crate::limits::QUEUE_HEAD_CACHE_BYTES {
