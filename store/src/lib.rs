@@ -18,6 +18,7 @@
 //! append and commit) are truncated.
 
 pub mod error;
+mod reclaim;
 pub mod record;
 pub mod segment;
 pub mod writer;
@@ -242,6 +243,7 @@ pub struct Store {
     /// Index records per segment (committed state).
     refs: HashMap<u64, u64>,
     buf: Vec<u8>,
+    reclaimer: reclaim::Reclaimer,
 }
 
 impl Store {
@@ -389,6 +391,8 @@ impl Store {
         // 4. Never append to an old segment: start a fresh one.
         let next = ids.last().map_or(1, |id| id + 1);
         let active = ActiveSegment::create(&seg_dir, next)?;
+        let reclaimer = reclaim::Reclaimer::start(seg_dir.clone())
+            .map_err(|e| StoreError::io("start the segment reclaimer", &seg_dir, e))?;
         Ok((
             Self {
                 db,
@@ -398,6 +402,7 @@ impl Store {
                 active,
                 options,
                 refs,
+                reclaimer,
                 buf: Vec::new(),
             },
             recovered,
@@ -415,6 +420,7 @@ impl Store {
     /// # Errors
     /// If the segment directory cannot be listed.
     pub fn segment_count(&self) -> Result<usize, StoreError> {
+        self.reclaimer.flush();
         Ok(segment::list(&self.seg_dir)?.len())
     }
 
@@ -559,7 +565,8 @@ impl Store {
         Ok(())
     }
 
-    /// Apply committed reference changes; delete sealed segments nothing references.
+    /// Apply committed reference changes; sealed segments nothing references are deleted in
+    /// the background.
     fn apply_delta(&mut self, delta: HashMap<u64, i64>) -> Result<(), StoreError> {
         for (seg, d) in delta {
             let r = self.refs.entry(seg).or_insert(0);
@@ -573,13 +580,10 @@ impl Store {
             .filter(|(seg, n)| **n == 0 && **seg != self.active.id)
             .map(|(seg, _)| *seg)
             .collect();
-        if !dead.is_empty() {
-            for seg in &dead {
-                self.refs.remove(seg);
-                self.segments.forget(*seg);
-                remove_segment(&self.seg_dir, *seg)?;
-            }
-            segment::sync_dir(&self.seg_dir)?;
+        for seg in dead {
+            self.refs.remove(&seg);
+            self.segments.forget(seg);
+            self.reclaimer.delete(seg);
         }
         Ok(())
     }
