@@ -179,6 +179,8 @@ async fn serve(
     let mut session: Option<Session> = None;
     let mut shutting_down = false;
     let mut shutdown_deadline: Option<Instant> = None;
+    // Flow: reading pauses while a queue we publish into is over its limits (bounded).
+    let mut flow: Option<(Arc<warren_broker::queue::Queue>, Instant)> = None;
 
     loop {
         if conn.is_closed() {
@@ -198,7 +200,7 @@ async fn serve(
         // point wakes the select below, so no wake-up is lost.
         store.commits.borrow_and_update();
         let store_paused = store.durable.pending_bytes() > STORE_PENDING_HIGH;
-        let read_enabled = out.pending() < OUTPUT_HIGH_WATERMARK && !store_paused;
+        let read_enabled = out.pending() < OUTPUT_HIGH_WATERMARK && !store_paused && flow.is_none();
         if !read_enabled {
             conn.note_input_paused(Instant::now().into_std());
         }
@@ -237,6 +239,7 @@ async fn serve(
                 }
             },
             _ = store.commits.changed(), if store_paused => {},
+            () = flow_released(flow.as_ref()), if flow.is_some() => flow = None,
             () = sleep_until(timer) => {
                 conn.handle_timeout(Instant::now().into_std(), &mut out);
                 if let Some(s) = session.as_mut() {
@@ -261,6 +264,15 @@ async fn serve(
                 break;
             }
             s.flush(&mut out);
+            if flow.is_none()
+                && let Some(q) = s.take_flow()
+            {
+                flow = Some((
+                    q,
+                    Instant::now()
+                        + Duration::from_millis(warren_broker::limits::FLOW_PAUSE_MAX_MS),
+                ));
+            }
         }
     }
     // Replies held for the store are owed only once it committed them (bounded wait).
@@ -298,6 +310,17 @@ fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
 /// Replies wait while a change they report is not durable yet (see `Session::output_held`).
 fn output_held(session: &Option<Session>) -> bool {
     session.as_ref().is_some_and(Session::output_held)
+}
+
+/// Resolves when the queue a connection paused on drained, or the pause reached its bound.
+async fn flow_released(flow: Option<&(Arc<warren_broker::queue::Queue>, Instant)>) {
+    let Some((queue, until)) = flow else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        () = queue.flow_released() => {},
+        () = tokio::time::sleep_until(*until) => {},
+    }
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

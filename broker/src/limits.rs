@@ -17,3 +17,16 @@ pub const CONSUMERS_PER_CHANNEL_MAX: usize = 65_535;
 pub const QUEUE_HEAD_CACHE_BYTES: u64 = 8 * 1024 * 1024;
 /// RabbitMQ's default `consumer_timeout`: a delivery unacked for 30 minutes closes its channel.
 pub const CONSUMER_TIMEOUT_DEFAULT_MS: u64 = 30 * 60 * 1000;
+/// Ready messages above which a queue whose consumers are receiving pushes back on its
+/// publishers: their connections stop reading (RabbitMQ's `flow` state) until it drains below
+/// half of this, for at most [`FLOW_PAUSE_MAX_MS`] at a time. Without it, publishers that are
+/// cheaper to serve than consumers grow the queue without bound and starve the consumers
+/// (measured: 4 publisher/consumer pairs fell from 320k to 92k deliveries/s at 4 GB RSS).
+pub const FLOW_READY_HIGH: u64 = 10_000;
+/// Ready bytes with the same effect as [`FLOW_READY_HIGH`].
+pub const FLOW_READY_BYTES_HIGH: u64 = 16 * 1024 * 1024;
+/// Longest one flow pause: a publisher still makes progress if the queue does not drain.
+pub const FLOW_PAUSE_MAX_MS: u64 = 10;
+/// A queue with no delivery for this long does not push back: its consumers are stuck or
+/// absent (a backlog is allowed to build, as in RabbitMQ), not slower than its publishers.
+pub const FLOW_CONSUMER_IDLE_MS: u64 = 100;

@@ -41,6 +41,8 @@ struct Ctx {
     cancel_notify: bool,
     /// Store submissions whose replies this connection holds back until they are durable.
     gate: Cell<u32>,
+    /// A queue this connection published into that asks publishers to pause (flow).
+    flow: std::cell::RefCell<Option<Arc<Queue>>>,
 }
 
 impl Ctx {
@@ -266,6 +268,7 @@ impl Session {
                 outbox,
                 cancel_notify,
                 gate: Cell::new(0),
+                flow: std::cell::RefCell::new(None),
             },
             channels: HashMap::new(),
             drained: Vec::new(),
@@ -496,6 +499,13 @@ impl Session {
     #[must_use]
     pub fn output_held(&self) -> bool {
         self.ctx.gate.get() > 0
+    }
+
+    /// A queue this connection published into is over its flow limits while its consumers
+    /// are receiving: the caller should stop reading until [`Queue::flow_released`] (bounded
+    /// by [`crate::limits::FLOW_PAUSE_MAX_MS`]). Taking it clears it.
+    pub fn take_flow(&mut self) -> Option<Arc<Queue>> {
+        self.ctx.flow.borrow_mut().take()
     }
 
     /// The store failed a write (or a read) this connection depends on. The connection must
@@ -1728,6 +1738,9 @@ fn enqueue_routed(
         durable_completion(ctx, mode, epoch, ch, seq)
     });
     outcome = outcome.and(routed);
+    if let Some(q) = targets.iter().find(|q| q.flow_pressure()) {
+        *ctx.flow.borrow_mut() = Some(Arc::clone(q));
+    }
     targets.clear();
     if let (Enqueued::Rejected, Some(seq), Mode::Confirm { nacks, .. }) =
         (outcome, seq, &mut chan.mode)

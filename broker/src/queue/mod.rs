@@ -113,6 +113,12 @@ pub struct Queue {
     /// The machine's ready bytes as of its last command, read without the lock by the store
     /// writer's completions: most queues are short and need no lock there at all.
     ready_bytes_hint: AtomicU64,
+    /// Ready messages as of the last command (flow control reads it without the lock).
+    ready_len_hint: AtomicU64,
+    /// Machine time of the last delivery (flow control: are consumers receiving?).
+    last_delivery_ms: AtomicU64,
+    /// Notified when the queue drains below half of the flow limits.
+    flow_drained: tokio::sync::Notify,
     /// Declared with `x-queue-type: quorum` (delivery limit, `x-delivery-count`).
     pub is_quorum: bool,
     /// `x-consumer-timeout` in milliseconds (overrides the broker's default).
@@ -155,6 +161,9 @@ impl Queue {
             vhost_ref: env.vhost,
             dead_letters_pending: AtomicBool::new(false),
             ready_bytes_hint: AtomicU64::new(0),
+            ready_len_hint: AtomicU64::new(0),
+            last_delivery_ms: AtomicU64::new(0),
+            flow_drained: tokio::sync::Notify::new(),
             state: Mutex::new(State {
                 machine: QueueMachine::with_config(settings.config),
                 dead_letter: settings.dead_letter,
@@ -393,13 +402,51 @@ impl Queue {
     ) -> Result<Reply<Entry>, MachineError> {
         let mut effects = std::mem::take(&mut st.effects);
         let reply = st.machine.apply(now, command, &mut effects);
+        if effects.iter().any(|e| matches!(e, Effect::Deliver { .. })) {
+            self.last_delivery_ms.store(now, Ordering::Relaxed);
+        }
         self.carry_out(st, &mut effects);
         self.offer_grants(st, &mut effects);
         st.effects = effects;
         self.arm_timer(st);
-        self.ready_bytes_hint
-            .store(st.machine.ready_bytes(), Ordering::Relaxed);
+        self.update_hints(st);
         reply
+    }
+
+    /// Publish the lock-free hints, and wake publishers paused on this queue once it drained.
+    fn update_hints(&self, st: &State) {
+        let (len, bytes) = (st.machine.ready_len() as u64, st.machine.ready_bytes());
+        let was_bytes = self.ready_bytes_hint.swap(bytes, Ordering::Relaxed);
+        let was_len = self.ready_len_hint.swap(len, Ordering::Relaxed);
+        if !below_flow_release(was_len, was_bytes) && below_flow_release(len, bytes) {
+            self.flow_drained.notify_waiters();
+        }
+    }
+
+    /// Whether publishers into this queue should pause: it is over the flow limits while its
+    /// consumers are receiving (see [`crate::limits::FLOW_READY_HIGH`]).
+    #[must_use]
+    pub fn flow_pressure(&self) -> bool {
+        let over = self.ready_len_hint.load(Ordering::Relaxed) >= crate::limits::FLOW_READY_HIGH
+            || self.ready_bytes_hint.load(Ordering::Relaxed)
+                >= crate::limits::FLOW_READY_BYTES_HIGH;
+        over && crate::timers::wall_ms()
+            .saturating_sub(self.last_delivery_ms.load(Ordering::Relaxed))
+            < crate::limits::FLOW_CONSUMER_IDLE_MS
+    }
+
+    /// Resolves once the queue is below half of the flow limits (at once if it already is).
+    pub async fn flow_released(&self) {
+        let notified = self.flow_drained.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if below_flow_release(
+            self.ready_len_hint.load(Ordering::Relaxed),
+            self.ready_bytes_hint.load(Ordering::Relaxed),
+        ) {
+            return;
+        }
+        notified.await;
     }
 
     /// Whether `entry` is kept in the store while in this queue.
@@ -798,6 +845,11 @@ impl Queue {
     }
 }
 
+/// Whether a queue this short releases publishers paused on it.
+fn below_flow_release(len: u64, bytes: u64) -> bool {
+    len < crate::limits::FLOW_READY_HIGH / 2 && bytes < crate::limits::FLOW_READY_BYTES_HIGH / 2
+}
+
 /// Enqueue a routed message into every queue of `targets`. A persistent message goes into the
 /// stored queues among them with one store write for all of them, and into the others in
 /// memory. The store submission happens while every stored target is locked (in id order, so
@@ -939,5 +991,94 @@ thread_local! {
 impl crate::timers::TimerTarget for Queue {
     fn fire(self: Arc<Self>) {
         self.on_timer();
+    }
+}
+
+#[cfg(test)]
+mod flow_tests {
+    #![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
+
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+
+    use super::*;
+    use crate::limits::FLOW_READY_HIGH;
+
+    fn queue() -> Arc<Queue> {
+        Queue::new(
+            1,
+            "q",
+            "/",
+            false,
+            false,
+            None,
+            FieldTable::default(),
+            QueueEnv {
+                store: None,
+                timers: None,
+                vhost: std::sync::Weak::new(),
+            },
+        )
+    }
+
+    fn message() -> Arc<Message> {
+        Arc::new(Message {
+            exchange: String::new(),
+            routing_key: "q".into(),
+            properties: warren_amqp::properties::Properties::default(),
+            body: bytes::Bytes::from_static(b"x"),
+        })
+    }
+
+    fn consumer(q: &Arc<Queue>, prefetch: u32) -> Arc<Outbox> {
+        let outbox = Arc::new(Outbox::default());
+        let spec = ConsumerSpec {
+            prefetch,
+            window: 1000,
+            window_bytes: u64::MAX,
+            no_ack: false,
+            exclusive: false,
+            priority: 0,
+            limited: false,
+        };
+        let sink = ConsumerSink {
+            outbox: Arc::clone(&outbox),
+            channel: 1,
+            limiter: None,
+        };
+        q.consume(1, spec, sink).unwrap();
+        outbox
+    }
+
+    #[test]
+    fn a_backlog_without_receiving_consumers_does_not_push_back() {
+        let q = queue();
+        for _ in 0..FLOW_READY_HIGH + 10 {
+            q.publish(message());
+        }
+        assert!(!q.flow_pressure(), "no consumer has received anything");
+    }
+
+    #[test]
+    fn a_long_queue_whose_consumers_receive_pushes_back_until_it_drains() {
+        let q = queue();
+        for _ in 0..=FLOW_READY_HIGH {
+            q.publish(message());
+        }
+        assert!(!q.flow_pressure());
+        // The consumer receives one message (prefetch 1): the queue's consumers are receiving.
+        let _outbox = consumer(&q, 1);
+        assert!(q.flow_pressure());
+        let released = q.flow_released();
+        let mut released = std::pin::pin!(released);
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(released.as_mut().poll(&mut cx).is_pending());
+        // A queue without a store never calls the completion factory.
+        q.purge(&mut || -> Completion { Box::new(|_| {}) });
+        assert!(
+            released.as_mut().poll(&mut cx).is_ready(),
+            "draining wakes the publisher"
+        );
+        assert!(!q.flow_pressure());
     }
 }
