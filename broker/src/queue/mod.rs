@@ -999,7 +999,7 @@ mod flow_tests {
     #![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
 
     use std::future::Future;
-    use std::task::{Context, Poll, Waker};
+    use std::task::{Context, Waker};
 
     use super::*;
     use crate::limits::FLOW_READY_HIGH;
