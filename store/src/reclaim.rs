@@ -75,13 +75,38 @@ impl Drop for Reclaimer {
     }
 }
 
+/// Bytes freed per step when a segment is deleted.
+const SHRINK_STEP: u64 = 4 * 1024 * 1024;
+
+/// Delete a segment a few MiB at a time. On a filesystem mounted with `discard` (common on
+/// cloud VMs), freeing 64 MiB at once trims it all in one journal commit, which stalls every
+/// concurrent `fdatasync` for 10-25 ms (measured on the project's VM: confirm p99 doubled).
+/// Freed a step at a time, each trim is small and rides on a different journal commit.
+fn shrink_then_remove(dir: &std::path::Path, id: u64) -> Result<(), crate::StoreError> {
+    let path = segment::segment_path(dir, id);
+    if let Ok(file) = std::fs::OpenOptions::new().write(true).open(&path)
+        && let Ok(meta) = file.metadata()
+    {
+        let mut len = meta.len();
+        while len > SHRINK_STEP {
+            len -= SHRINK_STEP;
+            if file.set_len(len).is_err() {
+                break;
+            }
+            // Let the commits in between carry this step's trim on their own.
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+    remove_segment(dir, id)
+}
+
 fn run(dir: &std::path::Path, rx: &mpsc::Receiver<Job>) {
     while let Ok(first) = rx.recv() {
         let mut removed = false;
         let mut barriers = Vec::new();
         for job in std::iter::once(first).chain(rx.try_iter()) {
             match job {
-                Job::Delete(id) => match remove_segment(dir, id) {
+                Job::Delete(id) => match shrink_then_remove(dir, id) {
                     Ok(()) => removed = true,
                     Err(e) => {
                         tracing::warn!(segment = id, error = %e, "cannot delete a dead segment; the next start will");

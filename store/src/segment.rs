@@ -89,7 +89,8 @@ fn header(id: u64) -> [u8; SEGMENT_HEADER as usize] {
 pub struct ActiveSegment {
     /// Its id.
     pub id: u64,
-    file: File,
+    /// Shared with the store's sync thread, which `fdatasync`s it while the index commits.
+    file: Arc<File>,
     path: PathBuf,
     len: u64,
     dirty: bool,
@@ -112,7 +113,7 @@ impl ActiveSegment {
         sync_dir(dir)?;
         Ok(Self {
             id,
-            file,
+            file: Arc::new(file),
             path,
             len: SEGMENT_HEADER,
             dirty: false,
@@ -134,12 +135,25 @@ impl ActiveSegment {
     /// Append encoded records (one `write`); returns the offset of the first byte.
     pub fn append(&mut self, records: &[u8]) -> Result<u64, StoreError> {
         let at = self.len;
-        self.file
+        (&*self.file)
             .write_all(records)
             .map_err(|e| StoreError::io("append to segment", &self.path, e))?;
         self.len += records.len() as u64;
         self.dirty = true;
         Ok(at)
+    }
+
+    /// What must be synced to make everything appended so far durable (`None` if nothing),
+    /// for syncing on another thread; call [`ActiveSegment::synced`] once that succeeded.
+    #[must_use]
+    pub fn unsynced(&self) -> Option<(Arc<File>, PathBuf)> {
+        self.dirty
+            .then(|| (Arc::clone(&self.file), self.path.clone()))
+    }
+
+    /// Everything appended before [`ActiveSegment::unsynced`] was called is durable.
+    pub fn synced(&mut self) {
+        self.dirty = false;
     }
 
     /// Make everything appended so far durable (`fdatasync`).

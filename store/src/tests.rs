@@ -222,6 +222,65 @@ fn uncommitted_torn_tail_is_truncated_and_committed_data_kept() {
     );
 }
 
+/// A crash while the last commit's bodies were being flushed (its index already committed):
+/// their entries are dropped, never confirmed; older records missing is still corruption.
+#[test]
+fn a_crash_during_the_overlapped_flush_drops_only_that_commit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, _) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    store
+        .commit(&Batch {
+            bodies: vec![msg(b"first")],
+            ops: vec![enqueue(1, 1, 0)],
+        })
+        .unwrap();
+    store
+        .commit(&Batch {
+            bodies: vec![msg(b"second"), msg(b"third")],
+            ops: vec![enqueue(1, 2, 0), enqueue(1, 3, 1)],
+        })
+        .unwrap();
+    // Crash: no clean close, and the second commit's bodies never reached the disk.
+    store.crash();
+    let path = first_segment_file(dir.path());
+    let bytes = std::fs::read(&path).unwrap();
+    let cut = bytes.windows(6).position(|w| w == b"second").unwrap() - 8;
+    std::fs::write(&path, &bytes[..cut]).unwrap();
+
+    let (store, r) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    assert_eq!(live(&r), vec![(1, 1)]);
+    assert_eq!(r.unconfirmed_dropped, 2);
+    drop(store);
+    // The dropped entries are gone from the index too: the next start is clean.
+    let (_, r) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    assert_eq!(live(&r), vec![(1, 1)]);
+    assert_eq!(r.unconfirmed_dropped, 0);
+}
+
+#[test]
+fn after_a_crash_damage_before_the_last_commit_still_refuses_to_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, _) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    for (id, body) in [(1, b"aaaa"), (2, b"bbbb")] {
+        store
+            .commit(&Batch {
+                bodies: vec![msg(body)],
+                ops: vec![enqueue(1, id, 0)],
+            })
+            .unwrap();
+    }
+    store.crash();
+    let path = first_segment_file(dir.path());
+    let mut bytes = std::fs::read(&path).unwrap();
+    let at = bytes.windows(4).position(|w| w == b"aaaa").unwrap();
+    bytes[at] ^= 0x20;
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(matches!(
+        open(dir.path(), SEGMENT_MAX_DEFAULT),
+        Err(StoreError::Corrupt { .. })
+    ));
+}
+
 #[test]
 fn corruption_under_committed_data_refuses_to_open() {
     let dir = tempfile::tempdir().unwrap();
