@@ -553,7 +553,23 @@ impl Store {
                 .open_table(MESSAGES)
                 .map_err(|e| StoreError::db(&self.db_path, e))?;
             let mut tables = HashMap::new();
-            for op in &batch.ops {
+            let skip = cancelled_pairs(&batch.ops);
+            for (i, op) in batch.ops.iter().enumerate() {
+                if skip.get(i).copied().unwrap_or(false) {
+                    // Settled later in this same group (see `cancelled_pairs`). Its body's
+                    // segment is still accounted (net zero) so that a segment sealed in this
+                    // group can be found dead.
+                    if let Op::Enqueue { body, .. } = op {
+                        let seg = match body {
+                            BodyRef::New(i) => locations.get(*i).map(|l| l.segment),
+                            BodyRef::Stored(loc) => Some(loc.segment),
+                        };
+                        if let Some(seg) = seg {
+                            delta.entry(seg).or_default();
+                        }
+                    }
+                    continue;
+                }
                 match op {
                     Op::Put { table, key, .. } | Op::Delete { table, key } => {
                         let t = match tables.entry(*table) {
@@ -703,6 +719,34 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// Which `Enqueue`s of a group need not reach the index: those settled later in the same group
+/// (a consumer acked the message before its group committed). The `Settle` is still applied: it
+/// removes the key if an earlier group stored it (a re-enqueue of a stored message) and is a
+/// read-only lookup otherwise. So the index ends exactly as if both were applied, and a message
+/// acked within its group costs one B-tree lookup instead of an insert and a delete.
+fn cancelled_pairs(ops: &[Op]) -> Vec<bool> {
+    let mut skip = Vec::new();
+    let mut open: HashMap<(u64, u64), usize> = HashMap::new();
+    for (i, op) in ops.iter().enumerate() {
+        match op {
+            Op::Enqueue { queue, id, .. } => {
+                open.insert((*queue, *id), i);
+            }
+            Op::Settle { queue, id } => {
+                if let Some(at) = open.remove(&(*queue, *id)) {
+                    if skip.is_empty() {
+                        skip = vec![false; ops.len()];
+                    }
+                    skip[at] = true;
+                }
+            }
+            Op::DropQueue { queue } => open.retain(|(q, _), _| q != queue),
+            Op::Put { .. } | Op::Delete { .. } => {}
+        }
+    }
+    skip
 }
 
 fn remove_segment(dir: &Path, id: u64) -> Result<(), StoreError> {
