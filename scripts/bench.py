@@ -39,8 +39,12 @@ END = "<!-- bench-results:end -->"
 WARREN_PORT = 5680
 RABBIT_PORT = 5672
 
-SCENARIOS = ["transient", "durable", "quorum", "parallel4", "fanout8", "paced5k", "backlog",
-             "idle", "small16"]
+SCENARIOS = ["transient", "durable", "durable20k", "quorum", "parallel4", "fanout8", "paced5k",
+             "backlog", "idle", "small16"]
+# Not one of warren-perf's named scenarios: the durable one paced at 20,000 msg/s, a rate both
+# brokers sustain, to compare confirm latency at equal load (at full speed it is mostly
+# window / throughput).
+EXTRA = {"durable20k": ["--scenario", "durable", "--rate", "20000", "--queue", "durable20k"]}
 
 # (scenario, label, how to read it from the JSON, better: "higher"/"lower", target)
 # A target is ("ratio", x): Warren/RabbitMQ must be >= x (higher) or <= x (lower);
@@ -51,6 +55,9 @@ METRICS = [
     ("durable", "msg/s (confirmed)", lambda j: j["confirm_rate"], "higher", ("ratio", 4)),
     ("durable", "confirm p99 ms", lambda j: j["confirm_latency_us"]["p99"] / 1000, "lower", ("ratio", 0.1)),
     ("durable", "broker CPU µs/msg", lambda j: j["broker_cpu_us_per_msg"], "lower", None),
+    ("durable20k", "msg/s (confirmed)", lambda j: j["confirm_rate"], "higher", None),
+    ("durable20k", "confirm p50 ms", lambda j: j["confirm_latency_us"]["p50"] / 1000, "lower", None),
+    ("durable20k", "confirm p99 ms", lambda j: j["confirm_latency_us"]["p99"] / 1000, "lower", None),
     ("quorum", "msg/s (confirmed)", lambda j: j["confirm_rate"], "higher", ("ratio", 4)),
     ("quorum", "confirm p99 ms", lambda j: j["confirm_latency_us"]["p99"] / 1000, "lower", ("ratio", 0.1)),
     ("parallel4", "msg/s (consumed)", lambda j: j["consume_rate"], "higher", ("ratio", 3)),
@@ -135,7 +142,7 @@ class RabbitMQ:
 
 
 def perf_args(scenario, duration):
-    args = ["--scenario", scenario]
+    args = list(EXTRA.get(scenario, ["--scenario", scenario]))
     if scenario not in ("backlog", "idle"):
         args += ["--duration", str(duration)]
     if scenario != "idle":

@@ -382,7 +382,10 @@ fn a_damaged_header_on_an_unreferenced_segment_is_crash_debris() {
 
 #[derive(Debug, Clone)]
 enum StoreOp {
-    Publish { queues: Vec<u64>, len: usize },
+    Publish {
+        queues: Vec<u64>,
+        len: usize,
+    },
     Settle(usize),
     /// Enqueue a live message again with a new body (the same key twice in one group).
     Reenqueue(usize),
