@@ -289,7 +289,7 @@ impl Connection {
                         Ok(None) => return,
                         Err(e) => {
                             input.clear();
-                            self.close_with(e, out, now);
+                            self.fail(e, out, now);
                             return;
                         }
                     };
@@ -302,7 +302,24 @@ impl Connection {
     }
 
     /// Route an error to channel.close or connection.close.
+    ///
+    /// Before tune-ok (RabbitMQ's `starting` and `tuning` states) a malformed or unexpected
+    /// frame drops the socket without connection.close, as RabbitMQ does; errors about the
+    /// expected method's content (refused login, a frame_max above the offer) are still
+    /// reported.
     fn fail(&mut self, e: AmqpError, out: &mut FrameWriter, now: Instant) {
+        let silent = matches!(self.state, State::AwaitStartOk | State::AwaitTuneOk)
+            && matches!(
+                e.code,
+                ReplyCode::FrameError
+                    | ReplyCode::UnexpectedFrame
+                    | ReplyCode::CommandInvalid
+                    | ReplyCode::SyntaxError
+            );
+        if silent {
+            self.state = State::Closed;
+            return;
+        }
         match e.scope {
             Scope::Connection => self.close_with(e, out, now),
             Scope::Channel => unreachable!("channel errors are handled with their channel"),
@@ -358,6 +375,17 @@ impl Connection {
 
     fn expect_method(&self, frame: &RawFrame, expected: &str) -> Result<method::Method, AmqpError> {
         if frame.kind != FRAME_METHOD || frame.channel != 0 {
+            if self.state == State::AwaitOpen {
+                // RabbitMQ's text for anything but connection.open while opening.
+                return Err(AmqpError::connection(
+                    ReplyCode::UnexpectedFrame,
+                    format!(
+                        "type {}, all octets = {}",
+                        frame.kind,
+                        crate::frame::erlang_binary(&frame.payload)
+                    ),
+                ));
+            }
             return Err(AmqpError::connection(
                 ReplyCode::CommandInvalid,
                 format!("expected '{expected}'"),

@@ -56,6 +56,15 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<RawFram
     let kind = buf[0];
     let channel = u16::from_be_bytes([buf[1], buf[2]]);
     let size = u32::from_be_bytes([buf[3], buf[4], buf[5], buf[6]]);
+    // Size first, as RabbitMQ: a protocol header sent mid-stream ("AMQP...") reads as type 65
+    // with a huge size and is reported as frame_too_large.
+    let payload_max = frame_max.saturating_sub(FRAME_OVERHEAD as u32);
+    if size > payload_max {
+        return Err(AmqpError::connection(
+            ReplyCode::FrameError,
+            format!("type {kind}, all octets = <<>>: {{frame_too_large,{size},{payload_max}}}"),
+        ));
+    }
     if !matches!(
         kind,
         FRAME_METHOD | FRAME_HEADER | FRAME_BODY | FRAME_HEARTBEAT
@@ -63,13 +72,6 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<RawFram
         return Err(AmqpError::connection(
             ReplyCode::FrameError,
             format!("type {kind}, all octets = <<>>: unknown_frame"),
-        ));
-    }
-    let payload_max = frame_max.saturating_sub(FRAME_OVERHEAD as u32);
-    if size > payload_max {
-        return Err(AmqpError::connection(
-            ReplyCode::FrameError,
-            format!("type {kind}, all octets = <<>>: {{frame_too_large,{size},{payload_max}}}"),
         ));
     }
     let total = size as usize + FRAME_OVERHEAD;
@@ -94,6 +96,35 @@ pub fn decode_frame(buf: &mut BytesMut, frame_max: u32) -> Result<Option<RawFram
         channel,
         payload,
     }))
+}
+
+/// `bytes` as Erlang prints a binary in RabbitMQ's error texts: `<<"text">>` when every byte
+/// is printable, `<<0,20,0,10>>` otherwise.
+#[must_use]
+pub fn erlang_binary(bytes: &[u8]) -> String {
+    let printable = |b: u8| {
+        (32..=126).contains(&b)
+            || (160..=255).contains(&b)
+            || b"\n\r\t\x0b\x08\x0c\x1b".contains(&b)
+    };
+    if !bytes.is_empty() && bytes.iter().all(|&b| printable(b)) {
+        let mut s = String::from("<<\"");
+        for &b in bytes {
+            match b {
+                b'"' => s.push_str("\\\""),
+                b'\\' => s.push_str("\\\\"),
+                b'\n' => s.push_str("\\n"),
+                b'\r' => s.push_str("\\r"),
+                b'\t' => s.push_str("\\t"),
+                _ => s.push(char::from(b)),
+            }
+        }
+        s.push_str("\">>");
+        s
+    } else {
+        let parts: Vec<String> = bytes.iter().map(u8::to_string).collect();
+        format!("<<{}>>", parts.join(","))
+    }
 }
 
 /// Outbound frame buffer: everything produced in one wake-up goes here and is written with one
@@ -219,6 +250,25 @@ mod tests {
         b.extend_from_slice(payload);
         b.put_u8(end);
         b
+    }
+
+    #[test]
+    fn erlang_binaries_print_as_rabbitmq_does() {
+        assert_eq!(erlang_binary(b""), "<<>>");
+        assert_eq!(erlang_binary(b"ab"), "<<\"ab\">>");
+        assert_eq!(erlang_binary(&[0, 20, 0, 10, 0]), "<<0,20,0,10,0>>");
+        assert_eq!(erlang_binary(b"a\"b"), "<<\"a\\\"b\">>");
+    }
+
+    #[test]
+    fn a_protocol_header_mid_stream_is_too_large_before_it_is_unknown() {
+        let mut buf = BytesMut::from(&PROTOCOL_HEADER[..]);
+        let e = decode_frame(&mut buf, 131_072).unwrap_err();
+        assert_eq!(e.code, ReplyCode::FrameError);
+        assert_eq!(
+            e.text,
+            "FRAME_ERROR - type 65, all octets = <<>>: {frame_too_large,1342177289,131064}"
+        );
     }
 
     #[test]

@@ -25,6 +25,21 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_DEADLINE_S = 20.0
 
 
+def _raise_fd_limit():
+    """Use the hard limit on open files: the hostile-input suite opens 10,000 sockets, and the
+    broker started below inherits the limit."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+_raise_fd_limit()
+
+
 def _free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -79,6 +94,7 @@ def amqp_url():
                 _wait_for_port(port, proc, STARTUP_DEADLINE_S, log_path)
                 _BROKER["data_dir"] = data_dir
                 _BROKER["binary"] = binary
+                _BROKER["pid"] = proc.pid
                 yield f"amqp://guest:guest@127.0.0.1:{port}/%2F"
             finally:
                 if proc.poll() is None:
@@ -91,6 +107,11 @@ def amqp_url():
 
 
 _BROKER = {}
+
+
+def broker_pid():
+    """Pid of the Warren process this suite started (None against an external broker)."""
+    return _BROKER.get("pid")
 
 
 @pytest.fixture
