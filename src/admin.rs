@@ -15,6 +15,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::UnixListener;
 use warren_broker::Broker;
 use warren_broker::policy::PolicyDef;
+use warren_broker::users::{PermissionRecord, UserError};
 
 /// Longest request line accepted (a policy definition is small).
 const REQUEST_MAX: usize = 64 * 1024;
@@ -29,8 +30,111 @@ pub fn socket_path(data_dir: &Path) -> PathBuf {
 #[serde(tag = "op", rename_all = "snake_case")]
 enum Request {
     SetPolicy(PolicyDef),
-    ClearPolicy { vhost: String, name: String },
-    ListPolicies { vhost: String },
+    ClearPolicy {
+        vhost: String,
+        name: String,
+    },
+    ListPolicies {
+        vhost: String,
+    },
+    AddUser {
+        name: String,
+        password: String,
+    },
+    DeleteUser {
+        name: String,
+    },
+    ChangePassword {
+        name: String,
+        password: String,
+    },
+    SetUserTags {
+        name: String,
+        tags: Vec<String>,
+    },
+    ListUsers,
+    AuthenticateUser {
+        name: String,
+        password: String,
+    },
+    SetPermissions(PermissionRecord),
+    ClearPermissions {
+        vhost: String,
+        user: String,
+    },
+    ListPermissions {
+        vhost: Option<String>,
+        user: Option<String>,
+    },
+}
+
+/// rabbitmqctl's exit codes for the errors it reports (sysexits).
+fn exit_code(e: &UserError) -> u8 {
+    match e {
+        UserError::NoSuchUser(_) => 67,
+        UserError::NoSuchVhost(_) | UserError::BadPattern(..) | UserError::Algorithm(_) => 69,
+        UserError::Exists(_) => 70,
+    }
+}
+
+fn user_result(r: Result<(), UserError>) -> Value {
+    match r {
+        Ok(()) => json!({"ok": true}),
+        Err(e) => json!({"ok": false, "error": e.to_string(), "code": exit_code(&e)}),
+    }
+}
+
+/// Users and permissions (node-wide, not per vhost).
+fn handle_users(
+    broker: &Broker,
+    request: Request,
+    on_commit: warren_broker::vhost::OnCommit<'_>,
+) -> Value {
+    match request {
+        Request::AddUser { name, password } => {
+            user_result(broker.add_user(&name, &password, on_commit))
+        }
+        Request::DeleteUser { name } => user_result(broker.delete_user(&name, on_commit)),
+        Request::ChangePassword { name, password } => {
+            user_result(broker.change_password(&name, &password, on_commit))
+        }
+        Request::SetUserTags { name, tags } => {
+            user_result(broker.set_user_tags(&name, tags, on_commit))
+        }
+        Request::ListUsers => {
+            let rows: Vec<Vec<String>> = broker
+                .list_users()
+                .into_iter()
+                .map(|u| vec![u.name, format!("[{}]", u.tags.join(", "))])
+                .collect();
+            json!({"ok": true, "header": ["user", "tags"], "rows": rows})
+        }
+        Request::AuthenticateUser { name, password } => {
+            if broker.authenticate(&name, &password) {
+                json!({"ok": true, "message": "Success"})
+            } else {
+                json!({"ok": false, "error": format!("failed to authenticate user \"{name}\""), "code": 65})
+            }
+        }
+        Request::SetPermissions(p) => user_result(broker.set_permissions(p, on_commit)),
+        Request::ClearPermissions { vhost, user } => {
+            user_result(broker.clear_permissions(&vhost, &user, on_commit))
+        }
+        Request::ListPermissions { vhost, user } => {
+            let by_user = user.is_some();
+            let rows: Vec<Vec<String>> = broker
+                .list_permissions(vhost.as_deref(), user.as_deref())
+                .into_iter()
+                .map(|p| {
+                    let first = if by_user { p.vhost } else { p.user };
+                    vec![first, p.configure, p.write, p.read]
+                })
+                .collect();
+            let first = if by_user { "vhost" } else { "user" };
+            json!({"ok": true, "header": [first, "configure", "write", "read"], "rows": rows})
+        }
+        _ => json!({"ok": false, "error": "not a user request"}),
+    }
 }
 
 /// Accept admin connections until the task is dropped.
@@ -67,13 +171,6 @@ async fn handle(broker: &Broker, line: &str) -> Value {
         Ok(r) => r,
         Err(e) => return json!({"ok": false, "error": format!("bad request: {e}")}),
     };
-    let vhost_name = match &request {
-        Request::SetPolicy(d) => d.vhost.clone(),
-        Request::ClearPolicy { vhost, .. } | Request::ListPolicies { vhost } => vhost.clone(),
-    };
-    let Some(vhost) = broker.vhost(&vhost_name) else {
-        return json!({"ok": false, "error": format!("no vhost '{vhost_name}'")});
-    };
     // Changes are acknowledged once durable, like declarations.
     let (tx, rx) = tokio::sync::oneshot::channel::<bool>();
     let mut tx = Some(tx);
@@ -85,19 +182,39 @@ async fn handle(broker: &Broker, line: &str) -> Value {
             }
         })
     };
+    let vhost_name = match &request {
+        Request::SetPolicy(d) => d.vhost.clone(),
+        Request::ClearPolicy { vhost, .. } | Request::ListPolicies { vhost } => vhost.clone(),
+        _ => String::new(),
+    };
+    let vhost = broker.vhost(&vhost_name);
     let reply = match request {
-        Request::SetPolicy(def) => match vhost.set_policy(def, &mut on_commit) {
-            Ok(()) => json!({"ok": true}),
-            Err(e) => json!({"ok": false, "error": e.to_string()}),
-        },
+        Request::SetPolicy(_) | Request::ClearPolicy { .. } | Request::ListPolicies { .. }
+            if vhost.is_none() =>
+        {
+            json!({"ok": false, "error": format!("no vhost '{vhost_name}'"), "code": 69})
+        }
+        Request::SetPolicy(def) => {
+            match vhost.as_ref().map(|v| v.set_policy(def, &mut on_commit)) {
+                Some(Ok(())) => json!({"ok": true}),
+                Some(Err(e)) => json!({"ok": false, "error": e.to_string()}),
+                None => json!({"ok": false}),
+            }
+        }
         Request::ClearPolicy { name, .. } => {
-            if vhost.clear_policy(&name, &mut on_commit) {
+            if vhost
+                .as_ref()
+                .is_some_and(|v| v.clear_policy(&name, &mut on_commit))
+            {
                 json!({"ok": true})
             } else {
                 json!({"ok": false, "error": format!("no policy '{name}' in vhost '{vhost_name}'")})
             }
         }
-        Request::ListPolicies { .. } => json!({"ok": true, "policies": vhost.policies()}),
+        Request::ListPolicies { .. } => {
+            json!({"ok": true, "policies": vhost.as_ref().map(|v| v.policies())})
+        }
+        other => handle_users(broker, other, &mut on_commit),
     };
     drop(on_commit);
     // Without a store write (or with an error) the sender is gone and this returns at once.
@@ -146,10 +263,115 @@ pub enum CtlCommand {
         #[arg(short = 'p', long, default_value = "/")]
         vhost: String,
     },
+    /// Create a user (no tags, no permissions).
+    AddUser {
+        /// User name.
+        name: String,
+        /// Password.
+        password: String,
+    },
+    /// Delete a user and its permissions.
+    DeleteUser {
+        /// User name.
+        name: String,
+    },
+    /// Set a user's password.
+    ChangePassword {
+        /// User name.
+        name: String,
+        /// New password.
+        password: String,
+    },
+    /// Replace a user's tags (none clears them).
+    SetUserTags {
+        /// User name.
+        name: String,
+        /// Tags: administrator, monitoring, policymaker, management, impersonator, ...
+        tags: Vec<String>,
+    },
+    /// List users and their tags.
+    ListUsers,
+    /// Check a user's password.
+    AuthenticateUser {
+        /// User name.
+        name: String,
+        /// Password.
+        password: String,
+    },
+    /// Grant a user configure / write / read patterns in a vhost.
+    SetPermissions {
+        /// User name.
+        user: String,
+        /// Pattern for declare / delete.
+        configure: String,
+        /// Pattern for publish / bind destination.
+        write: String,
+        /// Pattern for consume / get / purge / bind source.
+        read: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// Remove a user's permissions in a vhost.
+    ClearPermissions {
+        /// User name.
+        user: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// List the permissions in a vhost.
+    ListPermissions {
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// List a user's permissions in every vhost.
+    ListUserPermissions {
+        /// User name.
+        user: String,
+    },
+}
+
+impl CtlCommand {
+    /// The line rabbitmqctl prints before doing it.
+    fn banner(&self) -> Option<String> {
+        Some(match self {
+            Self::AddUser { name, .. } => format!("Adding user \"{name}\" ..."),
+            Self::DeleteUser { name } => format!("Deleting user \"{name}\" ..."),
+            Self::ChangePassword { name, .. } => {
+                format!("Changing password for user \"{name}\" ...")
+            }
+            Self::SetUserTags { name, tags } => {
+                format!(
+                    "Setting tags for user \"{name}\" to [{}] ...",
+                    tags.join(", ")
+                )
+            }
+            Self::ListUsers => "Listing users ...".into(),
+            Self::AuthenticateUser { name, .. } => format!("Authenticating user \"{name}\" ..."),
+            Self::SetPermissions { user, vhost, .. } => {
+                format!("Setting permissions for user \"{user}\" in vhost \"{vhost}\" ...")
+            }
+            Self::ClearPermissions { user, vhost } => {
+                format!("Clearing permissions for user \"{user}\" in vhost \"{vhost}\" ...")
+            }
+            Self::ListPermissions { vhost } => {
+                format!("Listing permissions for vhost \"{vhost}\" ...")
+            }
+            Self::ListUserPermissions { user } => {
+                format!("Listing permissions for user \"{user}\" ...")
+            }
+            _ => return None,
+        })
+    }
 }
 
 /// Run a ctl command against the broker owning `data_dir`; prints the reply.
-pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<()> {
+pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
+    if let Some(banner) = command.banner() {
+        println!("{banner}");
+    }
     let request = match command {
         CtlCommand::SetPolicy {
             name,
@@ -172,6 +394,36 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<()> {
         }
         CtlCommand::ClearPolicy { name, vhost } => Request::ClearPolicy { vhost, name },
         CtlCommand::ListPolicies { vhost } => Request::ListPolicies { vhost },
+        CtlCommand::AddUser { name, password } => Request::AddUser { name, password },
+        CtlCommand::DeleteUser { name } => Request::DeleteUser { name },
+        CtlCommand::ChangePassword { name, password } => Request::ChangePassword { name, password },
+        CtlCommand::SetUserTags { name, tags } => Request::SetUserTags { name, tags },
+        CtlCommand::ListUsers => Request::ListUsers,
+        CtlCommand::AuthenticateUser { name, password } => {
+            Request::AuthenticateUser { name, password }
+        }
+        CtlCommand::SetPermissions {
+            user,
+            configure,
+            write,
+            read,
+            vhost,
+        } => Request::SetPermissions(PermissionRecord {
+            user,
+            vhost,
+            configure,
+            write,
+            read,
+        }),
+        CtlCommand::ClearPermissions { user, vhost } => Request::ClearPermissions { vhost, user },
+        CtlCommand::ListPermissions { vhost } => Request::ListPermissions {
+            vhost: Some(vhost),
+            user: None,
+        },
+        CtlCommand::ListUserPermissions { user } => Request::ListPermissions {
+            vhost: None,
+            user: Some(user),
+        },
     };
     let path = socket_path(data_dir);
     let mut stream = std::os::unix::net::UnixStream::connect(&path)
@@ -186,8 +438,39 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<()> {
         if let Some(p) = reply.get("policies") {
             println!("{}", serde_json::to_string_pretty(p)?);
         }
-        Ok(())
+        if let Some(m) = reply.get("message").and_then(Value::as_str) {
+            println!("{m}");
+        }
+        // Tables as rabbitmqctl prints them: a header row, then tab-separated rows.
+        if let (Some(header), Some(rows)) = (reply.get("header"), reply.get("rows")) {
+            let line = |v: &Value| {
+                v.as_array()
+                    .map(|cells| {
+                        cells
+                            .iter()
+                            .map(|c| c.as_str().unwrap_or_default())
+                            .collect::<Vec<_>>()
+                            .join("\t")
+                    })
+                    .unwrap_or_default()
+            };
+            // rabbitmqctl prints no header for an empty listing.
+            if rows.as_array().is_some_and(|r| !r.is_empty()) {
+                println!("{}", line(header));
+            }
+            for row in rows.as_array().into_iter().flatten() {
+                println!("{}", line(row));
+            }
+        }
+        Ok(0)
     } else {
-        anyhow::bail!("{}", reply["error"].as_str().unwrap_or("failed"))
+        let error = reply["error"].as_str().unwrap_or("failed");
+        match reply.get("code").and_then(Value::as_u64) {
+            Some(code) => {
+                eprintln!("Error:\n{error}");
+                Ok(u8::try_from(code).unwrap_or(1))
+            }
+            None => anyhow::bail!("{error}"),
+        }
     }
 }

@@ -34,7 +34,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Cmd::Ctl { data_dir, command } => match admin::ctl(&data_dir, command) {
-            Ok(()) => ExitCode::SUCCESS,
+            Ok(code) => ExitCode::from(code),
             Err(e) => {
                 eprintln!("warren ctl: {e:#}");
                 ExitCode::FAILURE

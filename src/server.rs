@@ -67,6 +67,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         messages = report.messages,
         delayed = report.delayed,
         policies = report.policies,
+        users = report.users,
         dropped = report.dropped,
         elapsed_ms = started.elapsed().as_millis() as u64,
         "recovered durable state"

@@ -8,19 +8,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::RwLock;
 use warren_amqp::connection::{AccessError, Gatekeeper, Login};
 
-use crate::durable::Durable;
-use crate::vhost::VHost;
+use warren_store::{Batch, MetaTable, Op};
 
-/// A user of the broker.
-#[derive(Debug, Clone)]
-pub struct User {
-    /// Name.
-    pub name: String,
-    /// Password (hashing comes with the security issue).
-    pub password: String,
-    /// May only connect from loopback (RabbitMQ's `loopback_users`, guest by default).
-    pub loopback_only: bool,
-}
+use crate::durable::Durable;
+use crate::users::{PermissionRecord, UserError, UserRecord};
+use crate::vhost::{OnCommit, VHost};
 
 /// Broker-wide settings.
 #[derive(Debug, Clone)]
@@ -50,7 +42,9 @@ pub struct Broker {
     /// Settings.
     pub config: BrokerConfig,
     vhosts: RwLock<HashMap<String, Arc<VHost>>>,
-    users: RwLock<HashMap<String, User>>,
+    users: RwLock<crate::users::Users>,
+    /// Where node-wide metadata (users, permissions) is persisted.
+    store: Option<Arc<Durable>>,
     next_id: AtomicU64,
     name_seed: std::collections::hash_map::RandomState,
 }
@@ -69,7 +63,8 @@ impl Broker {
         let b = Self {
             config,
             vhosts: RwLock::new(HashMap::new()),
-            users: RwLock::new(HashMap::new()),
+            users: RwLock::new(crate::users::Users::default()),
+            store: store.clone(),
             next_id: AtomicU64::new(1),
             name_seed: std::collections::hash_map::RandomState::new(),
         };
@@ -77,14 +72,14 @@ impl Broker {
             "/".into(),
             VHost::new("/", store, Some(crate::timers::Timers::start())),
         );
-        b.users.write().insert(
-            "guest".into(),
-            User {
-                name: "guest".into(),
-                password: "guest".into(),
-                loopback_only: true,
-            },
-        );
+        b.users.write().put(crate::users::UserRecord::new(
+            crate::limits::DEFAULT_USER,
+            crate::limits::DEFAULT_PASS,
+            vec!["administrator".into()],
+        ));
+        b.users
+            .write()
+            .set_permission(full_permission(crate::limits::DEFAULT_USER, "/"));
         Arc::new(b)
     }
 
@@ -131,6 +126,262 @@ impl Broker {
     }
 }
 
+fn full_permission(user: &str, vhost: &str) -> PermissionRecord {
+    PermissionRecord {
+        user: user.to_string(),
+        vhost: vhost.to_string(),
+        configure: ".*".into(),
+        write: ".*".into(),
+        read: ".*".into(),
+    }
+}
+
+/// Key of the marker row saying the users table was initialised (an empty user name cannot
+/// exist): a node whose operator deleted every user does not get guest back on restart.
+const USERS_INITIALISED: &[u8] = b"";
+
+/// Users and permissions, as `rabbitmqctl` manages them. Every change is persisted; `on_commit`
+/// is asked for a completion when there is a store write to wait for.
+impl Broker {
+    fn submit_meta(&self, ops: Vec<Op>, on_commit: OnCommit<'_>) {
+        if let Some(store) = &self.store
+            && !ops.is_empty()
+        {
+            store.submit(
+                Batch {
+                    bodies: Vec::new(),
+                    ops,
+                },
+                on_commit(),
+            );
+        }
+    }
+
+    fn put_user_op(user: &UserRecord) -> Op {
+        Op::Put {
+            table: MetaTable::Users,
+            key: user.name.as_bytes().to_vec(),
+            value: serde_json::to_vec(user).unwrap_or_default(),
+        }
+    }
+
+    fn put_permission_op(p: &PermissionRecord) -> Op {
+        Op::Put {
+            table: MetaTable::Permissions,
+            key: crate::durable::ExchangeRecord::key(&p.vhost, &p.user),
+            value: serde_json::to_vec(p).unwrap_or_default(),
+        }
+    }
+
+    /// `add_user`.
+    ///
+    /// # Errors
+    /// [`UserError::Exists`].
+    pub fn add_user(
+        &self,
+        name: &str,
+        password: &str,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), UserError> {
+        let mut users = self.users.write();
+        if users.get(name).is_some() {
+            return Err(UserError::Exists(name.to_string()));
+        }
+        let user = UserRecord::new(name, password, Vec::new());
+        self.submit_meta(vec![Self::put_user_op(&user)], on_commit);
+        users.put(user);
+        Ok(())
+    }
+
+    /// `delete_user` (its permissions go with it).
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchUser`].
+    pub fn delete_user(&self, name: &str, on_commit: OnCommit<'_>) -> Result<(), UserError> {
+        let mut users = self.users.write();
+        let keys = users
+            .remove(name)
+            .ok_or_else(|| UserError::NoSuchUser(name.to_string()))?;
+        let mut ops = vec![Op::Delete {
+            table: MetaTable::Users,
+            key: name.as_bytes().to_vec(),
+        }];
+        ops.extend(keys.iter().map(|(vhost, user)| Op::Delete {
+            table: MetaTable::Permissions,
+            key: crate::durable::ExchangeRecord::key(vhost, user),
+        }));
+        self.submit_meta(ops, on_commit);
+        Ok(())
+    }
+
+    /// `change_password`.
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchUser`].
+    pub fn change_password(
+        &self,
+        name: &str,
+        password: &str,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), UserError> {
+        self.update_user(name, on_commit, |u| {
+            u.password_hash = crate::users::hash_password(password);
+            u.hashing_algorithm = crate::users::SHA256.to_string();
+        })
+    }
+
+    /// `set_user_tags` (replaces the tags).
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchUser`].
+    pub fn set_user_tags(
+        &self,
+        name: &str,
+        tags: Vec<String>,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), UserError> {
+        self.update_user(name, on_commit, |u| u.tags = tags)
+    }
+
+    fn update_user(
+        &self,
+        name: &str,
+        on_commit: OnCommit<'_>,
+        change: impl FnOnce(&mut UserRecord),
+    ) -> Result<(), UserError> {
+        let mut users = self.users.write();
+        let mut user = users
+            .get(name)
+            .cloned()
+            .ok_or_else(|| UserError::NoSuchUser(name.to_string()))?;
+        change(&mut user);
+        self.submit_meta(vec![Self::put_user_op(&user)], on_commit);
+        users.put(user);
+        Ok(())
+    }
+
+    /// `list_users`, sorted by name.
+    #[must_use]
+    pub fn list_users(&self) -> Vec<UserRecord> {
+        self.users.read().list()
+    }
+
+    /// `authenticate_user`: whether the credentials are right (no loopback rule).
+    #[must_use]
+    pub fn authenticate(&self, name: &str, password: &str) -> bool {
+        self.users
+            .read()
+            .get(name)
+            .is_some_and(|u| u.verify(password.as_bytes()))
+    }
+
+    /// `set_permissions`.
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchUser`], [`UserError::NoSuchVhost`], [`UserError::BadPattern`].
+    pub fn set_permissions(
+        &self,
+        p: PermissionRecord,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), UserError> {
+        if self.vhost(&p.vhost).is_none() {
+            return Err(UserError::NoSuchVhost(p.vhost));
+        }
+        p.validate()?;
+        let mut users = self.users.write();
+        if users.get(&p.user).is_none() {
+            return Err(UserError::NoSuchUser(p.user));
+        }
+        self.submit_meta(vec![Self::put_permission_op(&p)], on_commit);
+        users.set_permission(p);
+        Ok(())
+    }
+
+    /// `clear_permissions`.
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchUser`], [`UserError::NoSuchVhost`].
+    pub fn clear_permissions(
+        &self,
+        vhost: &str,
+        user: &str,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), UserError> {
+        if self.vhost(vhost).is_none() {
+            return Err(UserError::NoSuchVhost(vhost.to_string()));
+        }
+        let mut users = self.users.write();
+        if users.get(user).is_none() {
+            return Err(UserError::NoSuchUser(user.to_string()));
+        }
+        if users.clear_permission(vhost, user) {
+            self.submit_meta(
+                vec![Op::Delete {
+                    table: MetaTable::Permissions,
+                    key: crate::durable::ExchangeRecord::key(vhost, user),
+                }],
+                on_commit,
+            );
+        }
+        Ok(())
+    }
+
+    /// `list_permissions` (one vhost) / `list_user_permissions` (one user).
+    #[must_use]
+    pub fn list_permissions(
+        &self,
+        vhost: Option<&str>,
+        user: Option<&str>,
+    ) -> Vec<PermissionRecord> {
+        self.users.read().permissions(vhost, user)
+    }
+
+    /// Put back the users and permissions the store held; on a fresh store, persist the
+    /// default user instead. Returns how many users were restored.
+    pub(crate) fn restore_users(
+        &self,
+        users: &[(Vec<u8>, Vec<u8>)],
+        permissions: &[(Vec<u8>, Vec<u8>)],
+    ) -> Result<usize, crate::durable::DecodeError> {
+        if users.is_empty() {
+            let (user, perm) = {
+                let u = self.users.read();
+                (
+                    u.get(crate::limits::DEFAULT_USER).cloned(),
+                    u.permission("/", crate::limits::DEFAULT_USER).cloned(),
+                )
+            };
+            let mut ops = vec![Op::Put {
+                table: MetaTable::Users,
+                key: USERS_INITIALISED.to_vec(),
+                value: b"initialised".to_vec(),
+            }];
+            ops.extend(user.as_ref().map(Self::put_user_op));
+            ops.extend(perm.as_ref().map(Self::put_permission_op));
+            self.submit_meta(ops, &mut || Box::new(|_| {}));
+            return Ok(0);
+        }
+        let mut fresh = crate::users::Users::default();
+        let mut n = 0;
+        for (k, v) in users {
+            if k.as_slice() == USERS_INITIALISED {
+                continue;
+            }
+            let u: UserRecord = serde_json::from_slice(v)
+                .map_err(|_| crate::durable::DecodeError::new("user", "bad JSON"))?;
+            fresh.put(u);
+            n += 1;
+        }
+        for (_, v) in permissions {
+            let p: PermissionRecord = serde_json::from_slice(v)
+                .map_err(|_| crate::durable::DecodeError::new("permission", "bad JSON"))?;
+            fresh.set_permission(p);
+        }
+        *self.users.write() = fresh;
+        Ok(n)
+    }
+}
+
 impl Gatekeeper for Broker {
     fn login(
         &self,
@@ -140,14 +391,9 @@ impl Gatekeeper for Broker {
     ) -> Result<Login, AccessError> {
         let users = self.users.read();
         let u = users.get(user).ok_or(AccessError::LoginRefused)?;
-        // Compare without early exit on the first differing byte.
-        let stored = u.password.as_bytes();
-        let same_len = stored.len() == password.len();
-        let diff = stored
-            .iter()
-            .zip(password.iter())
-            .fold(0u8, |acc, (a, b)| acc | (a ^ b));
-        if !same_len || diff != 0 || (u.loopback_only && !peer_is_loopback) {
+        // RabbitMQ's default loopback_users: guest may log in from localhost only.
+        let loopback_only = crate::limits::LOOPBACK_USERS.contains(&user);
+        if !u.verify(password) || (loopback_only && !peer_is_loopback) {
             return Err(AccessError::LoginRefused);
         }
         Ok(Login {
@@ -155,12 +401,17 @@ impl Gatekeeper for Broker {
         })
     }
 
-    fn open_vhost(&self, _user: &str, vhost: &str) -> Result<(), AccessError> {
-        if self.vhosts.read().contains_key(vhost) {
-            Ok(())
-        } else {
-            Err(AccessError::VhostNotFound(vhost.to_string()))
+    fn open_vhost(&self, user: &str, vhost: &str) -> Result<(), AccessError> {
+        if !self.vhosts.read().contains_key(vhost) {
+            return Err(AccessError::VhostNotFound(vhost.to_string()));
         }
+        if self.users.read().permission(vhost, user).is_none() {
+            return Err(AccessError::VhostRefused {
+                vhost: vhost.to_string(),
+                user: user.to_string(),
+            });
+        }
+        Ok(())
     }
 }
 

@@ -34,6 +34,7 @@ pub mod recovery;
 pub mod reply_to;
 pub mod session;
 pub mod timers;
+pub mod users;
 pub mod vhost;
 
 pub use broker::{Broker, BrokerConfig};

@@ -30,3 +30,10 @@ pub const FLOW_PAUSE_MAX_MS: u64 = 10;
 /// A queue with no delivery for this long does not push back: its consumers are stuck or
 /// absent (a backlog is allowed to build, as in RabbitMQ), not slower than its publishers.
 pub const FLOW_CONSUMER_IDLE_MS: u64 = 100;
+/// Users that may log in only from a loopback address (RabbitMQ's `loopback_users`).
+pub const LOOPBACK_USERS: &[&str] = &["guest"];
+/// The user a fresh node creates (RabbitMQ's `default_user` / `default_pass`), with the
+/// administrator tag and full permissions on the default vhost.
+pub const DEFAULT_USER: &str = "guest";
+/// Its password.
+pub const DEFAULT_PASS: &str = "guest";

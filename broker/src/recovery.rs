@@ -37,6 +37,8 @@ pub struct RecoveryReport {
     pub delayed: usize,
     /// Policies put back.
     pub policies: usize,
+    /// Users put back (0 on a fresh store, where the default user is created).
+    pub users: usize,
     /// Records dropped because what they belonged to is gone (a vhost that does not exist, a
     /// binding whose end is missing, messages of a deleted queue).
     pub dropped: usize,
@@ -58,6 +60,7 @@ impl Broker {
                 .map(Vec::as_slice)
                 .unwrap_or_default()
         };
+        report.users = self.restore_users(rows(MetaTable::Users), rows(MetaTable::Permissions))?;
         for (_, v) in rows(MetaTable::Policies) {
             let def: crate::policy::PolicyDef =
                 serde_json::from_slice(v).map_err(|_| DecodeError::new("policy", "bad JSON"))?;

@@ -581,6 +581,35 @@ async fn policies_survive_a_restart() {
     assert_eq!(bodies(&drain(&ch, "pol.q").await), ["2", "3"]);
 }
 
+#[tokio::test]
+async fn users_and_permissions_survive_a_restart_and_deleted_guest_stays_deleted() {
+    //! Users and permissions set with `warren ctl` are stored: after a kill -9 the new user
+    //! logs in with its password, and guest, deleted before, is not recreated.
+    let b = Broker::start();
+    for args in [
+        &["add_user", "alice", "s3cret"][..],
+        &["set_permissions", "alice", ".*", ".*", ".*"],
+        &["set_user_tags", "alice", "administrator"],
+        &["delete_user", "guest"],
+    ] {
+        let (ok, out) = b.ctl(args);
+        assert!(ok, "{args:?}: {out}");
+    }
+    let b = restart(b, true);
+    let (ok, out) = b.ctl(&["list_users"]);
+    assert!(ok && out.contains("alice\t[administrator]"), "{out}");
+    assert!(!out.contains("guest"), "{out}");
+    let alice = b.uri().replace("guest:guest@", "alice:s3cret@");
+    let conn = lapin::Connection::connect(&alice, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = confirm_channel(&conn).await;
+    queue(&ch, "users.q", true).await;
+    let refused =
+        lapin::Connection::connect(&b.uri(), lapin::ConnectionProperties::default()).await;
+    assert!(refused.is_err(), "guest was deleted before the restart");
+}
+
 fn dir_bytes(dir: &std::path::Path) -> u64 {
     std::fs::read_dir(dir)
         .unwrap()

@@ -62,11 +62,17 @@ pub enum MetaTable {
     Bindings,
     /// Policies.
     Policies,
+    /// Users (JSON in RabbitMQ's definitions fields).
+    Users,
+    /// Permissions per (vhost, user) (JSON).
+    Permissions,
 }
 
 impl MetaTable {
     /// All tables, in recovery order.
-    pub const ALL: [Self; 4] = [
+    pub const ALL: [Self; 6] = [
+        Self::Users,
+        Self::Permissions,
         Self::Policies,
         Self::Exchanges,
         Self::Queues,
@@ -79,6 +85,8 @@ impl MetaTable {
             Self::Queues => "queues",
             Self::Bindings => "bindings",
             Self::Policies => "policies",
+            Self::Users => "users",
+            Self::Permissions => "permissions",
         })
     }
 }
