@@ -45,6 +45,8 @@ pub struct Broker {
     users: RwLock<crate::users::Users>,
     /// Where node-wide metadata (users, permissions) is persisted.
     store: Option<Arc<Durable>>,
+    /// Bumped on every permission change; connections recompile their patterns when it moves.
+    permission_generation: AtomicU64,
     next_id: AtomicU64,
     name_seed: std::collections::hash_map::RandomState,
 }
@@ -65,6 +67,7 @@ impl Broker {
             vhosts: RwLock::new(HashMap::new()),
             users: RwLock::new(crate::users::Users::default()),
             store: store.clone(),
+            permission_generation: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             name_seed: std::collections::hash_map::RandomState::new(),
         };
@@ -211,6 +214,7 @@ impl Broker {
             key: crate::durable::ExchangeRecord::key(vhost, user),
         }));
         self.submit_meta(ops, on_commit);
+        self.permissions_changed();
         Ok(())
     }
 
@@ -260,6 +264,16 @@ impl Broker {
         Ok(())
     }
 
+    /// Changes with every permission change (see [`crate::access::Access`]).
+    #[must_use]
+    pub fn permission_generation(&self) -> u64 {
+        self.permission_generation.load(Ordering::Acquire)
+    }
+
+    fn permissions_changed(&self) {
+        self.permission_generation.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// `list_users`, sorted by name.
     #[must_use]
     pub fn list_users(&self) -> Vec<UserRecord> {
@@ -294,6 +308,7 @@ impl Broker {
         }
         self.submit_meta(vec![Self::put_permission_op(&p)], on_commit);
         users.set_permission(p);
+        self.permissions_changed();
         Ok(())
     }
 
@@ -315,6 +330,7 @@ impl Broker {
             return Err(UserError::NoSuchUser(user.to_string()));
         }
         if users.clear_permission(vhost, user) {
+            self.permissions_changed();
             self.submit_meta(
                 vec![Op::Delete {
                     table: MetaTable::Permissions,
@@ -378,6 +394,7 @@ impl Broker {
             fresh.set_permission(p);
         }
         *self.users.write() = fresh;
+        self.permissions_changed();
         Ok(n)
     }
 }

@@ -18,6 +18,7 @@
 //! Lock order: vhost topology -> queue state -> outbox. No lock is held across an `.await`
 //! (this crate has no `.await` on any of these paths).
 
+pub mod access;
 pub mod args;
 pub mod broker;
 pub mod deadletter;

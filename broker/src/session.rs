@@ -19,6 +19,7 @@ use warren_amqp::method::{
 };
 use warren_amqp::{AmqpError, ReplyCode};
 
+use crate::access::{Access, Perm, Resource};
 use crate::broker::Broker;
 use crate::exchange::{Destination, ExchangeKind, RoutingHeaders};
 use crate::limiter::Limiter;
@@ -43,9 +44,16 @@ struct Ctx {
     gate: Cell<u32>,
     /// A queue this connection published into that asks publishers to pause (flow).
     flow: std::cell::RefCell<Option<Arc<Queue>>>,
+    /// The user's permissions in this vhost.
+    access: std::cell::RefCell<Access>,
 }
 
 impl Ctx {
+    /// RabbitMQ's permission check (403 channel error when refused).
+    fn allow(&self, perm: Perm, resource: Resource, name: &str) -> Result<(), AmqpError> {
+        self.access.borrow_mut().check(perm, resource, name)
+    }
+
     /// A completion for a change the client's next reply depends on: output is held until it
     /// arrives (see [`Session::output_held`]).
     fn on_commit(&self) -> warren_store::writer::Completion {
@@ -259,6 +267,7 @@ impl Session {
         cancel_notify: bool,
     ) -> Self {
         let conn_id = broker.next_id();
+        let access = Access::new(Arc::clone(&broker), &vhost.name, &user);
         Self {
             ctx: Ctx {
                 broker,
@@ -269,6 +278,7 @@ impl Session {
                 cancel_notify,
                 gate: Cell::new(0),
                 flow: std::cell::RefCell::new(None),
+                access: std::cell::RefCell::new(access),
             },
             channels: HashMap::new(),
             drained: Vec::new(),
@@ -749,6 +759,11 @@ fn handle_queue(
                         format!("queue name '{requested}' contains reserved prefix 'amq.*'"),
                     ));
                 }
+                ctx.allow(Perm::Configure, Resource::Queue, &name)?;
+                if let Some(dlx) = crate::args::string_arg(&d.arguments, "x-dead-letter-exchange") {
+                    ctx.allow(Perm::Write, Resource::Exchange, &dlx)?;
+                    ctx.allow(Perm::Read, Resource::Queue, &name)?;
+                }
                 crate::args::validate_queue_args(&d.arguments, &rs("queue", &name, &vhost.name))?;
                 if crate::args::is_quorum(&d.arguments) {
                     // rabbit_quorum_queue:declare's checks, in its order.
@@ -817,6 +832,8 @@ fn handle_queue(
         }
         queue::AMQPMethod::Bind(b) => {
             let (qname, rk) = queue_binding(ctx, chan, b.queue.as_str(), b.routing_key.as_str())?;
+            ctx.allow(Perm::Write, Resource::Queue, &qname)?;
+            ctx.allow(Perm::Read, Resource::Exchange, b.exchange.as_str())?;
             vhost.bind(
                 b.exchange.as_str(),
                 Destination::Queue(qname),
@@ -835,6 +852,8 @@ fn handle_queue(
         }
         queue::AMQPMethod::Unbind(u) => {
             let (qname, rk) = queue_binding(ctx, chan, u.queue.as_str(), u.routing_key.as_str())?;
+            ctx.allow(Perm::Write, Resource::Queue, &qname)?;
+            ctx.allow(Perm::Read, Resource::Exchange, u.exchange.as_str())?;
             vhost.unbind(
                 u.exchange.as_str(),
                 Destination::Queue(qname),
@@ -850,7 +869,9 @@ fn handle_queue(
             Ok(())
         }
         queue::AMQPMethod::Purge(p) => {
-            let q = usable_queue(ctx, &expand_queue_name(chan, p.queue.as_str())?)?;
+            let name = expand_queue_name(chan, p.queue.as_str())?;
+            ctx.allow(Perm::Read, Resource::Queue, &name)?;
+            let q = usable_queue(ctx, &name)?;
             let n = q.purge(&mut || ctx.on_commit());
             if !p.nowait {
                 reply(
@@ -865,6 +886,7 @@ fn handle_queue(
         }
         queue::AMQPMethod::Delete(d) => {
             let name = expand_queue_name(chan, d.queue.as_str())?;
+            ctx.allow(Perm::Configure, Resource::Queue, &name)?;
             let count = match vhost.queue(&name) {
                 None => 0,
                 Some(_) => {
@@ -991,6 +1013,11 @@ fn handle_exchange(
                 if name.is_empty() {
                     return Err(default_refused());
                 }
+                ctx.allow(Perm::Configure, Resource::Exchange, name)?;
+                if let Some(ae) = crate::args::string_arg(&d.arguments, "alternate-exchange") {
+                    ctx.allow(Perm::Write, Resource::Exchange, &ae)?;
+                    ctx.allow(Perm::Read, Resource::Exchange, name)?;
+                }
                 vhost.declare_exchange(
                     name,
                     ExchangeDecl {
@@ -1017,6 +1044,7 @@ fn handle_exchange(
             if d.exchange.as_str().is_empty() {
                 return Err(default_refused());
             }
+            ctx.allow(Perm::Configure, Resource::Exchange, d.exchange.as_str())?;
             vhost.delete_exchange(d.exchange.as_str(), d.if_unused, &mut || ctx.on_commit())?;
             if !d.nowait {
                 reply(
@@ -1028,6 +1056,8 @@ fn handle_exchange(
             Ok(())
         }
         exchange::AMQPMethod::Bind(b) => {
+            ctx.allow(Perm::Write, Resource::Exchange, b.destination.as_str())?;
+            ctx.allow(Perm::Read, Resource::Exchange, b.source.as_str())?;
             vhost.bind(
                 b.source.as_str(),
                 Destination::Exchange(b.destination.as_str().to_string()),
@@ -1045,6 +1075,8 @@ fn handle_exchange(
             Ok(())
         }
         exchange::AMQPMethod::Unbind(u) => {
+            ctx.allow(Perm::Write, Resource::Exchange, u.destination.as_str())?;
+            ctx.allow(Perm::Read, Resource::Exchange, u.source.as_str())?;
             vhost.unbind(
                 u.source.as_str(),
                 Destination::Exchange(u.destination.as_str().to_string()),
@@ -1226,6 +1258,7 @@ fn handle_basic(
                     "immediate=true",
                 ));
             }
+            ctx.allow(Perm::Write, Resource::Exchange, p.exchange.as_str())?;
             if let Some(user_id) = content.properties.user_id()
                 && user_id != ctx.user.as_bytes()
             {
@@ -1375,6 +1408,7 @@ fn handle_basic(
         }
         basic::AMQPMethod::Consume(c) => {
             let qname = expand_queue_name(chan, c.queue.as_str())?;
+            ctx.allow(Perm::Read, Resource::Queue, &qname)?;
             let q = usable_queue(ctx, &qname)?;
             if q.is_quorum && chan.prefetch_channel > 0 {
                 // rabbit_quorum_queue refuses consumers under a channel-wide (global) QoS.
@@ -1491,7 +1525,9 @@ fn handle_basic(
             Ok(())
         }
         basic::AMQPMethod::Get(g) => {
-            let q = usable_queue(ctx, &expand_queue_name(chan, g.queue.as_str())?)?;
+            let name = expand_queue_name(chan, g.queue.as_str())?;
+            ctx.allow(Perm::Read, Resource::Queue, &name)?;
+            let q = usable_queue(ctx, &name)?;
             match q.get(g.no_ack) {
                 None => reply(
                     out,
