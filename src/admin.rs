@@ -66,6 +66,13 @@ enum Request {
         vhost: Option<String>,
         user: Option<String>,
     },
+    AddVhost {
+        name: String,
+    },
+    DeleteVhost {
+        name: String,
+    },
+    ListVhosts,
 }
 
 /// rabbitmqctl's exit codes for the errors it reports (sysexits).
@@ -119,6 +126,25 @@ fn handle_users(
         Request::SetPermissions(p) => user_result(broker.set_permissions(p, on_commit)),
         Request::ClearPermissions { vhost, user } => {
             user_result(broker.clear_permissions(&vhost, &user, on_commit))
+        }
+        Request::AddVhost { name } => {
+            broker.add_vhost(&name, on_commit);
+            json!({"ok": true})
+        }
+        Request::DeleteVhost { name } => match broker.delete_vhost(&name, on_commit) {
+            Ok(()) => json!({"ok": true}),
+            // rabbitmqctl's code for a missing vhost here is 65, not 69.
+            Err(_) => {
+                json!({"ok": false, "error": format!("Virtual host '{name}' does not exist"), "code": 65})
+            }
+        },
+        Request::ListVhosts => {
+            let rows: Vec<Vec<String>> =
+                broker.list_vhosts().into_iter().map(|v| vec![v]).collect();
+            json!({"ok": true, "header": ["name"], "rows": rows})
+        }
+        Request::ListPermissions { vhost: Some(v), .. } if broker.vhost(&v).is_none() => {
+            json!({"ok": false, "error": format!("Virtual host '{v}' does not exist"), "code": 65})
         }
         Request::ListPermissions { vhost, user } => {
             let by_user = user.is_some();
@@ -331,6 +357,18 @@ pub enum CtlCommand {
         /// User name.
         user: String,
     },
+    /// Create a vhost (no-op if it exists).
+    AddVhost {
+        /// Vhost name.
+        name: String,
+    },
+    /// Delete a vhost with everything in it; its connections are closed.
+    DeleteVhost {
+        /// Vhost name.
+        name: String,
+    },
+    /// List vhosts.
+    ListVhosts,
 }
 
 impl CtlCommand {
@@ -362,6 +400,9 @@ impl CtlCommand {
             Self::ListUserPermissions { user } => {
                 format!("Listing permissions for user \"{user}\" ...")
             }
+            Self::AddVhost { name } => format!("Adding vhost \"{name}\" ..."),
+            Self::DeleteVhost { name } => format!("Deleting vhost \"{name}\" ..."),
+            Self::ListVhosts => "Listing vhosts ...".into(),
             _ => return None,
         })
     }
@@ -424,6 +465,9 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
             vhost: None,
             user: Some(user),
         },
+        CtlCommand::AddVhost { name } => Request::AddVhost { name },
+        CtlCommand::DeleteVhost { name } => Request::DeleteVhost { name },
+        CtlCommand::ListVhosts => Request::ListVhosts,
     };
     let path = socket_path(data_dir);
     let mut stream = std::os::unix::net::UnixStream::connect(&path)

@@ -68,6 +68,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         delayed = report.delayed,
         policies = report.policies,
         users = report.users,
+        vhosts = report.vhosts,
         dropped = report.dropped,
         elapsed_ms = started.elapsed().as_millis() as u64,
         "recovered durable state"
@@ -180,6 +181,9 @@ async fn serve(
     let mut session: Option<Session> = None;
     let mut shutting_down = false;
     let mut shutdown_deadline: Option<Instant> = None;
+    // Resolves when the connection's vhost is deleted (set once the session exists).
+    let mut vhost_down: Option<DownFuture> = None;
+    let mut watching_vhost = false;
     // Flow: reading pauses while a queue we publish into is over its limits (bounded).
     let mut flow: Option<(Arc<warren_broker::queue::Queue>, Instant)> = None;
 
@@ -241,6 +245,12 @@ async fn serve(
             },
             _ = store.commits.changed(), if store_paused => {},
             () = flow_released(flow.as_ref()), if flow.is_some() => flow = None,
+            () = wait_opt(vhost_down.as_mut()), if vhost_down.is_some() => {
+                vhost_down = None;
+                let name = session.as_ref().map(|s| s.vhost().name.clone()).unwrap_or_default();
+                let e = AmqpError::connection(ReplyCode::ConnectionForced, format!("vhost '{name}' is down"));
+                conn.close_with(e, &mut out, Instant::now().into_std());
+            },
             () = sleep_until(timer) => {
                 conn.handle_timeout(Instant::now().into_std(), &mut out);
                 if let Some(s) = session.as_mut() {
@@ -265,6 +275,11 @@ async fn serve(
                 break;
             }
             s.flush(&mut out);
+            if !watching_vhost {
+                watching_vhost = true;
+                let vhost = Arc::clone(s.vhost());
+                vhost_down = Some(Box::pin(async move { vhost.until_down().await }));
+            }
             if flow.is_none()
                 && let Some(q) = s.take_flow()
             {
@@ -311,6 +326,18 @@ fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
 /// Replies wait while a change they report is not durable yet (see `Session::output_held`).
 fn output_held(session: &Option<Session>) -> bool {
     session.as_ref().is_some_and(Session::output_held)
+}
+
+/// Resolves when the connection's vhost is deleted.
+/// One future for the connection's life, created once its vhost is known: polled by every
+/// `select!`, so the vhost's shared `Notify` is touched once per connection, not per wake-up.
+type DownFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+async fn wait_opt(f: Option<&mut DownFuture>) {
+    match f {
+        Some(f) => f.as_mut().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Resolves when the queue a connection paused on drained, or the pause reached its bound.

@@ -47,6 +47,8 @@ pub struct Broker {
     store: Option<Arc<Durable>>,
     /// Bumped on every permission change; connections recompile their patterns when it moves.
     permission_generation: AtomicU64,
+    /// The timer thread every vhost's queues share.
+    timers: Arc<crate::timers::Timers>,
     next_id: AtomicU64,
     name_seed: std::collections::hash_map::RandomState,
 }
@@ -68,12 +70,13 @@ impl Broker {
             users: RwLock::new(crate::users::Users::default()),
             store: store.clone(),
             permission_generation: AtomicU64::new(0),
+            timers: crate::timers::Timers::start(),
             next_id: AtomicU64::new(1),
             name_seed: std::collections::hash_map::RandomState::new(),
         };
         b.vhosts.write().insert(
             "/".into(),
-            VHost::new("/", store, Some(crate::timers::Timers::start())),
+            VHost::new(DEFAULT_VHOST, store, Some(Arc::clone(&b.timers))),
         );
         b.users.write().put(crate::users::UserRecord::new(
             crate::limits::DEFAULT_USER,
@@ -138,6 +141,9 @@ fn full_permission(user: &str, vhost: &str) -> PermissionRecord {
         read: ".*".into(),
     }
 }
+
+/// The vhost a fresh node has.
+const DEFAULT_VHOST: &str = "/";
 
 /// Key of the marker row saying the users table was initialised (an empty user name cannot
 /// exist): a node whose operator deleted every user does not get guest back on restart.
@@ -262,6 +268,106 @@ impl Broker {
         self.submit_meta(vec![Self::put_user_op(&user)], on_commit);
         users.put(user);
         Ok(())
+    }
+
+    /// `add_vhost` (a no-op for an existing one, as rabbitmqctl). Returns whether it was created.
+    pub fn add_vhost(&self, name: &str, on_commit: OnCommit<'_>) -> bool {
+        let mut vhosts = self.vhosts.write();
+        if vhosts.contains_key(name) {
+            return false;
+        }
+        vhosts.insert(
+            name.to_string(),
+            VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers))),
+        );
+        self.submit_meta(
+            vec![Op::Put {
+                table: MetaTable::Vhosts,
+                key: name.as_bytes().to_vec(),
+                value: Vec::new(),
+            }],
+            on_commit,
+        );
+        true
+    }
+
+    /// `delete_vhost`: its queues (with their messages), exchanges, bindings, policies and
+    /// permissions go, and its connections are closed with `320 CONNECTION_FORCED`.
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchVhost`].
+    pub fn delete_vhost(&self, name: &str, on_commit: OnCommit<'_>) -> Result<(), UserError> {
+        let vh = self
+            .vhosts
+            .write()
+            .remove(name)
+            .ok_or_else(|| UserError::NoSuchVhost(name.to_string()))?;
+        vh.shut_down();
+        let mut ops: Vec<Op> = {
+            let mut users = self.users.write();
+            let gone: Vec<PermissionRecord> = users.permissions(Some(name), None);
+            for p in &gone {
+                users.clear_permission(&p.vhost, &p.user);
+            }
+            gone.iter()
+                .map(|p| Op::Delete {
+                    table: MetaTable::Permissions,
+                    key: crate::durable::ExchangeRecord::key(&p.vhost, &p.user),
+                })
+                .collect()
+        };
+        self.permissions_changed();
+        // Last, so that waiting for it waits for everything above (commits are in order).
+        ops.push(Op::Delete {
+            table: MetaTable::Vhosts,
+            key: name.as_bytes().to_vec(),
+        });
+        self.submit_meta(ops, on_commit);
+        Ok(())
+    }
+
+    /// `list_vhosts`, sorted.
+    #[must_use]
+    pub fn list_vhosts(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.vhosts.read().keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// Put back the vhosts the store lists (before anything that lives in them); on a fresh
+    /// store, persist the default one.
+    pub(crate) fn restore_vhosts(&self, rows: &[(Vec<u8>, Vec<u8>)]) -> usize {
+        if rows.is_empty() {
+            self.submit_meta(
+                vec![
+                    Op::Put {
+                        table: MetaTable::Vhosts,
+                        key: USERS_INITIALISED.to_vec(),
+                        value: b"initialised".to_vec(),
+                    },
+                    Op::Put {
+                        table: MetaTable::Vhosts,
+                        key: DEFAULT_VHOST.as_bytes().to_vec(),
+                        value: Vec::new(),
+                    },
+                ],
+                &mut || Box::new(|_| {}),
+            );
+            return 0;
+        }
+        let names: Vec<String> = rows
+            .iter()
+            .filter(|(k, _)| k.as_slice() != USERS_INITIALISED)
+            .filter_map(|(k, _)| String::from_utf8(k.clone()).ok())
+            .collect();
+        let mut vhosts = self.vhosts.write();
+        vhosts.retain(|name, _| names.contains(name));
+        for name in &names {
+            vhosts.entry(name.clone()).or_insert_with(|| {
+                VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers)))
+            });
+        }
+        names.len()
     }
 
     /// Changes with every permission change (see [`crate::access::Access`]).

@@ -39,6 +39,8 @@ pub struct RecoveryReport {
     pub policies: usize,
     /// Users put back (0 on a fresh store, where the default user is created).
     pub users: usize,
+    /// Vhosts put back (0 on a fresh store, where `/` is created).
+    pub vhosts: usize,
     /// Records dropped because what they belonged to is gone (a vhost that does not exist, a
     /// binding whose end is missing, messages of a deleted queue).
     pub dropped: usize,
@@ -60,6 +62,7 @@ impl Broker {
                 .map(Vec::as_slice)
                 .unwrap_or_default()
         };
+        report.vhosts = self.restore_vhosts(rows(MetaTable::Vhosts));
         report.users = self.restore_users(rows(MetaTable::Users), rows(MetaTable::Permissions))?;
         for (_, v) in rows(MetaTable::Policies) {
             let def: crate::policy::PolicyDef =

@@ -287,6 +287,12 @@ impl Session {
         }
     }
 
+    /// The vhost this connection uses.
+    #[must_use]
+    pub fn vhost(&self) -> &Arc<VHost> {
+        &self.ctx.vhost
+    }
+
     /// This connection's id (owner of its exclusive queues).
     #[must_use]
     pub fn connection_id(&self) -> u64 {

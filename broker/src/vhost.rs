@@ -47,6 +47,9 @@ pub struct VHost {
     pub delayed: Arc<crate::delayed::Delayed>,
     /// Policies of this vhost. Lock order: after topology (never topology while holding it).
     policies: RwLock<Vec<crate::policy::Policy>>,
+    /// Set when the vhost is deleted; its connections are closed.
+    down: std::sync::atomic::AtomicBool,
+    down_notify: tokio::sync::Notify,
 }
 
 /// The declaration flags of an exchange.
@@ -143,7 +146,56 @@ impl VHost {
             me: me.clone(),
             replies: crate::reply_to::Replies::default(),
             policies: RwLock::new(Vec::new()),
+            down: std::sync::atomic::AtomicBool::new(false),
+            down_notify: tokio::sync::Notify::new(),
         })
+    }
+
+    /// Whether the vhost was deleted.
+    #[must_use]
+    pub fn is_down(&self) -> bool {
+        self.down.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Resolves once the vhost is deleted (at once if it already is): its connections close
+    /// with `320 CONNECTION_FORCED`.
+    pub async fn until_down(&self) {
+        let notified = self.down_notify.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        if self.is_down() {
+            return;
+        }
+        notified.await;
+    }
+
+    /// Delete everything the vhost holds (queues with their messages, exchanges, bindings,
+    /// policies) from memory and the store, and close its connections. Store writes are
+    /// submitted with no-op completions: the caller submits a last op and waits for that one
+    /// (the writer commits in order).
+    pub fn shut_down(&self) {
+        self.down.store(true, std::sync::atomic::Ordering::Release);
+        self.down_notify.notify_waiters();
+        let noop = &mut || -> Completion { Box::new(|_| {}) };
+        let queues: Vec<Arc<Queue>> = self.topology.read().queues.values().cloned().collect();
+        for q in queues {
+            let _ = self.delete_queue(&q, noop);
+        }
+        let exchanges: Vec<String> = self
+            .topology
+            .read()
+            .exchanges
+            .keys()
+            .filter(|n| !n.starts_with("amq.") && !n.is_empty())
+            .cloned()
+            .collect();
+        for x in exchanges {
+            let _ = self.delete_exchange(&x, false, noop);
+        }
+        let policies: Vec<String> = self.policies().into_iter().map(|p| p.name).collect();
+        for name in policies {
+            self.clear_policy(&name, noop);
+        }
     }
 
     /// What queues of this vhost are connected to (store, timers, the vhost itself for

@@ -66,11 +66,14 @@ pub enum MetaTable {
     Users,
     /// Permissions per (vhost, user) (JSON).
     Permissions,
+    /// Vhosts (key: name; an empty key marks the table as initialised).
+    Vhosts,
 }
 
 impl MetaTable {
     /// All tables, in recovery order.
-    pub const ALL: [Self; 6] = [
+    pub const ALL: [Self; 7] = [
+        Self::Vhosts,
         Self::Users,
         Self::Permissions,
         Self::Policies,
@@ -87,6 +90,7 @@ impl MetaTable {
             Self::Policies => "policies",
             Self::Users => "users",
             Self::Permissions => "permissions",
+            Self::Vhosts => "vhosts",
         })
     }
 }
