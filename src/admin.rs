@@ -15,7 +15,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::UnixListener;
 use warren_broker::Broker;
 use warren_broker::policy::PolicyDef;
-use warren_broker::users::{PermissionRecord, UserError};
+use warren_broker::users::{PermissionRecord, UserError, UserLimits, VhostLimits};
 
 /// Longest request line accepted (a policy definition is small).
 const REQUEST_MAX: usize = 64 * 1024;
@@ -73,6 +73,24 @@ enum Request {
         name: String,
     },
     ListVhosts,
+    SetVhostLimits {
+        vhost: String,
+        limits: VhostLimits,
+    },
+    ListVhostLimits {
+        vhost: String,
+    },
+    SetUserLimits {
+        name: String,
+        limits: UserLimits,
+    },
+    ClearUserLimits {
+        name: String,
+        limit: String,
+    },
+    ListUserLimits {
+        name: String,
+    },
 }
 
 /// rabbitmqctl's exit codes for the errors it reports (sysexits).
@@ -138,6 +156,49 @@ fn handle_users(
                 json!({"ok": false, "error": format!("Virtual host '{name}' does not exist"), "code": 65})
             }
         },
+        Request::SetVhostLimits { vhost, limits } => {
+            user_result(broker.set_vhost_limits(&vhost, limits, on_commit))
+        }
+        Request::ListVhostLimits { vhost } => match broker.vhost(&vhost) {
+            Some(v) => {
+                let limits = serde_json::to_value(&*v.limits.read()).unwrap_or_default();
+                json!({"ok": true, "message": limits.to_string()})
+            }
+            None => {
+                json!({"ok": false, "error": format!("Virtual host '{vhost}' does not exist"), "code": 65})
+            }
+        },
+        Request::SetUserLimits { name, limits } => {
+            user_result(broker.set_user_limits(&name, limits, on_commit))
+        }
+        Request::ClearUserLimits { name, limit } => {
+            let current = broker
+                .list_users()
+                .into_iter()
+                .find(|u| u.name == name)
+                .map(|u| u.limits);
+            match current {
+                None => user_result(Err(UserError::NoSuchUser(name))),
+                Some(mut l) => {
+                    match limit.as_str() {
+                        "all" => l = UserLimits::default(),
+                        "max-connections" => l.max_connections = None,
+                        "max-channels" => l.max_channels = None,
+                        _ => {}
+                    }
+                    user_result(broker.set_user_limits(&name, l, on_commit))
+                }
+            }
+        }
+        Request::ListUserLimits { name } => {
+            match broker.list_users().into_iter().find(|u| u.name == name) {
+                Some(u) => {
+                    let limits = serde_json::to_value(&u.limits).unwrap_or_default();
+                    json!({"ok": true, "message": limits.to_string()})
+                }
+                None => user_result(Err(UserError::NoSuchUser(name))),
+            }
+        }
         Request::ListVhosts => {
             let rows: Vec<Vec<String>> =
                 broker.list_vhosts().into_iter().map(|v| vec![v]).collect();
@@ -369,6 +430,47 @@ pub enum CtlCommand {
     },
     /// List vhosts.
     ListVhosts,
+    /// Set a vhost's limits, e.g. `'{"max-connections": 100, "max-queues": 10}'` (a negative
+    /// value means unlimited).
+    SetVhostLimits {
+        /// JSON object with max-connections and/or max-queues.
+        definition: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// Remove a vhost's limits.
+    ClearVhostLimits {
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// Print a vhost's limits as JSON.
+    ListVhostLimits {
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// Set a user's limits, e.g. `'{"max-connections": 10, "max-channels": 100}'`.
+    SetUserLimits {
+        /// User name.
+        name: String,
+        /// JSON object with max-connections and/or max-channels.
+        definition: String,
+    },
+    /// Remove one limit of a user (max-connections, max-channels) or all of them.
+    ClearUserLimits {
+        /// User name.
+        name: String,
+        /// The limit, or `all`.
+        limit: String,
+    },
+    /// Print a user's limits as JSON.
+    ListUserLimits {
+        /// User name.
+        #[arg(long)]
+        user: String,
+    },
 }
 
 impl CtlCommand {
@@ -403,6 +505,18 @@ impl CtlCommand {
             Self::AddVhost { name } => format!("Adding vhost \"{name}\" ..."),
             Self::DeleteVhost { name } => format!("Deleting vhost \"{name}\" ..."),
             Self::ListVhosts => "Listing vhosts ...".into(),
+            Self::SetVhostLimits { definition, vhost } => {
+                format!("Setting vhost limits to \"{definition}\" for vhost \"{vhost}\" ...")
+            }
+            Self::ClearVhostLimits { vhost } => format!("Clearing vhost \"{vhost}\" limits ..."),
+            Self::ListVhostLimits { vhost } => format!("Listing limits for vhost \"{vhost}\" ..."),
+            Self::SetUserLimits { name, definition } => {
+                format!("Setting user limits to \"{definition}\" for user \"{name}\" ...")
+            }
+            Self::ClearUserLimits { name, limit } => {
+                format!("Clearing \"{limit}\" limit for user \"{name}\" ...")
+            }
+            Self::ListUserLimits { user } => format!("Listing limits for user \"{user}\" ..."),
             _ => return None,
         })
     }
@@ -468,6 +582,23 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
         CtlCommand::AddVhost { name } => Request::AddVhost { name },
         CtlCommand::DeleteVhost { name } => Request::DeleteVhost { name },
         CtlCommand::ListVhosts => Request::ListVhosts,
+        CtlCommand::SetVhostLimits { definition, vhost } => Request::SetVhostLimits {
+            vhost,
+            limits: serde_json::from_str(&definition)
+                .context("limits must be a JSON object with max-connections / max-queues")?,
+        },
+        CtlCommand::ClearVhostLimits { vhost } => Request::SetVhostLimits {
+            vhost,
+            limits: VhostLimits::default(),
+        },
+        CtlCommand::ListVhostLimits { vhost } => Request::ListVhostLimits { vhost },
+        CtlCommand::SetUserLimits { name, definition } => Request::SetUserLimits {
+            name,
+            limits: serde_json::from_str(&definition)
+                .context("limits must be a JSON object with max-connections / max-channels")?,
+        },
+        CtlCommand::ClearUserLimits { name, limit } => Request::ClearUserLimits { name, limit },
+        CtlCommand::ListUserLimits { user } => Request::ListUserLimits { name: user },
     };
     let path = socket_path(data_dir);
     let mut stream = std::os::unix::net::UnixStream::connect(&path)

@@ -376,6 +376,8 @@ fn process_events(
                 client_properties,
             } => {
                 let Some(vh) = broker.vhost(&vhost) else {
+                    // Deleted since open_vhost counted this connection.
+                    broker.release_connection(&user, &vhost);
                     let e = AmqpError::connection(
                         ReplyCode::NotAllowed,
                         format!("vhost {vhost} not found"),

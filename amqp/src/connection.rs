@@ -40,6 +40,9 @@ pub enum AccessError {
     /// The vhost does not exist.
     #[error("vhost {0} not found")]
     VhostNotFound(String),
+    /// A limit refuses it; the text is RabbitMQ's.
+    #[error("{0}")]
+    Limit(String),
     /// The user may not use the vhost.
     #[error("access to vhost '{vhost}' refused for user '{user}'")]
     VhostRefused {
@@ -59,8 +62,14 @@ pub trait Gatekeeper: Send + Sync {
         password: &[u8],
         peer_is_loopback: bool,
     ) -> Result<Login, AccessError>;
-    /// Check that the vhost exists and the user may use it.
+    /// Check that the vhost exists and the user may use it (and count the connection against
+    /// the vhost's and the user's limits).
     fn open_vhost(&self, user: &str, vhost: &str) -> Result<(), AccessError>;
+    /// A channel is about to open for `user`: refuse it over the user's channel limit, count
+    /// it otherwise (the broker uncounts it when the channel closes).
+    fn open_channel(&self, _user: &str) -> Result<(), AccessError> {
+        Ok(())
+    }
 }
 
 /// Static configuration of the connection machine.
@@ -350,7 +359,7 @@ impl Connection {
                 if frame.channel == 0 {
                     self.handle_channel_zero(frame, out, now)
                 } else {
-                    self.handle_channel_frame(frame, out)
+                    self.handle_channel_frame(frame, out, gate)
                 }
             }
             State::CloseSent { .. } => {
@@ -565,6 +574,7 @@ impl Connection {
         &mut self,
         frame: RawFrame,
         out: &mut FrameWriter,
+        gate: &dyn Gatekeeper,
     ) -> Result<(), AmqpError> {
         let ch = frame.channel;
         let limits = AssemblyLimits {
@@ -593,6 +603,10 @@ impl Connection {
                                 ),
                             ));
                         }
+                        gate.open_channel(self.user.as_deref().unwrap_or_default())
+                            .map_err(|e| {
+                                AmqpError::connection(ReplyCode::NotAllowed, e.to_string())
+                            })?;
                         self.channels.insert(ch, ChannelState::Open(Box::default()));
                         out.method(
                             ch,

@@ -49,6 +49,8 @@ pub struct Broker {
     permission_generation: AtomicU64,
     /// The timer thread every vhost's queues share.
     timers: Arc<crate::timers::Timers>,
+    /// Open connections per vhost and per user, open channels per user (limits).
+    counts: parking_lot::Mutex<Counts>,
     next_id: AtomicU64,
     name_seed: std::collections::hash_map::RandomState,
 }
@@ -71,6 +73,7 @@ impl Broker {
             store: store.clone(),
             permission_generation: AtomicU64::new(0),
             timers: crate::timers::Timers::start(),
+            counts: parking_lot::Mutex::new(Counts::default()),
             next_id: AtomicU64::new(1),
             name_seed: std::collections::hash_map::RandomState::new(),
         };
@@ -139,6 +142,22 @@ fn full_permission(user: &str, vhost: &str) -> PermissionRecord {
         configure: ".*".into(),
         write: ".*".into(),
         read: ".*".into(),
+    }
+}
+
+/// What limits count (taken only at connection and channel open and close).
+#[derive(Debug, Default)]
+struct Counts {
+    vhost_connections: HashMap<String, i64>,
+    user_connections: HashMap<String, i64>,
+    user_channels: HashMap<String, i64>,
+}
+
+fn add(map: &mut HashMap<String, i64>, key: &str, by: i64) {
+    let n = map.entry(key.to_string()).or_insert(0);
+    *n += by;
+    if *n <= 0 {
+        map.remove(key);
     }
 }
 
@@ -326,6 +345,56 @@ impl Broker {
         Ok(())
     }
 
+    /// A connection counted by `open_vhost` ended.
+    pub fn release_connection(&self, user: &str, vhost: &str) {
+        let mut counts = self.counts.lock();
+        add(&mut counts.vhost_connections, vhost, -1);
+        add(&mut counts.user_connections, user, -1);
+    }
+
+    /// A channel counted by `open_channel` closed.
+    pub fn release_channel(&self, user: &str) {
+        add(&mut self.counts.lock().user_channels, user, -1);
+    }
+
+    /// `set_vhost_limits` (replaces them).
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchVhost`].
+    pub fn set_vhost_limits(
+        &self,
+        name: &str,
+        limits: crate::users::VhostLimits,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), UserError> {
+        let vh = self
+            .vhost(name)
+            .ok_or_else(|| UserError::NoSuchVhost(name.to_string()))?;
+        self.submit_meta(
+            vec![Op::Put {
+                table: MetaTable::Vhosts,
+                key: name.as_bytes().to_vec(),
+                value: serde_json::to_vec(&limits).unwrap_or_default(),
+            }],
+            on_commit,
+        );
+        *vh.limits.write() = limits;
+        Ok(())
+    }
+
+    /// `set_user_limits` (replaces them).
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchUser`].
+    pub fn set_user_limits(
+        &self,
+        name: &str,
+        limits: crate::users::UserLimits,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), UserError> {
+        self.update_user(name, on_commit, |u| u.limits = limits)
+    }
+
     /// `list_vhosts`, sorted.
     #[must_use]
     pub fn list_vhosts(&self) -> Vec<String> {
@@ -355,19 +424,23 @@ impl Broker {
             );
             return 0;
         }
-        let names: Vec<String> = rows
+        let listed: Vec<(String, crate::users::VhostLimits)> = rows
             .iter()
             .filter(|(k, _)| k.as_slice() != USERS_INITIALISED)
-            .filter_map(|(k, _)| String::from_utf8(k.clone()).ok())
+            .filter_map(|(k, v)| {
+                let limits = serde_json::from_slice(v).unwrap_or_default();
+                String::from_utf8(k.clone()).ok().map(|n| (n, limits))
+            })
             .collect();
         let mut vhosts = self.vhosts.write();
-        vhosts.retain(|name, _| names.contains(name));
-        for name in &names {
-            vhosts.entry(name.clone()).or_insert_with(|| {
+        vhosts.retain(|name, _| listed.iter().any(|(n, _)| n == name));
+        for (name, limits) in &listed {
+            let vh = vhosts.entry(name.clone()).or_insert_with(|| {
                 VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers)))
             });
+            *vh.limits.write() = limits.clone();
         }
-        names.len()
+        listed.len()
     }
 
     /// Changes with every permission change (see [`crate::access::Access`]).
@@ -528,12 +601,55 @@ impl Gatekeeper for Broker {
         if !self.vhosts.read().contains_key(vhost) {
             return Err(AccessError::VhostNotFound(vhost.to_string()));
         }
-        if self.users.read().permission(vhost, user).is_none() {
-            return Err(AccessError::VhostRefused {
-                vhost: vhost.to_string(),
-                user: user.to_string(),
-            });
+        let user_limits = {
+            let users = self.users.read();
+            if users.permission(vhost, user).is_none() {
+                return Err(AccessError::VhostRefused {
+                    vhost: vhost.to_string(),
+                    user: user.to_string(),
+                });
+            }
+            users
+                .get(user)
+                .map(|u| u.limits.clone())
+                .unwrap_or_default()
+        };
+        let vhost_limit = self
+            .vhost(vhost)
+            .and_then(|v| v.limits.read().max_connections);
+        let mut counts = self.counts.lock();
+        let here = counts.vhost_connections.get(vhost).copied().unwrap_or(0);
+        if let Some(max) = crate::users::reached(vhost_limit, here) {
+            return Err(AccessError::Limit(format!(
+                "access to vhost '{vhost}' refused for user '{user}': connection limit ({max}) is reached"
+            )));
         }
+        let mine = counts.user_connections.get(user).copied().unwrap_or(0);
+        if let Some(max) = crate::users::reached(user_limits.max_connections, mine) {
+            return Err(AccessError::Limit(format!(
+                "connection refused for user '{user}': user connection limit ({max}) is reached"
+            )));
+        }
+        // Counted from here; the session releases it when the connection ends.
+        add(&mut counts.vhost_connections, vhost, 1);
+        add(&mut counts.user_connections, user, 1);
+        Ok(())
+    }
+
+    fn open_channel(&self, user: &str) -> Result<(), AccessError> {
+        let limit = self
+            .users
+            .read()
+            .get(user)
+            .and_then(|u| u.limits.max_channels);
+        let mut counts = self.counts.lock();
+        let open = counts.user_channels.get(user).copied().unwrap_or(0);
+        if let Some(max) = crate::users::reached(limit, open) {
+            return Err(AccessError::Limit(format!(
+                "number of channels opened for user '{user}' has reached the maximum allowed user limit of ({max})"
+            )));
+        }
+        add(&mut counts.user_channels, user, 1);
         Ok(())
     }
 }

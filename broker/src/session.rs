@@ -316,6 +316,7 @@ impl Session {
         let Some(chan) = self.channels.remove(&ch) else {
             return;
         };
+        self.ctx.broker.release_channel(&self.ctx.user);
         if let Some((_, name)) = &chan.reply_consumer {
             self.ctx.vhost.replies.unregister(name);
         }
@@ -347,6 +348,9 @@ impl Session {
             }
         }
         self.ctx.vhost.delete_exclusive_queues(self.ctx.conn_id);
+        self.ctx
+            .broker
+            .release_connection(&self.ctx.user, &self.ctx.vhost.name);
     }
 
     /// Write what is owed before the output is flushed: coalesced publisher confirms.
@@ -788,6 +792,18 @@ fn handle_queue(
                             ));
                         }
                     }
+                }
+                let limit = vhost.limits.read().max_queues;
+                if vhost.queue(&name).is_none()
+                    && let Some(max) = crate::users::reached(limit, vhost.queue_count() as i64)
+                {
+                    return Err(AmqpError::channel(
+                        ReplyCode::PreconditionFailed,
+                        format!(
+                            "cannot declare queue '{name}': queue limit in vhost '{}' ({max}) is reached",
+                            vhost.name
+                        ),
+                    ));
                 }
                 // RabbitMQ forces exclusive queues to be non-durable.
                 let durable = d.durable && !d.exclusive;

@@ -28,6 +28,39 @@ pub struct UserRecord {
     pub hashing_algorithm: String,
     /// Tags (administrator, monitoring, policymaker, management, impersonator, or any).
     pub tags: Vec<String>,
+    /// `set_user_limits` (RabbitMQ keeps them in the user record too).
+    #[serde(default)]
+    pub limits: UserLimits,
+}
+
+/// Per-user limits; absent or negative means unlimited (RabbitMQ's convention).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct UserLimits {
+    /// Connections the user may have open at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<i64>,
+    /// Channels the user may have open at once, over all its connections.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_channels: Option<i64>,
+}
+
+/// Per-vhost limits; absent or negative means unlimited.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct VhostLimits {
+    /// Connections to the vhost at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<i64>,
+    /// Queues in the vhost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_queues: Option<i64>,
+}
+
+/// Whether `count` more would go over `limit` (absent or negative: unlimited).
+#[must_use]
+pub fn reached(limit: Option<i64>, count: i64) -> Option<i64> {
+    limit.filter(|&max| max >= 0 && count >= max)
 }
 
 /// Why a user operation was refused.
@@ -92,6 +125,7 @@ impl UserRecord {
             password_hash: hash_password(password),
             hashing_algorithm: SHA256.to_string(),
             tags,
+            limits: UserLimits::default(),
         }
     }
 
@@ -233,6 +267,7 @@ mod tests {
             password_hash: "1dzyWYeZEDTB5zNlmfXP4Dkma4ukPz9zpEaRrZnMvJT04RtM".into(),
             hashing_algorithm: SHA256.into(),
             tags: vec![],
+            limits: UserLimits::default(),
         };
         assert!(u.verify(b"secret"));
         assert!(!u.verify(b"Secret"));
@@ -252,6 +287,7 @@ mod tests {
             password_hash: rabbit_style_hash(SHA512, [9, 9, 9, 9], "pw"),
             hashing_algorithm: SHA512.into(),
             tags: vec![],
+            limits: UserLimits::default(),
         };
         assert!(u.verify(b"pw"));
         u.hashing_algorithm = "rabbit_password_hashing_md5".into();
@@ -266,6 +302,18 @@ mod tests {
         assert!(a.verify(b"same") && b.verify(b"same"));
         // base64 of 4 salt bytes + 32 hash bytes.
         assert_eq!(BASE64.decode(&a.password_hash).unwrap().len(), 36);
+    }
+
+    #[test]
+    fn limits_absent_or_negative_are_unlimited_and_zero_refuses_all() {
+        assert_eq!(reached(None, 1_000_000), None);
+        assert_eq!(reached(Some(-1), 1_000_000), None);
+        assert_eq!(reached(Some(0), 0), Some(0));
+        assert_eq!(reached(Some(2), 1), None);
+        assert_eq!(reached(Some(2), 2), Some(2));
+        let l: UserLimits = serde_json::from_str(r#"{"max-channels": 3}"#).unwrap();
+        assert_eq!(l.max_channels, Some(3));
+        assert_eq!(serde_json::to_string(&l).unwrap(), r#"{"max-channels":3}"#);
     }
 
     #[test]

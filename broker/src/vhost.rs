@@ -47,6 +47,8 @@ pub struct VHost {
     pub delayed: Arc<crate::delayed::Delayed>,
     /// Policies of this vhost. Lock order: after topology (never topology while holding it).
     policies: RwLock<Vec<crate::policy::Policy>>,
+    /// `set_vhost_limits`.
+    pub limits: RwLock<crate::users::VhostLimits>,
     /// Set when the vhost is deleted; its connections are closed.
     down: std::sync::atomic::AtomicBool,
     down_notify: tokio::sync::Notify,
@@ -146,9 +148,16 @@ impl VHost {
             me: me.clone(),
             replies: crate::reply_to::Replies::default(),
             policies: RwLock::new(Vec::new()),
+            limits: RwLock::new(crate::users::VhostLimits::default()),
             down: std::sync::atomic::AtomicBool::new(false),
             down_notify: tokio::sync::Notify::new(),
         })
+    }
+
+    /// Queues in the vhost now.
+    #[must_use]
+    pub fn queue_count(&self) -> usize {
+        self.topology.read().queues.len()
     }
 
     /// Whether the vhost was deleted.

@@ -582,7 +582,7 @@ async fn policies_survive_a_restart() {
 }
 
 #[tokio::test]
-async fn users_and_permissions_survive_a_restart_and_deleted_guest_stays_deleted() {
+async fn users_permissions_and_limits_survive_a_restart_and_deleted_guest_stays_deleted() {
     //! Users and permissions set with `warren ctl` are stored: after a kill -9 the new user
     //! logs in with its password, and guest, deleted before, is not recreated.
     let b = Broker::start();
@@ -590,6 +590,8 @@ async fn users_and_permissions_survive_a_restart_and_deleted_guest_stays_deleted
         &["add_user", "alice", "s3cret"][..],
         &["set_permissions", "alice", ".*", ".*", ".*"],
         &["set_user_tags", "alice", "administrator"],
+        &["set_user_limits", "alice", r#"{"max-channels": 7}"#],
+        &["set_vhost_limits", "-p", "/", r#"{"max-queues": 50}"#],
         &["delete_user", "guest"],
     ] {
         let (ok, out) = b.ctl(args);
@@ -599,6 +601,10 @@ async fn users_and_permissions_survive_a_restart_and_deleted_guest_stays_deleted
     let (ok, out) = b.ctl(&["list_users"]);
     assert!(ok && out.contains("alice\t[administrator]"), "{out}");
     assert!(!out.contains("guest"), "{out}");
+    let (ok, out) = b.ctl(&["list_user_limits", "--user", "alice"]);
+    assert!(ok && out.contains(r#"{"max-channels":7}"#), "{out}");
+    let (ok, out) = b.ctl(&["list_vhost_limits", "-p", "/"]);
+    assert!(ok && out.contains(r#"{"max-queues":50}"#), "{out}");
     let alice = b.uri().replace("guest:guest@", "alice:s3cret@");
     let conn = lapin::Connection::connect(&alice, lapin::ConnectionProperties::default())
         .await

@@ -1,0 +1,96 @@
+"""Vhost and user limits (rabbitmqctl set_vhost_limits / set_user_limits) with RabbitMQ's
+refusals. Runs against RabbitMQ too (WARREN_TEST_AMQP_URL)."""
+
+import json
+
+import pika
+import pytest
+from pika.exceptions import ChannelClosedByBroker, ConnectionClosedByBroker, ProbableAccessDeniedError
+
+
+def connect(params, vhost="/", user="guest", password="guest"):
+    return pika.BlockingConnection(pika.ConnectionParameters(
+        host=params.host, port=params.port, virtual_host=vhost,
+        credentials=pika.PlainCredentials(user, password), connection_attempts=1))
+
+
+@pytest.fixture
+def vhost(ctl, prefix):
+    name = prefix.replace("compat.", "lim.")[:60]
+    ctl("add_vhost", name)
+    ctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")
+    yield name
+    ctl("delete_vhost", name)
+
+
+@pytest.fixture
+def user(ctl, prefix):
+    name = prefix.replace("compat.", "lu.")[:60]
+    ctl("add_user", name, "pw")
+    ctl("set_permissions", name, ".*", ".*", ".*")
+    yield name
+    ctl("delete_user", name)
+
+
+def limits_listed(out):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_vhost_connection_limit(ctl, params, vhost):
+    assert ctl("set_vhost_limits", "-p", vhost, '{"max-connections": 1}')[0] == 0
+    assert limits_listed(ctl("list_vhost_limits", "-p", vhost)[1]) == {"max-connections": 1}
+    first = connect(params, vhost)
+    try:
+        with pytest.raises(ProbableAccessDeniedError) as e:
+            connect(params, vhost)
+        assert (f"NOT_ALLOWED - access to vhost '{vhost}' refused for user 'guest': "
+                f"connection limit (1) is reached") in str(e.value)
+    finally:
+        first.close()
+    # The slot is free again once the first connection closed.
+    connect(params, vhost).close()
+
+
+def test_vhost_queue_limit(ctl, params, vhost):
+    ctl("set_vhost_limits", "-p", vhost, '{"max-queues": 1}')
+    conn = connect(params, vhost)
+    try:
+        ch = conn.channel()
+        ch.queue_declare("q1")
+        ch.queue_declare("q1")  # redeclaring an existing queue is fine
+        with pytest.raises(ChannelClosedByBroker) as e:
+            ch.queue_declare("q2")
+        assert e.value.reply_code == 406
+        assert e.value.reply_text == (
+            f"PRECONDITION_FAILED - cannot declare queue 'q2': queue limit in vhost '{vhost}' "
+            f"(1) is reached")
+    finally:
+        conn.close()
+
+
+def test_user_connection_and_channel_limits(ctl, params, user):
+    assert ctl("set_user_limits", user, '{"max-connections": 1, "max-channels": 2}')[0] == 0
+    assert limits_listed(ctl("list_user_limits", "--user", user)[1]) == {
+        "max-connections": 1, "max-channels": 2}
+    conn = connect(params, user=user, password="pw")
+    try:
+        with pytest.raises(ProbableAccessDeniedError) as e:
+            connect(params, user=user, password="pw")
+        assert (f"NOT_ALLOWED - connection refused for user '{user}': user connection limit (1) "
+                f"is reached") in str(e.value)
+        conn.channel()
+        conn.channel()
+        with pytest.raises(ConnectionClosedByBroker) as e:
+            conn.channel()
+        assert e.value.reply_code == 530
+        assert e.value.reply_text == (
+            f"NOT_ALLOWED - number of channels opened for user '{user}' has reached the maximum "
+            f"allowed user limit of (2)")
+    finally:
+        if conn.is_open:
+            conn.close()
+    assert ctl("clear_user_limits", user, "all")[0] == 0
+    a = connect(params, user=user, password="pw")
+    b = connect(params, user=user, password="pw")
+    a.close()
+    b.close()
