@@ -15,7 +15,9 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::UnixListener;
 use warren_broker::Broker;
 use warren_broker::policy::PolicyDef;
-use warren_broker::users::{PermissionRecord, UserError, UserLimits, VhostLimits};
+use warren_broker::users::{
+    PermissionRecord, TopicPermissionRecord, UserError, UserLimits, VhostLimits,
+};
 
 /// Longest request line accepted (a policy definition is small).
 const REQUEST_MAX: usize = 64 * 1024;
@@ -90,6 +92,16 @@ enum Request {
     },
     ListUserLimits {
         name: String,
+    },
+    SetTopicPermissions(TopicPermissionRecord),
+    ClearTopicPermissions {
+        vhost: String,
+        user: String,
+        exchange: Option<String>,
+    },
+    ListTopicPermissions {
+        vhost: Option<String>,
+        user: Option<String>,
     },
 }
 
@@ -198,6 +210,30 @@ fn handle_users(
                 }
                 None => user_result(Err(UserError::NoSuchUser(name))),
             }
+        }
+        Request::SetTopicPermissions(p) => user_result(broker.set_topic_permissions(p, on_commit)),
+        Request::ClearTopicPermissions {
+            vhost,
+            user,
+            exchange,
+        } => user_result(broker.clear_topic_permissions(
+            &vhost,
+            &user,
+            exchange.as_deref(),
+            on_commit,
+        )),
+        Request::ListTopicPermissions { vhost, user } => {
+            let by_user = user.is_some();
+            let rows: Vec<Vec<String>> = broker
+                .list_topic_permissions(vhost.as_deref(), user.as_deref())
+                .into_iter()
+                .map(|p| {
+                    let first = if by_user { p.vhost } else { p.user };
+                    vec![first, p.exchange, p.write, p.read]
+                })
+                .collect();
+            let first = if by_user { "vhost" } else { "user" };
+            json!({"ok": true, "header": [first, "exchange", "write", "read"], "rows": rows})
         }
         Request::ListVhosts => {
             let rows: Vec<Vec<String>> =
@@ -471,6 +507,42 @@ pub enum CtlCommand {
         #[arg(long)]
         user: String,
     },
+    /// Constrain a user's routing keys (write) and binding keys (read) on a topic exchange;
+    /// `{username}` and `{vhost}` in the patterns stand for the names.
+    SetTopicPermissions {
+        /// User name.
+        user: String,
+        /// The topic exchange.
+        exchange: String,
+        /// Pattern for routing keys of publishes.
+        write: String,
+        /// Pattern for binding keys.
+        read: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// Remove a user's topic permissions (on one exchange, or all) in a vhost.
+    ClearTopicPermissions {
+        /// User name.
+        user: String,
+        /// The exchange (all when omitted).
+        exchange: Option<String>,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// List the topic permissions in a vhost.
+    ListTopicPermissions {
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// List a user's topic permissions.
+    ListUserTopicPermissions {
+        /// User name.
+        user: String,
+    },
 }
 
 impl CtlCommand {
@@ -517,6 +589,23 @@ impl CtlCommand {
                 format!("Clearing \"{limit}\" limit for user \"{name}\" ...")
             }
             Self::ListUserLimits { user } => format!("Listing limits for user \"{user}\" ..."),
+            Self::SetTopicPermissions {
+                user,
+                exchange,
+                vhost,
+                ..
+            } => format!(
+                "Setting topic permissions on \"{exchange}\" for user \"{user}\" in vhost \"{vhost}\" ..."
+            ),
+            Self::ClearTopicPermissions { user, vhost, .. } => {
+                format!("Clearing topic permissions for user \"{user}\" in vhost \"{vhost}\" ...")
+            }
+            Self::ListTopicPermissions { vhost } => {
+                format!("Listing topic permissions for vhost \"{vhost}\" ...")
+            }
+            Self::ListUserTopicPermissions { user } => {
+                format!("Listing topic permissions for user \"{user}\" ...")
+            }
             _ => return None,
         })
     }
@@ -599,6 +688,36 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
         },
         CtlCommand::ClearUserLimits { name, limit } => Request::ClearUserLimits { name, limit },
         CtlCommand::ListUserLimits { user } => Request::ListUserLimits { name: user },
+        CtlCommand::SetTopicPermissions {
+            user,
+            exchange,
+            write,
+            read,
+            vhost,
+        } => Request::SetTopicPermissions(TopicPermissionRecord {
+            user,
+            vhost,
+            exchange,
+            write,
+            read,
+        }),
+        CtlCommand::ClearTopicPermissions {
+            user,
+            exchange,
+            vhost,
+        } => Request::ClearTopicPermissions {
+            vhost,
+            user,
+            exchange,
+        },
+        CtlCommand::ListTopicPermissions { vhost } => Request::ListTopicPermissions {
+            vhost: Some(vhost),
+            user: None,
+        },
+        CtlCommand::ListUserTopicPermissions { user } => Request::ListTopicPermissions {
+            vhost: None,
+            user: Some(user),
+        },
     };
     let path = socket_path(data_dir);
     let mut stream = std::os::unix::net::UnixStream::connect(&path)

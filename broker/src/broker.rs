@@ -11,7 +11,7 @@ use warren_amqp::connection::{AccessError, Gatekeeper, Login};
 use warren_store::{Batch, MetaTable, Op};
 
 use crate::durable::Durable;
-use crate::users::{PermissionRecord, UserError, UserRecord};
+use crate::users::{PermissionRecord, TopicPermissionRecord, UserError, UserRecord};
 use crate::vhost::{OnCommit, VHost};
 
 /// Broker-wide settings.
@@ -227,6 +227,7 @@ impl Broker {
     /// [`UserError::NoSuchUser`].
     pub fn delete_user(&self, name: &str, on_commit: OnCommit<'_>) -> Result<(), UserError> {
         let mut users = self.users.write();
+        let topics = users.topic_permissions(None, Some(name));
         let keys = users
             .remove(name)
             .ok_or_else(|| UserError::NoSuchUser(name.to_string()))?;
@@ -237,6 +238,10 @@ impl Broker {
         ops.extend(keys.iter().map(|(vhost, user)| Op::Delete {
             table: MetaTable::Permissions,
             key: crate::durable::ExchangeRecord::key(vhost, user),
+        }));
+        ops.extend(topics.iter().map(|p| Op::Delete {
+            table: MetaTable::TopicPermissions,
+            key: Self::topic_key(p),
         }));
         self.submit_meta(ops, on_commit);
         self.permissions_changed();
@@ -328,11 +333,19 @@ impl Broker {
             for p in &gone {
                 users.clear_permission(&p.vhost, &p.user);
             }
+            let topics = users.topic_permissions(Some(name), None);
+            for p in &topics {
+                users.clear_topic_permissions(&p.vhost, &p.user, Some(&p.exchange));
+            }
             gone.iter()
                 .map(|p| Op::Delete {
                     table: MetaTable::Permissions,
                     key: crate::durable::ExchangeRecord::key(&p.vhost, &p.user),
                 })
+                .chain(topics.iter().map(|p| Op::Delete {
+                    table: MetaTable::TopicPermissions,
+                    key: Self::topic_key(p),
+                }))
                 .collect()
         };
         self.permissions_changed();
@@ -393,6 +406,82 @@ impl Broker {
         on_commit: OnCommit<'_>,
     ) -> Result<(), UserError> {
         self.update_user(name, on_commit, |u| u.limits = limits)
+    }
+
+    fn topic_key(p: &TopicPermissionRecord) -> Vec<u8> {
+        serde_json::to_vec(&(&p.vhost, &p.user, &p.exchange)).unwrap_or_default()
+    }
+
+    /// `set_topic_permissions`.
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchUser`], [`UserError::NoSuchVhost`], [`UserError::BadPattern`].
+    pub fn set_topic_permissions(
+        &self,
+        p: TopicPermissionRecord,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), UserError> {
+        if self.vhost(&p.vhost).is_none() {
+            return Err(UserError::NoSuchVhost(p.vhost));
+        }
+        p.validate()?;
+        let mut users = self.users.write();
+        if users.get(&p.user).is_none() {
+            return Err(UserError::NoSuchUser(p.user));
+        }
+        self.submit_meta(
+            vec![Op::Put {
+                table: MetaTable::TopicPermissions,
+                key: Self::topic_key(&p),
+                value: serde_json::to_vec(&p).unwrap_or_default(),
+            }],
+            on_commit,
+        );
+        users.set_topic_permission(p);
+        self.permissions_changed();
+        Ok(())
+    }
+
+    /// `clear_topic_permissions` (one exchange, or all of the user's in the vhost).
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchUser`], [`UserError::NoSuchVhost`].
+    pub fn clear_topic_permissions(
+        &self,
+        vhost: &str,
+        user: &str,
+        exchange: Option<&str>,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), UserError> {
+        if self.vhost(vhost).is_none() {
+            return Err(UserError::NoSuchVhost(vhost.to_string()));
+        }
+        let mut users = self.users.write();
+        if users.get(user).is_none() {
+            return Err(UserError::NoSuchUser(user.to_string()));
+        }
+        let gone = users.clear_topic_permissions(vhost, user, exchange);
+        self.submit_meta(
+            gone.iter()
+                .map(|p| Op::Delete {
+                    table: MetaTable::TopicPermissions,
+                    key: Self::topic_key(p),
+                })
+                .collect(),
+            on_commit,
+        );
+        self.permissions_changed();
+        Ok(())
+    }
+
+    /// `list_topic_permissions` / `list_user_topic_permissions`.
+    #[must_use]
+    pub fn list_topic_permissions(
+        &self,
+        vhost: Option<&str>,
+        user: Option<&str>,
+    ) -> Vec<TopicPermissionRecord> {
+        self.users.read().topic_permissions(vhost, user)
     }
 
     /// `list_vhosts`, sorted.
@@ -537,6 +626,7 @@ impl Broker {
         &self,
         users: &[(Vec<u8>, Vec<u8>)],
         permissions: &[(Vec<u8>, Vec<u8>)],
+        topic_permissions: &[(Vec<u8>, Vec<u8>)],
     ) -> Result<usize, crate::durable::DecodeError> {
         if users.is_empty() {
             let (user, perm) = {
@@ -571,6 +661,11 @@ impl Broker {
             let p: PermissionRecord = serde_json::from_slice(v)
                 .map_err(|_| crate::durable::DecodeError::new("permission", "bad JSON"))?;
             fresh.set_permission(p);
+        }
+        for (_, v) in topic_permissions {
+            let p: TopicPermissionRecord = serde_json::from_slice(v)
+                .map_err(|_| crate::durable::DecodeError::new("topic permission", "bad JSON"))?;
+            fresh.set_topic_permission(p);
         }
         *self.users.write() = fresh;
         self.permissions_changed();

@@ -63,7 +63,11 @@ impl Broker {
                 .unwrap_or_default()
         };
         report.vhosts = self.restore_vhosts(rows(MetaTable::Vhosts));
-        report.users = self.restore_users(rows(MetaTable::Users), rows(MetaTable::Permissions))?;
+        report.users = self.restore_users(
+            rows(MetaTable::Users),
+            rows(MetaTable::Permissions),
+            rows(MetaTable::TopicPermissions),
+        )?;
         for (_, v) in rows(MetaTable::Policies) {
             let def: crate::policy::PolicyDef =
                 serde_json::from_slice(v).map_err(|_| DecodeError::new("policy", "bad JSON"))?;

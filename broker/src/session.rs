@@ -54,6 +54,15 @@ impl Ctx {
         self.access.borrow_mut().check(perm, resource, name)
     }
 
+    /// Topic permissions: a routing key (write) or binding key (read) on a topic exchange.
+    fn allow_topic(&self, perm: Perm, exchange: &str, key: &str) -> Result<(), AmqpError> {
+        let mut access = self.access.borrow_mut();
+        if !access.has_topic_permissions(exchange) || !self.vhost.is_topic_exchange(exchange) {
+            return Ok(());
+        }
+        access.check_topic(perm, exchange, key)
+    }
+
     /// A completion for a change the client's next reply depends on: output is held until it
     /// arrives (see [`Session::output_held`]).
     fn on_commit(&self) -> warren_store::writer::Completion {
@@ -856,6 +865,7 @@ fn handle_queue(
             let (qname, rk) = queue_binding(ctx, chan, b.queue.as_str(), b.routing_key.as_str())?;
             ctx.allow(Perm::Write, Resource::Queue, &qname)?;
             ctx.allow(Perm::Read, Resource::Exchange, b.exchange.as_str())?;
+            ctx.allow_topic(Perm::Read, b.exchange.as_str(), &rk)?;
             vhost.bind(
                 b.exchange.as_str(),
                 Destination::Queue(qname),
@@ -1080,6 +1090,7 @@ fn handle_exchange(
         exchange::AMQPMethod::Bind(b) => {
             ctx.allow(Perm::Write, Resource::Exchange, b.destination.as_str())?;
             ctx.allow(Perm::Read, Resource::Exchange, b.source.as_str())?;
+            ctx.allow_topic(Perm::Read, b.source.as_str(), b.routing_key.as_str())?;
             vhost.bind(
                 b.source.as_str(),
                 Destination::Exchange(b.destination.as_str().to_string()),
@@ -1281,6 +1292,7 @@ fn handle_basic(
                 ));
             }
             ctx.allow(Perm::Write, Resource::Exchange, p.exchange.as_str())?;
+            ctx.allow_topic(Perm::Write, p.exchange.as_str(), p.routing_key.as_str())?;
             if let Some(user_id) = content.properties.user_id()
                 && user_id != ctx.user.as_bytes()
             {

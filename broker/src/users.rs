@@ -179,9 +179,51 @@ impl PermissionRecord {
     }
 }
 
+/// Write / read patterns for routing keys on one topic exchange (RabbitMQ's topic
+/// permissions). `{username}` and `{vhost}` in a pattern stand for the user's and vhost's
+/// names (regex-escaped).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopicPermissionRecord {
+    /// User name.
+    pub user: String,
+    /// Vhost.
+    pub vhost: String,
+    /// The topic exchange.
+    pub exchange: String,
+    /// Pattern routing keys of publishes must match.
+    pub write: String,
+    /// Pattern binding keys must match.
+    pub read: String,
+}
+
+impl TopicPermissionRecord {
+    /// Check that both patterns compile once variables are expanded.
+    ///
+    /// # Errors
+    /// [`UserError::BadPattern`].
+    pub fn validate(&self) -> Result<(), UserError> {
+        for p in [&self.write, &self.read] {
+            let expanded = expand(p, &self.user, &self.vhost);
+            regex::Regex::new(&expanded)
+                .map_err(|e| UserError::BadPattern(p.clone(), e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+/// `{username}` and `{vhost}` replaced by the escaped names.
+#[must_use]
+pub fn expand(pattern: &str, user: &str, vhost: &str) -> String {
+    pattern
+        .replace("{username}", &regex::escape(user))
+        .replace("{vhost}", &regex::escape(vhost))
+}
+
 /// The node's users and permissions (in memory; the broker persists changes).
 #[derive(Debug, Default)]
 pub struct Users {
+    /// Keyed by (vhost, user, exchange).
+    topic_permissions: HashMap<(String, String, String), TopicPermissionRecord>,
     users: HashMap<String, UserRecord>,
     /// Keyed by (vhost, user).
     permissions: HashMap<(String, String), PermissionRecord>,
@@ -199,9 +241,52 @@ impl Users {
         self.users.insert(user.name.clone(), user);
     }
 
-    /// Remove a user and its permissions; returns the permission keys removed.
+    /// Set a topic permission.
+    pub fn set_topic_permission(&mut self, p: TopicPermissionRecord) {
+        self.topic_permissions
+            .insert((p.vhost.clone(), p.user.clone(), p.exchange.clone()), p);
+    }
+
+    /// Clear topic permissions of `user` in `vhost` (one exchange, or all); returns those removed.
+    pub fn clear_topic_permissions(
+        &mut self,
+        vhost: &str,
+        user: &str,
+        exchange: Option<&str>,
+    ) -> Vec<TopicPermissionRecord> {
+        let keys: Vec<_> = self
+            .topic_permissions
+            .keys()
+            .filter(|(v, u, x)| v == vhost && u == user && exchange.is_none_or(|e| e == x))
+            .cloned()
+            .collect();
+        keys.iter()
+            .filter_map(|k| self.topic_permissions.remove(k))
+            .collect()
+    }
+
+    /// Topic permissions matching the filters, sorted.
+    #[must_use]
+    pub fn topic_permissions(
+        &self,
+        vhost: Option<&str>,
+        user: Option<&str>,
+    ) -> Vec<TopicPermissionRecord> {
+        let mut v: Vec<_> = self
+            .topic_permissions
+            .values()
+            .filter(|p| vhost.is_none_or(|x| p.vhost == x) && user.is_none_or(|x| p.user == x))
+            .cloned()
+            .collect();
+        v.sort_by(|a, b| (&a.vhost, &a.user, &a.exchange).cmp(&(&b.vhost, &b.user, &b.exchange)));
+        v
+    }
+
+    /// Remove a user and its permissions; returns the permission keys removed (topic
+    /// permissions go too; the caller deletes them from the store by listing them first).
     pub fn remove(&mut self, name: &str) -> Option<Vec<(String, String)>> {
         self.users.remove(name)?;
+        self.topic_permissions.retain(|(_, u, _), _| u != name);
         let keys: Vec<_> = self
             .permissions
             .keys()
@@ -314,6 +399,20 @@ mod tests {
         let l: UserLimits = serde_json::from_str(r#"{"max-channels": 3}"#).unwrap();
         assert_eq!(l.max_channels, Some(3));
         assert_eq!(serde_json::to_string(&l).unwrap(), r#"{"max-channels":3}"#);
+    }
+
+    #[test]
+    fn topic_pattern_variables_are_escaped_names() {
+        assert_eq!(expand(r"^{username}\.", "a.b+c", "/"), r"^a\.b\+c\.");
+        assert_eq!(expand("^{vhost}-x", "u", "v(1)"), r"^v\(1\)-x");
+        let p = TopicPermissionRecord {
+            user: "u".into(),
+            vhost: "/".into(),
+            exchange: "amq.topic".into(),
+            write: "(".into(),
+            read: ".*".into(),
+        };
+        assert!(matches!(p.validate(), Err(UserError::BadPattern(..))));
     }
 
     #[test]

@@ -496,6 +496,16 @@ impl VHost {
     }
 
     /// exchange.declare passive.
+    /// Whether `name` is a topic exchange (topic permissions apply to those only).
+    #[must_use]
+    pub fn is_topic_exchange(&self, name: &str) -> bool {
+        self.topology
+            .read()
+            .exchanges
+            .get(name)
+            .is_some_and(|x| x.kind == ExchangeKind::Topic)
+    }
+
     pub fn check_exchange(&self, name: &str) -> Result<(), AmqpError> {
         if self.exchange_exists(name) {
             Ok(())

@@ -116,3 +116,37 @@ def test_a_permission_change_applies_to_open_connections(ctl, as_user, user, nam
     with pytest.raises(ChannelClosedByBroker) as e:
         ch.queue_declare(second)
     refused(e, "queue", second, user)
+
+
+def topic_rows(out):
+    return [tuple(l.split("\t")) for l in out.splitlines() if l.count("\t") == 3
+            and not l.startswith(("user\t", "vhost\t"))]
+
+
+def test_topic_permissions_constrain_routing_and_binding_keys(ctl, as_user, user, names):
+    ctl("set_permissions", user, ".*", ".*", ".*")
+    assert ctl("set_topic_permissions", user, "amq.topic", r"^{username}\.", r"^allowed\.")[0] == 0
+    code, out = ctl("list_topic_permissions", "-p", "/")
+    assert (user, "amq.topic", r"^{username}\.", r"^allowed\.") in topic_rows(out)
+    conn = as_user()
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("amq.topic", f"{user}.ok", b"x")  # {username} expanded
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.basic_publish("amq.topic", "other.key", b"x")
+    assert e.value.reply_code == 403
+    assert e.value.reply_text == (f"ACCESS_REFUSED - access to topic 'other.key' in exchange "
+                                  f"'amq.topic' in vhost '/' refused for user '{user}'")
+    ch = conn.channel()
+    q = ch.queue_declare("", exclusive=True).method.queue
+    ch.queue_bind(q, "amq.topic", "allowed.x")
+    with pytest.raises(ChannelClosedByBroker) as e:
+        ch.queue_bind(q, "amq.topic", "other.x")
+    assert e.value.reply_text == (f"ACCESS_REFUSED - access to topic 'other.x' in exchange "
+                                  f"'amq.topic' in vhost '/' refused for user '{user}'")
+    # Other exchanges and exchange types are not constrained.
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("amq.direct", "other.key", b"x")
+    assert ctl("clear_topic_permissions", user, "amq.topic")[0] == 0
+    ch.basic_publish("amq.topic", "other.key", b"x")

@@ -68,13 +68,16 @@ pub enum MetaTable {
     Permissions,
     /// Vhosts (key: name; an empty key marks the table as initialised).
     Vhosts,
+    /// Topic permissions per (vhost, user, exchange) (JSON).
+    TopicPermissions,
 }
 
 impl MetaTable {
     /// All tables, in recovery order.
-    pub const ALL: [Self; 7] = [
+    pub const ALL: [Self; 8] = [
         Self::Vhosts,
         Self::Users,
+        Self::TopicPermissions,
         Self::Permissions,
         Self::Policies,
         Self::Exchanges,
@@ -91,6 +94,7 @@ impl MetaTable {
             Self::Users => "users",
             Self::Permissions => "permissions",
             Self::Vhosts => "vhosts",
+            Self::TopicPermissions => "topic_permissions",
         })
     }
 }
