@@ -260,13 +260,18 @@ fn handle_users(
     }
 }
 
-/// Accept admin connections until the task is dropped.
-pub async fn serve(path: PathBuf, broker: Arc<Broker>) -> anyhow::Result<()> {
-    let _ = std::fs::remove_file(&path);
+/// Bind the admin socket (owner-only permissions), replacing a stale one.
+pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+    let _ = std::fs::remove_file(path);
     let listener =
-        UnixListener::bind(&path).with_context(|| format!("binding {}", path.display()))?;
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+        UnixListener::bind(path).with_context(|| format!("binding {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
         .with_context(|| format!("restricting {}", path.display()))?;
+    Ok(listener)
+}
+
+/// Serve admin requests on a socket from [`bind`] until the task is dropped.
+pub async fn serve(listener: UnixListener, broker: Arc<Broker>) -> anyhow::Result<()> {
     loop {
         let (stream, _) = listener.accept().await?;
         let broker = Arc::clone(&broker);

@@ -74,6 +74,8 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         "recovered durable state"
     );
 
+    // Bound before the AMQP listener, so that `warren ctl` works as soon as clients can connect.
+    let admin_listener = crate::admin::bind(&crate::admin::socket_path(&cfg.data_dir))?;
     let listener = TcpListener::bind(cfg.amqp_listen)
         .await
         .with_context(|| format!("binding {}", cfg.amqp_listen))?;
@@ -89,10 +91,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
 
-    let admin = tokio::spawn(crate::admin::serve(
-        crate::admin::socket_path(&cfg.data_dir),
-        Arc::clone(&broker),
-    ));
+    let admin = tokio::spawn(crate::admin::serve(admin_listener, Arc::clone(&broker)));
     let signal = shutdown_signal();
     tokio::pin!(signal);
     loop {
