@@ -265,6 +265,8 @@ def main():
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--warren-only", action="store_true")
     p.add_argument("--no-doc", action="store_true", help="print the table, leave docs alone")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other scenarios' results from target/bench/results.json")
     a = p.parse_args()
     scenarios = [s for s in a.scenarios.split(",") if s]
     unknown = set(scenarios) - set(SCENARIOS)
@@ -280,6 +282,9 @@ def main():
     if not a.warren_only:
         RabbitMQ().stop()  # start from a stopped RabbitMQ
     results = {}
+    previous = OUT_DIR / "results.json"
+    if a.merge and previous.exists():
+        results = {k: v for k, v in json.loads(previous.read_text()).items() if k not in scenarios}
     for scenario in scenarios:
         results[scenario] = {}
         for run in range(1, a.runs + 1):

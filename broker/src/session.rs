@@ -779,6 +779,7 @@ fn handle_queue(
                     ));
                 }
                 ctx.allow(Perm::Configure, Resource::Queue, &name)?;
+                vhost_up(ctx)?;
                 if let Some(dlx) = crate::args::string_arg(&d.arguments, "x-dead-letter-exchange") {
                     ctx.allow(Perm::Write, Resource::Exchange, &dlx)?;
                     ctx.allow(Perm::Read, Resource::Queue, &name)?;
@@ -886,6 +887,7 @@ fn handle_queue(
             let (qname, rk) = queue_binding(ctx, chan, u.queue.as_str(), u.routing_key.as_str())?;
             ctx.allow(Perm::Write, Resource::Queue, &qname)?;
             ctx.allow(Perm::Read, Resource::Exchange, u.exchange.as_str())?;
+            ctx.allow_topic(Perm::Read, u.exchange.as_str(), &rk)?;
             vhost.unbind(
                 u.exchange.as_str(),
                 Destination::Queue(qname),
@@ -1046,6 +1048,18 @@ fn handle_exchange(
                     return Err(default_refused());
                 }
                 ctx.allow(Perm::Configure, Resource::Exchange, name)?;
+                vhost_up(ctx)?;
+                if delayed && vhost.name != "/" {
+                    // Delayed messages are stored under one node-wide key space that does not
+                    // yet carry the vhost (issue 6 follow-up): refuse rather than mix tenants.
+                    return Err(AmqpError::channel(
+                        ReplyCode::PreconditionFailed,
+                        format!(
+                            "x-delayed-message exchanges are supported in vhost '/' only, not '{}'",
+                            vhost.name
+                        ),
+                    ));
+                }
                 if let Some(ae) = crate::args::string_arg(&d.arguments, "alternate-exchange") {
                     ctx.allow(Perm::Write, Resource::Exchange, &ae)?;
                     ctx.allow(Perm::Read, Resource::Exchange, name)?;
@@ -1110,6 +1124,7 @@ fn handle_exchange(
         exchange::AMQPMethod::Unbind(u) => {
             ctx.allow(Perm::Write, Resource::Exchange, u.destination.as_str())?;
             ctx.allow(Perm::Read, Resource::Exchange, u.source.as_str())?;
+            ctx.allow_topic(Perm::Read, u.source.as_str(), u.routing_key.as_str())?;
             vhost.unbind(
                 u.source.as_str(),
                 Destination::Exchange(u.destination.as_str().to_string()),
@@ -1777,6 +1792,18 @@ fn schedule_delayed(
         durable_completion(ctx, mode, epoch, ch, seq)
     });
     true
+}
+
+/// A deleted vhost takes no new declarations (its connections are being closed): they would
+/// be stored for a vhost that no longer exists.
+fn vhost_up(ctx: &Ctx) -> Result<(), AmqpError> {
+    if ctx.vhost.is_down() {
+        return Err(AmqpError::connection(
+            ReplyCode::ConnectionForced,
+            format!("vhost '{}' is down", ctx.vhost.name),
+        ));
+    }
+    Ok(())
 }
 
 /// Whether a publish is a direct reply (default exchange, a reply-to name as routing key).

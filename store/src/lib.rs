@@ -21,7 +21,6 @@ pub mod error;
 mod reclaim;
 pub mod record;
 pub mod segment;
-mod syncer;
 pub mod writer;
 
 use std::collections::{BTreeMap, HashMap};
@@ -46,10 +45,6 @@ pub const SEGMENT_MAX_DEFAULT: u64 = 64 * 1024 * 1024;
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const MESSAGES: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("messages");
 const KEY_FORMAT_VERSION: &str = "format_version";
-/// Where the last commit's bodies begin (segment id, offset): they were being synced while
-/// that commit's index was, so recovery may find them missing (see [`syncer`]).
-const KEY_UNSYNCED_TAIL_SEGMENT: &str = "unsynced_tail_segment";
-const KEY_UNSYNCED_TAIL_OFFSET: &str = "unsynced_tail_offset";
 
 /// Metadata tables (values are encoded by the broker; the store only keeps bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -199,9 +194,6 @@ pub struct Recovered {
     pub messages: Vec<IndexedMessage>,
     /// Bytes of uncommitted segment tails that were truncated.
     pub truncated_bytes: u64,
-    /// Index entries dropped because their bodies were still being flushed when the process
-    /// died (the last commit only; never confirmed).
-    pub unconfirmed_dropped: u64,
 }
 
 /// Default memory redb may use to cache pages (its own default, 1 GiB, is too much for a
@@ -268,41 +260,6 @@ pub struct Store {
     refs: HashMap<u64, u64>,
     buf: Vec<u8>,
     reclaimer: reclaim::Reclaimer,
-    syncer: syncer::Syncer,
-    /// Where the bodies of the commit in progress begin (segment id, offset).
-    tail_start: (u64, u64),
-    /// The index holds an unsynced-tail marker (cleared on a clean close, so that only a
-    /// crash makes recovery tolerate missing records there).
-    tail_marked: bool,
-}
-
-impl Store {
-    /// Close as a crash would leave things: the unsynced-tail marker stays.
-    #[cfg(test)]
-    fn crash(mut self) {
-        self.tail_marked = false;
-    }
-}
-
-impl Drop for Store {
-    fn drop(&mut self) {
-        if !self.tail_marked {
-            return;
-        }
-        let clear = || -> Result<(), redb::Error> {
-            let wtx = self.db.begin_write()?;
-            {
-                let mut meta = wtx.open_table(META)?;
-                meta.remove(KEY_UNSYNCED_TAIL_SEGMENT)?;
-                meta.remove(KEY_UNSYNCED_TAIL_OFFSET)?;
-            }
-            wtx.commit()?;
-            Ok(())
-        };
-        if let Err(e) = clear() {
-            tracing::warn!(error = %e, "cannot clear the unsynced-tail marker on close");
-        }
-    }
 }
 
 impl Store {
@@ -351,7 +308,6 @@ impl Store {
 
         // 2. Read metadata and the index; every indexed record must lie in a verified prefix.
         let mut recovered = Recovered::default();
-        let mut unconfirmed: Vec<(u64, u64)> = Vec::new();
         let mut refs: HashMap<u64, u64> = HashMap::new();
         {
             let rtx = db.begin_read().map_err(|e| StoreError::db(&db_path, e))?;
@@ -368,20 +324,6 @@ impl Store {
                     Err(e) => return Err(StoreError::db(&db_path, e)),
                 }
             }
-            // The last commit's bodies were flushed while its index was: entries there whose
-            // record did not make it were never confirmed (see `syncer`).
-            let unsynced_tail = match rtx.open_table(META) {
-                Ok(t) => {
-                    let get = |key| {
-                        t.get(key)
-                            .map(|v| v.map(|v| v.value()))
-                            .map_err(|e| StoreError::db(&db_path, e))
-                    };
-                    get(KEY_UNSYNCED_TAIL_SEGMENT)?.zip(get(KEY_UNSYNCED_TAIL_OFFSET)?)
-                }
-                Err(redb::TableError::TableDoesNotExist(_)) => None,
-                Err(e) => return Err(StoreError::db(&db_path, e)),
-            };
             match rtx.open_table(MESSAGES) {
                 Ok(t) => {
                     for row in t.iter().map_err(|e| StoreError::db(&db_path, e))? {
@@ -402,13 +344,6 @@ impl Store {
                         let intact = scanned
                             .get(&location.segment)
                             .is_some_and(|s| location.end() <= s.valid_len);
-                        let in_unsynced_tail = unsynced_tail.is_some_and(|(seg, from)| {
-                            location.segment == seg && location.offset >= from
-                        });
-                        if !intact && in_unsynced_tail {
-                            unconfirmed.push((queue, id));
-                            continue;
-                        }
                         if !intact {
                             return Err(StoreError::Corrupt {
                                 path: segment::segment_path(&seg_dir, location.segment),
@@ -439,24 +374,6 @@ impl Store {
                 Err(redb::TableError::TableDoesNotExist(_)) => {}
                 Err(e) => return Err(StoreError::db(&db_path, e)),
             }
-        }
-
-        if !unconfirmed.is_empty() {
-            tracing::warn!(
-                messages = unconfirmed.len(),
-                "dropping index entries of a commit interrupted by a crash (never confirmed)"
-            );
-            let wtx = db.begin_write().map_err(|e| StoreError::db(&db_path, e))?;
-            {
-                let mut t = wtx
-                    .open_table(MESSAGES)
-                    .map_err(|e| StoreError::db(&db_path, e))?;
-                for key in &unconfirmed {
-                    t.remove(*key).map_err(|e| StoreError::db(&db_path, e))?;
-                }
-            }
-            wtx.commit().map_err(|e| StoreError::db(&db_path, e))?;
-            recovered.unconfirmed_dropped = unconfirmed.len() as u64;
         }
 
         // 3. Drop what nothing committed references: uncommitted tails, unreferenced segments.
@@ -492,9 +409,6 @@ impl Store {
         let active = ActiveSegment::create(&seg_dir, next)?;
         let reclaimer = reclaim::Reclaimer::start(seg_dir.clone())
             .map_err(|e| StoreError::io("start the segment reclaimer", &seg_dir, e))?;
-        let syncer = syncer::Syncer::start()
-            .map_err(|e| StoreError::io("start the segment sync thread", &seg_dir, e))?;
-        let tail_start = (active.id, active.len());
         Ok((
             Self {
                 db,
@@ -505,9 +419,6 @@ impl Store {
                 options,
                 refs,
                 reclaimer,
-                syncer,
-                tail_start,
-                tail_marked: false,
                 buf: Vec::new(),
             },
             recovered,
@@ -529,41 +440,23 @@ impl Store {
         Ok(segment::list(&self.seg_dir)?.len())
     }
 
-    /// Make a batch durable: append its bodies, then `fdatasync` the segment (on the sync
-    /// thread) while its ops are applied in one redb transaction committed with
-    /// `Durability::Immediate`; returns once both are durable, with the bodies' locations.
+    /// Make a batch durable: append its bodies, `fdatasync`, then apply its ops in one redb
+    /// transaction committed with `Durability::Immediate`. Returns the bodies' locations.
     ///
     /// # Errors
     /// Any failure. The caller must treat it as fatal for the store: what was promised may not
     /// be on disk, so nothing may be confirmed.
     pub fn commit(&mut self, batch: &Batch) -> Result<Vec<Location>, StoreError> {
-        // Every commit ends with the active segment synced: this commit's bodies start here
-        // (or at the head of the next segment if it rolls, see `roll`).
-        self.tail_start = (self.active.id, self.active.len());
         let locations = self.append_bodies(&batch.bodies)?;
-        // The segment flush overlaps the index commit; both finish before we return.
-        let pending = self
-            .active
-            .unsynced()
-            .map(|(file, path)| self.syncer.begin(file, path));
+        // Bodies are durable before the index commit that references them: an index entry
+        // never points at bytes that may not be on disk.
+        self.active.sync()?;
         let mut delta: HashMap<u64, i64> = HashMap::new();
         let wtx = self
             .db
             .begin_write()
             .map_err(|e| StoreError::db(&self.db_path, e))?;
-        if pending.is_some() {
-            let mut meta = wtx
-                .open_table(META)
-                .map_err(|e| StoreError::db(&self.db_path, e))?;
-            for (key, value) in [
-                (KEY_UNSYNCED_TAIL_SEGMENT, self.tail_start.0),
-                (KEY_UNSYNCED_TAIL_OFFSET, self.tail_start.1),
-            ] {
-                meta.insert(key, value)
-                    .map_err(|e| StoreError::db(&self.db_path, e))?;
-            }
-            self.tail_marked = true;
-        }
+
         {
             let mut messages = wtx
                 .open_table(MESSAGES)
@@ -656,12 +549,7 @@ impl Store {
                 }
             }
         }
-        let committed = wtx.commit().map_err(|e| StoreError::db(&self.db_path, e));
-        if let Some(sync) = pending {
-            sync.wait()?;
-            self.active.synced();
-        }
-        committed?;
+        wtx.commit().map_err(|e| StoreError::db(&self.db_path, e))?;
         self.apply_delta(delta)?;
         Ok(locations)
     }
@@ -705,7 +593,6 @@ impl Store {
         self.active.sync()?;
         let sealed = self.active.id;
         self.active = ActiveSegment::create(&self.seg_dir, sealed + 1)?;
-        self.tail_start = (self.active.id, self.active.len());
         if self.refs.get(&sealed).copied().unwrap_or(0) == 0 {
             // Possibly referenced by the batch being written: the delta decides after commit.
             self.refs.entry(sealed).or_insert(0);
@@ -730,8 +617,8 @@ impl Store {
             .collect();
         for seg in dead {
             self.refs.remove(&seg);
-            self.segments.forget(seg);
-            self.reclaimer.delete(seg);
+            let pinned = self.segments.forget(seg);
+            self.reclaimer.delete(seg, !pinned);
         }
         Ok(())
     }

@@ -13,7 +13,8 @@ use crate::{remove_segment, segment};
 
 #[derive(Debug)]
 enum Job {
-    Delete(u64),
+    /// Delete a segment; shrink it first unless something still reads it.
+    Delete { id: u64, shrink: bool },
     /// Answered once every job sent before it is done.
     Barrier(mpsc::Sender<()>),
 }
@@ -41,12 +42,13 @@ impl Reclaimer {
         })
     }
 
-    /// Delete segment `id` soon. Nothing may reference it any more.
-    pub(crate) fn delete(&self, id: u64) {
+    /// Delete segment `id` soon. Nothing may reference it any more; `shrink` only if no pinned
+    /// record reads it (truncating cuts the file under an open handle, unlinking does not).
+    pub(crate) fn delete(&self, id: u64, shrink: bool) {
         let sent = self
             .tx
             .as_ref()
-            .is_some_and(|tx| tx.send(Job::Delete(id)).is_ok());
+            .is_some_and(|tx| tx.send(Job::Delete { id, shrink }).is_ok());
         if !sent {
             // The thread is gone: delete inline (recovery would otherwise do it).
             let _ = remove_segment(&self.dir, id);
@@ -106,7 +108,11 @@ fn run(dir: &std::path::Path, rx: &mpsc::Receiver<Job>) {
         let mut barriers = Vec::new();
         for job in std::iter::once(first).chain(rx.try_iter()) {
             match job {
-                Job::Delete(id) => match shrink_then_remove(dir, id) {
+                Job::Delete { id, shrink } => match if shrink {
+                    shrink_then_remove(dir, id)
+                } else {
+                    remove_segment(dir, id)
+                } {
                     Ok(()) => removed = true,
                     Err(e) => {
                         tracing::warn!(segment = id, error = %e, "cannot delete a dead segment; the next start will");

@@ -89,8 +89,7 @@ fn header(id: u64) -> [u8; SEGMENT_HEADER as usize] {
 pub struct ActiveSegment {
     /// Its id.
     pub id: u64,
-    /// Shared with the store's sync thread, which `fdatasync`s it while the index commits.
-    file: Arc<File>,
+    file: File,
     path: PathBuf,
     len: u64,
     dirty: bool,
@@ -113,7 +112,7 @@ impl ActiveSegment {
         sync_dir(dir)?;
         Ok(Self {
             id,
-            file: Arc::new(file),
+            file,
             path,
             len: SEGMENT_HEADER,
             dirty: false,
@@ -135,25 +134,12 @@ impl ActiveSegment {
     /// Append encoded records (one `write`); returns the offset of the first byte.
     pub fn append(&mut self, records: &[u8]) -> Result<u64, StoreError> {
         let at = self.len;
-        (&*self.file)
+        self.file
             .write_all(records)
             .map_err(|e| StoreError::io("append to segment", &self.path, e))?;
         self.len += records.len() as u64;
         self.dirty = true;
         Ok(at)
-    }
-
-    /// What must be synced to make everything appended so far durable (`None` if nothing),
-    /// for syncing on another thread; call [`ActiveSegment::synced`] once that succeeded.
-    #[must_use]
-    pub fn unsynced(&self) -> Option<(Arc<File>, PathBuf)> {
-        self.dirty
-            .then(|| (Arc::clone(&self.file), self.path.clone()))
-    }
-
-    /// Everything appended before [`ActiveSegment::unsynced`] was called is durable.
-    pub fn synced(&mut self) {
-        self.dirty = false;
     }
 
     /// Make everything appended so far durable (`fdatasync`).
@@ -318,9 +304,14 @@ impl Segments {
         })
     }
 
-    /// Forget a deleted segment's handle.
-    pub fn forget(&self, id: u64) {
-        self.files.write().remove(&id);
+    /// Forget a dead segment's handle. Returns whether a [`Pinned`] record (or a read in
+    /// progress) still holds the file open: then the file must not be shrunk, only unlinked,
+    /// so that the pinned record stays readable.
+    pub fn forget(&self, id: u64) -> bool {
+        self.files
+            .write()
+            .remove(&id)
+            .is_some_and(|f| Arc::strong_count(&f) > 1)
     }
 }
 
