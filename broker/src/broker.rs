@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use parking_lot::RwLock;
 use warren_amqp::connection::{AccessError, Gatekeeper, Login};
 
-use warren_store::{Batch, MetaTable, Op};
+use warren_store::{MetaTable, Op};
 
 use crate::durable::Durable;
 use crate::users::{PermissionRecord, TopicPermissionRecord, UserError, UserRecord};
@@ -172,16 +172,8 @@ const USERS_INITIALISED: &[u8] = b"";
 /// is asked for a completion when there is a store write to wait for.
 impl Broker {
     fn submit_meta(&self, ops: Vec<Op>, on_commit: OnCommit<'_>) {
-        if let Some(store) = &self.store
-            && !ops.is_empty()
-        {
-            store.submit(
-                Batch {
-                    bodies: Vec::new(),
-                    ops,
-                },
-                on_commit(),
-            );
+        if let Some(store) = &self.store {
+            store.submit_meta(ops, on_commit);
         }
     }
 

@@ -43,6 +43,20 @@ impl Durable {
         self.writer.submit(batch, done);
     }
 
+    /// Queue metadata ops (no bodies) whose durability a reply waits for: `on_commit` is asked
+    /// for the completion only when there is something to write.
+    pub fn submit_meta(&self, ops: Vec<Op>, on_commit: crate::vhost::OnCommit<'_>) {
+        if !ops.is_empty() {
+            self.writer.submit(
+                Batch {
+                    bodies: Vec::new(),
+                    ops,
+                },
+                on_commit(),
+            );
+        }
+    }
+
     /// Queue ops whose completion nobody waits for (settles): ordering is all they need.
     pub fn submit_ops(&self, ops: Vec<Op>) {
         if !ops.is_empty() {

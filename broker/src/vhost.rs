@@ -16,7 +16,7 @@ use parking_lot::RwLock;
 use warren_amqp::{AmqpError, ReplyCode};
 
 use warren_store::writer::Completion;
-use warren_store::{Batch, MetaTable, Op};
+use warren_store::{MetaTable, Op};
 
 use crate::durable::{BindingRecord, Durable, ExchangeRecord, QueueRecord};
 use crate::exchange::{Binding, Destination, Exchange, ExchangeKind, RoutingHeaders};
@@ -226,16 +226,8 @@ impl VHost {
 
     /// Submit durable changes (call with the write lock held).
     fn submit(&self, ops: Vec<Op>, on_commit: OnCommit<'_>) {
-        if let Some(store) = &self.store
-            && !ops.is_empty()
-        {
-            store.submit(
-                Batch {
-                    bodies: Vec::new(),
-                    ops,
-                },
-                on_commit(),
-            );
+        if let Some(store) = &self.store {
+            store.submit_meta(ops, on_commit);
         }
     }
 

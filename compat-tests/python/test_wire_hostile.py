@@ -11,12 +11,11 @@ import socket
 import struct
 import time
 
-import pika
 import pytest
 
 import wire
 from conftest import broker_pid
-from wire import ServerClosed, WireClient
+from wire import ServerClosed, WireClient, assert_broker_alive
 
 EXTERNAL_BROKER = bool(os.environ.get("WARREN_TEST_AMQP_URL"))
 EOF_AFTER_CLOSE_S = 5.0
@@ -46,19 +45,6 @@ def assert_rss_growth_below(before_kb, bound_kb, what):
     if before_kb is None or after is None:
         return
     assert after - before_kb < bound_kb, f"{what}: broker RSS grew {after - before_kb} KiB"
-
-
-def assert_broker_alive(params):
-    """A fresh pika connection can declare a queue and round-trip a message."""
-    conn = pika.BlockingConnection(params)
-    try:
-        ch = conn.channel()
-        q = ch.queue_declare("", exclusive=True).method.queue
-        ch.basic_publish("", q, b"still alive")
-        method, _props, body = ch.basic_get(q, auto_ack=True)
-        assert method is not None and body == b"still alive"
-    finally:
-        conn.close()
 
 
 def close_of(c):

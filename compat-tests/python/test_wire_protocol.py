@@ -20,7 +20,7 @@ import pytest
 from pika.exceptions import ConnectionClosedByBroker
 
 import wire
-from wire import ServerClosed, WireClient
+from wire import ServerClosed, WireClient, assert_broker_alive
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXTERNAL_BROKER = bool(os.environ.get("WARREN_TEST_AMQP_URL"))
@@ -41,19 +41,6 @@ def client(addr):
     c.handshake()
     yield c
     c.close()
-
-
-def assert_broker_alive(params):
-    """A fresh pika connection can declare a queue and round-trip a message."""
-    conn = pika.BlockingConnection(params)
-    try:
-        ch = conn.channel()
-        q = ch.queue_declare("", exclusive=True).method.queue
-        ch.basic_publish("", q, b"still alive")
-        method, _props, body = ch.basic_get(q, auto_ack=True)
-        assert method is not None and body == b"still alive"
-    finally:
-        conn.close()
 
 
 def assert_raw_broker_alive(addr):

@@ -313,3 +313,17 @@ class WireClient:
             self.sock.close()
         except OSError:
             pass
+
+
+def assert_broker_alive(params):
+    """A fresh pika connection can declare a queue and round-trip a message."""
+    import pika
+    conn = pika.BlockingConnection(params)
+    try:
+        ch = conn.channel()
+        q = ch.queue_declare("", exclusive=True).method.queue
+        ch.basic_publish("", q, b"still alive")
+        method, _props, body = ch.basic_get(q, auto_ack=True)
+        assert method is not None and body == b"still alive"
+    finally:
+        conn.close()
