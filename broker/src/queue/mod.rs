@@ -806,16 +806,12 @@ impl Queue {
         let _ = st
             .machine
             .apply(self.now_ms(), Command::Purge, &mut Vec::new());
+        // Publishers paused on this queue's flow limits are released now, not at their bound.
+        self.update_hints(&st);
         if let Some(store) = &self.store {
             let mut ops = more_ops;
             ops.push(Op::DropQueue { queue: self.id });
-            store.submit(
-                Batch {
-                    bodies: Vec::new(),
-                    ops,
-                },
-                on_commit(),
-            );
+            store.submit_meta(ops, on_commit);
         }
         let sinks: Vec<(ConsumerId, ConsumerSink)> = st.sinks.drain().collect();
         let mut wakes = Vec::new();
@@ -1080,5 +1076,19 @@ mod flow_tests {
             "draining wakes the publisher"
         );
         assert!(!q.flow_pressure());
+    }
+
+    #[test]
+    fn deleting_a_long_queue_releases_its_paused_publishers() {
+        let q = queue();
+        for _ in 0..=FLOW_READY_HIGH {
+            q.publish(message());
+        }
+        let released = q.flow_released();
+        let mut released = std::pin::pin!(released);
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(released.as_mut().poll(&mut cx).is_pending());
+        q.delete(Vec::new(), &mut || -> Completion { Box::new(|_| {}) });
+        assert!(released.as_mut().poll(&mut cx).is_ready());
     }
 }
