@@ -171,6 +171,25 @@ const USERS_INITIALISED: &[u8] = b"";
 /// Users and permissions, as `rabbitmqctl` manages them. Every change is persisted; `on_commit`
 /// is asked for a completion when there is a store write to wait for.
 impl Broker {
+    fn require_vhost(&self, vhost: &str) -> Result<(), UserError> {
+        match self.vhost(vhost) {
+            Some(_) => Ok(()),
+            None => Err(UserError::NoSuchVhost(vhost.to_string())),
+        }
+    }
+
+    /// The users lock, once `user` is known to exist (the caller changes it under the lock).
+    fn users_with(
+        &self,
+        user: &str,
+    ) -> Result<parking_lot::RwLockWriteGuard<'_, crate::users::Users>, UserError> {
+        let users = self.users.write();
+        if users.get(user).is_none() {
+            return Err(UserError::NoSuchUser(user.to_string()));
+        }
+        Ok(users)
+    }
+
     fn submit_meta(&self, ops: Vec<Op>, on_commit: OnCommit<'_>) {
         if let Some(store) = &self.store {
             store.submit_meta(ops, on_commit);
@@ -413,14 +432,9 @@ impl Broker {
         p: TopicPermissionRecord,
         on_commit: OnCommit<'_>,
     ) -> Result<(), UserError> {
-        if self.vhost(&p.vhost).is_none() {
-            return Err(UserError::NoSuchVhost(p.vhost));
-        }
+        self.require_vhost(&p.vhost)?;
         p.validate()?;
-        let mut users = self.users.write();
-        if users.get(&p.user).is_none() {
-            return Err(UserError::NoSuchUser(p.user));
-        }
+        let mut users = self.users_with(&p.user)?;
         self.submit_meta(
             vec![Op::Put {
                 table: MetaTable::TopicPermissions,
@@ -445,13 +459,8 @@ impl Broker {
         exchange: Option<&str>,
         on_commit: OnCommit<'_>,
     ) -> Result<(), UserError> {
-        if self.vhost(vhost).is_none() {
-            return Err(UserError::NoSuchVhost(vhost.to_string()));
-        }
-        let mut users = self.users.write();
-        if users.get(user).is_none() {
-            return Err(UserError::NoSuchUser(user.to_string()));
-        }
+        self.require_vhost(vhost)?;
+        let mut users = self.users_with(user)?;
         let gone = users.clear_topic_permissions(vhost, user, exchange);
         self.submit_meta(
             gone.iter()
@@ -558,14 +567,9 @@ impl Broker {
         p: PermissionRecord,
         on_commit: OnCommit<'_>,
     ) -> Result<(), UserError> {
-        if self.vhost(&p.vhost).is_none() {
-            return Err(UserError::NoSuchVhost(p.vhost));
-        }
+        self.require_vhost(&p.vhost)?;
         p.validate()?;
-        let mut users = self.users.write();
-        if users.get(&p.user).is_none() {
-            return Err(UserError::NoSuchUser(p.user));
-        }
+        let mut users = self.users_with(&p.user)?;
         self.submit_meta(vec![Self::put_permission_op(&p)], on_commit);
         users.set_permission(p);
         self.permissions_changed();
@@ -582,13 +586,8 @@ impl Broker {
         user: &str,
         on_commit: OnCommit<'_>,
     ) -> Result<(), UserError> {
-        if self.vhost(vhost).is_none() {
-            return Err(UserError::NoSuchVhost(vhost.to_string()));
-        }
-        let mut users = self.users.write();
-        if users.get(user).is_none() {
-            return Err(UserError::NoSuchUser(user.to_string()));
-        }
+        self.require_vhost(vhost)?;
+        let mut users = self.users_with(user)?;
         if users.clear_permission(vhost, user) {
             self.permissions_changed();
             self.submit_meta(
