@@ -9,13 +9,34 @@ use serde::Deserialize;
 /// `warren server` flags. Each overrides the config file, which overrides the defaults.
 #[derive(Debug, clap::Args)]
 pub struct ServerArgs {
-    /// TOML file with any of: amqp_listen, data_dir, log_level, heartbeat_s, frame_max,
-    /// channel_max, message_size_max, store_segment_bytes.
+    /// TOML file with any of: amqp_listen, amqps_listen, data_dir, log_level, heartbeat_s,
+    /// frame_max, channel_max, message_size_max, store_segment_bytes, tls_cert, tls_key, tls_ca,
+    /// tls_fail_if_no_peer_cert, ssl_cert_login_from.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Address for AMQP 0-9-1 clients [default: 0.0.0.0:5672].
     #[arg(long)]
     pub amqp_listen: Option<SocketAddr>,
+    /// Address for AMQP 0-9-1 over TLS; used only when a certificate is configured
+    /// [default: 0.0.0.0:5671].
+    #[arg(long)]
+    pub amqps_listen: Option<SocketAddr>,
+    /// Server certificate chain (PEM); enables the AMQPS listener.
+    #[arg(long)]
+    pub tls_cert: Option<PathBuf>,
+    /// Server private key (PEM).
+    #[arg(long)]
+    pub tls_key: Option<PathBuf>,
+    /// CA certificates (PEM) that client certificates are verified against; clients are asked
+    /// for a certificate only when this is set.
+    #[arg(long)]
+    pub tls_ca: Option<PathBuf>,
+    /// Refuse TLS clients that present no certificate (needs --tls-ca).
+    #[arg(long)]
+    pub tls_fail_if_no_peer_cert: bool,
+    /// Where SASL EXTERNAL reads the user name from [default: distinguished-name].
+    #[arg(long, value_enum)]
+    pub ssl_cert_login_from: Option<crate::tls::CertLogin>,
     /// Directory for node data [default: ./warren-data].
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
@@ -32,6 +53,12 @@ pub struct ServerArgs {
 #[serde(deny_unknown_fields)]
 struct FileConfig {
     amqp_listen: Option<SocketAddr>,
+    amqps_listen: Option<SocketAddr>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_ca: Option<PathBuf>,
+    tls_fail_if_no_peer_cert: Option<bool>,
+    ssl_cert_login_from: Option<crate::tls::CertLogin>,
     data_dir: Option<PathBuf>,
     log_level: Option<String>,
     heartbeat_s: Option<u16>,
@@ -45,6 +72,8 @@ struct FileConfig {
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     pub amqp_listen: SocketAddr,
+    /// The AMQPS listener and its TLS settings, when a certificate is configured.
+    pub amqps: Option<(SocketAddr, crate::tls::TlsOptions)>,
     pub data_dir: PathBuf,
     pub log_level: String,
     pub limits: warren_amqp::limits::ConnectionLimits,
@@ -90,7 +119,36 @@ impl ServerConfig {
             );
             limits.message_size_max = v;
         }
+        let tls_key = args.tls_key.or(file.tls_key);
+        let amqps = match args.tls_cert.or(file.tls_cert) {
+            Some(cert) => {
+                let key = tls_key.context("tls_cert needs tls_key")?;
+                let listen = args
+                    .amqps_listen
+                    .or(file.amqps_listen)
+                    .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 5671)));
+                Some((
+                    listen,
+                    crate::tls::TlsOptions {
+                        cert,
+                        key,
+                        ca: args.tls_ca.or(file.tls_ca),
+                        fail_if_no_peer_cert: args.tls_fail_if_no_peer_cert
+                            || file.tls_fail_if_no_peer_cert.unwrap_or(false),
+                        login_from: args
+                            .ssl_cert_login_from
+                            .or(file.ssl_cert_login_from)
+                            .unwrap_or(crate::tls::CertLogin::DistinguishedName),
+                    },
+                ))
+            }
+            None => {
+                anyhow::ensure!(tls_key.is_none(), "tls_key needs tls_cert");
+                None
+            }
+        };
         Ok(Self {
+            amqps,
             amqp_listen: args
                 .amqp_listen
                 .or(file.amqp_listen)
@@ -131,6 +189,12 @@ mod tests {
         ServerArgs {
             config,
             amqp_listen: None,
+            amqps_listen: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_ca: None,
+            tls_fail_if_no_peer_cert: false,
+            ssl_cert_login_from: None,
             data_dir: None,
             log_level: None,
             store_segment_bytes: None,
@@ -155,6 +219,22 @@ mod tests {
             "protocol limits keep their defaults"
         );
         assert_eq!(c.store.segment_max, warren_store::SEGMENT_MAX_DEFAULT);
+        assert!(c.amqps.is_none(), "no certificate, no AMQPS listener");
+    }
+
+    #[test]
+    fn a_certificate_enables_amqps_on_5671() {
+        let f = file("tls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\n");
+        let c = ServerConfig::load(args(Some(f.path().into()))).unwrap();
+        let (listen, tls) = c.amqps.unwrap();
+        assert_eq!(listen, SocketAddr::from(([0, 0, 0, 0], 5671)));
+        assert_eq!(tls.login_from, crate::tls::CertLogin::DistinguishedName);
+        assert!(!tls.fail_if_no_peer_cert);
+        let f = file("tls_cert = \"/c.pem\"\n");
+        assert!(
+            ServerConfig::load(args(Some(f.path().into()))).is_err(),
+            "a certificate without a key"
+        );
     }
 
     #[test]

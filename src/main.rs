@@ -3,6 +3,7 @@
 mod admin;
 mod config;
 mod server;
+mod tls;
 
 use std::process::ExitCode;
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use bytes::BytesMut;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
@@ -84,6 +84,20 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     // A line on stdout that tests and scripts can wait for.
     println!("warren: amqp listening on {local}");
 
+    let amqps = match &cfg.amqps {
+        Some((addr, opts)) => {
+            let acceptor = crate::tls::acceptor(opts).context("configuring TLS")?;
+            let listener = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding {addr}"))?;
+            let local = listener.local_addr()?;
+            tracing::info!(%local, "AMQPS listener started");
+            println!("warren: amqps listening on {local}");
+            Some((listener, acceptor, opts.login_from))
+        }
+        None => None,
+    };
+
     let conn_config = ConnectionConfig {
         limits: cfg.limits,
         ..ConnectionConfig::default()
@@ -104,7 +118,52 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
                     let done = done_tx.clone();
                     let store = StoreGate { durable: Arc::clone(&durable), commits: commit_rx.clone() };
                     tokio::spawn(async move {
-                        serve(socket, peer, broker, config, shutdown, store).await;
+                        let _ = socket.set_nodelay(true);
+                        let (rd, wr) = socket.into_split();
+                        let io = Io { rd, wr, peer, external_identity: None, tls: false };
+                        serve(io, broker, config, shutdown, store).await;
+                        drop(done);
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            accepted = accept_opt(amqps.as_ref().map(|a| &a.0)) => match accepted {
+                Ok((socket, peer)) => {
+                    let Some((_, acceptor, login_from)) = &amqps else { continue };
+                    let acceptor = acceptor.clone();
+                    let login_from = *login_from;
+                    let broker = Arc::clone(&broker);
+                    let config = conn_config.clone();
+                    let shutdown = shutdown_rx.clone();
+                    let done = done_tx.clone();
+                    let store = StoreGate { durable: Arc::clone(&durable), commits: commit_rx.clone() };
+                    tokio::spawn(async move {
+                        let _ = socket.set_nodelay(true);
+                        // The TLS handshake counts against the AMQP handshake timeout.
+                        let accepted = tokio::time::timeout(config.handshake_timeout, acceptor.accept(socket)).await;
+                        let stream = match accepted {
+                            Ok(Ok(stream)) => stream,
+                            Ok(Err(e)) => {
+                                tracing::info!(%peer, "TLS handshake failed: {e}");
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::info!(%peer, "TLS handshake timed out");
+                                return;
+                            }
+                        };
+                        let external_identity = stream
+                            .get_ref()
+                            .1
+                            .peer_certificates()
+                            .and_then(|certs| certs.first())
+                            .and_then(|cert| crate::tls::cert_identity(cert, login_from));
+                        let (rd, wr) = tokio::io::split(stream);
+                        let io = Io { rd, wr, peer, external_identity, tls: true };
+                        serve(io, broker, config, shutdown, store).await;
                         drop(done);
                     });
                 }
@@ -116,6 +175,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
             () = &mut signal => break,
         }
     }
+    drop(amqps);
     tracing::info!("shutting down: closing connections with 320 CONNECTION_FORCED");
     drop(listener);
     let _ = shutdown_tx.send(true);
@@ -156,24 +216,60 @@ async fn shutdown_signal() {
     }
 }
 
-/// Drive one connection until it closes.
 /// What a connection needs to pause on the store's backlog.
 struct StoreGate {
     durable: Arc<Durable>,
     commits: watch::Receiver<u64>,
 }
 
-async fn serve(
-    socket: TcpStream,
+/// A connection's byte streams, plain or TLS, and what the transport established.
+struct Io<R, W> {
+    rd: R,
+    wr: W,
     peer: SocketAddr,
+    /// The user name of a verified client certificate (offers SASL EXTERNAL).
+    external_identity: Option<String>,
+    /// TLS buffers written bytes; they must be flushed once the output buffer is empty.
+    tls: bool,
+}
+
+async fn accept_opt(listener: Option<&TcpListener>) -> std::io::Result<(TcpStream, SocketAddr)> {
+    match listener {
+        Some(l) => l.accept().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Write what is pending, or flush the transport when nothing is (returns 0 then).
+async fn write_or_flush<W: AsyncWrite + Unpin>(wr: &mut W, buf: &[u8]) -> std::io::Result<usize> {
+    if buf.is_empty() {
+        wr.flush().await.map(|()| 0)
+    } else {
+        wr.write(buf).await
+    }
+}
+
+/// Drive one connection until it closes.
+async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    io: Io<R, W>,
     broker: Arc<Broker>,
     config: ConnectionConfig,
     mut shutdown: watch::Receiver<bool>,
     mut store: StoreGate,
 ) {
-    let _ = socket.set_nodelay(true);
-    let (mut rd, mut wr) = socket.into_split();
+    let Io {
+        mut rd,
+        mut wr,
+        peer,
+        external_identity,
+        tls,
+    } = io;
     let mut conn = Connection::new(config, peer.ip().is_loopback(), Instant::now().into_std());
+    if let Some(identity) = external_identity {
+        conn = conn.with_external_identity(identity);
+    }
+    // Bytes handed to TLS but perhaps not yet on the socket.
+    let mut unflushed = false;
     let mut out = FrameWriter::new();
     let mut input = BytesMut::with_capacity(READ_BUFFER_INITIAL);
     let outbox = Arc::new(Outbox::default());
@@ -227,9 +323,11 @@ async fn serve(
                     }
                 }
             },
-            written = wr.write(out.as_slice()), if out.pending() > 0 && !output_held(&session) => match written {
+            written = write_or_flush(&mut wr, out.as_slice()), if (out.pending() > 0 || unflushed) && !output_held(&session) => match written {
+                Ok(0) if out.pending() == 0 => unflushed = false,
                 Ok(n) if n > 0 => {
                     out.consume(n);
+                    unflushed = tls;
                     conn.note_sent(Instant::now().into_std());
                     if out.pending() == 0 && let Some(s) = session.as_mut() {
                         s.after_write();

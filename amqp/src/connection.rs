@@ -64,6 +64,9 @@ pub trait Gatekeeper: Send + Sync {
     ) -> Result<Login, AccessError>;
     /// Check that the vhost exists and the user may use it (and count the connection against
     /// the vhost's and the user's limits).
+    /// Log in a user whose identity a verified TLS client certificate established (SASL
+    /// EXTERNAL): the user must exist; no password is checked.
+    fn login_external(&self, user: &str) -> Result<Login, AccessError>;
     fn open_vhost(&self, user: &str, vhost: &str) -> Result<(), AccessError>;
     /// A channel is about to open for `user`: refuse it over the user's channel limit, count
     /// it otherwise (the broker uncounts it when the channel closes).
@@ -179,6 +182,8 @@ pub struct Connection {
     config: ConnectionConfig,
     state: State,
     peer_is_loopback: bool,
+    /// The user name a verified client certificate gives; SASL EXTERNAL is offered only then.
+    external_identity: Option<String>,
     user: Option<String>,
     client_properties: FieldTable,
     /// Negotiated frame_max (pre-tune limit until tune-ok).
@@ -201,6 +206,7 @@ impl Connection {
             config,
             state: State::AwaitHeader,
             peer_is_loopback,
+            external_identity: None,
             user: None,
             client_properties: FieldTable::default(),
             frame_max: limits::FRAME_MAX_PRE_TUNE,
@@ -212,6 +218,14 @@ impl Connection {
             last_recv: now,
             last_send: now,
         }
+    }
+
+    /// Offer SASL EXTERNAL, logging in as `identity` (taken from the peer's verified TLS
+    /// client certificate by the caller).
+    #[must_use]
+    pub fn with_external_identity(mut self, identity: String) -> Self {
+        self.external_identity = Some(identity);
+        self
     }
 
     /// The negotiated frame_max.
@@ -428,20 +442,28 @@ impl Connection {
             ) => {
                 self.client_properties = start_ok.client_properties;
                 let mechanism = start_ok.mechanism.as_str().to_string();
-                let credentials = match mechanism.as_str() {
-                    "PLAIN" => parse_plain(start_ok.response.as_bytes()),
-                    "AMQPLAIN" => {
+                let credentials = match (mechanism.as_str(), &self.external_identity) {
+                    ("PLAIN", _) => parse_plain(start_ok.response.as_bytes()),
+                    ("AMQPLAIN", _) => {
                         parse_amqplain(start_ok.response.as_bytes(), self.config.table_depth_max)
                     }
+                    ("EXTERNAL", Some(identity)) => Some((identity.clone(), Vec::new())),
                     _ => {
                         // RabbitMQ sends no close method for an unknown mechanism; it drops the socket.
                         self.state = State::Closed;
                         return Ok(());
                     }
                 };
-                let login = credentials
-                    .ok_or(AccessError::LoginRefused)
-                    .and_then(|(user, pass)| gate.login(&user, &pass, self.peer_is_loopback));
+                let login =
+                    credentials
+                        .ok_or(AccessError::LoginRefused)
+                        .and_then(|(user, pass)| {
+                            if mechanism == "EXTERNAL" {
+                                gate.login_external(&user)
+                            } else {
+                                gate.login(&user, &pass, self.peer_is_loopback)
+                            }
+                        });
                 match login {
                     Ok(login) => {
                         self.user = Some(login.user);
@@ -824,7 +846,11 @@ impl Connection {
                 version_major: 0,
                 version_minor: 9,
                 server_properties: self.config.server_properties.clone(),
-                mechanisms: LongString::from(b"PLAIN AMQPLAIN".to_vec()),
+                mechanisms: LongString::from(if self.external_identity.is_some() {
+                    b"PLAIN AMQPLAIN EXTERNAL".to_vec()
+                } else {
+                    b"PLAIN AMQPLAIN".to_vec()
+                }),
                 locales: LongString::from(b"en_US".to_vec()),
             })),
         );
@@ -918,6 +944,13 @@ mod tests {
             _loopback: bool,
         ) -> Result<Login, AccessError> {
             if user == "guest" && password == b"guest" {
+                Ok(Login { user: user.into() })
+            } else {
+                Err(AccessError::LoginRefused)
+            }
+        }
+        fn login_external(&self, user: &str) -> Result<Login, AccessError> {
+            if user == "CN=client" {
                 Ok(Login { user: user.into() })
             } else {
                 Err(AccessError::LoginRefused)
@@ -1017,6 +1050,77 @@ mod tests {
             crate::frame::FRAME_END
         ]));
         c.handle_timeout(now + Duration::from_millis(2001), &mut out);
+        assert!(c.is_closed());
+    }
+
+    /// Client bytes for the protocol header and a start-ok with `mechanism`.
+    fn start_ok(mechanism: &str, response: &[u8]) -> BytesMut {
+        let mut w = FrameWriter::new();
+        w.raw(PROTOCOL_HEADER);
+        let mut caps = FieldTable::default();
+        caps.insert(
+            "authentication_failure_close".into(),
+            AMQPValue::Boolean(true),
+        );
+        let mut props = FieldTable::default();
+        props.insert("capabilities".into(), AMQPValue::FieldTable(caps));
+        w.method(
+            0,
+            &AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
+                client_properties: props,
+                mechanism: mechanism.into(),
+                response: LongString::from(response.to_vec()),
+                locale: "en_US".into(),
+            })),
+        );
+        BytesMut::from(w.as_slice())
+    }
+
+    fn offered_mechanisms(out: &FrameWriter) -> String {
+        let mut written = BytesMut::from(out.as_slice());
+        let frame = crate::frame::decode_frame(&mut written, u32::MAX)
+            .ok()
+            .flatten()
+            .expect("connection.start is written first");
+        let m = method::decode(&frame.payload, 8).expect("connection.start decodes");
+        match m.class {
+            AMQPClass::Connection(connection::AMQPMethod::Start(s)) => {
+                String::from_utf8_lossy(s.mechanisms.as_bytes()).into_owned()
+            }
+            other => panic!("expected connection.start, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn external_is_offered_and_accepted_only_with_a_certificate_identity() {
+        let now = Instant::now();
+        // With a certificate identity: offered, and the identity logs in without a password.
+        let mut c = Connection::new(ConnectionConfig::default(), false, now)
+            .with_external_identity("CN=client".into());
+        let mut out = FrameWriter::new();
+        let mut input = start_ok("EXTERNAL", b"");
+        drive(&mut c, &mut input, &mut out, now);
+        assert_eq!(offered_mechanisms(&out), "PLAIN AMQPLAIN EXTERNAL");
+        assert_eq!(c.state, State::AwaitTuneOk, "EXTERNAL login succeeded");
+
+        // A certificate naming an unknown user: 403, as a refused password.
+        let mut c = Connection::new(ConnectionConfig::default(), false, now)
+            .with_external_identity("CN=stranger".into());
+        let mut out = FrameWriter::new();
+        let mut input = start_ok("EXTERNAL", b"");
+        drive(&mut c, &mut input, &mut out, now);
+        assert!(matches!(c.state, State::CloseSent { .. }));
+        assert!(
+            String::from_utf8_lossy(out.as_slice())
+                .contains("Login was refused using authentication mechanism EXTERNAL")
+        );
+
+        // Without a certificate EXTERNAL is not offered, and asking for it drops the socket.
+        let mut c = Connection::new(ConnectionConfig::default(), false, now);
+        let mut out = FrameWriter::new();
+        let mut input = start_ok("EXTERNAL", b"");
+        drive(&mut c, &mut input, &mut out, now);
+        assert_eq!(offered_mechanisms(&out), "PLAIN AMQPLAIN");
         assert!(c.is_closed());
     }
 

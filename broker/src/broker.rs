@@ -683,6 +683,14 @@ impl Gatekeeper for Broker {
         })
     }
 
+    fn login_external(&self, user: &str) -> Result<Login, AccessError> {
+        let users = self.users.read();
+        let u = users.get(user).ok_or(AccessError::LoginRefused)?;
+        Ok(Login {
+            user: u.name.clone(),
+        })
+    }
+
     fn open_vhost(&self, user: &str, vhost: &str) -> Result<(), AccessError> {
         if !self.vhosts.read().contains_key(vhost) {
             return Err(AccessError::VhostNotFound(vhost.to_string()));

@@ -8,6 +8,7 @@ Target selection:
                                   with a throw-away data dir, and stop it at the end.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -63,20 +64,22 @@ def _wait_for_port(port, proc, deadline_s, log_path):
     raise RuntimeError(f"warren did not accept connections on port {port} within {deadline_s}s")
 
 
-@pytest.fixture(scope="session")
-def amqp_url():
-    """AMQP URL of the broker under test (RabbitMQ via env, or a Warren we start)."""
-    url = os.environ.get("WARREN_TEST_AMQP_URL")
-    if url:
-        yield url
-        return
-
+def warren_binary():
     binary = os.environ.get("WARREN_BIN", str(REPO_ROOT / "target" / "debug" / "warren"))
     if not Path(binary).exists():
         raise RuntimeError(
             f"Warren binary not found at {binary}; build it (cargo build) or set WARREN_BIN, "
             "or set WARREN_TEST_AMQP_URL to test an already running broker"
         )
+    return binary
+
+
+@contextlib.contextmanager
+def warren_process(*extra_args, wait_port=None):
+    """Start a Warren of our own on a free loopback port with a throw-away data dir and stop it
+    on exit. `extra_args` go to `warren server`; `wait_port` is the port to wait for (the AMQP
+    port by default). Yields a dict: port, data_dir, binary, pid, log."""
+    binary = warren_binary()
     port = _free_port()
     with tempfile.TemporaryDirectory(prefix="warren-compat-") as tmp:
         data_dir = Path(tmp) / "data"
@@ -87,15 +90,13 @@ def amqp_url():
                 [binary, "server",
                  "--amqp-listen", f"127.0.0.1:{port}",
                  "--data-dir", str(data_dir),
-                 "--log-level", "warn"],
+                 "--log-level", "warn", *extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
             try:
-                _wait_for_port(port, proc, STARTUP_DEADLINE_S, log_path)
-                _BROKER["data_dir"] = data_dir
-                _BROKER["binary"] = binary
-                _BROKER["pid"] = proc.pid
-                yield f"amqp://guest:guest@127.0.0.1:{port}/%2F"
+                _wait_for_port(wait_port or port, proc, STARTUP_DEADLINE_S, log_path)
+                yield {"port": port, "data_dir": data_dir, "binary": binary, "pid": proc.pid,
+                       "log": log_path}
             finally:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -104,6 +105,25 @@ def amqp_url():
                     except subprocess.TimeoutExpired:
                         proc.kill()
                         proc.wait()
+
+
+def free_port():
+    """A free loopback TCP port (for extra listeners of a broker started by a test)."""
+    return _free_port()
+
+
+@pytest.fixture(scope="session")
+def amqp_url():
+    """AMQP URL of the broker under test (RabbitMQ via env, or a Warren we start)."""
+    url = os.environ.get("WARREN_TEST_AMQP_URL")
+    if url:
+        yield url
+        return
+    with warren_process() as w:
+        _BROKER["data_dir"] = w["data_dir"]
+        _BROKER["binary"] = w["binary"]
+        _BROKER["pid"] = w["pid"]
+        yield f"amqp://guest:guest@127.0.0.1:{w['port']}/%2F"
 
 
 _BROKER = {}
