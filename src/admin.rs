@@ -31,6 +31,15 @@ pub fn socket_path(data_dir: &Path) -> PathBuf {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 enum Request {
+    SetMemoryWatermark {
+        relative: Option<f64>,
+        absolute: Option<u64>,
+    },
+    SetDiskFreeLimit {
+        absolute: Option<u64>,
+        mem_relative: Option<f64>,
+    },
+    ListAlarms,
     SetPolicy(PolicyDef),
     ClearPolicy {
         vhost: String,
@@ -70,11 +79,19 @@ enum Request {
     },
     AddVhost {
         name: String,
+        default_queue_type: Option<String>,
+    },
+    UpdateVhostMetadata {
+        name: String,
+        default_queue_type: Option<String>,
     },
     DeleteVhost {
         name: String,
     },
-    ListVhosts,
+    ListVhosts {
+        #[serde(default)]
+        columns: Vec<String>,
+    },
     SetVhostLimits {
         vhost: String,
         limits: VhostLimits,
@@ -110,6 +127,7 @@ fn exit_code(e: &UserError) -> u8 {
     match e {
         UserError::NoSuchUser(_) => 67,
         UserError::NoSuchVhost(_) | UserError::BadPattern(..) | UserError::Algorithm(_) => 69,
+        UserError::QueueType(_) => 64,
         UserError::Exists(_) => 70,
     }
 }
@@ -157,10 +175,22 @@ fn handle_users(
         Request::ClearPermissions { vhost, user } => {
             user_result(broker.clear_permissions(&vhost, &user, on_commit))
         }
-        Request::AddVhost { name } => {
-            broker.add_vhost(&name, on_commit);
-            json!({"ok": true})
-        }
+        Request::AddVhost {
+            name,
+            default_queue_type,
+        } => user_result(
+            broker
+                .add_vhost(&name, default_queue_type.as_deref(), on_commit)
+                .map(|_| ()),
+        ),
+        Request::UpdateVhostMetadata {
+            name,
+            default_queue_type,
+        } => user_result(broker.set_default_queue_type(
+            &name,
+            default_queue_type.as_deref(),
+            on_commit,
+        )),
         Request::DeleteVhost { name } => match broker.delete_vhost(&name, on_commit) {
             Ok(()) => json!({"ok": true}),
             // rabbitmqctl's code for a missing vhost here is 65, not 69.
@@ -235,10 +265,37 @@ fn handle_users(
             let first = if by_user { "vhost" } else { "user" };
             json!({"ok": true, "header": [first, "exchange", "write", "read"], "rows": rows})
         }
-        Request::ListVhosts => {
-            let rows: Vec<Vec<String>> =
-                broker.list_vhosts().into_iter().map(|v| vec![v]).collect();
-            json!({"ok": true, "header": ["name"], "rows": rows})
+        Request::ListVhosts { columns } => {
+            let columns = if columns.is_empty() {
+                vec!["name".to_string()]
+            } else {
+                columns
+            };
+            if let Some(bad) = columns
+                .iter()
+                .find(|c| !["name", "default_queue_type"].contains(&c.as_str()))
+            {
+                return json!({"ok": false, "error": format!("Illegal column: {bad}"), "code": 64});
+            }
+            let rows: Vec<Vec<String>> = broker
+                .list_vhosts()
+                .into_iter()
+                .filter_map(|name| broker.vhost(&name))
+                .map(|vh| {
+                    columns
+                        .iter()
+                        .map(|c| match c.as_str() {
+                            "default_queue_type" => vh
+                                .default_queue_type
+                                .read()
+                                .clone()
+                                .unwrap_or_else(|| "undefined".into()),
+                            _ => vh.name.clone(),
+                        })
+                        .collect()
+                })
+                .collect();
+            json!({"ok": true, "header": columns, "rows": rows})
         }
         Request::ListPermissions { vhost: Some(v), .. } if broker.vhost(&v).is_none() => {
             json!({"ok": false, "error": format!("Virtual host '{v}' does not exist"), "code": 65})
@@ -341,6 +398,63 @@ async fn handle(broker: &Broker, line: &str) -> Value {
         }
         Request::ListPolicies { .. } => {
             json!({"ok": true, "policies": vhost.as_ref().map(|v| v.policies())})
+        }
+        Request::SetMemoryWatermark { relative, absolute } => {
+            use warren_broker::alarms::MemoryWatermark;
+            match (relative, absolute) {
+                (Some(f), None) if (0.0..=1.0).contains(&f) => {
+                    broker
+                        .alarms()
+                        .set_memory_watermark(MemoryWatermark::Relative(f));
+                    json!({"ok": true})
+                }
+                (None, Some(b)) => {
+                    broker
+                        .alarms()
+                        .set_memory_watermark(MemoryWatermark::Absolute(b));
+                    json!({"ok": true})
+                }
+                _ => {
+                    json!({"ok": false, "error": "the fraction must be between 0 and 1", "code": 64})
+                }
+            }
+        }
+        Request::SetDiskFreeLimit {
+            absolute,
+            mem_relative,
+        } => {
+            use warren_broker::alarms::DiskFreeLimit;
+            match (absolute, mem_relative) {
+                (Some(b), None) => {
+                    broker
+                        .alarms()
+                        .set_disk_free_limit(DiskFreeLimit::Absolute(b));
+                    json!({"ok": true})
+                }
+                (None, Some(f)) if f >= 0.0 => {
+                    broker
+                        .alarms()
+                        .set_disk_free_limit(DiskFreeLimit::MemRelative(f));
+                    json!({"ok": true})
+                }
+                _ => json!({"ok": false, "error": "the fraction must not be negative", "code": 64}),
+            }
+        }
+        Request::ListAlarms => {
+            let state = broker.alarms().state();
+            let mut lines = Vec::new();
+            if state.memory {
+                lines.push("Memory alarm on node warren");
+            }
+            if state.disk {
+                lines.push("Free disk space alarm on node warren");
+            }
+            let message = if lines.is_empty() {
+                "Node warren reported no alarms, local or clusterwide".to_string()
+            } else {
+                lines.join("\n")
+            };
+            json!({"ok": true, "message": message})
         }
         other => handle_users(broker, other, &mut on_commit),
     };
@@ -463,14 +577,28 @@ pub enum CtlCommand {
     AddVhost {
         /// Vhost name.
         name: String,
+        /// Type of queues declared without x-queue-type: classic or quorum.
+        #[arg(long = "default-queue-type")]
+        default_queue_type: Option<String>,
+    },
+    /// Change a vhost's metadata.
+    UpdateVhostMetadata {
+        /// Vhost name.
+        name: String,
+        /// Type of queues declared without x-queue-type: classic or quorum.
+        #[arg(long = "default-queue-type")]
+        default_queue_type: Option<String>,
     },
     /// Delete a vhost with everything in it; its connections are closed.
     DeleteVhost {
         /// Vhost name.
         name: String,
     },
-    /// List vhosts.
-    ListVhosts,
+    /// List vhosts; columns: name (default), default_queue_type.
+    ListVhosts {
+        /// Columns to show.
+        columns: Vec<String>,
+    },
     /// Set a vhost's limits, e.g. `'{"max-connections": 100, "max-queues": 10}'` (a negative
     /// value means unlimited).
     SetVhostLimits {
@@ -548,6 +676,24 @@ pub enum CtlCommand {
         /// User name.
         user: String,
     },
+    /// Change the memory high watermark at run time: `<fraction>` of RAM, or
+    /// `absolute <size>` ("2GB", "512MiB", bytes). Not persisted, as in RabbitMQ.
+    SetVmMemoryHighWatermark {
+        /// A fraction, or `absolute`.
+        value: String,
+        /// The size after `absolute`.
+        size: Option<String>,
+    },
+    /// Change the disk free limit at run time: `<size>`, or `mem_relative <fraction>` of RAM.
+    /// Not persisted, as in RabbitMQ.
+    SetDiskFreeLimit {
+        /// A size, or `mem_relative`.
+        value: String,
+        /// The fraction after `mem_relative`.
+        fraction: Option<String>,
+    },
+    /// Show the resource alarms in effect (rabbitmq-diagnostics alarms).
+    Alarms,
 }
 
 impl CtlCommand {
@@ -579,9 +725,12 @@ impl CtlCommand {
             Self::ListUserPermissions { user } => {
                 format!("Listing permissions for user \"{user}\" ...")
             }
-            Self::AddVhost { name } => format!("Adding vhost \"{name}\" ..."),
+            Self::AddVhost { name, .. } => format!("Adding vhost \"{name}\" ..."),
+            Self::UpdateVhostMetadata { name, .. } => {
+                format!("Updating metadata of vhost \"{name}\" ...")
+            }
             Self::DeleteVhost { name } => format!("Deleting vhost \"{name}\" ..."),
-            Self::ListVhosts => "Listing vhosts ...".into(),
+            Self::ListVhosts { .. } => "Listing vhosts ...".into(),
             Self::SetVhostLimits { definition, vhost } => {
                 format!("Setting vhost limits to \"{definition}\" for vhost \"{vhost}\" ...")
             }
@@ -611,6 +760,16 @@ impl CtlCommand {
             Self::ListUserTopicPermissions { user } => {
                 format!("Listing topic permissions for user \"{user}\" ...")
             }
+            Self::SetVmMemoryHighWatermark { value, size } => match size {
+                Some(size) => format!("Setting memory threshold on warren to {size} bytes ..."),
+                None => format!("Setting memory threshold on warren to {value} ..."),
+            },
+            Self::SetDiskFreeLimit { value, fraction } => match fraction {
+                Some(f) => {
+                    format!("Setting disk free limit on warren to {f} times the total RAM ...")
+                }
+                None => format!("Setting disk free limit on warren to {value} bytes ..."),
+            },
             _ => return None,
         })
     }
@@ -673,9 +832,22 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
             vhost: None,
             user: Some(user),
         },
-        CtlCommand::AddVhost { name } => Request::AddVhost { name },
+        CtlCommand::AddVhost {
+            name,
+            default_queue_type,
+        } => Request::AddVhost {
+            name,
+            default_queue_type,
+        },
+        CtlCommand::UpdateVhostMetadata {
+            name,
+            default_queue_type,
+        } => Request::UpdateVhostMetadata {
+            name,
+            default_queue_type,
+        },
         CtlCommand::DeleteVhost { name } => Request::DeleteVhost { name },
-        CtlCommand::ListVhosts => Request::ListVhosts,
+        CtlCommand::ListVhosts { columns } => Request::ListVhosts { columns },
         CtlCommand::SetVhostLimits { definition, vhost } => Request::SetVhostLimits {
             vhost,
             limits: serde_json::from_str(&definition)
@@ -723,6 +895,33 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
             vhost: None,
             user: Some(user),
         },
+        CtlCommand::SetVmMemoryHighWatermark { value, size } => match (value.as_str(), size) {
+            ("absolute", Some(size)) => Request::SetMemoryWatermark {
+                relative: None,
+                absolute: Some(crate::config::size("absolute", &size)?),
+            },
+            (fraction, None) => Request::SetMemoryWatermark {
+                relative: Some(
+                    fraction
+                        .parse()
+                        .context("the watermark must be a fraction")?,
+                ),
+                absolute: None,
+            },
+            _ => anyhow::bail!("usage: set_vm_memory_high_watermark <fraction> | absolute <size>"),
+        },
+        CtlCommand::SetDiskFreeLimit { value, fraction } => match (value.as_str(), fraction) {
+            ("mem_relative", Some(f)) => Request::SetDiskFreeLimit {
+                absolute: None,
+                mem_relative: Some(f.parse().context("mem_relative needs a number")?),
+            },
+            (size, None) => Request::SetDiskFreeLimit {
+                absolute: Some(crate::config::size("disk_limit", size)?),
+                mem_relative: None,
+            },
+            _ => anyhow::bail!("usage: set_disk_free_limit <size> | mem_relative <fraction>"),
+        },
+        CtlCommand::Alarms => Request::ListAlarms,
     };
     let path = socket_path(data_dir);
     let mut stream = std::os::unix::net::UnixStream::connect(&path)

@@ -11,7 +11,9 @@ use serde::Deserialize;
 pub struct ServerArgs {
     /// TOML file with any of: amqp_listen, amqps_listen, data_dir, log_level, heartbeat_s,
     /// frame_max, channel_max, message_size_max, store_segment_bytes, tls_cert, tls_key, tls_ca,
-    /// tls_fail_if_no_peer_cert, ssl_cert_login_from.
+    /// tls_fail_if_no_peer_cert, ssl_cert_login_from, vm_memory_high_watermark,
+    /// vm_memory_high_watermark_absolute, disk_free_limit, disk_free_limit_mem_relative,
+    /// connection_max, consumer_max_per_channel.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Address for AMQP 0-9-1 clients [default: 0.0.0.0:5672].
@@ -37,6 +39,16 @@ pub struct ServerArgs {
     /// Where SASL EXTERNAL reads the user name from [default: distinguished-name].
     #[arg(long, value_enum)]
     pub ssl_cert_login_from: Option<crate::tls::CertLogin>,
+    /// Memory high watermark as a fraction of RAM (or of the cgroup limit) [default: 0.6].
+    #[arg(long)]
+    pub vm_memory_high_watermark: Option<f64>,
+    /// Memory high watermark as a size ("2GB", "512MiB", bytes); overrides the fraction.
+    #[arg(long)]
+    pub vm_memory_high_watermark_absolute: Option<String>,
+    /// Free disk space under the data directory below which publishers are blocked
+    /// ("50MB", "1GiB", bytes) [default: 50MB].
+    #[arg(long)]
+    pub disk_free_limit: Option<String>,
     /// Directory for node data [default: ./warren-data].
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
@@ -59,6 +71,12 @@ struct FileConfig {
     tls_ca: Option<PathBuf>,
     tls_fail_if_no_peer_cert: Option<bool>,
     ssl_cert_login_from: Option<crate::tls::CertLogin>,
+    vm_memory_high_watermark: Option<f64>,
+    vm_memory_high_watermark_absolute: Option<String>,
+    disk_free_limit: Option<String>,
+    disk_free_limit_mem_relative: Option<f64>,
+    connection_max: Option<u64>,
+    consumer_max_per_channel: Option<u64>,
     data_dir: Option<PathBuf>,
     log_level: Option<String>,
     heartbeat_s: Option<u16>,
@@ -78,6 +96,12 @@ pub struct ServerConfig {
     pub log_level: String,
     pub limits: warren_amqp::limits::ConnectionLimits,
     pub store: warren_store::Options,
+    /// Resource alarm limits.
+    pub watermarks: warren_broker::alarms::Watermarks,
+    /// Node-wide connection limit (None: infinity, RabbitMQ's default).
+    pub connection_max: Option<u64>,
+    /// Consumers per channel (None: infinity, RabbitMQ's default).
+    pub consumer_max_per_channel: Option<u64>,
 }
 
 /// Smallest segment size accepted (smaller only multiplies files).
@@ -119,6 +143,7 @@ impl ServerConfig {
             );
             limits.message_size_max = v;
         }
+        let watermarks = watermarks(&args, &file)?;
         let tls_key = args.tls_key.or(file.tls_key);
         let amqps = match args.tls_cert.or(file.tls_cert) {
             Some(cert) => {
@@ -148,6 +173,9 @@ impl ServerConfig {
             }
         };
         Ok(Self {
+            watermarks,
+            connection_max: file.connection_max,
+            consumer_max_per_channel: file.consumer_max_per_channel,
             amqps,
             amqp_listen: args
                 .amqp_listen
@@ -179,6 +207,54 @@ impl ServerConfig {
     }
 }
 
+/// A size with RabbitMQ's units; the error names `key`.
+pub fn size(key: &str, text: &str) -> anyhow::Result<u64> {
+    warren_broker::alarms::parse_size(text).with_context(|| {
+        format!("{key}: {text:?} is not a size (bytes, or with kB/MB/GB/kiB/MiB/GiB)")
+    })
+}
+
+/// The alarm limits from flags and the file; absolute forms win over relative ones.
+fn watermarks(
+    args: &ServerArgs,
+    file: &FileConfig,
+) -> anyhow::Result<warren_broker::alarms::Watermarks> {
+    use warren_broker::alarms::{DiskFreeLimit, MemoryWatermark, Watermarks};
+    let mut w = Watermarks::default();
+    if let Some(f) = args
+        .vm_memory_high_watermark
+        .or(file.vm_memory_high_watermark)
+    {
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&f),
+            "vm_memory_high_watermark must be between 0 and 1"
+        );
+        w.memory = MemoryWatermark::Relative(f);
+    }
+    if let Some(t) = args
+        .vm_memory_high_watermark_absolute
+        .as_ref()
+        .or(file.vm_memory_high_watermark_absolute.as_ref())
+    {
+        w.memory = MemoryWatermark::Absolute(size("vm_memory_high_watermark_absolute", t)?);
+    }
+    if let Some(f) = file.disk_free_limit_mem_relative {
+        anyhow::ensure!(
+            f >= 0.0,
+            "disk_free_limit_mem_relative must not be negative"
+        );
+        w.disk_free = DiskFreeLimit::MemRelative(f);
+    }
+    if let Some(t) = args
+        .disk_free_limit
+        .as_ref()
+        .or(file.disk_free_limit.as_ref())
+    {
+        w.disk_free = DiskFreeLimit::Absolute(size("disk_free_limit", t)?);
+    }
+    Ok(w)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
@@ -195,6 +271,9 @@ mod tests {
             tls_ca: None,
             tls_fail_if_no_peer_cert: false,
             ssl_cert_login_from: None,
+            vm_memory_high_watermark: None,
+            vm_memory_high_watermark_absolute: None,
+            disk_free_limit: None,
             data_dir: None,
             log_level: None,
             store_segment_bytes: None,
@@ -220,6 +299,37 @@ mod tests {
         );
         assert_eq!(c.store.segment_max, warren_store::SEGMENT_MAX_DEFAULT);
         assert!(c.amqps.is_none(), "no certificate, no AMQPS listener");
+        assert_eq!(c.watermarks, warren_broker::alarms::Watermarks::default());
+        assert_eq!((c.connection_max, c.consumer_max_per_channel), (None, None));
+    }
+
+    #[test]
+    fn alarm_limits_from_the_file_and_flags() {
+        use warren_broker::alarms::{DiskFreeLimit, MemoryWatermark};
+        let f = file("vm_memory_high_watermark = 0.5\ndisk_free_limit = \"2GB\"\n");
+        let c = ServerConfig::load(args(Some(f.path().into()))).unwrap();
+        assert_eq!(c.watermarks.memory, MemoryWatermark::Relative(0.5));
+        assert_eq!(
+            c.watermarks.disk_free,
+            DiskFreeLimit::Absolute(2_000_000_000)
+        );
+        let mut a = args(Some(f.path().into()));
+        a.vm_memory_high_watermark_absolute = Some("256MiB".into());
+        let c = ServerConfig::load(a).unwrap();
+        assert_eq!(c.watermarks.memory, MemoryWatermark::Absolute(256 << 20));
+        let f = file("disk_free_limit_mem_relative = 1.5\n");
+        let c = ServerConfig::load(args(Some(f.path().into()))).unwrap();
+        assert_eq!(c.watermarks.disk_free, DiskFreeLimit::MemRelative(1.5));
+        for bad in [
+            "vm_memory_high_watermark = 1.5",
+            "disk_free_limit = \"lots\"",
+        ] {
+            let f = file(bad);
+            assert!(
+                ServerConfig::load(args(Some(f.path().into()))).is_err(),
+                "{bad} accepted"
+            );
+        }
     }
 
     #[test]
@@ -247,7 +357,9 @@ mod tests {
              frame_max = 8192\n\
              channel_max = 16\n\
              message_size_max = 1048576\n\
-             store_segment_bytes = 1048576\n",
+             store_segment_bytes = 1048576\n\
+             connection_max = 100\n\
+             consumer_max_per_channel = 8\n",
         );
         let c = ServerConfig::load(args(Some(f.path().into()))).unwrap();
         assert_eq!(c.amqp_listen, SocketAddr::from(([127, 0, 0, 1], 5999)));
@@ -258,6 +370,8 @@ mod tests {
         assert_eq!(c.limits.channel_max, 16);
         assert_eq!(c.limits.message_size_max, 1_048_576);
         assert_eq!(c.store.segment_max, 1_048_576);
+        assert_eq!(c.connection_max, Some(100));
+        assert_eq!(c.consumer_max_per_channel, Some(8));
 
         let mut flags = args(Some(f.path().into()));
         flags.data_dir = Some("/tmp/from-flag".into());

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use amq_protocol::protocol::connection;
 use anyhow::Context;
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -17,7 +18,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use warren_amqp::connection::{Connection, ConnectionConfig, Event, client_capability};
 use warren_amqp::frame::FrameWriter;
-use warren_amqp::{AmqpError, ReplyCode, Scope};
+use warren_amqp::{AMQPClass, AmqpError, ReplyCode, Scope};
 use warren_broker::durable::Durable;
 use warren_broker::outbox::Outbox;
 use warren_broker::{Broker, BrokerConfig, Session};
@@ -56,7 +57,14 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     durable.set_on_commit(Box::new(move |_pending| {
         commit_tx.send_modify(|generation| *generation = generation.wrapping_add(1));
     }));
-    let broker = Broker::with_store(BrokerConfig::default(), Some(Arc::clone(&durable)));
+    let broker = Broker::with_store(
+        BrokerConfig {
+            connection_max: cfg.connection_max,
+            consumer_max_per_channel: cfg.consumer_max_per_channel,
+            ..BrokerConfig::default()
+        },
+        Some(Arc::clone(&durable)),
+    );
     let report = broker
         .recover(recovered)
         .context("recovering from the store")?;
@@ -73,6 +81,19 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         elapsed_ms = started.elapsed().as_millis() as u64,
         "recovered durable state"
     );
+
+    broker.alarms().set_memory_watermark(cfg.watermarks.memory);
+    broker
+        .alarms()
+        .set_disk_free_limit(cfg.watermarks.disk_free);
+    // The first sample before clients connect, so an alarm that is already due holds at once.
+    if let Some(sample) = crate::resources::sample(&cfg.data_dir) {
+        broker.alarms().update(sample);
+    }
+    let monitor = tokio::spawn(crate::resources::monitor(
+        Arc::clone(&broker),
+        cfg.data_dir.clone(),
+    ));
 
     // Bound before the AMQP listener, so that `warren ctl` works as soon as clients can connect.
     let admin_listener = crate::admin::bind(&crate::admin::socket_path(&cfg.data_dir))?;
@@ -188,6 +209,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         tracing::warn!("some connections did not close in time");
     }
     admin.abort();
+    monitor.abort();
     let _ = std::fs::remove_file(crate::admin::socket_path(&cfg.data_dir));
     // Everything submitted is committed before the process exits.
     durable.shutdown();
@@ -270,6 +292,12 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     }
     // Bytes handed to TLS but perhaps not yet on the socket.
     let mut unflushed = false;
+    // Resource alarms: once this connection publishes while one is on, it is not read until
+    // all clear. `alarm_mark` is its publish count when it first saw the alarm.
+    let mut alarm = broker.alarms().subscribe();
+    let mut alarm_live = true;
+    let mut alarm_mark: Option<u64> = None;
+    let mut blocked = false;
     let mut out = FrameWriter::new();
     let mut input = BytesMut::with_capacity(READ_BUFFER_INITIAL);
     let outbox = Arc::new(Outbox::default());
@@ -299,8 +327,43 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         // Mark the commit generation seen before looking at the backlog: a commit after this
         // point wakes the select below, so no wake-up is lost.
         store.commits.borrow_and_update();
+        let alarms = *alarm.borrow_and_update();
+        if let Some(s) = session.as_ref()
+            && conn.is_open()
+        {
+            if let Some(reason) = alarms.reason() {
+                let mark = *alarm_mark.get_or_insert(s.publishes());
+                if !blocked && s.publishes() > mark {
+                    blocked = true;
+                    if conn.client_capability("connection.blocked") {
+                        out.method(
+                            0,
+                            &AMQPClass::Connection(connection::AMQPMethod::Blocked(
+                                connection::Blocked {
+                                    reason: reason.into(),
+                                },
+                            )),
+                        );
+                    }
+                }
+            } else {
+                alarm_mark = None;
+                if blocked {
+                    blocked = false;
+                    if conn.client_capability("connection.blocked") {
+                        out.method(
+                            0,
+                            &AMQPClass::Connection(connection::AMQPMethod::Unblocked(
+                                connection::Unblocked {},
+                            )),
+                        );
+                    }
+                }
+            }
+        }
         let store_paused = store.durable.pending_bytes() > STORE_PENDING_HIGH;
-        let read_enabled = out.pending() < OUTPUT_HIGH_WATERMARK && !store_paused && flow.is_none();
+        let read_enabled =
+            out.pending() < OUTPUT_HIGH_WATERMARK && !store_paused && flow.is_none() && !blocked;
         if !read_enabled {
             conn.note_input_paused(Instant::now().into_std());
         }
@@ -341,6 +404,7 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 }
             },
             _ = store.commits.changed(), if store_paused => {},
+            changed = alarm.changed(), if alarm_live => alarm_live = changed.is_ok(),
             () = flow_released(flow.as_ref()), if flow.is_some() => flow = None,
             () = wait_opt(vhost_down.as_mut()), if vhost_down.is_some() => {
                 vhost_down = None;

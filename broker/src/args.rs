@@ -106,7 +106,7 @@ pub fn equivalent(a: Option<&AMQPValue>, b: Option<&AMQPValue>) -> bool {
     }
 }
 
-fn string_like(v: &AMQPValue) -> Option<Vec<u8>> {
+pub(crate) fn string_like(v: &AMQPValue) -> Option<Vec<u8>> {
     match v {
         AMQPValue::LongString(s) => Some(s.as_bytes().to_vec()),
         AMQPValue::ShortString(s) => Some(s.as_str().as_bytes().to_vec()),

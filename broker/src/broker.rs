@@ -24,6 +24,12 @@ pub struct BrokerConfig {
     /// Time a delivery may stay unacked before its channel is closed with 406 (RabbitMQ's
     /// `consumer_timeout`, 30 minutes by default; None or 0 disables it).
     pub consumer_timeout_ms: Option<u64>,
+    /// Open connections the node accepts (RabbitMQ's `connection_max`; None is infinity).
+    /// Checked at connection.open: 530 "node connection limit (N) is reached".
+    pub connection_max: Option<u64>,
+    /// Consumers one channel may hold (RabbitMQ's `consumer_max_per_channel`; None is
+    /// infinity). A basic.consume over it closes the connection with 530.
+    pub consumer_max_per_channel: Option<u64>,
 }
 
 impl Default for BrokerConfig {
@@ -32,6 +38,8 @@ impl Default for BrokerConfig {
             consumer_window: crate::limits::CONSUMER_WINDOW_DEFAULT,
             consumer_window_bytes: crate::limits::CONSUMER_WINDOW_BYTES_DEFAULT,
             consumer_timeout_ms: Some(crate::limits::CONSUMER_TIMEOUT_DEFAULT_MS),
+            connection_max: None,
+            consumer_max_per_channel: None,
         }
     }
 }
@@ -53,9 +61,17 @@ pub struct Broker {
     counts: parking_lot::Mutex<Counts>,
     next_id: AtomicU64,
     name_seed: std::collections::hash_map::RandomState,
+    /// Memory and disk alarms; connections that publish are blocked while one is on.
+    alarms: crate::alarms::ResourceAlarms,
 }
 
 impl Broker {
+    /// The node's resource alarms (memory high watermark, disk free limit).
+    #[must_use]
+    pub fn alarms(&self) -> &crate::alarms::ResourceAlarms {
+        &self.alarms
+    }
+
     /// A broker with vhost "/" and the guest user (loopback only), as RabbitMQ starts, keeping
     /// nothing on disk.
     #[must_use]
@@ -76,6 +92,7 @@ impl Broker {
             counts: parking_lot::Mutex::new(Counts::default()),
             next_id: AtomicU64::new(1),
             name_seed: std::collections::hash_map::RandomState::new(),
+            alarms: crate::alarms::ResourceAlarms::default(),
         };
         b.vhosts.write().insert(
             "/".into(),
@@ -148,6 +165,8 @@ fn full_permission(user: &str, vhost: &str) -> PermissionRecord {
 /// What limits count (taken only at connection and channel open and close).
 #[derive(Debug, Default)]
 struct Counts {
+    /// Connections past connection.open on this node.
+    node_connections: u64,
     vhost_connections: HashMap<String, i64>,
     user_connections: HashMap<String, i64>,
     user_channels: HashMap<String, i64>,
@@ -306,24 +325,56 @@ impl Broker {
     }
 
     /// `add_vhost` (a no-op for an existing one, as rabbitmqctl). Returns whether it was created.
-    pub fn add_vhost(&self, name: &str, on_commit: OnCommit<'_>) -> bool {
+    ///
+    /// # Errors
+    /// [`UserError::QueueType`] for a default queue type other than classic or quorum.
+    pub fn add_vhost(
+        &self,
+        name: &str,
+        default_queue_type: Option<&str>,
+        on_commit: OnCommit<'_>,
+    ) -> Result<bool, UserError> {
+        check_queue_type(default_queue_type)?;
         let mut vhosts = self.vhosts.write();
         if vhosts.contains_key(name) {
-            return false;
+            return Ok(false);
         }
-        vhosts.insert(
-            name.to_string(),
-            VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers))),
-        );
+        let vh = VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers)));
+        *vh.default_queue_type.write() = default_queue_type.map(str::to_string);
+        self.persist_vhost(&vh, on_commit);
+        vhosts.insert(name.to_string(), vh);
+        Ok(true)
+    }
+
+    /// `update_vhost_metadata --default-queue-type`.
+    ///
+    /// # Errors
+    /// [`UserError::NoSuchVhost`], [`UserError::QueueType`].
+    pub fn set_default_queue_type(
+        &self,
+        name: &str,
+        default_queue_type: Option<&str>,
+        on_commit: OnCommit<'_>,
+    ) -> Result<(), UserError> {
+        check_queue_type(default_queue_type)?;
+        let vh = self
+            .vhost(name)
+            .ok_or_else(|| UserError::NoSuchVhost(name.to_string()))?;
+        *vh.default_queue_type.write() = default_queue_type.map(str::to_string);
+        self.persist_vhost(&vh, on_commit);
+        Ok(())
+    }
+
+    /// Write the vhost's record (limits and metadata).
+    fn persist_vhost(&self, vh: &VHost, on_commit: OnCommit<'_>) {
         self.submit_meta(
             vec![Op::Put {
                 table: MetaTable::Vhosts,
-                key: name.as_bytes().to_vec(),
-                value: Vec::new(),
+                key: vh.name.as_bytes().to_vec(),
+                value: serde_json::to_vec(&vh.record()).unwrap_or_default(),
             }],
             on_commit,
         );
-        true
     }
 
     /// `delete_vhost`: its queues (with their messages), exchanges, bindings, policies and
@@ -372,8 +423,19 @@ impl Broker {
     /// A connection counted by `open_vhost` ended.
     pub fn release_connection(&self, user: &str, vhost: &str) {
         let mut counts = self.counts.lock();
+        counts.node_connections = counts.node_connections.saturating_sub(1);
         add(&mut counts.vhost_connections, vhost, -1);
         add(&mut counts.user_connections, user, -1);
+    }
+
+    /// Refuse a connection over the node-wide `connection_max`.
+    fn node_connection_slot(&self, counts: &Counts) -> Result<(), AccessError> {
+        match self.config.connection_max {
+            Some(max) if counts.node_connections >= max => Err(AccessError::Limit(format!(
+                "connection refused: node connection limit ({max}) is reached"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// A channel counted by `open_channel` closed.
@@ -394,15 +456,8 @@ impl Broker {
         let vh = self
             .vhost(name)
             .ok_or_else(|| UserError::NoSuchVhost(name.to_string()))?;
-        self.submit_meta(
-            vec![Op::Put {
-                table: MetaTable::Vhosts,
-                key: name.as_bytes().to_vec(),
-                value: serde_json::to_vec(&limits).unwrap_or_default(),
-            }],
-            on_commit,
-        );
         *vh.limits.write() = limits;
+        self.persist_vhost(&vh, on_commit);
         Ok(())
     }
 
@@ -514,21 +569,22 @@ impl Broker {
             );
             return 0;
         }
-        let listed: Vec<(String, crate::users::VhostLimits)> = rows
+        let listed: Vec<(String, crate::users::VhostRecord)> = rows
             .iter()
             .filter(|(k, _)| k.as_slice() != USERS_INITIALISED)
             .filter_map(|(k, v)| {
-                let limits = serde_json::from_slice(v).unwrap_or_default();
-                String::from_utf8(k.clone()).ok().map(|n| (n, limits))
+                let record = serde_json::from_slice(v).unwrap_or_default();
+                String::from_utf8(k.clone()).ok().map(|n| (n, record))
             })
             .collect();
         let mut vhosts = self.vhosts.write();
         vhosts.retain(|name, _| listed.iter().any(|(n, _)| n == name));
-        for (name, limits) in &listed {
+        for (name, record) in &listed {
             let vh = vhosts.entry(name.clone()).or_insert_with(|| {
                 VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers)))
             });
-            *vh.limits.write() = limits.clone();
+            *vh.limits.write() = record.limits.clone();
+            *vh.default_queue_type.write() = record.default_queue_type.clone();
         }
         listed.len()
     }
@@ -692,6 +748,8 @@ impl Gatekeeper for Broker {
     }
 
     fn open_vhost(&self, user: &str, vhost: &str) -> Result<(), AccessError> {
+        // First, as RabbitMQ: the node-wide limit refuses whatever the vhost and user.
+        self.node_connection_slot(&self.counts.lock())?;
         if !self.vhosts.read().contains_key(vhost) {
             return Err(AccessError::VhostNotFound(vhost.to_string()));
         }
@@ -724,7 +782,10 @@ impl Gatekeeper for Broker {
                 "connection refused for user '{user}': user connection limit ({max}) is reached"
             )));
         }
+        // Again under this lock: another connection may have taken the last slot.
+        self.node_connection_slot(&counts)?;
         // Counted from here; the session releases it when the connection ends.
+        counts.node_connections += 1;
         add(&mut counts.vhost_connections, vhost, 1);
         add(&mut counts.user_connections, user, 1);
         Ok(())
@@ -745,6 +806,15 @@ impl Gatekeeper for Broker {
         }
         add(&mut counts.user_channels, user, 1);
         Ok(())
+    }
+}
+
+fn check_queue_type(t: Option<&str>) -> Result<(), UserError> {
+    match t {
+        Some(t) if !crate::users::DEFAULT_QUEUE_TYPES.contains(&t) => {
+            Err(UserError::QueueType(t.to_string()))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -19,6 +19,7 @@
 //! (this crate has no `.await` on any of these paths).
 
 pub mod access;
+pub mod alarms;
 pub mod args;
 pub mod broker;
 pub mod deadletter;

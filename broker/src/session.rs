@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use amq_protocol::protocol::{AMQPClass, access, basic, channel, confirm, exchange, queue, tx};
-use amq_protocol::types::FieldTable;
+use amq_protocol::types::{AMQPValue, FieldTable};
 use warren_amqp::assembler::{Command, Content};
 use warren_amqp::frame::FrameWriter;
 use warren_amqp::method::{
@@ -46,6 +46,8 @@ struct Ctx {
     flow: std::cell::RefCell<Option<Arc<Queue>>>,
     /// The user's permissions in this vhost.
     access: std::cell::RefCell<Access>,
+    /// basic.publish commands received (resource alarms block connections that publish).
+    publishes: Cell<u64>,
 }
 
 impl Ctx {
@@ -288,6 +290,7 @@ impl Session {
                 gate: Cell::new(0),
                 flow: std::cell::RefCell::new(None),
                 access: std::cell::RefCell::new(access),
+                publishes: Cell::new(0),
             },
             channels: HashMap::new(),
             drained: Vec::new(),
@@ -537,6 +540,13 @@ impl Session {
         self.ctx.flow.borrow_mut().take()
     }
 
+    /// How many basic.publish commands this connection sent so far. Under a resource alarm a
+    /// connection is blocked once this moves (RabbitMQ blocks publishers, not consumers).
+    #[must_use]
+    pub fn publishes(&self) -> u64 {
+        self.ctx.publishes.get()
+    }
+
     /// The store failed a write (or a read) this connection depends on. The connection must
     /// be dropped without writing what it holds: held replies and confirms would promise what
     /// is not on disk.
@@ -762,7 +772,22 @@ fn handle_queue(
 ) -> Result<(), AmqpError> {
     let vhost = &ctx.vhost;
     match m {
-        queue::AMQPMethod::Declare(d) => {
+        queue::AMQPMethod::Declare(mut d) => {
+            // The vhost's default queue type stands in for a missing x-queue-type on queues a
+            // quorum queue can be (durable, neither exclusive nor auto-delete).
+            if !d.passive
+                && d.durable
+                && !d.exclusive
+                && !d.auto_delete
+                && !d.arguments.inner().contains_key("x-queue-type")
+                && let Some(t) = vhost.default_queue_type.read().as_deref()
+                && t != "classic"
+            {
+                d.arguments.insert(
+                    "x-queue-type".into(),
+                    AMQPValue::LongString(t.as_bytes().to_vec().into()),
+                );
+            }
             let requested = d.queue.as_str();
             let name = if requested.is_empty() {
                 ctx.broker.unique_name("amq.gen-")
@@ -988,7 +1013,12 @@ fn check_queue_equivalence(
     }
     for key in crate::args::QUEUE_EQUIVALENCE_KEYS {
         let (want, have) = (args.inner().get(*key), q.arguments.inner().get(*key));
-        if !crate::args::equivalent(want, have) {
+        // A queue without a type is classic: 'classic' and no type are equivalent.
+        let classic = |v: Option<&AMQPValue>| {
+            *key == "x-queue-type"
+                && v.is_none_or(|v| crate::args::string_like(v).is_some_and(|t| t == b"classic"))
+        };
+        if !(crate::args::equivalent(want, have) || classic(want) && classic(have)) {
             return Err(AmqpError::channel(
                 ReplyCode::PreconditionFailed,
                 format!(
@@ -1297,6 +1327,7 @@ fn handle_basic(
 ) -> Result<(), AmqpError> {
     match m {
         basic::AMQPMethod::Publish(p) => {
+            ctx.publishes.set(ctx.publishes.get() + 1);
             let content = content.ok_or_else(|| {
                 AmqpError::connection(ReplyCode::FrameError, "publish without content")
             })?;
@@ -1456,6 +1487,17 @@ fn handle_basic(
             Ok(())
         }
         basic::AMQPMethod::Consume(c) => {
+            if let Some(max) = ctx.broker.config.consumer_max_per_channel
+                && chan.consumers.len() as u64 >= max
+                && !chan.consumers.contains_key(c.consumer_tag.as_str())
+            {
+                // rabbit_channel: a hard error, so the whole connection closes.
+                return Err(AmqpError::connection(
+                    ReplyCode::NotAllowed,
+                    format!("reached maximum ({max}) of consumers per channel"),
+                )
+                .with_method(60, 20));
+            }
             let qname = expand_queue_name(chan, c.queue.as_str())?;
             ctx.allow(Perm::Read, Resource::Queue, &qname)?;
             let q = usable_queue(ctx, &qname)?;

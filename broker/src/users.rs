@@ -57,6 +57,25 @@ pub struct VhostLimits {
     pub max_queues: Option<i64>,
 }
 
+/// What is stored for a vhost: its limits and its metadata, one JSON object (records
+/// written before the metadata existed hold only the limits' keys and still decode).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VhostRecord {
+    /// `set_vhost_limits`.
+    #[serde(flatten)]
+    pub limits: VhostLimits,
+    /// `add_vhost --default-queue-type`: the type of queues declared without `x-queue-type`.
+    #[serde(
+        default,
+        rename = "default-queue-type",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub default_queue_type: Option<String>,
+}
+
+/// The queue types a vhost default may name (streams arrive with issue 9).
+pub const DEFAULT_QUEUE_TYPES: &[&str] = &["classic", "quorum"];
+
 /// Whether `count` more would go over `limit` (absent or negative: unlimited).
 #[must_use]
 pub fn reached(limit: Option<i64>, count: i64) -> Option<i64> {
@@ -72,6 +91,9 @@ pub enum UserError {
     /// The user does not exist.
     #[error("no such user '{0}'")]
     NoSuchUser(String),
+    /// A vhost default queue type that is not one of [`DEFAULT_QUEUE_TYPES`].
+    #[error("unsupported default queue type '{0}' (classic or quorum)")]
+    QueueType(String),
     /// The vhost does not exist.
     #[error("no such vhost '{0}'")]
     NoSuchVhost(String),

@@ -49,6 +49,8 @@ pub struct VHost {
     policies: RwLock<Vec<crate::policy::Policy>>,
     /// `set_vhost_limits`.
     pub limits: RwLock<crate::users::VhostLimits>,
+    /// The queue type for declarations without `x-queue-type` (None: classic).
+    pub default_queue_type: RwLock<Option<String>>,
     /// Set when the vhost is deleted; its connections are closed.
     down: std::sync::atomic::AtomicBool,
     down_notify: tokio::sync::Notify,
@@ -125,6 +127,15 @@ fn equivalence_fail(
 }
 
 impl VHost {
+    /// The vhost's stored record (limits and metadata).
+    #[must_use]
+    pub fn record(&self) -> crate::users::VhostRecord {
+        crate::users::VhostRecord {
+            limits: self.limits.read().clone(),
+            default_queue_type: self.default_queue_type.read().clone(),
+        }
+    }
+
     /// A vhost with the predeclared exchanges; durable objects go to `store` if given.
     #[must_use]
     pub fn new(
@@ -149,6 +160,7 @@ impl VHost {
             replies: crate::reply_to::Replies::default(),
             policies: RwLock::new(Vec::new()),
             limits: RwLock::new(crate::users::VhostLimits::default()),
+            default_queue_type: RwLock::new(None),
             down: std::sync::atomic::AtomicBool::new(false),
             down_notify: tokio::sync::Notify::new(),
         })

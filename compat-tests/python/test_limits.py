@@ -94,3 +94,49 @@ def test_user_connection_and_channel_limits(ctl, params, user):
     b = connect(params, user=user, password="pw")
     a.close()
     b.close()
+
+
+# Node-wide limits live in the configuration file (rabbitmq.conf's connection_max and
+# consumer_max_per_channel), so these start a Warren of their own. The refusal texts are
+# rabbit_reader's and rabbit_channel's.
+
+@pytest.mark.warren_only
+def test_node_connection_max(tmp_path):
+    from conftest import warren_process
+    cfg = tmp_path / "warren.toml"
+    cfg.write_text("connection_max = 2\n")
+    with warren_process("--config", str(cfg)) as w:
+        params = pika.ConnectionParameters(host="127.0.0.1", port=w["port"])
+        first, second = connect(params), connect(params)
+        try:
+            with pytest.raises(ProbableAccessDeniedError) as e:
+                connect(params)
+            assert "NOT_ALLOWED - connection refused: node connection limit (2) is reached" \
+                in str(e.value)
+        finally:
+            first.close()
+        # A slot is free again once a connection closed; the others were unaffected.
+        connect(params).close()
+        assert second.channel().is_open
+        second.close()
+
+
+@pytest.mark.warren_only
+def test_consumer_max_per_channel(tmp_path):
+    from conftest import warren_process
+    cfg = tmp_path / "warren.toml"
+    cfg.write_text("consumer_max_per_channel = 2\n")
+    with warren_process("--config", str(cfg)) as w:
+        params = pika.ConnectionParameters(host="127.0.0.1", port=w["port"])
+        conn = connect(params)
+        ch = conn.channel()
+        q = ch.queue_declare("", exclusive=True).method.queue
+        ch.basic_consume(q, lambda *a: None)
+        ch.basic_consume(q, lambda *a: None)
+        # Another channel has its own allowance.
+        other = conn.channel()
+        other.basic_consume(q, lambda *a: None)
+        with pytest.raises(ConnectionClosedByBroker) as e:
+            ch.basic_consume(q, lambda *a: None)
+        assert e.value.reply_code == 530
+        assert e.value.reply_text == "NOT_ALLOWED - reached maximum (2) of consumers per channel"

@@ -85,3 +85,52 @@ def test_deleting_a_vhost_closes_its_connections_and_removes_everything(ctl, par
 
 def test_deleting_a_missing_vhost_is_65(ctl, prefix):
     assert ctl("delete_vhost", prefix + ".none")[0] == 65
+
+
+@pytest.fixture
+def quorum_vhost(ctl, prefix):
+    name = prefix.replace("compat.", "vq.")[:60]
+    code, out = ctl("add_vhost", name, "--default-queue-type", "quorum")
+    assert code == 0, out
+    assert ctl("set_permissions", "-p", name, "guest", ".*", ".*", ".*")[0] == 0
+    yield name
+    ctl("delete_vhost", name)
+
+
+def test_default_queue_type_applies_to_queues_declared_without_one(ctl, params, quorum_vhost):
+    code, out = ctl("list_vhosts", "name", "default_queue_type")
+    assert code == 0 and f"{quorum_vhost}\tquorum" in out.splitlines(), out
+    conn = connect(params, quorum_vhost)
+    try:
+        ch = conn.channel()
+        ch.queue_declare("jobs", durable=True)
+        ch.queue_declare("jobs", durable=True)  # redeclaring without a type is equivalent
+        # The queue is a quorum queue: declaring it as classic is inequivalent.
+        with pytest.raises(ChannelClosedByBroker) as e:
+            ch.queue_declare("jobs", durable=True, arguments={"x-queue-type": "classic"})
+        assert e.value.reply_code == 406
+        assert "inequivalent arg 'x-queue-type'" in e.value.reply_text
+        assert "'quorum'" in e.value.reply_text
+        # An explicit type wins over the default; exclusive queues stay classic.
+        ch = conn.channel()
+        ch.queue_declare("explicit", durable=True, arguments={"x-queue-type": "classic"})
+        ch.queue_declare("", exclusive=True)
+        ch.queue_delete("jobs")
+        ch.queue_delete("explicit")
+    finally:
+        conn.close()
+
+
+def test_default_queue_type_is_per_vhost(ctl, params, vhost):
+    code, out = ctl("list_vhosts", "name", "default_queue_type")
+    assert code == 0
+    row = [line for line in out.splitlines() if line.startswith(vhost + "\t")]
+    assert row and row[0].split("\t")[1] in ("undefined", "classic"), out
+    conn = connect(params, vhost)
+    try:
+        ch = conn.channel()
+        ch.queue_declare("plain", durable=True)
+        ch.queue_declare("plain", durable=True, arguments={"x-queue-type": "classic"})
+        ch.queue_delete("plain")
+    finally:
+        conn.close()

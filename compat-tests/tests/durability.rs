@@ -619,11 +619,13 @@ async fn users_permissions_and_limits_survive_a_restart_and_deleted_guest_stays_
 #[tokio::test]
 async fn vhosts_survive_a_restart_and_a_deleted_one_takes_its_messages() {
     //! A vhost and its durable queue survive a kill -9 with their persistent messages; after
-    //! delete_vhost, a vhost of that name created again is empty, also after a restart.
+    //! delete_vhost, a vhost of that name created again is empty, also after a restart. Its
+    //! limits and default queue type survive too.
     let b = Broker::start();
     for args in [
-        &["add_vhost", "tenant"][..],
+        &["add_vhost", "tenant", "--default-queue-type", "quorum"][..],
         &["set_permissions", "-p", "tenant", "guest", ".*", ".*", ".*"],
+        &["set_vhost_limits", "-p", "tenant", r#"{"max-queues": 5}"#],
     ] {
         let (ok, out) = b.ctl(args);
         assert!(ok, "{args:?}: {out}");
@@ -638,6 +640,10 @@ async fn vhosts_survive_a_restart_and_a_deleted_one_takes_its_messages() {
         publish(&ch, "", "t.q", b"kept", persistent()).await;
     }
     let b = restart(b, true);
+    let (ok, out) = b.ctl(&["list_vhosts", "name", "default_queue_type"]);
+    assert!(ok && out.lines().any(|l| l == "tenant\tquorum"), "{out}");
+    let (ok, out) = b.ctl(&["list_vhost_limits", "-p", "tenant"]);
+    assert!(ok && out.contains(r#""max-queues":5"#), "{out}");
     let tenant = b.uri().replace("/%2f", "/tenant");
     let conn = lapin::Connection::connect(&tenant, lapin::ConnectionProperties::default())
         .await

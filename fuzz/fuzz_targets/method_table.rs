@@ -1,5 +1,5 @@
 //! Method, field-table and content-header decoding on arbitrary bytes: never panics, and a
-//! table that decodes re-encodes to one that decodes to the same value.
+//! table that decodes re-encodes to bytes that decode and re-encode identically.
 #![no_main]
 
 use bytes::Bytes;
@@ -13,9 +13,10 @@ fuzz_target!(|data: &[u8]| {
     let _ = method::decode(data, TABLE_DEPTH_MAX);
     if let Ok((table, used)) = decode_table(data, TABLE_DEPTH_MAX) {
         assert!(used <= data.len());
+        // Compared as bytes: a NaN double is not equal to itself as a value.
         let again = encode_table(&table);
         let (round, _) = decode_table(&again, TABLE_DEPTH_MAX + 1).expect("re-encoded table decodes");
-        assert_eq!(round, table);
+        assert_eq!(encode_table(&round), again);
     }
     if let Ok(p) = Properties::parse(Bytes::copy_from_slice(data), TABLE_DEPTH_MAX) {
         // Accessors on validated properties must not panic either.
