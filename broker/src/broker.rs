@@ -341,6 +341,7 @@ impl Broker {
         }
         let vh = VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers)));
         *vh.default_queue_type.write() = default_queue_type.map(str::to_string);
+        vh.delayed.set_slot(next_delayed_slot(&vhosts));
         self.persist_vhost(&vh, on_commit);
         vhosts.insert(name.to_string(), vh);
         Ok(true)
@@ -579,12 +580,23 @@ impl Broker {
             .collect();
         let mut vhosts = self.vhosts.write();
         vhosts.retain(|name, _| listed.iter().any(|(n, _)| n == name));
+        let mut unslotted = Vec::new();
         for (name, record) in &listed {
             let vh = vhosts.entry(name.clone()).or_insert_with(|| {
                 VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers)))
             });
             *vh.limits.write() = record.limits.clone();
             *vh.default_queue_type.write() = record.default_queue_type.clone();
+            vh.delayed.set_slot(record.delayed_slot);
+            if record.delayed_slot == 0 && name != DEFAULT_VHOST {
+                unslotted.push(Arc::clone(vh));
+            }
+        }
+        // Records written before vhosts had delayed slots (such a vhost had no delayed
+        // messages: they were refused outside "/").
+        for vh in unslotted {
+            vh.delayed.set_slot(next_delayed_slot(&vhosts));
+            self.persist_vhost(&vh, &mut || Box::new(|_| {}));
         }
         listed.len()
     }
@@ -807,6 +819,15 @@ impl Gatekeeper for Broker {
         add(&mut counts.user_channels, user, 1);
         Ok(())
     }
+}
+
+/// A delayed slot no vhost uses: one past the highest ("/" has 0).
+fn next_delayed_slot(vhosts: &HashMap<String, Arc<VHost>>) -> u32 {
+    vhosts
+        .values()
+        .map(|v| v.delayed.slot())
+        .max()
+        .map_or(1, |m| m.saturating_add(1).max(1))
 }
 
 fn check_queue_type(t: Option<&str>) -> Result<(), UserError> {

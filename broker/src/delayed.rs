@@ -25,9 +25,19 @@ use crate::queue::publish_routed;
 use crate::timers::{TimerTarget, Timers, wall_ms};
 use crate::vhost::VHost;
 
-/// Store queue id under which scheduled persistent messages are indexed (queue ids handed out
-/// by the broker never reach it).
+/// Store queue id under which vhost "/" indexes its scheduled persistent messages. Vhost
+/// number `slot` (persisted in its record) uses `DELAYED_QUEUE_ID - slot`; queue ids handed
+/// out by the broker count up from 1 and never reach the top 2^32 ids.
 pub const DELAYED_QUEUE_ID: u64 = u64::MAX;
+
+/// The lowest store id a delayed slot can map to.
+pub const DELAYED_QUEUE_ID_MIN: u64 = DELAYED_QUEUE_ID - u32::MAX as u64;
+
+/// The store queue id of delayed slot `slot`.
+#[must_use]
+pub fn store_id(slot: u32) -> u64 {
+    DELAYED_QUEUE_ID - u64::from(slot)
+}
 
 /// The delay a publish asks for: its `x-delay` header in milliseconds, if positive.
 #[must_use]
@@ -58,6 +68,8 @@ pub struct Delayed {
     store: Option<Arc<Durable>>,
     timers: Option<Arc<Timers>>,
     me: Weak<Delayed>,
+    /// This vhost's delayed slot (its store id is [`store_id`] of it); set before use.
+    slot: std::sync::atomic::AtomicU32,
     state: Mutex<State>,
 }
 
@@ -74,12 +86,52 @@ impl Delayed {
             store,
             timers,
             me: me.clone(),
+            slot: std::sync::atomic::AtomicU32::new(0),
             state: Mutex::new(State {
                 due: BTreeMap::new(),
                 next_seq: 1,
                 armed: None,
             }),
         })
+    }
+
+    /// The vhost's delayed slot.
+    #[must_use]
+    pub fn slot(&self) -> u32 {
+        self.slot.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Give the vhost its slot (when it is created or recovered, before any message).
+    pub fn set_slot(&self, slot: u32) {
+        self.slot.store(slot, std::sync::atomic::Ordering::Release);
+    }
+
+    fn store_queue(&self) -> u64 {
+        store_id(self.slot())
+    }
+
+    /// Drop everything scheduled (the vhost is deleted): stored messages are settled so that
+    /// a restart does not bring them back.
+    pub fn discard_all(&self) {
+        let stored: Vec<u64> = {
+            let mut st = self.state.lock();
+            let due = std::mem::take(&mut st.due);
+            due.into_iter()
+                .filter(|(_, (_, stored))| *stored)
+                .map(|((_, seq), _)| seq)
+                .collect()
+        };
+        if let Some(store) = &self.store
+            && !stored.is_empty()
+        {
+            let queue = self.store_queue();
+            store.submit_ops(
+                stored
+                    .into_iter()
+                    .map(|id| Op::Settle { queue, id })
+                    .collect(),
+            );
+        }
     }
 
     /// Messages waiting.
@@ -114,7 +166,7 @@ impl Delayed {
                     Batch {
                         bodies: vec![stored(&message)],
                         ops: vec![Op::Enqueue {
-                            queue: DELAYED_QUEUE_ID,
+                            queue: self.store_queue(),
                             id: seq,
                             body: BodyRef::New(0),
                             flags: 0,
@@ -207,7 +259,7 @@ impl Delayed {
             }
             if stored {
                 settles.push(Op::Settle {
-                    queue: DELAYED_QUEUE_ID,
+                    queue: self.store_queue(),
                     id: seq,
                 });
             }

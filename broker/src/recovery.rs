@@ -137,12 +137,28 @@ impl Broker {
         }
         let store = self.vhost("/").and_then(|vh| vh.store().cloned());
         let mut orphaned: Vec<u64> = Vec::new();
+        let delayed_by_id: HashMap<u64, Arc<crate::vhost::VHost>> = self
+            .list_vhosts()
+            .iter()
+            .filter_map(|name| self.vhost(name))
+            .map(|vh| (crate::delayed::store_id(vh.delayed.slot()), vh))
+            .collect();
+        let mut delayed_orphans: Vec<Op> = Vec::new();
         for (n, m) in recovered.messages.iter().enumerate() {
-            if m.queue == crate::delayed::DELAYED_QUEUE_ID {
-                // Only vhost "/" exists until vhosts can be created (issue 6).
-                if let Some(vh) = self.vhost("/") {
-                    vh.delayed.restore(m.id, m.location, m.expires_at);
-                    report.delayed += 1;
+            if m.queue >= crate::delayed::DELAYED_QUEUE_ID_MIN {
+                match delayed_by_id.get(&m.queue) {
+                    Some(vh) => {
+                        vh.delayed.restore(m.id, m.location, m.expires_at);
+                        report.delayed += 1;
+                    }
+                    None => {
+                        // Its vhost is gone (deleted before its settles were written).
+                        delayed_orphans.push(Op::Settle {
+                            queue: m.queue,
+                            id: m.id,
+                        });
+                        report.dropped += 1;
+                    }
                 }
                 continue;
             }
@@ -172,6 +188,7 @@ impl Broker {
             }
         }
         cleanup.extend(orphaned.into_iter().map(|queue| Op::DropQueue { queue }));
+        cleanup.extend(delayed_orphans);
         if let Some(store) = &store {
             store.submit_ops(cleanup);
         }

@@ -1079,17 +1079,6 @@ fn handle_exchange(
                 }
                 ctx.allow(Perm::Configure, Resource::Exchange, name)?;
                 vhost_up(ctx)?;
-                if delayed && vhost.name != "/" {
-                    // Delayed messages are stored under one node-wide key space that does not
-                    // yet carry the vhost (issue 6 follow-up): refuse rather than mix tenants.
-                    return Err(AmqpError::channel(
-                        ReplyCode::PreconditionFailed,
-                        format!(
-                            "x-delayed-message exchanges are supported in vhost '/' only, not '{}'",
-                            vhost.name
-                        ),
-                    ));
-                }
                 if let Some(ae) = crate::args::string_arg(&d.arguments, "alternate-exchange") {
                     ctx.allow(Perm::Write, Resource::Exchange, &ae)?;
                     ctx.allow(Perm::Read, Resource::Exchange, name)?;

@@ -71,6 +71,14 @@ pub struct VhostRecord {
         skip_serializing_if = "Option::is_none"
     )]
     pub default_queue_type: Option<String>,
+    /// Which store id holds the vhost's scheduled delayed messages (see
+    /// [`crate::delayed::store_id`]); 0 is vhost "/", and records from before slots existed.
+    #[serde(default, rename = "delayed-slot", skip_serializing_if = "is_zero")]
+    pub delayed_slot: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// The queue types a vhost default may name (streams arrive with issue 9).

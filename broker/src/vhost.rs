@@ -133,6 +133,7 @@ impl VHost {
         crate::users::VhostRecord {
             limits: self.limits.read().clone(),
             default_queue_type: self.default_queue_type.read().clone(),
+            delayed_slot: self.delayed.slot(),
         }
     }
 
@@ -217,6 +218,7 @@ impl VHost {
         for name in policies {
             self.clear_policy(&name, noop);
         }
+        self.delayed.discard_all();
     }
 
     /// What queues of this vhost are connected to (store, timers, the vhost itself for

@@ -505,13 +505,8 @@ async fn message_ttls_keep_running_across_a_restart() {
     assert_eq!(bodies(&drain(&ch, "ttl").await), ["stays"]);
 }
 
-#[tokio::test]
-async fn delayed_messages_survive_a_restart_and_are_released_on_time() {
-    //! A persistent message held by a durable x-delayed-message exchange is confirmed once
-    //! stored, survives a kill -9, and is routed when its delay runs out.
-    let b = Broker::start();
-    let conn = connect(&b).await;
-    let ch = confirm_channel(&conn).await;
+/// A durable x-delayed-message exchange "later" routing to durable queue "due" with key "k".
+async fn delayed_topology(ch: &lapin::Channel) {
     let mut args = FieldTable::default();
     args.insert(
         "x-delayed-type".into(),
@@ -528,18 +523,26 @@ async fn delayed_messages_survive_a_restart_and_are_released_on_time() {
     )
     .await
     .unwrap();
-    queue(&ch, "due", true).await;
-    bind(&ch, "due", "later", "k").await;
+    queue(ch, "due", true).await;
+    bind(ch, "due", "later", "k").await;
+}
+
+/// Publish `body` persistently to "later" with a delay of 1.5 s (confirmed).
+async fn publish_delayed(ch: &lapin::Channel, body: &[u8]) {
     let mut headers = FieldTable::default();
     headers.insert("x-delay".into(), lapin::types::AMQPValue::LongInt(1500));
-    publish(
-        &ch,
-        "later",
-        "k",
-        b"scheduled",
-        persistent().with_headers(headers),
-    )
-    .await;
+    publish(ch, "later", "k", body, persistent().with_headers(headers)).await;
+}
+
+#[tokio::test]
+async fn delayed_messages_survive_a_restart_and_are_released_on_time() {
+    //! A persistent message held by a durable x-delayed-message exchange is confirmed once
+    //! stored, survives a kill -9, and is routed when its delay runs out.
+    let b = Broker::start();
+    let conn = connect(&b).await;
+    let ch = confirm_channel(&conn).await;
+    delayed_topology(&ch).await;
+    publish_delayed(&ch, b"scheduled").await;
     let b = restart(b, true);
     let conn = connect(&b).await;
     let ch = conn.create_channel().await.unwrap();
@@ -550,6 +553,83 @@ async fn delayed_messages_survive_a_restart_and_are_released_on_time() {
         .unwrap()
         .unwrap();
     assert_eq!(d.data, b"scheduled");
+}
+
+#[tokio::test]
+async fn delayed_messages_stay_in_their_vhost_across_a_restart() {
+    //! The same delayed exchange in "/", "tenant" and "gone": after "gone" is deleted (and
+    //! created again) and the broker is killed, each message is released into its own vhost's
+    //! queue, and "gone"'s never comes back.
+    let b = Broker::start();
+    for vhost in ["tenant", "gone"] {
+        for args in [
+            &["add_vhost", vhost][..],
+            &["set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"],
+        ] {
+            let (ok, out) = b.ctl(args);
+            assert!(ok, "{args:?}: {out}");
+        }
+    }
+    let uri = |b: &Broker, vhost: &str| b.uri().replace("/%2f", &format!("/{vhost}"));
+    // "tenant" last, so that once its message is released every other delay has run out.
+    for (vhost, body) in [("gone", "gone"), ("%2f", "root"), ("tenant", "tenant")] {
+        let conn = lapin::Connection::connect(&uri(&b, vhost), Default::default())
+            .await
+            .unwrap();
+        let ch = confirm_channel(&conn).await;
+        delayed_topology(&ch).await;
+        publish_delayed(&ch, body.as_bytes()).await;
+    }
+    // Deleted, then created again with the same topology before the restart: had the
+    // delayed record stayed in the store, recovery would hand it to the new "gone".
+    let (ok, out) = b.ctl(&["delete_vhost", "gone"]);
+    assert!(ok, "{out}");
+    for args in [
+        &["add_vhost", "gone"][..],
+        &["set_permissions", "-p", "gone", "guest", ".*", ".*", ".*"],
+    ] {
+        let (ok, out) = b.ctl(args);
+        assert!(ok, "{args:?}: {out}");
+    }
+    {
+        let conn = lapin::Connection::connect(&uri(&b, "gone"), Default::default())
+            .await
+            .unwrap();
+        delayed_topology(&confirm_channel(&conn).await).await;
+    }
+    let b = restart(b, true);
+    let conn = lapin::Connection::connect(&uri(&b, "tenant"), Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let mut consumer = consume(&ch, "due", "c", true).await;
+    let d = tokio::time::timeout(WAIT, consumer.next())
+        .await
+        .expect("released within the wait")
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.data, b"tenant");
+    ch.basic_cancel("c".into(), Default::default())
+        .await
+        .unwrap();
+    assert!(
+        drain(&ch, "due").await.is_empty(),
+        "only tenant's message in tenant"
+    );
+    let root = connect(&b).await.create_channel().await.unwrap();
+    assert_eq!(
+        bodies(&drain(&root, "due").await),
+        ["root"],
+        "only root's in /"
+    );
+    let conn = lapin::Connection::connect(&uri(&b, "gone"), Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    assert!(
+        drain(&ch, "due").await.is_empty(),
+        "gone's message went with it"
+    );
 }
 
 #[tokio::test]
