@@ -58,6 +58,24 @@ struct Shared {
     has_failed: AtomicBool,
     failed: Mutex<Option<Arc<StoreError>>>,
     on_commit: Mutex<Option<CommitHook>>,
+    /// Set by the thread when it stops taking requests.
+    stopped: AtomicBool,
+    /// The channel's receiver once the thread stopped: whoever finds requests in it (the
+    /// exiting thread, or a submitter that raced with it) completes them with an error, so
+    /// that no completion is ever dropped uncalled.
+    late: Mutex<Option<mpsc::Receiver<Msg>>>,
+}
+
+/// Complete everything left in a stopped writer's channel with an error.
+fn fail_late(shared: &Shared) {
+    let late = shared.late.lock();
+    let Some(rx) = late.as_ref() else { return };
+    while let Ok(msg) = rx.try_recv() {
+        if let Msg::Request(r) = msg {
+            shared.pending_bytes.fetch_sub(r.bytes, Ordering::Relaxed);
+            (r.done)(Err(stopped()));
+        }
+    }
 }
 
 /// Called on the writer thread after every group commit with the bytes still pending.
@@ -100,12 +118,22 @@ impl Writer {
             has_failed: AtomicBool::new(false),
             failed: Mutex::new(None),
             on_commit: Mutex::new(None),
+            stopped: AtomicBool::new(false),
+            late: Mutex::new(None),
         });
         let (tx, rx) = mpsc::channel();
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("warren-store-writer".into())
-            .spawn(move || run(store, &s, &rx))?;
+            .spawn(move || {
+                run(store, &s, &rx);
+                // Dekker with `submit`: stopped is set before the last look at the channel,
+                // and a submitter looks at stopped after its send; one of them sees the other.
+                s.stopped.store(true, Ordering::SeqCst);
+                std::sync::atomic::fence(Ordering::SeqCst);
+                *s.late.lock() = Some(rx);
+                fail_late(&s);
+            })?;
         Ok(Self {
             tx,
             shared,
@@ -139,6 +167,12 @@ impl Writer {
                 .pending_bytes
                 .fetch_sub(r.bytes, Ordering::Relaxed);
             (r.done)(Err(stopped()));
+            return;
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if self.shared.stopped.load(Ordering::SeqCst) {
+            // Sent while the thread was exiting: it may not have seen this request.
+            fail_late(&self.shared);
         }
     }
 
@@ -161,7 +195,8 @@ impl Writer {
     }
 
     /// Commit what is queued, then stop the thread and wait for it. Batches submitted after
-    /// the thread exited complete with an error.
+    /// the thread stopped taking requests complete with an error; every completion is called
+    /// exactly once, whatever the race with shutdown.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Msg::Close);
         if let Some(t) = self.thread.lock().take() {
@@ -351,6 +386,65 @@ mod tests {
             store.segments().read(m.location).unwrap().routing_key,
             Bytes::from_static(b"2007")
         );
+    }
+
+    #[test]
+    fn every_completion_runs_once_when_submits_race_shutdown() {
+        // Submitters keep going while the writer shuts down: each completion must run
+        // exactly once (Ok if committed, Err if refused), never be dropped. Repeated, because
+        // the window is short.
+        for round in 0..40u64 {
+            let dir = tempfile::tempdir().unwrap();
+            let (store, _) = Store::open(dir.path(), Options::default()).unwrap();
+            let writer = Arc::new(Writer::start(store).unwrap());
+            let completed = Arc::new(AtomicU64::new(0));
+            let ok = Arc::new(AtomicU64::new(0));
+            let submitters: Vec<_> = (0..2u64)
+                .map(|t| {
+                    let (writer, completed, ok) =
+                        (Arc::clone(&writer), Arc::clone(&completed), Arc::clone(&ok));
+                    std::thread::spawn(move || {
+                        for i in 0..200u64 {
+                            let (completed, ok) = (Arc::clone(&completed), Arc::clone(&ok));
+                            writer.submit(
+                                Batch {
+                                    bodies: vec![msg(i)],
+                                    ops: vec![Op::Enqueue {
+                                        queue: t + 1,
+                                        id: i,
+                                        body: BodyRef::New(0),
+                                        flags: 0,
+                                        expires_at: 0,
+                                    }],
+                                },
+                                Box::new(move |r| {
+                                    if r.is_ok() {
+                                        ok.fetch_add(1, Ordering::SeqCst);
+                                    }
+                                    completed.fetch_add(1, Ordering::SeqCst);
+                                }),
+                            );
+                        }
+                    })
+                })
+                .collect();
+            if round % 2 == 0 {
+                std::thread::yield_now();
+            }
+            writer.shutdown();
+            for s in submitters {
+                s.join().unwrap();
+            }
+            assert_eq!(completed.load(Ordering::SeqCst), 400, "round {round}");
+            assert_eq!(writer.pending_bytes(), 0, "round {round}");
+            drop(writer);
+            let (_, r) = Store::open(dir.path(), Options::default()).unwrap();
+            assert_eq!(
+                r.messages.len() as u64,
+                ok.load(Ordering::SeqCst),
+                "exactly the confirmed ones are stored (round {round})"
+            );
+        }
     }
 
     #[test]
