@@ -409,7 +409,7 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             () = wait_opt(vhost_down.as_mut()), if vhost_down.is_some() => {
                 vhost_down = None;
                 let name = session.as_ref().map(|s| s.vhost().name.clone()).unwrap_or_default();
-                let e = AmqpError::connection(ReplyCode::ConnectionForced, format!("vhost '{name}' is down"));
+                let e = AmqpError::connection(ReplyCode::ConnectionForced, format!("vhost '{name}' is deleted"));
                 conn.close_with(e, &mut out, Instant::now().into_std());
             },
             () = sleep_until(timer) => {

@@ -617,6 +617,16 @@ impl Broker {
         self.users.read().list()
     }
 
+    /// Whether the user exists and carries `tag` (tags are read when a connection opens, as
+    /// RabbitMQ caches the user record per connection).
+    #[must_use]
+    pub fn user_has_tag(&self, name: &str, tag: &str) -> bool {
+        self.users
+            .read()
+            .get(name)
+            .is_some_and(|u| u.tags.iter().any(|t| t == tag))
+    }
+
     /// `authenticate_user`: whether the credentials are right (no loopback rule).
     #[must_use]
     pub fn authenticate(&self, name: &str, password: &str) -> bool {

@@ -48,6 +48,8 @@ struct Ctx {
     access: std::cell::RefCell<Access>,
     /// basic.publish commands received (resource alarms block connections that publish).
     publishes: Cell<u64>,
+    /// The user has the `impersonator` tag: it may publish with any `user_id`.
+    impersonator: bool,
 }
 
 impl Ctx {
@@ -279,6 +281,7 @@ impl Session {
     ) -> Self {
         let conn_id = broker.next_id();
         let access = Access::new(Arc::clone(&broker), &vhost.name, &user);
+        let impersonator = broker.user_has_tag(&user, "impersonator");
         Self {
             ctx: Ctx {
                 broker,
@@ -291,6 +294,7 @@ impl Session {
                 flow: std::cell::RefCell::new(None),
                 access: std::cell::RefCell::new(access),
                 publishes: Cell::new(0),
+                impersonator,
             },
             channels: HashMap::new(),
             drained: Vec::new(),
@@ -1330,6 +1334,7 @@ fn handle_basic(
             ctx.allow_topic(Perm::Write, p.exchange.as_str(), p.routing_key.as_str())?;
             if let Some(user_id) = content.properties.user_id()
                 && user_id != ctx.user.as_bytes()
+                && !ctx.impersonator
             {
                 return Err(AmqpError::channel(
                     ReplyCode::PreconditionFailed,
@@ -1831,7 +1836,7 @@ fn vhost_up(ctx: &Ctx) -> Result<(), AmqpError> {
     if ctx.vhost.is_down() {
         return Err(AmqpError::connection(
             ReplyCode::ConnectionForced,
-            format!("vhost '{}' is down", ctx.vhost.name),
+            format!("vhost '{}' is deleted", ctx.vhost.name),
         ));
     }
     Ok(())

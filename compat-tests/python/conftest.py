@@ -250,13 +250,39 @@ def pytest_configure(config):
         "markers",
         "warren_only: checks a bound Warren adds beyond RabbitMQ; skipped against other brokers",
     )
+    config.addinivalue_line(
+        "markers",
+        "rabbitmq4: RabbitMQ 4 behaviour (Warren's reference) that 3.x does not have; skipped "
+        "against a 3.x broker",
+    )
+
+
+def _external_broker_major():
+    """Major version the external broker reports in connection.start (None if unknown)."""
+    try:
+        conn = pika.BlockingConnection(pika.URLParameters(os.environ["WARREN_TEST_AMQP_URL"]))
+    except Exception:
+        return None
+    try:
+        version = conn._impl.server_properties.get("version", b"")
+        if isinstance(version, bytes):
+            version = version.decode(errors="replace")
+        return int(version.split(".")[0])
+    except (ValueError, AttributeError):
+        return None
+    finally:
+        conn.close()
 
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("WARREN_TEST_AMQP_URL"):
+        major = _external_broker_major()
         for item in items:
             if item.get_closest_marker("warren_only"):
                 item.add_marker(pytest.mark.skip(reason="Warren-specific bound"))
+            if item.get_closest_marker("rabbitmq4") and major is not None and major < 4:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"RabbitMQ 4 behaviour; the broker under test is {major}.x"))
         return
     for item in items:
         if item.originalname in PENDING_ISSUE4 or item.name in PENDING_ISSUE4:

@@ -100,3 +100,33 @@ def test_listings_show_tags_and_permissions(ctl, user):
     assert ctl("clear_permissions", user)[0] == 0
     code, out = ctl("list_user_permissions", user)
     assert rows(out, "vhost\tconfigure\twrite\tread") == []
+
+
+def test_only_an_impersonator_may_publish_with_another_user_id(ctl, params, user):
+    """RabbitMQ validates the user_id property against the connection's user, except for users
+    tagged `impersonator` (tags are read at connection.open)."""
+    from pika.exceptions import ChannelClosedByBroker
+    assert ctl("add_user", user, "pw")[0] == 0
+    assert ctl("set_permissions", user, ".*", ".*", ".*")[0] == 0
+
+    def publish_as(user_id):
+        conn = pika.BlockingConnection(params_for(params, user, "pw"))
+        try:
+            ch = conn.channel()
+            q = ch.queue_declare("", exclusive=True).method.queue
+            ch.basic_publish("", q, b"x", pika.BasicProperties(user_id=user_id))
+            method, props, _ = ch.basic_get(q, auto_ack=True)
+            assert method is not None and props.user_id == user_id
+        finally:
+            if conn.is_open:
+                conn.close()
+
+    publish_as(user)
+    with pytest.raises(ChannelClosedByBroker) as e:
+        publish_as("someone-else")
+    assert e.value.reply_code == 406
+    assert e.value.reply_text == (
+        f"PRECONDITION_FAILED - user_id property set to 'someone-else' but authenticated user "
+        f"was '{user}'")
+    assert ctl("set_user_tags", user, "impersonator")[0] == 0
+    publish_as("someone-else")

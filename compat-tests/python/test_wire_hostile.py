@@ -238,6 +238,50 @@ def test_opening_more_than_channel_max_channels_is_530_and_memory_stays_bounded(
     assert_broker_alive(params)
 
 
+def test_65000_pipelined_channel_opens_stop_at_channel_max(addr, params):
+    """65,000 channel.open frames in one burst: the first channel_max are opened, the next
+    one closes the connection with 530, the rest are discarded unread into memory."""
+    import threading
+    before = rss_kb()
+    c = WireClient(*addr).handshake()
+    try:
+        n = c.tune.channel_max
+        burst = b"".join(wire.channel_open(i) for i in range(1, 65001))
+
+        def send():
+            try:
+                c.sock.sendall(burst)
+            except OSError:
+                pass  # the broker closed the socket after its close: expected
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        opened = set()
+        while True:
+            fr = c.read_frame(timeout=30)
+            if fr.type == wire.FRAME_METHOD and wire.method_id(fr) == wire.CHANNEL_OPEN_OK:
+                opened.add(fr.channel)
+                continue
+            close = wire.decode_close(fr)
+            assert close is not None, fr
+            break
+        assert len(opened) == n
+        assert (close.kind, close.reply_code) == ("connection", 530), close
+        assert close.reply_text == (
+            f"NOT_ALLOWED - number of channels opened ({n}) has reached the negotiated "
+            f"channel_max ({n})")
+        try:
+            c.send(wire.connection_close_ok())
+        except OSError:
+            pass
+        c.expect_eof(timeout=EOF_AFTER_CLOSE_S)
+        sender.join(timeout=30)
+        assert_rss_growth_below(before, 64 * 1024, "65,000 channel.open frames")
+    finally:
+        c.close()
+    assert_broker_alive(params)
+
+
 # ----------------------------------------------------------------------------- connections
 
 def test_slowloris_handshake_is_dropped_by_the_handshake_timeout(addr, params):
