@@ -295,6 +295,8 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     // Resource alarms: once this connection publishes while one is on, it is not read until
     // all clear. `alarm_mark` is its publish count when it first saw the alarm.
     let mut alarm = broker.alarms().subscribe();
+    // Read once here and then only when the watch says it changed: no shared lock per wake-up.
+    let mut alarms = *alarm.borrow_and_update();
     let mut alarm_live = true;
     let mut alarm_mark: Option<u64> = None;
     let mut blocked = false;
@@ -327,7 +329,6 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         // Mark the commit generation seen before looking at the backlog: a commit after this
         // point wakes the select below, so no wake-up is lost.
         store.commits.borrow_and_update();
-        let alarms = *alarm.borrow_and_update();
         if let Some(s) = session.as_ref()
             && conn.is_open()
         {
@@ -404,7 +405,10 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 }
             },
             _ = store.commits.changed(), if store_paused => {},
-            changed = alarm.changed(), if alarm_live => alarm_live = changed.is_ok(),
+            changed = alarm.changed(), if alarm_live => {
+                alarm_live = changed.is_ok();
+                alarms = *alarm.borrow_and_update();
+            },
             () = flow_released(flow.as_ref()), if flow.is_some() => flow = None,
             () = wait_opt(vhost_down.as_mut()), if vhost_down.is_some() => {
                 vhost_down = None;
