@@ -125,6 +125,16 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
+    let env = ConnEnv {
+        broker: Arc::clone(&broker),
+        config: conn_config,
+        shutdown: shutdown_rx,
+        done: done_tx,
+        store: StoreGate {
+            durable: Arc::clone(&durable),
+            commits: commit_rx,
+        },
+    };
 
     let admin = tokio::spawn(crate::admin::serve(admin_listener, Arc::clone(&broker)));
     let signal = shutdown_signal();
@@ -133,65 +143,17 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((socket, peer)) => {
-                    let broker = Arc::clone(&broker);
-                    let config = conn_config.clone();
-                    let shutdown = shutdown_rx.clone();
-                    let done = done_tx.clone();
-                    let store = StoreGate { durable: Arc::clone(&durable), commits: commit_rx.clone() };
-                    tokio::spawn(async move {
-                        let _ = socket.set_nodelay(true);
-                        let (rd, wr) = socket.into_split();
-                        let io = Io { rd, wr, peer, external_identity: None, tls: false };
-                        serve(io, broker, config, shutdown, store).await;
-                        drop(done);
-                    });
+                    tokio::spawn(serve_tcp(socket, peer, env.clone()));
                 }
-                Err(e) => {
-                    tracing::warn!("accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
+                Err(e) => accept_failed(e).await,
             },
             accepted = accept_opt(amqps.as_ref().map(|a| &a.0)) => match accepted {
                 Ok((socket, peer)) => {
-                    let Some((_, acceptor, login_from)) = &amqps else { continue };
-                    let acceptor = acceptor.clone();
-                    let login_from = *login_from;
-                    let broker = Arc::clone(&broker);
-                    let config = conn_config.clone();
-                    let shutdown = shutdown_rx.clone();
-                    let done = done_tx.clone();
-                    let store = StoreGate { durable: Arc::clone(&durable), commits: commit_rx.clone() };
-                    tokio::spawn(async move {
-                        let _ = socket.set_nodelay(true);
-                        // The TLS handshake counts against the AMQP handshake timeout.
-                        let accepted = tokio::time::timeout(config.handshake_timeout, acceptor.accept(socket)).await;
-                        let stream = match accepted {
-                            Ok(Ok(stream)) => stream,
-                            Ok(Err(e)) => {
-                                tracing::info!(%peer, "TLS handshake failed: {e}");
-                                return;
-                            }
-                            Err(_) => {
-                                tracing::info!(%peer, "TLS handshake timed out");
-                                return;
-                            }
-                        };
-                        let external_identity = stream
-                            .get_ref()
-                            .1
-                            .peer_certificates()
-                            .and_then(|certs| certs.first())
-                            .and_then(|cert| crate::tls::cert_identity(cert, login_from));
-                        let (rd, wr) = tokio::io::split(stream);
-                        let io = Io { rd, wr, peer, external_identity, tls: true };
-                        serve(io, broker, config, shutdown, store).await;
-                        drop(done);
-                    });
+                    if let Some((_, acceptor, login_from)) = &amqps {
+                        tokio::spawn(serve_tls(socket, peer, acceptor.clone(), *login_from, env.clone()));
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!("accept failed: {e}");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
+                Err(e) => accept_failed(e).await,
             },
             () = &mut signal => break,
         }
@@ -200,7 +162,8 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     tracing::info!("shutting down: closing connections with 320 CONNECTION_FORCED");
     drop(listener);
     let _ = shutdown_tx.send(true);
-    drop(done_tx);
+    // Every connection task holds a clone of `env.done`.
+    drop(env);
     // Every connection task holds a sender; recv() returns None once all have finished.
     if tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(1), done_rx.recv())
         .await
@@ -238,7 +201,77 @@ async fn shutdown_signal() {
     }
 }
 
+/// Back off after a failed accept (e.g. out of file descriptors) instead of spinning.
+async fn accept_failed(e: std::io::Error) {
+    tracing::warn!("accept failed: {e}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// What every connection task takes from the server.
+#[derive(Clone)]
+struct ConnEnv {
+    broker: Arc<Broker>,
+    config: ConnectionConfig,
+    shutdown: watch::Receiver<bool>,
+    /// Dropped when the task ends: shutdown waits until every clone is gone.
+    done: mpsc::Sender<()>,
+    store: StoreGate,
+}
+
+async fn serve_tcp(socket: TcpStream, peer: SocketAddr, env: ConnEnv) {
+    let _ = socket.set_nodelay(true);
+    let (rd, wr) = socket.into_split();
+    let io = Io {
+        rd,
+        wr,
+        peer,
+        external_identity: None,
+        tls: false,
+    };
+    serve(io, env).await;
+}
+
+async fn serve_tls(
+    socket: TcpStream,
+    peer: SocketAddr,
+    acceptor: tokio_rustls::TlsAcceptor,
+    login_from: crate::tls::CertLogin,
+    env: ConnEnv,
+) {
+    let _ = socket.set_nodelay(true);
+    // The TLS handshake counts against the AMQP handshake timeout.
+    let accepted =
+        tokio::time::timeout(env.config.handshake_timeout, acceptor.accept(socket)).await;
+    let stream = match accepted {
+        Ok(Ok(stream)) => stream,
+        Ok(Err(e)) => {
+            tracing::info!(%peer, "TLS handshake failed: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::info!(%peer, "TLS handshake timed out");
+            return;
+        }
+    };
+    let external_identity = stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|certs| certs.first())
+        .and_then(|cert| crate::tls::cert_identity(cert, login_from));
+    let (rd, wr) = tokio::io::split(stream);
+    let io = Io {
+        rd,
+        wr,
+        peer,
+        external_identity,
+        tls: true,
+    };
+    serve(io, env).await;
+}
+
 /// What a connection needs to pause on the store's backlog.
+#[derive(Clone)]
 struct StoreGate {
     durable: Arc<Durable>,
     commits: watch::Receiver<u64>,
@@ -272,13 +305,14 @@ async fn write_or_flush<W: AsyncWrite + Unpin>(wr: &mut W, buf: &[u8]) -> std::i
 }
 
 /// Drive one connection until it closes.
-async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
-    io: Io<R, W>,
-    broker: Arc<Broker>,
-    config: ConnectionConfig,
-    mut shutdown: watch::Receiver<bool>,
-    mut store: StoreGate,
-) {
+async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: ConnEnv) {
+    let ConnEnv {
+        broker,
+        config,
+        mut shutdown,
+        done: _done,
+        mut store,
+    } = env;
     let Io {
         mut rd,
         mut wr,

@@ -933,7 +933,6 @@ fn parse_amqplain(response: &[u8], depth_max: usize) -> Option<(String, Vec<u8>)
 #[cfg(test)]
 mod tests {
     use super::*;
-    use amq_protocol::protocol::channel as ch;
 
     struct Open;
     impl Gatekeeper for Open {
@@ -967,33 +966,7 @@ mod tests {
 
     /// Client bytes for a complete handshake plus channel.open on channel 1.
     fn handshake() -> BytesMut {
-        let mut w = FrameWriter::new();
-        w.raw(PROTOCOL_HEADER);
-        w.method(
-            0,
-            &AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
-                client_properties: FieldTable::default(),
-                mechanism: "PLAIN".into(),
-                response: LongString::from(b"\0guest\0guest".to_vec()),
-                locale: "en_US".into(),
-            })),
-        );
-        w.method(
-            0,
-            &AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
-                channel_max: 2047,
-                frame_max: 131_072,
-                heartbeat: 0,
-            })),
-        );
-        w.method(
-            0,
-            &AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
-                virtual_host: "/".into(),
-            })),
-        );
-        w.method(1, &AMQPClass::Channel(ch::AMQPMethod::Open(ch::Open {})));
-        BytesMut::from(w.as_slice())
+        BytesMut::from(&crate::testkit::client_handshake(2047, 131_072, 0)[..])
     }
 
     /// Feed input until no frame is left, discarding events.

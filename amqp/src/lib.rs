@@ -26,6 +26,7 @@ pub mod method;
 pub mod properties;
 pub mod reply;
 pub mod table;
+pub mod testkit;
 
 pub use amq_protocol::protocol::AMQPClass;
 pub use amq_protocol::types::{AMQPValue, FieldTable};

@@ -1,6 +1,7 @@
 """Vhost and user limits (rabbitmqctl set_vhost_limits / set_user_limits) with RabbitMQ's
 refusals. Runs against RabbitMQ too (WARREN_TEST_AMQP_URL)."""
 
+import contextlib
 import json
 
 import pika
@@ -100,13 +101,19 @@ def test_user_connection_and_channel_limits(ctl, params, user):
 # consumer_max_per_channel), so these start a Warren of their own. The refusal texts are
 # rabbit_reader's and rabbit_channel's.
 
-@pytest.mark.warren_only
-def test_node_connection_max(tmp_path):
+@contextlib.contextmanager
+def configured_broker(tmp_path, config):
+    """A Warren of our own started with `config` as its TOML file; yields its parameters."""
     from conftest import warren_process
     cfg = tmp_path / "warren.toml"
-    cfg.write_text("connection_max = 2\n")
+    cfg.write_text(config)
     with warren_process("--config", str(cfg)) as w:
-        params = pika.ConnectionParameters(host="127.0.0.1", port=w["port"])
+        yield pika.ConnectionParameters(host="127.0.0.1", port=w["port"])
+
+
+@pytest.mark.warren_only
+def test_node_connection_max(tmp_path):
+    with configured_broker(tmp_path, "connection_max = 2\n") as params:
         first, second = connect(params), connect(params)
         try:
             with pytest.raises(ProbableAccessDeniedError) as e:
@@ -123,11 +130,7 @@ def test_node_connection_max(tmp_path):
 
 @pytest.mark.warren_only
 def test_consumer_max_per_channel(tmp_path):
-    from conftest import warren_process
-    cfg = tmp_path / "warren.toml"
-    cfg.write_text("consumer_max_per_channel = 2\n")
-    with warren_process("--config", str(cfg)) as w:
-        params = pika.ConnectionParameters(host="127.0.0.1", port=w["port"])
+    with configured_broker(tmp_path, "consumer_max_per_channel = 2\n") as params:
         conn = connect(params)
         ch = conn.channel()
         q = ch.queue_declare("", exclusive=True).method.queue

@@ -120,6 +120,30 @@ impl Broker {
         )
     }
 
+    /// Run several ctl commands in order, each of which must succeed.
+    ///
+    /// # Panics
+    /// If one fails (with its output).
+    pub fn ctl_all(&self, commands: &[&[&str]]) {
+        for args in commands {
+            let (ok, out) = self.ctl(args);
+            assert!(ok, "{args:?}: {out}");
+        }
+    }
+
+    /// `add_vhost NAME [extra...]` and full permissions on it for guest.
+    ///
+    /// # Panics
+    /// If either command fails.
+    pub fn add_vhost_for_guest(&self, name: &str, extra: &[&str]) {
+        let mut add = vec!["add_vhost", name];
+        add.extend_from_slice(extra);
+        self.ctl_all(&[
+            &add,
+            &["set_permissions", "-p", name, "guest", ".*", ".*", ".*"],
+        ]);
+    }
+
     /// SIGKILL the broker (no chance to flush anything) and return its data directory, which
     /// is kept for a restart.
     #[must_use]

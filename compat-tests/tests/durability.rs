@@ -546,13 +546,18 @@ async fn delayed_messages_survive_a_restart_and_are_released_on_time() {
     let b = restart(b, true);
     let conn = connect(&b).await;
     let ch = conn.create_channel().await.unwrap();
-    let mut consumer = consume(&ch, "due", "c", true).await;
-    let d = tokio::time::timeout(WAIT, consumer.next())
+    assert_eq!(next_due(&ch).await, b"scheduled");
+}
+
+/// The next message released into "due" (a consumer "c" is left on `ch`).
+async fn next_due(ch: &lapin::Channel) -> Vec<u8> {
+    let mut consumer = consume(ch, "due", "c", true).await;
+    tokio::time::timeout(WAIT, consumer.next())
         .await
         .expect("released within the wait")
         .unwrap()
-        .unwrap();
-    assert_eq!(d.data, b"scheduled");
+        .unwrap()
+        .data
 }
 
 #[tokio::test]
@@ -562,13 +567,7 @@ async fn delayed_messages_stay_in_their_vhost_across_a_restart() {
     //! queue, and "gone"'s never comes back.
     let b = Broker::start();
     for vhost in ["tenant", "gone"] {
-        for args in [
-            &["add_vhost", vhost][..],
-            &["set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"],
-        ] {
-            let (ok, out) = b.ctl(args);
-            assert!(ok, "{args:?}: {out}");
-        }
+        b.add_vhost_for_guest(vhost, &[]);
     }
     let uri = |b: &Broker, vhost: &str| b.uri().replace("/%2f", &format!("/{vhost}"));
     // "tenant" last, so that once its message is released every other delay has run out.
@@ -584,13 +583,7 @@ async fn delayed_messages_stay_in_their_vhost_across_a_restart() {
     // delayed record stayed in the store, recovery would hand it to the new "gone".
     let (ok, out) = b.ctl(&["delete_vhost", "gone"]);
     assert!(ok, "{out}");
-    for args in [
-        &["add_vhost", "gone"][..],
-        &["set_permissions", "-p", "gone", "guest", ".*", ".*", ".*"],
-    ] {
-        let (ok, out) = b.ctl(args);
-        assert!(ok, "{args:?}: {out}");
-    }
+    b.add_vhost_for_guest("gone", &[]);
     {
         let conn = lapin::Connection::connect(&uri(&b, "gone"), Default::default())
             .await
@@ -602,13 +595,7 @@ async fn delayed_messages_stay_in_their_vhost_across_a_restart() {
         .await
         .unwrap();
     let ch = conn.create_channel().await.unwrap();
-    let mut consumer = consume(&ch, "due", "c", true).await;
-    let d = tokio::time::timeout(WAIT, consumer.next())
-        .await
-        .expect("released within the wait")
-        .unwrap()
-        .unwrap();
-    assert_eq!(d.data, b"tenant");
+    assert_eq!(next_due(&ch).await, b"tenant");
     ch.basic_cancel("c".into(), Default::default())
         .await
         .unwrap();
@@ -666,17 +653,14 @@ async fn users_permissions_and_limits_survive_a_restart_and_deleted_guest_stays_
     //! Users and permissions set with `warren ctl` are stored: after a kill -9 the new user
     //! logs in with its password, and guest, deleted before, is not recreated.
     let b = Broker::start();
-    for args in [
-        &["add_user", "alice", "s3cret"][..],
+    b.ctl_all(&[
+        &["add_user", "alice", "s3cret"],
         &["set_permissions", "alice", ".*", ".*", ".*"],
         &["set_user_tags", "alice", "administrator"],
         &["set_user_limits", "alice", r#"{"max-channels": 7}"#],
         &["set_vhost_limits", "-p", "/", r#"{"max-queues": 50}"#],
         &["delete_user", "guest"],
-    ] {
-        let (ok, out) = b.ctl(args);
-        assert!(ok, "{args:?}: {out}");
-    }
+    ]);
     let b = restart(b, true);
     let (ok, out) = b.ctl(&["list_users"]);
     assert!(ok && out.contains("alice\t[administrator]"), "{out}");
@@ -702,14 +686,8 @@ async fn vhosts_survive_a_restart_and_a_deleted_one_takes_its_messages() {
     //! delete_vhost, a vhost of that name created again is empty, also after a restart. Its
     //! limits and default queue type survive too.
     let b = Broker::start();
-    for args in [
-        &["add_vhost", "tenant", "--default-queue-type", "quorum"][..],
-        &["set_permissions", "-p", "tenant", "guest", ".*", ".*", ".*"],
-        &["set_vhost_limits", "-p", "tenant", r#"{"max-queues": 5}"#],
-    ] {
-        let (ok, out) = b.ctl(args);
-        assert!(ok, "{args:?}: {out}");
-    }
+    b.add_vhost_for_guest("tenant", &["--default-queue-type", "quorum"]);
+    b.ctl_all(&[&["set_vhost_limits", "-p", "tenant", r#"{"max-queues": 5}"#]]);
     let tenant = b.uri().replace("/%2f", "/tenant");
     {
         let conn = lapin::Connection::connect(&tenant, lapin::ConnectionProperties::default())
@@ -735,13 +713,7 @@ async fn vhosts_survive_a_restart_and_a_deleted_one_takes_its_messages() {
     assert!(ok, "{out}");
     // Created again before the restart: had the queue's record or messages stayed in the
     // store, recovery would put them back into it.
-    for args in [
-        &["add_vhost", "tenant"][..],
-        &["set_permissions", "-p", "tenant", "guest", ".*", ".*", ".*"],
-    ] {
-        let (ok, out) = b.ctl(args);
-        assert!(ok, "{args:?}: {out}");
-    }
+    b.add_vhost_for_guest("tenant", &[]);
     let b = restart(b, true);
     let (ok, out) = b.ctl(&["list_vhosts"]);
     assert!(ok && out.contains("tenant"), "{out}");

@@ -4,8 +4,6 @@
 
 use std::time::{Duration, Instant};
 
-use amq_protocol::protocol::{AMQPClass, channel, connection};
-use amq_protocol::types::{FieldTable, LongString};
 use bytes::BytesMut;
 use libfuzzer_sys::fuzz_target;
 use warren_amqp::connection::{AccessError, Connection, ConnectionConfig, Gatekeeper, Login};
@@ -28,44 +26,13 @@ impl Gatekeeper for Gate {
     }
 }
 
-/// A complete client handshake and channel.open on channel 1, so that the fuzzer's bytes
-/// reach the open connection's states without having to discover the handshake first.
-fn handshake() -> Vec<u8> {
-    let mut w = FrameWriter::new();
-    w.raw(PROTOCOL_HEADER);
-    w.method(
-        0,
-        &AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
-            client_properties: FieldTable::default(),
-            mechanism: "PLAIN".into(),
-            response: LongString::from(b"\0guest\0guest".to_vec()),
-            locale: "en_US".into(),
-        })),
-    );
-    w.method(
-        0,
-        &AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
-            channel_max: 16,
-            frame_max: 4096,
-            heartbeat: 5,
-        })),
-    );
-    w.method(
-        0,
-        &AMQPClass::Connection(connection::AMQPMethod::Open(connection::Open {
-            virtual_host: "/".into(),
-        })),
-    );
-    w.method(1, &AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})));
-    w.as_slice().to_vec()
-}
-
 fuzz_target!(|data: &[u8]| {
     let Some((&mode, data)) = data.split_first() else { return };
     let mut stream = match mode % 3 {
         0 => Vec::new(),
         1 => PROTOCOL_HEADER.to_vec(),
-        _ => handshake(),
+        // A full handshake first, so that the fuzzer's bytes reach the open connection.
+        _ => warren_amqp::testkit::client_handshake(16, 4096, 5),
     };
     // The rest: chunks of [read size, time step in ms, bytes...].
     let mut chunks = Vec::new();
