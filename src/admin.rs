@@ -183,6 +183,14 @@ fn handle_users(
                 .add_vhost(&name, default_queue_type.as_deref(), on_commit)
                 .map(|_| ()),
         ),
+        // Keys not given are left as they are, as in rabbitmqctl.
+        Request::UpdateVhostMetadata {
+            name,
+            default_queue_type: None,
+        } => match broker.vhost(&name) {
+            Some(_) => json!({"ok": true}),
+            None => user_result(Err(UserError::NoSuchVhost(name))),
+        },
         Request::UpdateVhostMetadata {
             name,
             default_queue_type,

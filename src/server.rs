@@ -396,6 +396,10 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
                 }
             }
         }
+        if blocked && !conn.is_open() {
+            // Closing: its close-ok must be read (RabbitMQ reads a closing connection too).
+            blocked = false;
+        }
         let store_paused = store.durable.pending_bytes() > STORE_PENDING_HIGH;
         let read_enabled =
             out.pending() < OUTPUT_HIGH_WATERMARK && !store_paused && flow.is_none() && !blocked;
@@ -421,7 +425,7 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
                     }
                 }
             },
-            written = write_or_flush(&mut wr, out.as_slice()), if (out.pending() > 0 || unflushed) && !output_held(&session) => match written {
+            written = write_or_flush(&mut wr, out.as_slice()), if (out.pending() > 0 && !output_held(&session)) || (unflushed && out.pending() == 0) => match written {
                 Ok(0) if out.pending() == 0 => unflushed = false,
                 Ok(n) if n > 0 => {
                     out.consume(n);
@@ -504,15 +508,21 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
             break;
         }
     }
-    // Best effort: deliver the close frames we owe, then drop the socket.
     let may_write = !output_held(&session) && !session.as_ref().is_some_and(Session::store_failed);
-    if may_write && out.pending() > 0 {
-        let _ = tokio::time::timeout(Duration::from_secs(1), wr.write_all(out.as_slice())).await;
-    }
-    let _ = wr.shutdown().await;
+    // Released first: requeueing, exclusive queues and the connection counts must not wait
+    // for a peer that stopped reading.
     if let Some(mut s) = session {
         s.close();
     }
+    // Best effort, bounded: deliver the close frames we owe, then drop the socket. A TLS
+    // shutdown waits until rustls has written everything it holds, so it is bounded too.
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        if may_write && out.pending() > 0 {
+            let _ = wr.write_all(out.as_slice()).await;
+        }
+        let _ = wr.shutdown().await;
+    })
+    .await;
 }
 
 fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {

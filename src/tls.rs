@@ -90,33 +90,29 @@ pub fn acceptor(opts: &TlsOptions) -> anyhow::Result<TlsAcceptor> {
 }
 
 /// The user name a verified client certificate gives, or `None` when the certificate has no
-/// usable subject (then SASL EXTERNAL is not offered).
+/// usable subject (then SASL EXTERNAL is not offered). The forms are RabbitMQ's
+/// (`rabbit_ssl:peer_cert_auth_name` and `rabbit_cert_info`), byte for byte, because the
+/// result must equal a user name created for RabbitMQ.
 #[must_use]
 pub fn cert_identity(der: &[u8], from: CertLogin) -> Option<String> {
     let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
     let subject = cert.subject();
     match from {
-        CertLogin::CommonName => subject
-            .iter_common_name()
-            .last()
-            .and_then(|cn| cn.as_str().ok())
-            .map(str::to_string),
+        // Several CNs are joined with ",", as RabbitMQ does.
+        CertLogin::CommonName => {
+            let cns: Vec<String> = subject.iter_common_name().map(attribute_value).collect();
+            (!cns.is_empty()).then(|| cns.join(","))
+        }
         CertLogin::DistinguishedName => {
-            let registry = x509_parser::objects::oid_registry();
-            // RFC 4514: the last RDN of the sequence first, as OpenSSL's -nameopt RFC2253.
+            // RFC 4514: the last RDN of the sequence first.
             let mut rdns: Vec<String> = subject
                 .iter()
                 .map(|rdn| {
                     rdn.iter()
                         .map(|atv| {
-                            let oid = atv.attr_type();
-                            let name = x509_parser::objects::oid2abbrev(oid, registry)
-                                .map_or_else(|_| oid.to_id_string(), str::to_string);
-                            let value = match atv.as_str() {
-                                Ok(s) => escape_rfc4514(s),
-                                Err(_) => format!("#{}", hex(atv.as_slice())),
-                            };
-                            format!("{name}={value}")
+                            let oid = atv.attr_type().to_id_string();
+                            let name = attribute_name(&oid).map_or(oid, str::to_string);
+                            format!("{name}={}", escape_rdn_value(&attribute_value(atv)))
                         })
                         .collect::<Vec<_>>()
                         .join("+")
@@ -128,26 +124,81 @@ pub fn cert_identity(der: &[u8], from: CertLogin) -> Option<String> {
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+/// rabbit_cert_info's attribute names; others are printed as their dotted OID.
+fn attribute_name(oid: &str) -> Option<&'static str> {
+    Some(match oid {
+        "2.5.4.4" => "SN",
+        "2.5.4.42" => "GIVENNAME",
+        "2.5.4.43" => "INITIALS",
+        "2.5.4.44" => "GENERATIONQUALIFIER",
+        "2.5.4.3" => "CN",
+        "2.5.4.7" => "L",
+        "2.5.4.8" => "ST",
+        "2.5.4.10" => "O",
+        "2.5.4.11" => "OU",
+        "2.5.4.12" => "TITLE",
+        "2.5.4.6" => "C",
+        "2.5.4.5" => "SERIALNUMBER",
+        "2.5.4.65" => "PSEUDONYM",
+        "0.9.2342.19200300.100.1.25" => "DC",
+        "1.2.840.113549.1.9.1" => "EMAILADDRESS",
+        "2.5.4.9" => "STREET",
+        "0.9.2342.19200300.100.1.1" => "UID",
+        _ => return None,
+    })
 }
 
-/// RFC 4514 section 2.4 escaping of an attribute value.
-fn escape_rfc4514(value: &str) -> String {
-    let mut out = String::with_capacity(value.len());
-    let last = value.chars().count().saturating_sub(1);
-    for (i, c) in value.chars().enumerate() {
-        let special = matches!(c, '"' | '+' | ',' | ';' | '<' | '>' | '\\')
-            || (i == 0 && (c == '#' || c == ' '))
-            || (i == last && c == ' ');
-        if c == '\0' {
-            out.push_str("\\00");
-            continue;
-        }
-        if special {
+/// An attribute value as text, decoding the ASN.1 string types as RabbitMQ does (T61 as
+/// Latin-1, BMP as UTF-16, Universal as UTF-32); anything else as `#` and hex.
+fn attribute_value(atv: &x509_parser::x509::AttributeTypeAndValue<'_>) -> String {
+    use x509_parser::asn1_rs::Tag;
+    let data = atv.as_slice();
+    match atv.attr_value().tag() {
+        Tag::Utf8String
+        | Tag::PrintableString
+        | Tag::Ia5String
+        | Tag::NumericString
+        | Tag::VisibleString => String::from_utf8_lossy(data).into_owned(),
+        Tag::T61String => data.iter().map(|&b| char::from(b)).collect(),
+        Tag::BmpString => char::decode_utf16(
+            data.chunks_exact(2)
+                .map(|c| u16::from_be_bytes([c[0], c[1]])),
+        )
+        .map(|c| c.unwrap_or(char::REPLACEMENT_CHARACTER))
+        .collect(),
+        Tag::UniversalString => data
+            .chunks_exact(4)
+            .map(|c| {
+                char::from_u32(u32::from_be_bytes([c[0], c[1], c[2], c[3]]))
+                    .unwrap_or(char::REPLACEMENT_CHARACTER)
+            })
+            .collect(),
+        _ => format!(
+            "#{}",
+            data.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        ),
+    }
+}
+
+/// rabbit_cert_info's escaping of an attribute value, per UTF-8 byte: a leading space or `#`,
+/// a trailing space and `"+,;<>\` get a backslash; bytes below 32 or from 126 up are written
+/// as `\XX` (uppercase hex).
+fn escape_rdn_value(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = String::with_capacity(bytes.len());
+    for (i, &b) in bytes.iter().enumerate() {
+        let first = i == 0;
+        let last = i + 1 == bytes.len();
+        let special = matches!(b, b'"' | b'+' | b',' | b';' | b'<' | b'>' | b'\\');
+        let edge = (first && b == b'#') || ((first || last) && b == b' ');
+        if special || edge {
             out.push('\\');
+            out.push(char::from(b));
+        } else if !(32..126).contains(&b) {
+            out.push_str(&format!("\\{b:02X}"));
+        } else {
+            out.push(char::from(b));
         }
-        out.push(c);
     }
     out
 }
@@ -157,12 +208,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rfc4514_escapes_specials_and_edge_spaces() {
-        assert_eq!(escape_rfc4514("plain"), "plain");
-        assert_eq!(escape_rfc4514("a,b+c"), "a\\,b\\+c");
-        assert_eq!(escape_rfc4514("#lead"), "\\#lead");
-        assert_eq!(escape_rfc4514(" both "), "\\ both\\ ");
-        assert_eq!(escape_rfc4514("q\"<>;\\"), "q\\\"\\<\\>\\;\\\\");
+    fn values_are_escaped_as_rabbitmq_does() {
+        assert_eq!(escape_rdn_value("plain"), "plain");
+        assert_eq!(escape_rdn_value("a,b+c"), "a\\,b\\+c");
+        assert_eq!(escape_rdn_value("#lead"), "\\#lead");
+        assert_eq!(escape_rdn_value(" both "), "\\ both\\ ");
+        assert_eq!(escape_rdn_value(" "), "\\ ");
+        assert_eq!(escape_rdn_value("q\"<>;\\"), "q\\\"\\<\\>\\;\\\\");
+        // Non-printable and non-ASCII bytes, one escape per UTF-8 byte; '=' is left alone.
+        assert_eq!(escape_rdn_value("M\u{fc}ller~"), "M\\C3\\BCller\\7E");
+        assert_eq!(escape_rdn_value("a\tb=c"), "a\\09b=c");
+    }
+
+    #[test]
+    fn names_are_rabbitmqs() {
+        assert_eq!(attribute_name("2.5.4.3"), Some("CN"));
+        assert_eq!(attribute_name("1.2.840.113549.1.9.1"), Some("EMAILADDRESS"));
+        assert_eq!(attribute_name("0.9.2342.19200300.100.1.1"), Some("UID"));
+        assert_eq!(attribute_name("1.2.3.4"), None);
     }
 
     #[test]

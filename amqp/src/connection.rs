@@ -62,11 +62,12 @@ pub trait Gatekeeper: Send + Sync {
         password: &[u8],
         peer_is_loopback: bool,
     ) -> Result<Login, AccessError>;
+    /// Log in a user whose identity a verified TLS client certificate established (SASL
+    /// EXTERNAL): the user must exist; no password is checked; loopback-only users still
+    /// need a loopback peer.
+    fn login_external(&self, user: &str, peer_is_loopback: bool) -> Result<Login, AccessError>;
     /// Check that the vhost exists and the user may use it (and count the connection against
     /// the vhost's and the user's limits).
-    /// Log in a user whose identity a verified TLS client certificate established (SASL
-    /// EXTERNAL): the user must exist; no password is checked.
-    fn login_external(&self, user: &str) -> Result<Login, AccessError>;
     fn open_vhost(&self, user: &str, vhost: &str) -> Result<(), AccessError>;
     /// A channel is about to open for `user`: refuse it over the user's channel limit, count
     /// it otherwise (the broker uncounts it when the channel closes).
@@ -459,7 +460,7 @@ impl Connection {
                         .ok_or(AccessError::LoginRefused)
                         .and_then(|(user, pass)| {
                             if mechanism == "EXTERNAL" {
-                                gate.login_external(&user)
+                                gate.login_external(&user, self.peer_is_loopback)
                             } else {
                                 gate.login(&user, &pass, self.peer_is_loopback)
                             }
@@ -948,7 +949,7 @@ mod tests {
                 Err(AccessError::LoginRefused)
             }
         }
-        fn login_external(&self, user: &str) -> Result<Login, AccessError> {
+        fn login_external(&self, user: &str, _loopback: bool) -> Result<Login, AccessError> {
             if user == "CN=client" {
                 Ok(Login { user: user.into() })
             } else {

@@ -114,7 +114,8 @@ impl Watermarks {
     #[must_use]
     pub fn evaluate(&self, s: Sample) -> AlarmState {
         AlarmState {
-            memory: s.memory_used >= self.memory_limit(s.memory_total),
+            // vm_memory_monitor: the alarm is on once use is above the limit.
+            memory: s.memory_used > self.memory_limit(s.memory_total),
             disk: s.disk_free < self.disk_limit(s.memory_total),
         }
     }
@@ -219,20 +220,21 @@ impl ResourceAlarms {
 }
 
 /// Parse a size as RabbitMQ's configuration does: a number of bytes, optionally with a unit
-/// (`k`/`kiB`, `M`/`MiB`, `G`/`GiB` are powers of 2; `kB`, `MB`, `GB` powers of 10).
+/// (`k`/`kiB`, `M`/`MiB`, `G`/`GiB` are powers of 2; `kB`, `MB`, `GB` powers of 10; any case).
 pub fn parse_size(text: &str) -> Option<u64> {
     let t = text.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let n: u64 = num.parse().ok()?;
-    let mult: u64 = match unit.trim() {
+    // Case does not matter, as in RabbitMQ's parser: "mb" is "MB".
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" => 1,
-        "k" | "K" | "kiB" | "KiB" => 1 << 10,
-        "M" | "MiB" => 1 << 20,
-        "G" | "GiB" => 1 << 30,
-        "kB" | "KB" => 1_000,
-        "MB" => 1_000_000,
-        "GB" => 1_000_000_000,
+        "k" | "kib" => 1 << 10,
+        "m" | "mib" => 1 << 20,
+        "g" | "gib" => 1 << 30,
+        "kb" => 1_000,
+        "mb" => 1_000_000,
+        "gb" => 1_000_000_000,
         _ => return None,
     };
     n.checked_mul(mult)
@@ -256,11 +258,11 @@ mod tests {
         assert_eq!(w.memory_limit(1000), 600);
         assert_eq!(w.disk_limit(1000), 50_000_000);
         assert_eq!(
-            w.evaluate(sample(599, 1000, 50_000_000)),
+            w.evaluate(sample(600, 1000, 50_000_000)),
             AlarmState::default()
         );
         assert_eq!(
-            w.evaluate(sample(600, 1000, 49_999_999)),
+            w.evaluate(sample(601, 1000, 49_999_999)),
             AlarmState {
                 memory: true,
                 disk: true
@@ -274,8 +276,8 @@ mod tests {
             memory: MemoryWatermark::Absolute(100),
             disk_free: DiskFreeLimit::MemRelative(1.5),
         };
-        assert!(w.evaluate(sample(100, 1000, 2000)).memory);
-        assert!(!w.evaluate(sample(99, 1000, 2000)).memory);
+        assert!(w.evaluate(sample(101, 1000, 2000)).memory);
+        assert!(!w.evaluate(sample(100, 1000, 2000)).memory);
         assert!(w.evaluate(sample(0, 1000, 1499)).disk);
         assert!(!w.evaluate(sample(0, 1000, 1500)).disk);
     }
@@ -291,6 +293,7 @@ mod tests {
             a.update(sample(10, 1000, u64::MAX)).reason(),
             Some("low on memory")
         );
+        assert!(a.update(sample(6, 1000, u64::MAX)).memory, "6 > 5");
         assert!(rx.has_changed().unwrap_or(false));
         assert!(rx.borrow_and_update().any());
         a.set_memory_watermark(MemoryWatermark::Relative(0.6));
@@ -306,6 +309,8 @@ mod tests {
         assert_eq!(parse_size("512kB"), Some(512_000));
         assert_eq!(parse_size("4096"), Some(4096));
         assert_eq!(parse_size("12 MiB"), Some(12 << 20));
+        assert_eq!(parse_size("50mb"), Some(50_000_000));
+        assert_eq!(parse_size("1gib"), Some(1 << 30));
         assert_eq!(parse_size("5XB"), None);
         assert_eq!(parse_size(""), None);
         assert_eq!(parse_size("99999999999999999999"), None);

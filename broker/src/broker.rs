@@ -63,6 +63,8 @@ pub struct Broker {
     name_seed: std::collections::hash_map::RandomState,
     /// Memory and disk alarms; connections that publish are blocked while one is on.
     alarms: crate::alarms::ResourceAlarms,
+    /// The next delayed slot ("/" has 0); persisted under [`DELAYED_SLOT_NEXT`].
+    delayed_slot_next: std::sync::atomic::AtomicU32,
 }
 
 impl Broker {
@@ -93,6 +95,7 @@ impl Broker {
             next_id: AtomicU64::new(1),
             name_seed: std::collections::hash_map::RandomState::new(),
             alarms: crate::alarms::ResourceAlarms::default(),
+            delayed_slot_next: std::sync::atomic::AtomicU32::new(1),
         };
         b.vhosts.write().insert(
             "/".into(),
@@ -186,6 +189,10 @@ const DEFAULT_VHOST: &str = "/";
 /// Key of the marker row saying the users table was initialised (an empty user name cannot
 /// exist): a node whose operator deleted every user does not get guest back on restart.
 const USERS_INITIALISED: &[u8] = b"";
+/// Key in the vhosts table of the next delayed slot to hand out (not UTF-8, so no vhost name).
+/// Slots only grow: a deleted vhost's slot is never reused, so records it left behind can
+/// never be taken for another vhost's.
+const DELAYED_SLOT_NEXT: &[u8] = b"\xffdelayed-slot-next";
 
 /// Users and permissions, as `rabbitmqctl` manages them. Every change is persisted; `on_commit`
 /// is asked for a completion when there is a store write to wait for.
@@ -207,6 +214,11 @@ impl Broker {
             return Err(UserError::NoSuchUser(user.to_string()));
         }
         Ok(users)
+    }
+
+    /// The store this broker persists to (None: in memory only).
+    pub(crate) fn durable(&self) -> Option<&Arc<Durable>> {
+        self.store.as_ref()
     }
 
     fn submit_meta(&self, ops: Vec<Op>, on_commit: OnCommit<'_>) {
@@ -341,8 +353,8 @@ impl Broker {
         }
         let vh = VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers)));
         *vh.default_queue_type.write() = default_queue_type.map(str::to_string);
-        vh.delayed.set_slot(next_delayed_slot(&vhosts));
-        self.persist_vhost(&vh, on_commit);
+        let slot_op = self.take_delayed_slot(&vh);
+        self.submit_meta(vec![slot_op, Self::vhost_put_op(&vh)], on_commit);
         vhosts.insert(name.to_string(), vh);
         Ok(true)
     }
@@ -368,14 +380,27 @@ impl Broker {
 
     /// Write the vhost's record (limits and metadata).
     fn persist_vhost(&self, vh: &VHost, on_commit: OnCommit<'_>) {
-        self.submit_meta(
-            vec![Op::Put {
-                table: MetaTable::Vhosts,
-                key: vh.name.as_bytes().to_vec(),
-                value: serde_json::to_vec(&vh.record()).unwrap_or_default(),
-            }],
-            on_commit,
-        );
+        self.submit_meta(vec![Self::vhost_put_op(vh)], on_commit);
+    }
+
+    fn vhost_put_op(vh: &VHost) -> Op {
+        Op::Put {
+            table: MetaTable::Vhosts,
+            key: vh.name.as_bytes().to_vec(),
+            value: serde_json::to_vec(&vh.record()).unwrap_or_default(),
+        }
+    }
+
+    /// Give `vh` a fresh delayed slot; returns the op that persists the counter (to be
+    /// committed with the vhost's record).
+    fn take_delayed_slot(&self, vh: &VHost) -> Op {
+        let slot = self.delayed_slot_next.fetch_add(1, Ordering::AcqRel);
+        vh.delayed.set_slot(slot);
+        Op::Put {
+            table: MetaTable::Vhosts,
+            key: DELAYED_SLOT_NEXT.to_vec(),
+            value: (slot + 1).to_string().into_bytes(),
+        }
     }
 
     /// `delete_vhost`: its queues (with their messages), exchanges, bindings, policies and
@@ -570,14 +595,32 @@ impl Broker {
             );
             return 0;
         }
+        let stored_next = rows
+            .iter()
+            .find(|(k, _)| k.as_slice() == DELAYED_SLOT_NEXT)
+            .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u32>().ok())
+            .unwrap_or(1);
         let listed: Vec<(String, crate::users::VhostRecord)> = rows
             .iter()
-            .filter(|(k, _)| k.as_slice() != USERS_INITIALISED)
+            .filter(|(k, _)| k.as_slice() != USERS_INITIALISED && k.as_slice() != DELAYED_SLOT_NEXT)
             .filter_map(|(k, v)| {
-                let record = serde_json::from_slice(v).unwrap_or_default();
-                String::from_utf8(k.clone()).ok().map(|n| (n, record))
+                let name = String::from_utf8(k.clone()).ok()?;
+                let record = serde_json::from_slice(v).unwrap_or_else(|_| {
+                    tracing::warn!(vhost = %name, "unreadable vhost record; its limits and metadata are reset");
+                    crate::users::VhostRecord::default()
+                });
+                Some((name, record))
             })
             .collect();
+        let live_max = listed
+            .iter()
+            .map(|(_, r)| r.delayed_slot)
+            .max()
+            .unwrap_or(0);
+        self.delayed_slot_next.store(
+            stored_next.max(live_max.saturating_add(1)).max(1),
+            Ordering::Release,
+        );
         let mut vhosts = self.vhosts.write();
         vhosts.retain(|name, _| listed.iter().any(|(n, _)| n == name));
         let mut unslotted = Vec::new();
@@ -595,8 +638,10 @@ impl Broker {
         // Records written before vhosts had delayed slots (such a vhost had no delayed
         // messages: they were refused outside "/").
         for vh in unslotted {
-            vh.delayed.set_slot(next_delayed_slot(&vhosts));
-            self.persist_vhost(&vh, &mut || Box::new(|_| {}));
+            let slot_op = self.take_delayed_slot(&vh);
+            self.submit_meta(vec![slot_op, Self::vhost_put_op(&vh)], &mut || {
+                Box::new(|_| {})
+            });
         }
         listed.len()
     }
@@ -761,9 +806,13 @@ impl Gatekeeper for Broker {
         })
     }
 
-    fn login_external(&self, user: &str) -> Result<Login, AccessError> {
+    fn login_external(&self, user: &str, peer_is_loopback: bool) -> Result<Login, AccessError> {
         let users = self.users.read();
         let u = users.get(user).ok_or(AccessError::LoginRefused)?;
+        // rabbit_reader checks loopback_users after every mechanism, EXTERNAL included.
+        if crate::limits::LOOPBACK_USERS.contains(&user) && !peer_is_loopback {
+            return Err(AccessError::LoginRefused);
+        }
         Ok(Login {
             user: u.name.clone(),
         })
@@ -831,15 +880,6 @@ impl Gatekeeper for Broker {
     }
 }
 
-/// A delayed slot no vhost uses: one past the highest ("/" has 0).
-fn next_delayed_slot(vhosts: &HashMap<String, Arc<VHost>>) -> u32 {
-    vhosts
-        .values()
-        .map(|v| v.delayed.slot())
-        .max()
-        .map_or(1, |m| m.saturating_add(1).max(1))
-}
-
 fn check_queue_type(t: Option<&str>) -> Result<(), UserError> {
     match t {
         Some(t) if !crate::users::DEFAULT_QUEUE_TYPES.contains(&t) => {
@@ -852,6 +892,21 @@ fn check_queue_type(t: Option<&str>) -> Result<(), UserError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn external_login_needs_an_existing_user_and_keeps_the_loopback_rule() {
+        let b = Broker::new(BrokerConfig::default());
+        assert!(b.login_external("guest", true).is_ok());
+        assert_eq!(
+            b.login_external("guest", false),
+            Err(AccessError::LoginRefused),
+            "a certificate naming guest does not lift loopback_users"
+        );
+        assert_eq!(
+            b.login_external("CN=nobody", true),
+            Err(AccessError::LoginRefused)
+        );
+    }
 
     #[test]
     fn guest_is_loopback_only() {

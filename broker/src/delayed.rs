@@ -59,6 +59,8 @@ struct State {
     next_seq: u64,
     /// When the timer thread will wake us.
     armed: Option<u64>,
+    /// The vhost was deleted: nothing more is scheduled or stored.
+    discarded: bool,
 }
 
 /// One vhost's scheduled messages.
@@ -91,6 +93,7 @@ impl Delayed {
                 due: BTreeMap::new(),
                 next_seq: 1,
                 armed: None,
+                discarded: false,
             }),
         })
     }
@@ -115,6 +118,7 @@ impl Delayed {
     pub fn discard_all(&self) {
         let stored: Vec<u64> = {
             let mut st = self.state.lock();
+            st.discarded = true;
             let due = std::mem::take(&mut st.due);
             due.into_iter()
                 .filter(|(_, (_, stored))| *stored)
@@ -158,6 +162,10 @@ impl Delayed {
         done: impl FnOnce() -> Completion,
     ) -> bool {
         let mut st = self.state.lock();
+        if st.discarded {
+            // A publish that raced the vhost's deletion: the vhost and its exchange are gone.
+            return false;
+        }
         let seq = st.next_seq;
         st.next_seq += 1;
         let stored = match &self.store {

@@ -135,7 +135,7 @@ impl Broker {
                 report.dropped += 1;
             }
         }
-        let store = self.vhost("/").and_then(|vh| vh.store().cloned());
+        let store = self.durable().cloned();
         let mut orphaned: Vec<u64> = Vec::new();
         let delayed_by_id: HashMap<u64, Arc<crate::vhost::VHost>> = self
             .list_vhosts()

@@ -18,7 +18,7 @@ impl Gatekeeper for Gate {
             Err(AccessError::LoginRefused)
         }
     }
-    fn login_external(&self, user: &str) -> Result<Login, AccessError> {
+    fn login_external(&self, user: &str, _loopback: bool) -> Result<Login, AccessError> {
         Ok(Login { user: user.into() })
     }
     fn open_vhost(&self, _user: &str, vhost: &str) -> Result<(), AccessError> {
