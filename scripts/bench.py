@@ -100,7 +100,8 @@ class Warren:
         self.dir = tempfile.mkdtemp(prefix="warren-bench-")
         self.proc = subprocess.Popen(
             [str(WARREN), "server", "--amqp-listen", f"127.0.0.1:{WARREN_PORT}",
-             "--data-dir", self.dir, "--log-level", "warn"],
+             "--data-dir", self.dir, "--log-level", "warn",
+             "--management-listen", "off", "--prometheus-listen", "off"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()
         if "listening" not in line:

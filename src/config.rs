@@ -49,6 +49,12 @@ pub struct ServerArgs {
     /// ("50MB", "1GiB", bytes) [default: 50MB].
     #[arg(long)]
     pub disk_free_limit: Option<String>,
+    /// Address of the management HTTP API, or `off` [default: 0.0.0.0:15672].
+    #[arg(long)]
+    pub management_listen: Option<String>,
+    /// Address of the Prometheus endpoint (/metrics), or `off` [default: 0.0.0.0:15692].
+    #[arg(long)]
+    pub prometheus_listen: Option<String>,
     /// Directory for node data [default: ./warren-data].
     #[arg(long)]
     pub data_dir: Option<PathBuf>,
@@ -77,6 +83,8 @@ struct FileConfig {
     disk_free_limit_mem_relative: Option<f64>,
     connection_max: Option<u64>,
     consumer_max_per_channel: Option<u64>,
+    management_listen: Option<String>,
+    prometheus_listen: Option<String>,
     data_dir: Option<PathBuf>,
     log_level: Option<String>,
     heartbeat_s: Option<u16>,
@@ -102,6 +110,10 @@ pub struct ServerConfig {
     pub connection_max: Option<u64>,
     /// Consumers per channel (None: infinity, RabbitMQ's default).
     pub consumer_max_per_channel: Option<u64>,
+    /// The management HTTP API's address (None: off).
+    pub management_listen: Option<SocketAddr>,
+    /// The Prometheus endpoint's address (None: off).
+    pub prometheus_listen: Option<SocketAddr>,
 }
 
 /// Smallest segment size accepted (smaller only multiplies files).
@@ -172,7 +184,23 @@ impl ServerConfig {
                 None
             }
         };
+        let management_listen = listen(
+            "management_listen",
+            args.management_listen
+                .as_ref()
+                .or(file.management_listen.as_ref()),
+            15672,
+        )?;
+        let prometheus_listen = listen(
+            "prometheus_listen",
+            args.prometheus_listen
+                .as_ref()
+                .or(file.prometheus_listen.as_ref()),
+            15692,
+        )?;
         Ok(Self {
+            management_listen,
+            prometheus_listen,
             watermarks,
             connection_max: file.connection_max,
             consumer_max_per_channel: file.consumer_max_per_channel,
@@ -204,6 +232,22 @@ impl ServerConfig {
                 },
             },
         })
+    }
+}
+
+/// An optional listener: an address, `off`, or the default port on all interfaces.
+fn listen(
+    key: &str,
+    value: Option<&String>,
+    default_port: u16,
+) -> anyhow::Result<Option<SocketAddr>> {
+    match value.map(String::as_str) {
+        None => Ok(Some(SocketAddr::from(([0, 0, 0, 0], default_port)))),
+        Some("off") => Ok(None),
+        Some(v) => v
+            .parse()
+            .map(Some)
+            .with_context(|| format!("{key}: {v:?} is neither an address nor off")),
     }
 }
 
@@ -274,6 +318,8 @@ mod tests {
             vm_memory_high_watermark: None,
             vm_memory_high_watermark_absolute: None,
             disk_free_limit: None,
+            management_listen: None,
+            prometheus_listen: None,
             data_dir: None,
             log_level: None,
             store_segment_bytes: None,
@@ -301,6 +347,23 @@ mod tests {
         assert!(c.amqps.is_none(), "no certificate, no AMQPS listener");
         assert_eq!(c.watermarks, warren_broker::alarms::Watermarks::default());
         assert_eq!((c.connection_max, c.consumer_max_per_channel), (None, None));
+        assert_eq!(
+            c.management_listen,
+            Some(SocketAddr::from(([0, 0, 0, 0], 15672)))
+        );
+        assert_eq!(
+            c.prometheus_listen,
+            Some(SocketAddr::from(([0, 0, 0, 0], 15692)))
+        );
+        let mut off = args(None);
+        off.management_listen = Some("off".into());
+        off.prometheus_listen = Some("127.0.0.1:9999".into());
+        let c = ServerConfig::load(off).unwrap();
+        assert_eq!(c.management_listen, None);
+        assert_eq!(
+            c.prometheus_listen,
+            Some(SocketAddr::from(([127, 0, 0, 1], 9999)))
+        );
     }
 
     #[test]

@@ -119,6 +119,45 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         None => None,
     };
 
+    let node = Arc::new(warren_management::NodeInfo {
+        node: format!("warren@{}", hostname()),
+        cluster_name: "warren".into(),
+        listeners: std::iter::once(("amqp".to_string(), local))
+            .chain(
+                amqps
+                    .as_ref()
+                    .and_then(|(l, ..)| l.local_addr().ok())
+                    .map(|a| ("amqp/ssl".to_string(), a)),
+            )
+            .collect(),
+    });
+    let app = warren_management::AppState {
+        broker: Arc::clone(&broker),
+        node,
+    };
+    let mut http_tasks = Vec::new();
+    for (what, addr, router) in [
+        (
+            "management",
+            cfg.management_listen,
+            warren_management::management_router(app.clone()),
+        ),
+        (
+            "prometheus",
+            cfg.prometheus_listen,
+            warren_management::prometheus_router(app.clone()),
+        ),
+    ] {
+        let Some(addr) = addr else { continue };
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding the {what} listener on {addr}"))?;
+        let local = listener.local_addr()?;
+        tracing::info!(%local, "{what} listener started");
+        println!("warren: {what} listening on {local}");
+        http_tasks.push(tokio::spawn(warren_management::serve(listener, router)));
+    }
+
     let conn_config = ConnectionConfig {
         limits: cfg.limits,
         ..ConnectionConfig::default()
@@ -173,6 +212,9 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     }
     admin.abort();
     monitor.abort();
+    for t in http_tasks {
+        t.abort();
+    }
     let _ = std::fs::remove_file(crate::admin::socket_path(&cfg.data_dir));
     // Everything submitted is committed before the process exits.
     durable.shutdown();
@@ -199,6 +241,15 @@ async fn shutdown_signal() {
         () = ctrl_c => {},
         () = term => {},
     }
+}
+
+/// The machine's host name, for the node name (`warren@host`, as `rabbit@host`).
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".into())
 }
 
 /// Back off after a failed accept (e.g. out of file descriptors) instead of spinning.

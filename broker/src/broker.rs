@@ -464,6 +464,23 @@ impl Broker {
         }
     }
 
+    /// Connections past connection.open on this node.
+    #[must_use]
+    pub fn connection_count(&self) -> u64 {
+        self.counts.lock().node_connections
+    }
+
+    /// Open channels on this node.
+    #[must_use]
+    pub fn channel_count(&self) -> u64 {
+        self.counts
+            .lock()
+            .user_channels
+            .values()
+            .map(|n| u64::try_from(*n).unwrap_or(0))
+            .sum()
+    }
+
     /// A channel counted by `open_channel` closed.
     pub fn release_channel(&self, user: &str) {
         add(&mut self.counts.lock().user_channels, user, -1);

@@ -56,6 +56,38 @@ pub struct VHost {
     down_notify: tokio::sync::Notify,
 }
 
+/// An exchange as the management API lists it.
+#[derive(Debug, Clone)]
+pub struct ExchangeInfo {
+    /// Name ("" for the default exchange).
+    pub name: String,
+    /// Type (`x-delayed-message` for delayed exchanges).
+    pub kind: String,
+    /// Survives restarts.
+    pub durable: bool,
+    /// Deleted when its last binding goes.
+    pub auto_delete: bool,
+    /// Refuses direct publishes.
+    pub internal: bool,
+    /// Declare arguments.
+    pub arguments: FieldTable,
+}
+
+/// A binding as the management API lists it.
+#[derive(Debug, Clone)]
+pub struct BindingInfo {
+    /// Source exchange ("" for the default exchange).
+    pub source: String,
+    /// Destination queue or exchange.
+    pub destination: String,
+    /// Whether the destination is a queue (else an exchange).
+    pub destination_is_queue: bool,
+    /// Binding key.
+    pub routing_key: String,
+    /// Binding arguments.
+    pub arguments: FieldTable,
+}
+
 /// The declaration flags of an exchange.
 #[derive(Debug, Clone)]
 pub struct ExchangeDecl {
@@ -171,6 +203,80 @@ impl VHost {
     #[must_use]
     pub fn queue_count(&self) -> usize {
         self.topology.read().queues.len()
+    }
+
+    /// The vhost's queues, sorted by name (a snapshot).
+    #[must_use]
+    pub fn queues(&self) -> Vec<Arc<Queue>> {
+        let mut v: Vec<Arc<Queue>> = self.topology.read().queues.values().cloned().collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// The vhost's exchanges without their bindings, sorted by name (a snapshot). The default
+    /// exchange is listed with the empty name, as RabbitMQ does.
+    #[must_use]
+    pub fn exchanges(&self) -> Vec<ExchangeInfo> {
+        let t = self.topology.read();
+        let mut v: Vec<ExchangeInfo> = t
+            .exchanges
+            .values()
+            .map(|x| ExchangeInfo {
+                name: x.name.clone(),
+                kind: if x.delayed {
+                    crate::exchange::DELAYED_TYPE.to_string()
+                } else {
+                    x.kind.as_str().to_string()
+                },
+                durable: x.durable,
+                auto_delete: x.auto_delete,
+                internal: x.internal,
+                arguments: x.arguments.clone(),
+            })
+            .collect();
+        v.sort_by(|a, b| a.name.cmp(&b.name));
+        v
+    }
+
+    /// Every binding of the vhost, including the default exchange's implicit one to each
+    /// queue (listed first, as RabbitMQ's API does), then by source exchange.
+    #[must_use]
+    pub fn bindings(&self) -> Vec<BindingInfo> {
+        let t = self.topology.read();
+        let mut queues: Vec<&String> = t.queues.keys().collect();
+        queues.sort();
+        let mut v: Vec<BindingInfo> = queues
+            .into_iter()
+            .map(|q| BindingInfo {
+                source: String::new(),
+                destination: q.clone(),
+                destination_is_queue: true,
+                routing_key: q.clone(),
+                arguments: FieldTable::default(),
+            })
+            .collect();
+        let mut exchanges: Vec<&Exchange> = t
+            .exchanges
+            .values()
+            .filter(|x| !x.name.is_empty())
+            .collect();
+        exchanges.sort_by(|a, b| a.name.cmp(&b.name));
+        for x in exchanges {
+            for b in x.bindings() {
+                let (destination, destination_is_queue) = match &b.destination {
+                    crate::exchange::Destination::Queue(q) => (q.clone(), true),
+                    crate::exchange::Destination::Exchange(e) => (e.clone(), false),
+                };
+                v.push(BindingInfo {
+                    source: x.name.clone(),
+                    destination,
+                    destination_is_queue,
+                    routing_key: b.routing_key.clone(),
+                    arguments: b.arguments.clone(),
+                });
+            }
+        }
+        v
     }
 
     /// Whether the vhost was deleted.

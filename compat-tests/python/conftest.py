@@ -81,6 +81,8 @@ def warren_process(*extra_args, wait_port=None):
     port by default). Yields a dict: port, data_dir, binary, pid, log."""
     binary = warren_binary()
     port = _free_port()
+    management_port = _free_port()
+    prometheus_port = _free_port()
     with tempfile.TemporaryDirectory(prefix="warren-compat-") as tmp:
         data_dir = Path(tmp) / "data"
         data_dir.mkdir()
@@ -90,13 +92,16 @@ def warren_process(*extra_args, wait_port=None):
                 [binary, "server",
                  "--amqp-listen", f"127.0.0.1:{port}",
                  "--data-dir", str(data_dir),
-                 "--log-level", "warn", *extra_args],
+                 "--log-level", "warn",
+                 "--management-listen", f"127.0.0.1:{management_port}",
+                 "--prometheus-listen", f"127.0.0.1:{prometheus_port}", *extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
             try:
                 _wait_for_port(wait_port or port, proc, STARTUP_DEADLINE_S, log_path)
                 yield {"port": port, "data_dir": data_dir, "binary": binary, "pid": proc.pid,
-                       "log": log_path}
+                       "log": log_path, "management_port": management_port,
+                       "prometheus_port": prometheus_port}
             finally:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -123,10 +128,29 @@ def amqp_url():
         _BROKER["data_dir"] = w["data_dir"]
         _BROKER["binary"] = w["binary"]
         _BROKER["pid"] = w["pid"]
+        _BROKER["management_port"] = w["management_port"]
+        _BROKER["prometheus_port"] = w["prometheus_port"]
         yield f"amqp://guest:guest@127.0.0.1:{w['port']}/%2F"
 
 
 _BROKER = {}
+
+
+@pytest.fixture
+def management_url(amqp_url):
+    """Base URL of the management HTTP API of the broker under test (RabbitMQ: port 15672 of
+    the AMQP host, or WARREN_TEST_MANAGEMENT_URL)."""
+    if os.environ.get("WARREN_TEST_AMQP_URL"):
+        return os.environ.get("WARREN_TEST_MANAGEMENT_URL", "http://127.0.0.1:15672")
+    return f"http://127.0.0.1:{_BROKER['management_port']}"
+
+
+@pytest.fixture
+def prometheus_url(amqp_url):
+    """Base URL of the Prometheus endpoint (RabbitMQ: port 15692)."""
+    if os.environ.get("WARREN_TEST_AMQP_URL"):
+        return os.environ.get("WARREN_TEST_PROMETHEUS_URL", "http://127.0.0.1:15692")
+    return f"http://127.0.0.1:{_BROKER['prometheus_port']}"
 
 
 def broker_pid():

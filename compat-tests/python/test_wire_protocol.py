@@ -354,7 +354,7 @@ def _start_private_warren(tmp):
     log = open(Path(tmp) / "warren.log", "wb")
     proc = subprocess.Popen(
         [binary, "server", "--amqp-listen", f"127.0.0.1:{port}", "--data-dir", str(data_dir),
-         "--log-level", "warn"],
+         "--log-level", "warn", "--management-listen", "off", "--prometheus-listen", "off"],
         stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
     )
     log.close()

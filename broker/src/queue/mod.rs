@@ -53,6 +53,23 @@ pub struct QueueCounts {
     pub consumers: u32,
 }
 
+/// What [`Queue::stats`] reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueStats {
+    /// Messages ready for delivery.
+    pub ready: u64,
+    /// Messages delivered and not yet acked.
+    pub unacked: u64,
+    /// Body bytes of ready messages.
+    pub ready_bytes: u64,
+    /// Body bytes of unacked messages.
+    pub unacked_bytes: u64,
+    /// Attached consumers.
+    pub consumers: u64,
+    /// Lifetime counters (enqueued, settled, ...).
+    pub counters: machine::Counters,
+}
+
 #[derive(Debug)]
 struct State {
     machine: QueueMachine<Entry>,
@@ -781,6 +798,20 @@ impl Queue {
         match reply {
             Ok(Reply::Purged(n)) => n,
             _ => 0,
+        }
+    }
+
+    /// A consistent snapshot of the queue's depth for the management API and metrics.
+    #[must_use]
+    pub fn stats(&self) -> QueueStats {
+        let st = self.state.lock();
+        QueueStats {
+            ready: st.machine.ready_len() as u64,
+            unacked: st.machine.unacked_len() as u64,
+            ready_bytes: st.machine.ready_bytes(),
+            unacked_bytes: st.machine.unacked_bytes(),
+            consumers: st.machine.consumer_count() as u64,
+            counters: st.machine.counters(),
         }
     }
 

@@ -1,0 +1,1030 @@
+//! The `/api` endpoints, with RabbitMQ's paths, JSON field names and status codes.
+
+use std::sync::Arc;
+
+use amq_protocol::protocol::{AMQPClass, basic, exchange, queue};
+use amq_protocol::types::FieldTable;
+use axum::Json;
+use axum::Router;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use warren_amqp::assembler::Content;
+use warren_amqp::properties::Properties;
+use warren_broker::queue::Queue;
+use warren_broker::users::{PermissionRecord, UserError};
+use warren_broker::vhost::VHost;
+
+use crate::auth::Caller;
+use crate::direct::Direct;
+use crate::json::{json_to_table, table_to_json};
+use crate::{ApiError, AppState, REQUEST_BODY_MAX};
+
+type ApiResult = Result<Response, ApiError>;
+
+/// The version the API reports as `rabbitmq_version`: the RabbitMQ release whose API Warren
+/// follows (clients such as rabbitmqadmin look at it).
+const RABBITMQ_API_VERSION: &str = "4.2.0";
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/api/overview", get(overview))
+        .route("/api/whoami", get(whoami))
+        .route("/api/cluster-name", get(cluster_name))
+        .route("/api/nodes", get(nodes))
+        .route("/api/vhosts", get(list_vhosts))
+        .route(
+            "/api/vhosts/{vhost}",
+            get(get_vhost).put(put_vhost).delete(delete_vhost),
+        )
+        .route("/api/users", get(list_users))
+        .route(
+            "/api/users/{user}",
+            get(get_user).put(put_user).delete(delete_user),
+        )
+        .route("/api/permissions", get(list_permissions))
+        .route(
+            "/api/permissions/{vhost}/{user}",
+            get(get_permission)
+                .put(put_permission)
+                .delete(delete_permission),
+        )
+        .route("/api/queues", get(list_all_queues))
+        .route("/api/queues/{vhost}", get(list_vhost_queues))
+        .route(
+            "/api/queues/{vhost}/{queue}",
+            get(get_queue).put(put_queue).delete(delete_queue),
+        )
+        .route(
+            "/api/queues/{vhost}/{queue}/contents",
+            axum::routing::delete(purge_queue),
+        )
+        .route("/api/exchanges", get(list_all_exchanges))
+        .route("/api/exchanges/{vhost}", get(list_vhost_exchanges))
+        .route(
+            "/api/exchanges/{vhost}/{exchange}",
+            get(get_exchange).put(put_exchange).delete(delete_exchange),
+        )
+        .route("/api/bindings", get(list_all_bindings))
+        .route("/api/bindings/{vhost}", get(list_vhost_bindings))
+        .route(
+            "/api/bindings/{vhost}/e/{source}/{kind}/{destination}",
+            axum::routing::post(post_binding),
+        )
+        .route("/api/health/checks/alarms", get(health_alarms))
+        .route("/api/health/checks/local-alarms", get(health_alarms))
+        .route("/api/health/checks/virtual-hosts", get(health_vhosts))
+        .route("/api/aliveness-test/{vhost}", get(aliveness_test))
+        .layer(DefaultBodyLimit::max(REQUEST_BODY_MAX))
+        .with_state(state)
+}
+
+fn ok_json(v: Value) -> ApiResult {
+    Ok(Json(v).into_response())
+}
+
+/// 201 when created, 204 when it existed (RabbitMQ's PUT replies).
+fn created(new: bool) -> ApiResult {
+    Ok(if new {
+        StatusCode::CREATED
+    } else {
+        StatusCode::NO_CONTENT
+    }
+    .into_response())
+}
+
+fn no_content() -> ApiResult {
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// A JSON body, or an empty one (RabbitMQ accepts PUT without a body for vhosts).
+fn body(raw: &[u8]) -> Result<Value, ApiError> {
+    if raw.iter().all(u8::is_ascii_whitespace) {
+        return Ok(json!({}));
+    }
+    serde_json::from_slice(raw).map_err(|e| ApiError::bad_request(format!("bad JSON: {e}")))
+}
+
+fn user_error(e: &UserError) -> ApiError {
+    match e {
+        UserError::NoSuchUser(_) | UserError::NoSuchVhost(_) => ApiError::not_found(),
+        other => ApiError::bad_request(other.to_string()),
+    }
+}
+
+/// The vhosts the caller may see.
+fn visible_vhosts(state: &AppState, caller: &Caller) -> Vec<Arc<VHost>> {
+    state
+        .broker
+        .list_vhosts()
+        .iter()
+        .filter(|v| caller.may_use_vhost(state, v))
+        .filter_map(|v| state.broker.vhost(v))
+        .collect()
+}
+
+fn vhost_for(state: &AppState, caller: &Caller, name: &str) -> Result<Arc<VHost>, ApiError> {
+    let vh = state.broker.vhost(name).ok_or_else(ApiError::not_found)?;
+    caller.require_vhost(state, name)?;
+    Ok(vh)
+}
+
+// ---------------------------------------------------------------- overview, node
+
+/// Message and object totals over some vhosts.
+#[derive(Debug, Default)]
+struct Totals {
+    ready: u64,
+    unacked: u64,
+    queues: u64,
+    consumers: u64,
+    exchanges: u64,
+}
+
+fn totals<'a>(vhosts: impl IntoIterator<Item = &'a VHost>) -> Totals {
+    let mut t = Totals::default();
+    for vh in vhosts {
+        for q in vh.queues() {
+            let s = q.stats();
+            t.ready += s.ready;
+            t.unacked += s.unacked;
+            t.consumers += s.consumers;
+            t.queues += 1;
+        }
+        t.exchanges += vh.exchanges().len() as u64;
+    }
+    t
+}
+
+async fn overview(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    let vhosts = visible_vhosts(&state, &caller);
+    let t = totals(vhosts.iter().map(|v| &**v));
+    let listeners: Vec<Value> = state
+        .node
+        .listeners
+        .iter()
+        .map(|(protocol, addr)| {
+            json!({"node": state.node.node, "protocol": protocol,
+                   "ip_address": addr.ip().to_string(), "port": addr.port()})
+        })
+        .collect();
+    ok_json(json!({
+        "management_version": RABBITMQ_API_VERSION,
+        "rabbitmq_version": RABBITMQ_API_VERSION,
+        "product_name": "Warren",
+        "product_version": env!("CARGO_PKG_VERSION"),
+        "cluster_name": state.node.cluster_name,
+        "node": state.node.node,
+        "object_totals": {
+            "connections": state.broker.connection_count(),
+            "channels": state.broker.channel_count(),
+            "exchanges": t.exchanges,
+            "queues": t.queues,
+            "consumers": t.consumers,
+        },
+        "queue_totals": {
+            "messages": t.ready + t.unacked,
+            "messages_ready": t.ready,
+            "messages_unacknowledged": t.unacked,
+        },
+        "listeners": listeners,
+    }))
+}
+
+async fn whoami(caller: Caller) -> ApiResult {
+    ok_json(json!({"name": caller.name, "tags": caller.tags}))
+}
+
+async fn cluster_name(State(state): State<AppState>, _caller: Caller) -> ApiResult {
+    ok_json(json!({"name": state.node.cluster_name}))
+}
+
+async fn nodes(State(state): State<AppState>, _caller: Caller) -> ApiResult {
+    let alarms = state.broker.alarms();
+    let w = alarms.watermarks();
+    let sample = alarms.last_sample();
+    let total = sample.map_or(0, |s| s.memory_total);
+    ok_json(json!([{
+        "name": state.node.node,
+        "type": "disc",
+        "running": true,
+        "mem_used": sample.map_or(0, |s| s.memory_used),
+        "mem_limit": w.memory_limit(total),
+        "mem_alarm": alarms.state().memory,
+        "disk_free": sample.map_or(0, |s| s.disk_free),
+        "disk_free_limit": w.disk_limit(total),
+        "disk_free_alarm": alarms.state().disk,
+    }]))
+}
+
+// ---------------------------------------------------------------- vhosts
+
+fn vhost_json(vh: &VHost, node: &str) -> Value {
+    let t = totals([vh]);
+    let description = if vh.name == "/" {
+        "Default virtual host"
+    } else {
+        ""
+    };
+    let mut metadata = json!({"description": description, "tags": []});
+    let dqt = vh.default_queue_type.read().clone();
+    if let Some(t) = &dqt {
+        metadata["default_queue_type"] = json!(t);
+    }
+    json!({
+        "name": vh.name,
+        "description": description,
+        "tags": [],
+        // RabbitMQ 3.x reports "undefined" for a vhost without a default queue type.
+        "default_queue_type": dqt.unwrap_or_else(|| "undefined".into()),
+        "metadata": metadata,
+        "tracing": false,
+        "cluster_state": {node: "running"},
+        "messages": t.ready + t.unacked,
+        "messages_ready": t.ready,
+        "messages_unacknowledged": t.unacked,
+    })
+}
+
+async fn list_vhosts(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    let v: Vec<Value> = visible_vhosts(&state, &caller)
+        .iter()
+        .map(|vh| vhost_json(vh, &state.node.node))
+        .collect();
+    ok_json(Value::Array(v))
+}
+
+async fn get_vhost(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &name)?;
+    ok_json(vhost_json(&vh, &state.node.node))
+}
+
+async fn put_vhost(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    caller.require_admin()?;
+    let b = body(&raw)?;
+    let dqt = b
+        .get("default_queue_type")
+        .or_else(|| b.get("metadata").and_then(|m| m.get("default_queue_type")))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let (tx, rx) = commit_waiter();
+    let new = state
+        .broker
+        .add_vhost(&name, dqt.as_deref(), &mut {
+            let mut tx = Some(tx);
+            move || waiter(tx.take())
+        })
+        .map_err(|e| user_error(&e))?;
+    if !new && let Some(t) = dqt.as_deref() {
+        state
+            .broker
+            .set_default_queue_type(&name, Some(t), &mut || Box::new(|_| {}))
+            .map_err(|e| user_error(&e))?;
+    }
+    if new {
+        wait(rx).await?;
+    }
+    created(new)
+}
+
+async fn delete_vhost(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let (tx, rx) = commit_waiter();
+    state
+        .broker
+        .delete_vhost(&name, &mut {
+            let mut tx = Some(tx);
+            move || waiter(tx.take())
+        })
+        .map_err(|e| user_error(&e))?;
+    wait(rx).await?;
+    no_content()
+}
+
+// ---------------------------------------------------------------- users, permissions
+
+type CommitRx = tokio::sync::oneshot::Receiver<bool>;
+type CommitTx = tokio::sync::oneshot::Sender<bool>;
+
+fn commit_waiter() -> (CommitTx, CommitRx) {
+    tokio::sync::oneshot::channel()
+}
+
+/// A store completion that reports to `tx` (the first completion asked for; later ones, if
+/// any, report nothing).
+fn waiter(tx: Option<CommitTx>) -> warren_store::writer::Completion {
+    Box::new(move |r| {
+        if let Some(tx) = tx {
+            let _ = tx.send(r.is_ok());
+        }
+    })
+}
+
+/// Wait until the change is durable. A broker without a store never calls the completion:
+/// the sender is dropped and the change counts as done.
+async fn wait(rx: CommitRx) -> Result<(), ApiError> {
+    match rx.await {
+        Ok(false) => Err(ApiError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            error: "internal_error",
+            reason: "the store did not commit the change".into(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn user_json(u: &warren_broker::users::UserRecord) -> Value {
+    json!({
+        "name": u.name,
+        "password_hash": u.password_hash,
+        "hashing_algorithm": u.hashing_algorithm,
+        "tags": u.tags,
+        "limits": {},
+    })
+}
+
+async fn list_users(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    caller.require_admin()?;
+    ok_json(Value::Array(
+        state.broker.list_users().iter().map(user_json).collect(),
+    ))
+}
+
+async fn get_user(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let u = state
+        .broker
+        .list_users()
+        .into_iter()
+        .find(|u| u.name == name)
+        .ok_or_else(ApiError::not_found)?;
+    ok_json(user_json(&u))
+}
+
+/// `tags` as RabbitMQ takes them: a comma-separated string or a list.
+fn tags_of(b: &Value) -> Vec<String> {
+    match b.get("tags") {
+        Some(Value::String(s)) => s
+            .split(',')
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(str::to_string)
+            .collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .filter_map(Value::as_str)
+            .map(str::to_string)
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+async fn put_user(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    caller.require_admin()?;
+    let b = body(&raw)?;
+    let tags = tags_of(&b);
+    let exists = state.broker.list_users().iter().any(|u| u.name == name);
+    let (tx, rx) = commit_waiter();
+    let mut tx = Some(tx);
+    let mut done = move || waiter(tx.take());
+    let noop = &mut || -> warren_store::writer::Completion { Box::new(|_| {}) };
+    let password = b.get("password").and_then(Value::as_str);
+    if exists {
+        if let Some(p) = password {
+            state
+                .broker
+                .change_password(&name, p, noop)
+                .map_err(|e| user_error(&e))?;
+        }
+        state
+            .broker
+            .set_user_tags(&name, tags, &mut done)
+            .map_err(|e| user_error(&e))?;
+    } else {
+        let Some(p) = password else {
+            return Err(ApiError::bad_request(
+                "a password (or password_hash) is required to create a user",
+            ));
+        };
+        state
+            .broker
+            .add_user(&name, p, noop)
+            .map_err(|e| user_error(&e))?;
+        state
+            .broker
+            .set_user_tags(&name, tags, &mut done)
+            .map_err(|e| user_error(&e))?;
+    }
+    wait(rx).await?;
+    created(!exists)
+}
+
+async fn delete_user(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let (tx, rx) = commit_waiter();
+    let mut tx = Some(tx);
+    state
+        .broker
+        .delete_user(&name, &mut move || waiter(tx.take()))
+        .map_err(|e| user_error(&e))?;
+    wait(rx).await?;
+    no_content()
+}
+
+fn permission_json(p: &PermissionRecord) -> Value {
+    json!({"user": p.user, "vhost": p.vhost, "configure": p.configure,
+           "write": p.write, "read": p.read})
+}
+
+async fn list_permissions(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    caller.require_admin()?;
+    ok_json(Value::Array(
+        state
+            .broker
+            .list_permissions(None, None)
+            .iter()
+            .map(permission_json)
+            .collect(),
+    ))
+}
+
+async fn get_permission(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, user)): Path<(String, String)>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let p = state
+        .broker
+        .list_permissions(Some(&vhost), Some(&user))
+        .into_iter()
+        .next()
+        .ok_or_else(ApiError::not_found)?;
+    ok_json(permission_json(&p))
+}
+
+async fn put_permission(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, user)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    caller.require_admin()?;
+    let b = body(&raw)?;
+    let field = |k: &str| {
+        b.get(k)
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| ApiError::bad_request(format!("{k} is required")))
+    };
+    let record = PermissionRecord {
+        user: user.clone(),
+        vhost: vhost.clone(),
+        configure: field("configure")?,
+        write: field("write")?,
+        read: field("read")?,
+    };
+    let existed = !state
+        .broker
+        .list_permissions(Some(&vhost), Some(&user))
+        .is_empty();
+    let (tx, rx) = commit_waiter();
+    let mut tx = Some(tx);
+    state
+        .broker
+        .set_permissions(record, &mut move || waiter(tx.take()))
+        .map_err(|e| user_error(&e))?;
+    wait(rx).await?;
+    created(!existed)
+}
+
+async fn delete_permission(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, user)): Path<(String, String)>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let (tx, rx) = commit_waiter();
+    let mut tx = Some(tx);
+    state
+        .broker
+        .clear_permissions(&vhost, &user, &mut move || waiter(tx.take()))
+        .map_err(|e| user_error(&e))?;
+    wait(rx).await?;
+    no_content()
+}
+
+// ---------------------------------------------------------------- queues
+
+fn queue_json(vhost: &str, node: &str, q: &Queue) -> Value {
+    let s = q.stats();
+    json!({
+        "name": q.name,
+        "vhost": vhost,
+        "durable": q.durable,
+        "auto_delete": q.auto_delete,
+        "exclusive": q.exclusive_owner.is_some(),
+        "arguments": table_to_json(&q.arguments),
+        "type": if q.is_quorum { "quorum" } else { "classic" },
+        "state": "running",
+        "node": node,
+        "messages": s.ready + s.unacked,
+        "messages_ready": s.ready,
+        "messages_unacknowledged": s.unacked,
+        "message_bytes": s.ready_bytes + s.unacked_bytes,
+        "message_bytes_ready": s.ready_bytes,
+        "message_bytes_unacknowledged": s.unacked_bytes,
+        "consumers": s.consumers,
+    })
+}
+
+fn queues_of(state: &AppState, vhosts: &[Arc<VHost>]) -> Value {
+    Value::Array(
+        vhosts
+            .iter()
+            .flat_map(|vh| {
+                vh.queues()
+                    .into_iter()
+                    .map(|q| queue_json(&vh.name, &state.node.node, &q))
+                    .collect::<Vec<_>>()
+            })
+            .collect(),
+    )
+}
+
+async fn list_all_queues(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    let vhosts = visible_vhosts(&state, &caller);
+    ok_json(queues_of(&state, &vhosts))
+}
+
+async fn list_vhost_queues(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    ok_json(queues_of(&state, &[vh]))
+}
+
+async fn get_queue(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let q = vh.queue(&name).ok_or_else(ApiError::not_found)?;
+    ok_json(queue_json(&vhost, &state.node.node, &q))
+}
+
+#[derive(Debug, Deserialize)]
+struct QueueBody {
+    #[serde(default = "yes")]
+    durable: bool,
+    #[serde(default)]
+    auto_delete: bool,
+    #[serde(default)]
+    arguments: Option<Value>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn arguments(v: Option<&Value>) -> Result<FieldTable, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(FieldTable::default()),
+        Some(v) => json_to_table(v).map_err(ApiError::bad_request),
+    }
+}
+
+async fn put_queue(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    vhost_for(&state, &caller, &vhost)?;
+    let b: QueueBody =
+        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let existed = state
+        .broker
+        .vhost(&vhost)
+        .and_then(|vh| vh.queue(&name))
+        .is_some();
+    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    d.call(
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: name.as_str().into(),
+            passive: false,
+            durable: b.durable,
+            exclusive: false,
+            auto_delete: b.auto_delete,
+            nowait: false,
+            arguments: arguments(b.arguments.as_ref())?,
+        })),
+        None,
+    )
+    .await?;
+    created(!existed)
+}
+
+async fn delete_queue(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    vh.queue(&name).ok_or_else(ApiError::not_found)?;
+    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    d.call(
+        AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
+            queue: name.as_str().into(),
+            if_unused: false,
+            if_empty: false,
+            nowait: false,
+        })),
+        None,
+    )
+    .await?;
+    no_content()
+}
+
+async fn purge_queue(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    vh.queue(&name).ok_or_else(ApiError::not_found)?;
+    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    d.call(
+        AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
+            queue: name.as_str().into(),
+            nowait: false,
+        })),
+        None,
+    )
+    .await?;
+    no_content()
+}
+
+// ---------------------------------------------------------------- exchanges, bindings
+
+fn exchange_json(vhost: &str, x: &warren_broker::vhost::ExchangeInfo) -> Value {
+    json!({
+        "incoming": [],
+        "outgoing": [],
+        "name": x.name,
+        "vhost": vhost,
+        "type": x.kind,
+        "durable": x.durable,
+        "auto_delete": x.auto_delete,
+        "internal": x.internal,
+        "arguments": table_to_json(&x.arguments),
+        "user_who_performed_action": "",
+    })
+}
+
+fn exchanges_of(vhosts: &[Arc<VHost>]) -> Value {
+    Value::Array(
+        vhosts
+            .iter()
+            .flat_map(|vh| {
+                vh.exchanges()
+                    .iter()
+                    .map(|x| exchange_json(&vh.name, x))
+                    .collect::<Vec<_>>()
+            })
+            .collect(),
+    )
+}
+
+async fn list_all_exchanges(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    ok_json(exchanges_of(&visible_vhosts(&state, &caller)))
+}
+
+async fn list_vhost_exchanges(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    ok_json(exchanges_of(&[vh]))
+}
+
+/// `amq.default` names the default exchange in URLs.
+fn exchange_name(name: &str) -> &str {
+    if name == "amq.default" { "" } else { name }
+}
+
+async fn get_exchange(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let name = exchange_name(&name);
+    let x = vh
+        .exchanges()
+        .into_iter()
+        .find(|x| x.name == name)
+        .ok_or_else(ApiError::not_found)?;
+    ok_json(exchange_json(&vhost, &x))
+}
+
+#[derive(Debug, Deserialize)]
+struct ExchangeBody {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default = "yes")]
+    durable: bool,
+    #[serde(default)]
+    auto_delete: bool,
+    #[serde(default)]
+    internal: bool,
+    #[serde(default)]
+    arguments: Option<Value>,
+}
+
+async fn put_exchange(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let b: ExchangeBody =
+        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let existed = vh.exchange_exists(&name);
+    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    d.call(
+        AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+            exchange: name.as_str().into(),
+            kind: b.kind.as_str().into(),
+            passive: false,
+            durable: b.durable,
+            auto_delete: b.auto_delete,
+            internal: b.internal,
+            nowait: false,
+            arguments: arguments(b.arguments.as_ref())?,
+        })),
+        None,
+    )
+    .await?;
+    created(!existed)
+}
+
+async fn delete_exchange(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    if !vh.exchange_exists(&name) {
+        return Err(ApiError::not_found());
+    }
+    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    d.call(
+        AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
+            exchange: name.as_str().into(),
+            if_unused: false,
+            nowait: false,
+        })),
+        None,
+    )
+    .await?;
+    no_content()
+}
+
+fn bindings_of(vhosts: &[Arc<VHost>]) -> Value {
+    Value::Array(
+        vhosts
+            .iter()
+            .flat_map(|vh| {
+                vh.bindings()
+                    .into_iter()
+                    .map(|b| {
+                        let props_key = properties_key(&b.routing_key);
+                        json!({
+                            "source": b.source,
+                            "vhost": vh.name,
+                            "destination": b.destination,
+                            "destination_type": if b.destination_is_queue { "queue" } else { "exchange" },
+                            "routing_key": b.routing_key,
+                            "arguments": table_to_json(&b.arguments),
+                            "properties_key": props_key,
+                        })
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect(),
+    )
+}
+
+/// RabbitMQ's `properties_key`, the binding's id in URLs: "~" for an empty key, else the key
+/// percent-encoded (unreserved characters kept).
+fn properties_key(routing_key: &str) -> String {
+    if routing_key.is_empty() {
+        "~".into()
+    } else {
+        percent(routing_key)
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct BindingBody {
+    #[serde(default)]
+    routing_key: String,
+    #[serde(default)]
+    arguments: Option<Value>,
+}
+
+/// POST /api/bindings/{vhost}/e/{source}/q/{queue} (and .../e/{destination}): bind, 201.
+async fn post_binding(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, source, kind, destination)): Path<(String, String, String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    vhost_for(&state, &caller, &vhost)?;
+    let b: BindingBody =
+        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let args = arguments(b.arguments.as_ref())?;
+    let source = exchange_name(&source).to_string();
+    let method = match kind.as_str() {
+        "q" => AMQPClass::Queue(queue::AMQPMethod::Bind(queue::Bind {
+            queue: destination.as_str().into(),
+            exchange: source.as_str().into(),
+            routing_key: b.routing_key.as_str().into(),
+            nowait: false,
+            arguments: args,
+        })),
+        "e" => AMQPClass::Exchange(exchange::AMQPMethod::Bind(exchange::Bind {
+            destination: destination.as_str().into(),
+            source: source.as_str().into(),
+            routing_key: b.routing_key.as_str().into(),
+            nowait: false,
+            arguments: args,
+        })),
+        _ => return Err(ApiError::not_found()),
+    };
+    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    d.call(method, None).await?;
+    let location = format!(
+        "/api/bindings/{}/e/{}/{kind}/{}/{}",
+        percent(&vhost),
+        percent(&source),
+        percent(&destination),
+        properties_key(&b.routing_key)
+    );
+    Ok((
+        StatusCode::CREATED,
+        [(axum::http::header::LOCATION, location)],
+    )
+        .into_response())
+}
+
+/// Percent-encode a path segment.
+fn percent(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+async fn list_all_bindings(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    ok_json(bindings_of(&visible_vhosts(&state, &caller)))
+}
+
+async fn list_vhost_bindings(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    ok_json(bindings_of(&[vh]))
+}
+
+// ---------------------------------------------------------------- health checks
+
+async fn health_alarms(State(state): State<AppState>, _caller: Caller) -> ApiResult {
+    let a = state.broker.alarms().state();
+    if !a.any() {
+        return ok_json(json!({"status": "ok"}));
+    }
+    let mut alarms = Vec::new();
+    if a.memory {
+        alarms.push(json!({"node": state.node.node, "resource": "memory"}));
+    }
+    if a.disk {
+        alarms.push(json!({"node": state.node.node, "resource": "disk"}));
+    }
+    Ok((
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"status": "failed",
+                    "reason": "resource alarm(s) in effect in the cluster",
+                    "alarms": alarms})),
+    )
+        .into_response())
+}
+
+async fn health_vhosts(_state: State<AppState>, _caller: Caller) -> ApiResult {
+    // Every vhost that exists is running: Warren has no per-vhost process that can stop.
+    ok_json(json!({"status": "ok"}))
+}
+
+/// RabbitMQ's aliveness test: declare `aliveness-test`, publish to it, get the message back.
+async fn aliveness_test(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
+    vhost_for(&state, &caller, &vhost)?;
+    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    d.call(
+        AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+            queue: "aliveness-test".into(),
+            passive: false,
+            durable: false,
+            exclusive: false,
+            auto_delete: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        })),
+        None,
+    )
+    .await?;
+    let properties = Properties::parse(bytes::Bytes::from_static(&[0, 0]), 1)
+        .map_err(|_| ApiError::bad_request("properties"))?;
+    d.call(
+        AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            exchange: "".into(),
+            routing_key: "aliveness-test".into(),
+            mandatory: false,
+            immediate: false,
+        })),
+        Some(Content {
+            properties,
+            body: bytes::Bytes::from_static(b"test_message"),
+        }),
+    )
+    .await?;
+    let replies = d
+        .call(
+            AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
+                queue: "aliveness-test".into(),
+                no_ack: true,
+            })),
+            None,
+        )
+        .await?;
+    let got = replies.iter().any(|r| {
+        matches!(r.method, AMQPClass::Basic(basic::AMQPMethod::GetOk(_)))
+            && r.content
+                .as_ref()
+                .is_some_and(|(_, b)| &b[..] == b"test_message")
+    });
+    if got {
+        ok_json(json!({"status": "ok"}))
+    } else {
+        Ok((
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "failed", "reason": "the test message did not come back"})),
+        )
+            .into_response())
+    }
+}

@@ -1,0 +1,112 @@
+//! HTTP basic auth against the broker's users, and RabbitMQ's tag-based access levels.
+
+use axum::extract::FromRequestParts;
+use axum::http::header;
+use axum::http::request::Parts;
+use base64::Engine;
+
+use crate::{ApiError, AppState};
+
+/// The authenticated user of a request with the tags that decide what it may do.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// User name.
+    pub name: String,
+    /// Its tags.
+    pub tags: Vec<String>,
+}
+
+impl Caller {
+    fn has(&self, tag: &str) -> bool {
+        self.tags.iter().any(|t| t == tag)
+    }
+
+    /// `administrator`: users, vhosts, permissions, everything.
+    pub fn is_admin(&self) -> bool {
+        self.has("administrator")
+    }
+
+    /// `monitoring` or above: sees every vhost's objects.
+    pub fn sees_all_vhosts(&self) -> bool {
+        self.is_admin() || self.has("monitoring")
+    }
+
+    /// 401 unless the caller is an administrator (RabbitMQ's text).
+    ///
+    /// # Errors
+    /// [`ApiError::unauthorised`].
+    pub fn require_admin(&self) -> Result<(), ApiError> {
+        if self.is_admin() {
+            Ok(())
+        } else {
+            Err(ApiError::unauthorised("Not administrator user"))
+        }
+    }
+
+    /// Whether the caller may see or act in `vhost`: monitoring and administrator see all,
+    /// others only the vhosts they have permissions in.
+    pub fn may_use_vhost(&self, state: &AppState, vhost: &str) -> bool {
+        self.sees_all_vhosts()
+            || state
+                .broker
+                .list_permissions(Some(vhost), Some(&self.name))
+                .iter()
+                .any(|p| p.vhost == vhost)
+    }
+
+    /// 401 unless [`Caller::may_use_vhost`].
+    ///
+    /// # Errors
+    /// [`ApiError::unauthorised`].
+    pub fn require_vhost(&self, state: &AppState, vhost: &str) -> Result<(), ApiError> {
+        if self.may_use_vhost(state, vhost) {
+            Ok(())
+        } else {
+            Err(ApiError::unauthorised(
+                "User not authorised to access virtual host",
+            ))
+        }
+    }
+}
+
+/// The tags that open the management API at all (RabbitMQ's `management` and above).
+const MANAGEMENT_TAGS: &[&str] = &["management", "policymaker", "monitoring", "administrator"];
+
+fn credentials(parts: &Parts) -> Option<(String, String)> {
+    let value = parts.headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    let encoded = value
+        .strip_prefix("Basic ")
+        .or_else(|| value.strip_prefix("basic "))?;
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(encoded.trim())
+        .ok()?;
+    let text = String::from_utf8(decoded).ok()?;
+    let (user, pass) = text.split_once(':')?;
+    Some((user.to_string(), pass.to_string()))
+}
+
+impl FromRequestParts<AppState> for Caller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        if !parts.headers.contains_key(header::AUTHORIZATION) {
+            return Err(ApiError::no_credentials());
+        }
+        let (name, password) =
+            credentials(parts).ok_or_else(|| ApiError::unauthorised("Login failed"))?;
+        if !state.broker.authenticate(&name, &password) {
+            return Err(ApiError::unauthorised("Login failed"));
+        }
+        let tags = state
+            .broker
+            .list_users()
+            .into_iter()
+            .find(|u| u.name == name)
+            .map(|u| u.tags)
+            .unwrap_or_default();
+        if !tags.iter().any(|t| MANAGEMENT_TAGS.contains(&t.as_str())) {
+            return Err(ApiError::unauthorised("Not management user"));
+        }
+        Ok(Self { name, tags })
+    }
+}

@@ -1,0 +1,66 @@
+//! RabbitMQ's management HTTP API (`/api/...`) and Prometheus metrics (`/metrics`) for Warren.
+//!
+//! The JSON field names, status codes and error bodies are RabbitMQ's, so that `rabbitmqadmin`,
+//! the management UI's habits and monitoring scripts work unchanged. Requests are authenticated
+//! with HTTP basic auth against the broker's users; the user's tags decide what it may do, as
+//! in RabbitMQ. Changes to queues and exchanges go through an in-process AMQP session (as
+//! RabbitMQ's management plugin uses a direct AMQP connection), so they get exactly the checks
+//! and replies an AMQP client gets.
+
+mod api;
+mod auth;
+mod direct;
+mod error;
+mod json;
+mod metrics;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use tokio::net::TcpListener;
+use warren_broker::Broker;
+
+pub use error::ApiError;
+
+/// Largest request body accepted (RabbitMQ's management default is 20 MiB for definitions;
+/// the endpoints served here take small bodies).
+pub const REQUEST_BODY_MAX: usize = 1024 * 1024;
+
+/// What the API reports about the node it runs on.
+#[derive(Debug, Clone)]
+pub struct NodeInfo {
+    /// Node name, e.g. `warren@host`.
+    pub node: String,
+    /// Cluster name (server-properties `cluster_name`).
+    pub cluster_name: String,
+    /// AMQP listeners, for `/api/overview`'s `listeners`.
+    pub listeners: Vec<(String, SocketAddr)>,
+}
+
+/// Shared state of the HTTP handlers.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    /// The broker served.
+    pub broker: Arc<Broker>,
+    /// Node facts.
+    pub node: Arc<NodeInfo>,
+}
+
+/// The management API router (`/api/...`).
+pub fn management_router(state: AppState) -> Router {
+    api::router(state)
+}
+
+/// The Prometheus router (`/metrics`, `/metrics/per-object`).
+pub fn prometheus_router(state: AppState) -> Router {
+    metrics::router(state)
+}
+
+/// Serve `router` on `listener` until the task is dropped.
+///
+/// # Errors
+/// When the listener fails.
+pub async fn serve(listener: TcpListener, router: Router) -> std::io::Result<()> {
+    axum::serve(listener, router).await
+}
