@@ -62,6 +62,14 @@ pub fn router(state: AppState) -> Router {
             "/api/queues/{vhost}/{queue}/contents",
             axum::routing::delete(purge_queue),
         )
+        .route(
+            "/api/queues/{vhost}/{queue}/get",
+            axum::routing::post(get_messages),
+        )
+        .route(
+            "/api/exchanges/{vhost}/{exchange}/publish",
+            axum::routing::post(publish),
+        )
         .route("/api/exchanges", get(list_all_exchanges))
         .route("/api/exchanges/{vhost}", get(list_vhost_exchanges))
         .route(
@@ -1027,4 +1035,172 @@ async fn aliveness_test(
         )
             .into_response())
     }
+}
+
+// ---------------------------------------------------------------- get and publish
+
+#[derive(Debug, Deserialize)]
+struct GetBody {
+    count: u32,
+    ackmode: String,
+    #[serde(default = "auto")]
+    encoding: String,
+    #[serde(default)]
+    truncate: Option<usize>,
+}
+
+fn auto() -> String {
+    "auto".into()
+}
+
+/// Most messages one get request returns (the UI asks for a handful).
+const GET_COUNT_MAX: u32 = 1000;
+
+/// POST /api/queues/{vhost}/{queue}/get: RabbitMQ's "get messages" with its four ack modes.
+async fn get_messages(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    vh.queue(&name).ok_or_else(ApiError::not_found)?;
+    let b: GetBody =
+        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let (ack, requeue) = match b.ackmode.as_str() {
+        "ack_requeue_true" => (false, true),
+        "ack_requeue_false" => (true, false),
+        "reject_requeue_true" => (false, true),
+        "reject_requeue_false" => (false, false),
+        other => return Err(ApiError::bad_request(format!("invalid ackmode {other}"))),
+    };
+    if !matches!(b.encoding.as_str(), "auto" | "base64") {
+        return Err(ApiError::bad_request("encoding must be auto or base64"));
+    }
+    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut out = Vec::new();
+    let mut last_tag = 0;
+    for _ in 0..b.count.min(GET_COUNT_MAX) {
+        let replies = d
+            .call(
+                AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
+                    queue: name.as_str().into(),
+                    no_ack: false,
+                })),
+                None,
+            )
+            .await?;
+        let Some((ok, props, payload)) = replies.into_iter().find_map(|r| match r.method {
+            AMQPClass::Basic(basic::AMQPMethod::GetOk(ok)) => {
+                r.content.map(|(p, body)| (ok, p, body))
+            }
+            _ => None,
+        }) else {
+            break;
+        };
+        last_tag = ok.delivery_tag;
+        let bytes_len = payload.len();
+        let shown = &payload[..b.truncate.map_or(bytes_len, |t| t.min(bytes_len))];
+        let (text, encoding) = match (b.encoding.as_str(), std::str::from_utf8(shown)) {
+            ("auto", Ok(s)) => (s.to_string(), "string"),
+            _ => (
+                base64::Engine::encode(&base64::engine::general_purpose::STANDARD, shown),
+                "base64",
+            ),
+        };
+        out.push(json!({
+            "payload_bytes": bytes_len,
+            "redelivered": ok.redelivered,
+            "exchange": ok.exchange.as_str(),
+            "routing_key": ok.routing_key.as_str(),
+            "message_count": ok.message_count,
+            "properties": crate::properties::to_json(&props.raw),
+            "payload": text,
+            "payload_encoding": encoding,
+        }));
+    }
+    if last_tag > 0 {
+        let settle = if ack {
+            AMQPClass::Basic(basic::AMQPMethod::Ack(basic::Ack {
+                delivery_tag: last_tag,
+                multiple: true,
+            }))
+        } else {
+            AMQPClass::Basic(basic::AMQPMethod::Nack(basic::Nack {
+                delivery_tag: last_tag,
+                multiple: true,
+                requeue,
+            }))
+        };
+        d.call(settle, None).await?;
+    }
+    ok_json(Value::Array(out))
+}
+
+#[derive(Debug, Deserialize)]
+struct PublishBody {
+    #[serde(default)]
+    properties: Option<Value>,
+    routing_key: String,
+    payload: String,
+    #[serde(default = "string")]
+    payload_encoding: String,
+}
+
+fn string() -> String {
+    "string".into()
+}
+
+/// POST /api/exchanges/{vhost}/{exchange}/publish: `{"routed": bool}`.
+async fn publish(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let exchange = exchange_name(&name).to_string();
+    if !exchange.is_empty() && !vh.exchange_exists(&exchange) {
+        return Err(ApiError::not_found());
+    }
+    let b: PublishBody =
+        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let payload = match b.payload_encoding.as_str() {
+        "string" => bytes::Bytes::from(b.payload.into_bytes()),
+        "base64" => bytes::Bytes::from(
+            base64::Engine::decode(&base64::engine::general_purpose::STANDARD, &b.payload)
+                .map_err(|_| ApiError::bad_request("payload is not base64"))?,
+        ),
+        other => {
+            return Err(ApiError::bad_request(format!(
+                "invalid payload_encoding {other}"
+            )));
+        }
+    };
+    let raw_props =
+        crate::properties::from_json(b.properties.as_ref()).map_err(ApiError::bad_request)?;
+    let properties = Properties::parse(
+        bytes::Bytes::from(raw_props),
+        warren_amqp::limits::TABLE_DEPTH_MAX,
+    )
+    .map_err(|_| ApiError::bad_request("invalid properties"))?;
+    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let replies = d
+        .call(
+            AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+                exchange: exchange.as_str().into(),
+                routing_key: b.routing_key.as_str().into(),
+                mandatory: true,
+                immediate: false,
+            })),
+            Some(Content {
+                properties,
+                body: payload,
+            }),
+        )
+        .await?;
+    let returned = replies
+        .iter()
+        .any(|r| matches!(r.method, AMQPClass::Basic(basic::AMQPMethod::Return(_))));
+    ok_json(json!({"routed": !returned}))
 }

@@ -13,6 +13,7 @@ mod direct;
 mod error;
 mod json;
 mod metrics;
+mod properties;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
