@@ -19,6 +19,7 @@ use tokio::time::Instant;
 use warren_amqp::connection::{Connection, ConnectionConfig, Event, client_capability};
 use warren_amqp::frame::FrameWriter;
 use warren_amqp::{AMQPClass, AmqpError, ReplyCode, Scope};
+use warren_broker::connections::{ConnectionHandle, ConnectionInfo};
 use warren_broker::durable::Durable;
 use warren_broker::outbox::Outbox;
 use warren_broker::{Broker, BrokerConfig, Session};
@@ -271,11 +272,13 @@ struct ConnEnv {
 
 async fn serve_tcp(socket: TcpStream, peer: SocketAddr, env: ConnEnv) {
     let _ = socket.set_nodelay(true);
+    let local = socket.local_addr().unwrap_or(peer);
     let (rd, wr) = socket.into_split();
     let io = Io {
         rd,
         wr,
         peer,
+        local,
         external_identity: None,
         tls: false,
     };
@@ -290,6 +293,7 @@ async fn serve_tls(
     env: ConnEnv,
 ) {
     let _ = socket.set_nodelay(true);
+    let local = socket.local_addr().unwrap_or(peer);
     // The TLS handshake counts against the AMQP handshake timeout.
     let accepted =
         tokio::time::timeout(env.config.handshake_timeout, acceptor.accept(socket)).await;
@@ -315,6 +319,7 @@ async fn serve_tls(
         rd,
         wr,
         peer,
+        local,
         external_identity,
         tls: true,
     };
@@ -333,6 +338,8 @@ struct Io<R, W> {
     rd: R,
     wr: W,
     peer: SocketAddr,
+    /// Our address the client connected to.
+    local: SocketAddr,
     /// The user name of a verified client certificate (offers SASL EXTERNAL).
     external_identity: Option<String>,
     /// TLS buffers written bytes; they must be flushed once the output buffer is empty.
@@ -368,9 +375,13 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
         mut rd,
         mut wr,
         peer,
+        local,
         external_identity,
         tls,
     } = io;
+    // Registered with the broker once open (management API: list, close).
+    let mut registered: Option<(u64, Arc<ConnectionHandle>)> = None;
+    let mut close_request: Option<CloseFuture> = None;
     let mut conn = Connection::new(config, peer.ip().is_loopback(), Instant::now().into_std());
     if let Some(identity) = external_identity {
         conn = conn.with_external_identity(identity);
@@ -499,6 +510,11 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
                 alarms = *alarm.borrow_and_update();
             },
             () = flow_released(flow.as_ref()), if flow.is_some() => flow = None,
+            reason = wait_close(close_request.as_mut()), if close_request.is_some() => {
+                close_request = None;
+                let e = AmqpError::connection(ReplyCode::ConnectionForced, reason);
+                conn.close_with(e, &mut out, Instant::now().into_std());
+            },
             () = wait_opt(vhost_down.as_mut()), if vhost_down.is_some() => {
                 vhost_down = None;
                 let name = session.as_ref().map(|s| s.vhost().name.clone()).unwrap_or_default();
@@ -529,6 +545,27 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
                 break;
             }
             s.flush(&mut out);
+            if registered.is_none() {
+                let info = ConnectionInfo {
+                    name: format!("{peer} -> {local}"),
+                    user: s.user().to_string(),
+                    vhost: s.vhost().name.clone(),
+                    peer,
+                    local,
+                    tls,
+                    client_properties: conn.client_properties().clone(),
+                    connected_at_ms: warren_broker::timers::wall_ms(),
+                    frame_max: conn.frame_max(),
+                    heartbeat_s: conn.heartbeat_s(),
+                };
+                let handle = broker.connections().register(s.conn_id(), info);
+                let h = Arc::clone(&handle);
+                close_request = Some(Box::pin(async move { h.close_requested().await }));
+                registered = Some((s.conn_id(), handle));
+            }
+            if let Some((_, h)) = &registered {
+                h.set_channels(s.channel_count() as u64);
+            }
             if !watching_vhost {
                 watching_vhost = true;
                 let vhost = Arc::clone(s.vhost());
@@ -558,6 +595,9 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
         {
             break;
         }
+    }
+    if let Some((id, _)) = registered {
+        broker.connections().remove(id);
     }
     let may_write = !output_held(&session) && !session.as_ref().is_some_and(Session::store_failed);
     // Released first: requeueing, exclusive queues and the connection counts must not wait
@@ -592,6 +632,16 @@ fn output_held(session: &Option<Session>) -> bool {
 /// One future for the connection's life, created once its vhost is known: polled by every
 /// `select!`, so the vhost's shared `Notify` is touched once per connection, not per wake-up.
 type DownFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Resolves with the reason when the management API asks the connection to close.
+type CloseFuture = std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>;
+
+async fn wait_close(f: Option<&mut CloseFuture>) -> String {
+    match f {
+        Some(f) => f.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
 
 async fn wait_opt(f: Option<&mut DownFuture>) {
     match f {

@@ -229,6 +229,13 @@ impl Connection {
         self
     }
 
+    /// The negotiated heartbeat interval in seconds (0: none).
+    #[must_use]
+    pub fn heartbeat_s(&self) -> u16 {
+        self.heartbeat
+            .map_or(0, |d| u16::try_from(d.as_secs()).unwrap_or(u16::MAX))
+    }
+
     /// The negotiated frame_max.
     #[must_use]
     pub fn frame_max(&self) -> u32 {

@@ -65,9 +65,17 @@ pub struct Broker {
     alarms: crate::alarms::ResourceAlarms,
     /// The next delayed slot ("/" has 0); persisted under [`DELAYED_SLOT_NEXT`].
     delayed_slot_next: std::sync::atomic::AtomicU32,
+    /// Open connections (management API).
+    connections: crate::connections::Connections,
 }
 
 impl Broker {
+    /// The node's open connections.
+    #[must_use]
+    pub fn connections(&self) -> &crate::connections::Connections {
+        &self.connections
+    }
+
     /// The node's resource alarms (memory high watermark, disk free limit).
     #[must_use]
     pub fn alarms(&self) -> &crate::alarms::ResourceAlarms {
@@ -96,6 +104,7 @@ impl Broker {
             name_seed: std::collections::hash_map::RandomState::new(),
             alarms: crate::alarms::ResourceAlarms::default(),
             delayed_slot_next: std::sync::atomic::AtomicU32::new(1),
+            connections: crate::connections::Connections::default(),
         };
         b.vhosts.write().insert(
             "/".into(),

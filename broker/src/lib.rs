@@ -22,6 +22,7 @@ pub mod access;
 pub mod alarms;
 pub mod args;
 pub mod broker;
+pub mod connections;
 pub mod deadletter;
 pub mod delayed;
 pub mod durable;

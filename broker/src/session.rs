@@ -544,6 +544,24 @@ impl Session {
         self.ctx.flow.borrow_mut().take()
     }
 
+    /// The authenticated user.
+    #[must_use]
+    pub fn user(&self) -> &str {
+        &self.ctx.user
+    }
+
+    /// Open channels.
+    #[must_use]
+    pub fn channel_count(&self) -> usize {
+        self.channels.len()
+    }
+
+    /// The connection's id (unique on this node).
+    #[must_use]
+    pub fn conn_id(&self) -> u64 {
+        self.ctx.conn_id
+    }
+
     /// How many basic.publish commands this connection sent so far. Under a resource alarm a
     /// connection is blocked once this moves (RabbitMQ blocks publishers, not consumers).
     #[must_use]

@@ -18,10 +18,10 @@ from pika.exceptions import ProbableAccessDeniedError
 from amqp_helpers import counts
 
 
-def http(method, url, user="guest", password="guest", body=None):
+def http(method, url, user="guest", password="guest", body=None, headers=None):
     """(status, parsed JSON or text, headers) of one request."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method)
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
     if user is not None:
         token = base64.b64encode(f"{user}:{password}".encode()).decode()
         req.add_header("Authorization", f"Basic {token}")
@@ -274,3 +274,37 @@ def test_publish_and_get_messages(api, ch, names):
     status, body, _ = api("POST", get, body={"count": 1, "ackmode": "bogus", "encoding": "auto"})
     assert status in (400, 500)
     assert counts(ch.connection, queue)[0] == 1
+
+
+def test_connections_are_listed_and_closed(api, params):
+    conn = pika.BlockingConnection(pika.ConnectionParameters(
+        host=params.host, port=params.port,
+        client_properties={"connection_name": "mgmt-test-conn"}))
+    try:
+        conn.channel()
+        conn.channel()
+        local_port = conn._impl._transport._sock.getsockname()[1]
+
+        def mine(r):
+            return [c for c in (r[1] or []) if c.get("peer_port") == local_port]
+
+        status, listed, _ = eventually(lambda: api("GET", "/api/connections"),
+                                       lambda r: mine(r) and mine(r)[0].get("channels") == 2)
+        assert status == 200
+        [c] = mine((status, listed))
+        assert (c["user"], c["vhost"], c["channels"], c["protocol"]) == ("guest", "/", 2, "AMQP 0-9-1")
+        assert c["client_properties"]["connection_name"] == "mgmt-test-conn"
+        path = f"/api/connections/{q(c['name'])}"
+        status, one, _ = api("GET", path)
+        assert status == 200 and one["name"] == c["name"]
+        assert api("DELETE", path, headers={"X-Reason": "maintenance"})[0] == 204
+        with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as e:
+            for _ in range(100):
+                conn.process_data_events(time_limit=0.2)
+        assert e.value.reply_code == 320
+        assert e.value.reply_text == "CONNECTION_FORCED - maintenance"
+    finally:
+        if conn.is_open:
+            conn.close()
+    gone = eventually(lambda: api("GET", path), lambda r: r[0] == 404)
+    assert gone[0] == 404

@@ -70,6 +70,15 @@ pub fn router(state: AppState) -> Router {
             "/api/exchanges/{vhost}/{exchange}/publish",
             axum::routing::post(publish),
         )
+        .route("/api/connections", get(list_connections))
+        .route(
+            "/api/connections/{name}",
+            get(get_connection).delete(close_connection),
+        )
+        .route(
+            "/api/vhosts/{vhost}/connections",
+            get(list_vhost_connections),
+        )
         .route("/api/exchanges", get(list_all_exchanges))
         .route("/api/exchanges/{vhost}", get(list_vhost_exchanges))
         .route(
@@ -1203,4 +1212,100 @@ async fn publish(
         .iter()
         .any(|r| matches!(r.method, AMQPClass::Basic(basic::AMQPMethod::Return(_))));
     ok_json(json!({"routed": !returned}))
+}
+
+// ---------------------------------------------------------------- connections
+
+fn connection_json(node: &str, h: &warren_broker::connections::ConnectionHandle) -> Value {
+    let i = &h.info;
+    json!({
+        "name": i.name,
+        "node": node,
+        "vhost": i.vhost,
+        "user": i.user,
+        "state": "running",
+        "type": "network",
+        "protocol": "AMQP 0-9-1",
+        "channels": h.channels(),
+        "peer_host": i.peer.ip().to_string(),
+        "peer_port": i.peer.port(),
+        "host": i.local.ip().to_string(),
+        "port": i.local.port(),
+        "ssl": i.tls,
+        "frame_max": i.frame_max,
+        "timeout": i.heartbeat_s,
+        "connected_at": i.connected_at_ms,
+        "client_properties": table_to_json(&i.client_properties),
+    })
+}
+
+/// Connections the caller may see: all for monitoring and administrator, else its own.
+fn visible_connections(
+    state: &AppState,
+    caller: &Caller,
+) -> Vec<Arc<warren_broker::connections::ConnectionHandle>> {
+    state
+        .broker
+        .connections()
+        .list()
+        .into_iter()
+        .filter(|h| caller.sees_all_vhosts() || h.info.user == caller.name)
+        .collect()
+}
+
+async fn list_connections(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    ok_json(Value::Array(
+        visible_connections(&state, &caller)
+            .iter()
+            .map(|h| connection_json(&state.node.node, h))
+            .collect(),
+    ))
+}
+
+async fn list_vhost_connections(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
+    vhost_for(&state, &caller, &vhost)?;
+    ok_json(Value::Array(
+        visible_connections(&state, &caller)
+            .iter()
+            .filter(|h| h.info.vhost == vhost)
+            .map(|h| connection_json(&state.node.node, h))
+            .collect(),
+    ))
+}
+
+async fn get_connection(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult {
+    let h = visible_connections(&state, &caller)
+        .into_iter()
+        .find(|h| h.info.name == name)
+        .ok_or_else(ApiError::not_found)?;
+    ok_json(connection_json(&state.node.node, &h))
+}
+
+/// DELETE /api/connections/{name}: 320 CONNECTION_FORCED with the `X-Reason` header's text
+/// (RabbitMQ's default: "Closed via management plugin").
+async fn close_connection(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+    headers: axum::http::HeaderMap,
+) -> ApiResult {
+    let h = visible_connections(&state, &caller)
+        .into_iter()
+        .find(|h| h.info.name == name)
+        .ok_or_else(ApiError::not_found)?;
+    let reason = headers
+        .get("x-reason")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("Closed via management plugin")
+        .to_string();
+    h.request_close(reason);
+    no_content()
 }

@@ -1,0 +1,154 @@
+//! The node's open AMQP connections, for the management API: what each is, and a way to ask
+//! one to close (`DELETE /api/connections/{name}`). The connection task owns the socket; the
+//! registry only holds a handle it polls.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use amq_protocol::types::FieldTable;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+/// What a connection is, fixed when it opened.
+#[derive(Debug, Clone)]
+pub struct ConnectionInfo {
+    /// RabbitMQ's connection name: `peer -> local`.
+    pub name: String,
+    /// The authenticated user.
+    pub user: String,
+    /// The vhost it opened.
+    pub vhost: String,
+    /// Client address.
+    pub peer: SocketAddr,
+    /// Our address it connected to.
+    pub local: SocketAddr,
+    /// Over TLS.
+    pub tls: bool,
+    /// The client's properties from connection.start-ok.
+    pub client_properties: FieldTable,
+    /// Wall-clock milliseconds when it opened.
+    pub connected_at_ms: u64,
+    /// Negotiated frame_max.
+    pub frame_max: u32,
+    /// Negotiated heartbeat in seconds (0: none).
+    pub heartbeat_s: u16,
+}
+
+/// One registered connection.
+#[derive(Debug)]
+pub struct ConnectionHandle {
+    /// Its facts.
+    pub info: ConnectionInfo,
+    channels: AtomicU64,
+    close_reason: Mutex<Option<String>>,
+    close: Notify,
+}
+
+impl ConnectionHandle {
+    /// Open channels (kept current by the connection task).
+    #[must_use]
+    pub fn channels(&self) -> u64 {
+        self.channels.load(Ordering::Relaxed)
+    }
+
+    /// Record the open channel count.
+    pub fn set_channels(&self, n: u64) {
+        self.channels.store(n, Ordering::Relaxed);
+    }
+
+    /// Ask the connection to close with 320 CONNECTION_FORCED and `reason`.
+    pub fn request_close(&self, reason: String) {
+        *self.close_reason.lock() = Some(reason);
+        self.close.notify_one();
+    }
+
+    /// Resolves once a close was requested; returns the reason.
+    pub async fn close_requested(&self) -> String {
+        loop {
+            if let Some(r) = self.close_reason.lock().clone() {
+                return r;
+            }
+            self.close.notified().await;
+        }
+    }
+}
+
+/// The registry.
+#[derive(Debug, Default)]
+pub struct Connections {
+    by_id: Mutex<HashMap<u64, Arc<ConnectionHandle>>>,
+}
+
+impl Connections {
+    /// Register a connection that completed connection.open.
+    pub fn register(&self, id: u64, info: ConnectionInfo) -> Arc<ConnectionHandle> {
+        let h = Arc::new(ConnectionHandle {
+            info,
+            channels: AtomicU64::new(0),
+            close_reason: Mutex::new(None),
+            close: Notify::new(),
+        });
+        self.by_id.lock().insert(id, Arc::clone(&h));
+        h
+    }
+
+    /// Remove a connection that ended.
+    pub fn remove(&self, id: u64) {
+        self.by_id.lock().remove(&id);
+    }
+
+    /// Every open connection, sorted by name.
+    #[must_use]
+    pub fn list(&self) -> Vec<Arc<ConnectionHandle>> {
+        let mut v: Vec<_> = self.by_id.lock().values().cloned().collect();
+        v.sort_by(|a, b| a.info.name.cmp(&b.info.name));
+        v
+    }
+
+    /// The connection with this name.
+    #[must_use]
+    pub fn find(&self, name: &str) -> Option<Arc<ConnectionHandle>> {
+        self.by_id
+            .lock()
+            .values()
+            .find(|h| h.info.name == name)
+            .cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(name: &str) -> ConnectionInfo {
+        let addr: SocketAddr = ([127, 0, 0, 1], 5672).into();
+        ConnectionInfo {
+            name: name.into(),
+            user: "guest".into(),
+            vhost: "/".into(),
+            peer: addr,
+            local: addr,
+            tls: false,
+            client_properties: FieldTable::default(),
+            connected_at_ms: 0,
+            frame_max: 4096,
+            heartbeat_s: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn registered_connections_are_listed_found_and_closed() {
+        let c = Connections::default();
+        let b = c.register(2, info("b"));
+        c.register(1, info("a"));
+        let names: Vec<String> = c.list().iter().map(|h| h.info.name.clone()).collect();
+        assert_eq!(names, ["a", "b"]);
+        assert!(c.find("b").is_some());
+        c.find("b").map(|h| h.request_close("bye".into()));
+        assert_eq!(b.close_requested().await, "bye");
+        c.remove(2);
+        assert!(c.find("b").is_none());
+    }
+}
