@@ -146,7 +146,9 @@ mod tests {
         let names: Vec<String> = c.list().iter().map(|h| h.info.name.clone()).collect();
         assert_eq!(names, ["a", "b"]);
         assert!(c.find("b").is_some());
-        c.find("b").map(|h| h.request_close("bye".into()));
+        if let Some(h) = c.find("b") {
+            h.request_close("bye".into());
+        }
         assert_eq!(b.close_requested().await, "bye");
         c.remove(2);
         assert!(c.find("b").is_none());
