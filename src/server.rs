@@ -120,7 +120,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         None => None,
     };
 
-    let node = Arc::new(warren_management::NodeInfo {
+    let node = warren_management::NodeInfo {
         node: format!("warren@{}", hostname()),
         cluster_name: "warren".into(),
         listeners: std::iter::once(("amqp".to_string(), local))
@@ -131,12 +131,9 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
                     .map(|a| ("amqp/ssl".to_string(), a)),
             )
             .collect(),
-    });
-    let app = warren_management::AppState {
-        broker: Arc::clone(&broker),
-        node,
     };
-    let mut http_tasks = Vec::new();
+    let app = warren_management::AppState::new(Arc::clone(&broker), node);
+    let mut http_tasks = vec![tokio::spawn(warren_management::sample_rates(app.clone()))];
     for (what, addr, router) in [
         (
             "management",
@@ -156,7 +153,9 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         let local = listener.local_addr()?;
         tracing::info!(%local, "{what} listener started");
         println!("warren: {what} listening on {local}");
-        http_tasks.push(tokio::spawn(warren_management::serve(listener, router)));
+        http_tasks.push(tokio::spawn(async move {
+            let _ = warren_management::serve(listener, router).await;
+        }));
     }
 
     let conn_config = ConnectionConfig {

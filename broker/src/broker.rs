@@ -67,9 +67,17 @@ pub struct Broker {
     delayed_slot_next: std::sync::atomic::AtomicU32,
     /// Open connections (management API).
     connections: crate::connections::Connections,
+    /// Message counters since start.
+    stats: crate::stats::GlobalStats,
 }
 
 impl Broker {
+    /// Message counters since start.
+    #[must_use]
+    pub fn stats(&self) -> &crate::stats::GlobalStats {
+        &self.stats
+    }
+
     /// The node's open connections.
     #[must_use]
     pub fn connections(&self) -> &crate::connections::Connections {
@@ -105,6 +113,7 @@ impl Broker {
             alarms: crate::alarms::ResourceAlarms::default(),
             delayed_slot_next: std::sync::atomic::AtomicU32::new(1),
             connections: crate::connections::Connections::default(),
+            stats: crate::stats::GlobalStats::default(),
         };
         b.vhosts.write().insert(
             "/".into(),

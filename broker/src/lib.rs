@@ -36,6 +36,7 @@ pub mod queue;
 pub mod recovery;
 pub mod reply_to;
 pub mod session;
+pub mod stats;
 pub mod timers;
 pub mod users;
 pub mod vhost;

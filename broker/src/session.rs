@@ -50,6 +50,16 @@ struct Ctx {
     publishes: Cell<u64>,
     /// The user has the `impersonator` tag: it may publish with any `user_id`.
     impersonator: bool,
+    /// Counts since they were last added to the broker's totals.
+    stats: Cell<crate::stats::MessageStats>,
+}
+
+impl Ctx {
+    fn count(&self, f: impl FnOnce(&mut crate::stats::MessageStats)) {
+        let mut s = self.stats.get();
+        f(&mut s);
+        self.stats.set(s);
+    }
 }
 
 impl Ctx {
@@ -295,6 +305,7 @@ impl Session {
                 access: std::cell::RefCell::new(access),
                 publishes: Cell::new(0),
                 impersonator,
+                stats: Cell::new(crate::stats::MessageStats::default()),
             },
             channels: HashMap::new(),
             drained: Vec::new(),
@@ -395,9 +406,15 @@ impl Session {
                 if upto > *acked_upto {
                     let multiple = upto - *acked_upto > 1;
                     out.method_with(*ch, |b| put_basic_ack(b, upto, multiple));
+                    let n = upto - *acked_upto;
+                    self.ctx.count(|s| s.confirmed += n);
                     *acked_upto = upto;
                 }
             }
+        }
+        let stats = self.ctx.stats.take();
+        if !stats.is_zero() {
+            self.ctx.broker.stats().add(&stats);
         }
     }
 
@@ -609,6 +626,11 @@ impl Session {
         };
         let tag = chan.next_tag;
         chan.next_tag += 1;
+        let redelivered = d.redelivered;
+        self.ctx.count(|s| {
+            s.delivered += 1;
+            s.redelivered += u64::from(redelivered);
+        });
         out.method_with(d.channel, |b| {
             put_basic_deliver(
                 b,
@@ -1302,13 +1324,15 @@ fn take_acked(
     }
 }
 
+/// Settle, requeue or discard what `tag` (and `multiple`) name; returns how many.
 fn settle(
     chan: &mut Channel,
     action: AckAction,
     tag: u64,
     multiple: bool,
-) -> Result<(), AmqpError> {
+) -> Result<usize, AmqpError> {
     let taken = take_acked(chan, tag, multiple)?;
+    let n = taken.len();
     for (t, u) in &taken {
         if u.deadline != u64::MAX {
             chan.deadlines.remove(&(u.deadline, *t));
@@ -1325,7 +1349,7 @@ fn settle(
             None,
         );
     }
-    Ok(())
+    Ok(n)
 }
 
 fn handle_basic(
@@ -1339,6 +1363,7 @@ fn handle_basic(
     match m {
         basic::AMQPMethod::Publish(p) => {
             ctx.publishes.set(ctx.publishes.get() + 1);
+            ctx.count(|s| s.published += 1);
             let content = content.ok_or_else(|| {
                 AmqpError::connection(ReplyCode::FrameError, "publish without content")
             })?;
@@ -1422,7 +1447,11 @@ fn handle_basic(
             chan.route_buf = targets;
             Ok(())
         }
-        basic::AMQPMethod::Ack(a) => settle(chan, AckAction::Settle, a.delivery_tag, a.multiple),
+        basic::AMQPMethod::Ack(a) => {
+            let n = settle(chan, AckAction::Settle, a.delivery_tag, a.multiple)?;
+            ctx.count(|s| s.acked += n as u64);
+            Ok(())
+        }
         basic::AMQPMethod::Nack(n) => settle(
             chan,
             if n.requeue {
@@ -1432,7 +1461,8 @@ fn handle_basic(
             },
             n.delivery_tag,
             n.multiple,
-        ),
+        )
+        .map(drop),
         basic::AMQPMethod::Reject(r) => settle(
             chan,
             if r.requeue {
@@ -1442,7 +1472,8 @@ fn handle_basic(
             },
             r.delivery_tag,
             false,
-        ),
+        )
+        .map(drop),
         basic::AMQPMethod::Qos(q) => {
             if q.global {
                 let (before, after) = (chan.prefetch_channel, u32::from(q.prefetch_count));
@@ -1640,6 +1671,10 @@ fn handle_basic(
                 Some((id, msg, redelivered, remaining, delivery_count)) => {
                     let tag = chan.next_tag;
                     chan.next_tag += 1;
+                    ctx.count(|s| {
+                        s.got += 1;
+                        s.redelivered += u64::from(redelivered);
+                    });
                     if !g.no_ack {
                         let deadline = consumer_deadline(ctx, &q);
                         chan.track(

@@ -308,3 +308,44 @@ def test_connections_are_listed_and_closed(api, params):
             conn.close()
     gone = eventually(lambda: api("GET", path), lambda r: r[0] == 404)
     assert gone[0] == 404
+
+
+def test_message_counters_in_prometheus_and_overview(api, prometheus_url, conn, names):
+    """rabbitmq_global_messages_*_total count publishes, confirms, deliveries, gets and acks
+    exactly (nothing else runs meanwhile); the overview shows totals with rates."""
+    names_ = ["rabbitmq_global_messages_received_total",
+              "rabbitmq_global_messages_confirmed_total",
+              "rabbitmq_global_messages_delivered_total",
+              "rabbitmq_global_messages_acknowledged_total"]
+
+    def totals():
+        text = http("GET", prometheus_url + "/metrics", user=None)[1]
+        return [sum(series(text, n).values()) for n in names_]
+
+    before = totals()
+    queue = names.q()
+    ch = conn.channel()
+    ch.queue_declare(queue)
+    ch.confirm_delivery()
+    for i in range(5):
+        ch.basic_publish("", queue, f"m{i}".encode())
+    got = 0
+    for method, _props, _body in ch.consume(queue, inactivity_timeout=10):
+        assert method is not None
+        ch.basic_ack(method.delivery_tag)
+        got += 1
+        if got == 5:
+            break
+    ch.cancel()  # nothing is pending: all five were received and acked
+    ch.basic_publish("", queue, b"last")
+    method, _, _ = ch.basic_get(queue)
+    ch.basic_ack(method.delivery_tag)
+    counts(conn, queue)  # the acks were processed once this answers
+    expected = [before[0] + 6, before[1] + 6, before[2] + 6, before[3] + 6]
+    after = eventually(totals, lambda t: t == expected)
+    assert after == expected
+    status, o, _ = api("GET", "/api/overview")
+    assert status == 200
+    for key in ("publish", "ack", "deliver_get"):
+        assert o["message_stats"][key] >= 5
+        assert "rate" in o["message_stats"][f"{key}_details"]

@@ -208,7 +208,32 @@ async fn overview(State(state): State<AppState>, caller: Caller) -> ApiResult {
             "messages_unacknowledged": t.unacked,
         },
         "listeners": listeners,
+        "message_stats": message_stats(&state),
     }))
+}
+
+/// RabbitMQ's `message_stats`: totals since start with `*_details.rate` per second.
+fn message_stats(state: &AppState) -> Value {
+    let t = state.broker.stats().snapshot();
+    let r = state
+        .rates
+        .lock()
+        .map(|r| r.per_second())
+        .unwrap_or_default();
+    let mut m = serde_json::Map::new();
+    for (name, total, rate) in [
+        ("publish", t.published, r.published),
+        ("deliver", t.delivered, r.delivered),
+        ("get", t.got, r.got),
+        ("deliver_get", t.delivered + t.got, r.delivered + r.got),
+        ("redeliver", t.redelivered, r.redelivered),
+        ("ack", t.acked, r.acked),
+        ("confirm", t.confirmed, r.confirmed),
+    ] {
+        m.insert(name.into(), json!(total));
+        m.insert(format!("{name}_details"), json!({"rate": rate}));
+    }
+    Value::Object(m)
 }
 
 async fn whoami(caller: Caller) -> ApiResult {

@@ -14,6 +14,7 @@ mod error;
 mod json;
 mod metrics;
 mod properties;
+pub mod rates;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -46,6 +47,33 @@ pub struct AppState {
     pub broker: Arc<Broker>,
     /// Node facts.
     pub node: Arc<NodeInfo>,
+    /// Message rates, updated by [`sample_rates`].
+    pub rates: Arc<std::sync::Mutex<rates::Rates>>,
+}
+
+impl AppState {
+    /// State for `broker` on `node`, with no rates sampled yet.
+    #[must_use]
+    pub fn new(broker: Arc<Broker>, node: NodeInfo) -> Self {
+        Self {
+            broker,
+            node: Arc::new(node),
+            rates: Arc::new(std::sync::Mutex::new(rates::Rates::default())),
+        }
+    }
+}
+
+/// Sample the message counters every [`rates::SAMPLE_INTERVAL`] for the API's `*_details.rate`
+/// (RabbitMQ's management statistics interval is 5 s too). Runs until dropped.
+pub async fn sample_rates(state: AppState) {
+    let mut tick = tokio::time::interval(rates::SAMPLE_INTERVAL);
+    loop {
+        tick.tick().await;
+        let now = state.broker.stats().snapshot();
+        if let Ok(mut r) = state.rates.lock() {
+            r.sample(std::time::Instant::now(), now);
+        }
+    }
 }
 
 /// The management API router (`/api/...`).

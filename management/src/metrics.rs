@@ -43,6 +43,14 @@ impl Scrape {
         }
     }
 
+    fn counter(&self, name: &str, help: &str, value: u64) {
+        if let Ok(c) = prometheus::IntCounter::new(name, help)
+            && self.registry.register(Box::new(c.clone())).is_ok()
+        {
+            c.inc_by(value);
+        }
+    }
+
     fn render(&self) -> Response {
         let mut buf = Vec::new();
         if TextEncoder::new()
@@ -120,6 +128,46 @@ fn common(state: &AppState, s: &Scrape) {
             "Free disk space low watermark in bytes",
             w.disk_limit(sample.memory_total) as f64,
         );
+    }
+    let t = b.stats().snapshot();
+    for (name, help, v) in [
+        (
+            "rabbitmq_global_messages_received_total",
+            "Total number of messages received from publishers",
+            t.published,
+        ),
+        (
+            "rabbitmq_global_messages_delivered_total",
+            "Total number of messages delivered to consumers",
+            t.delivered + t.got,
+        ),
+        (
+            "rabbitmq_global_messages_delivered_consume_total",
+            "Total number of messages delivered to consumers (basic.consume)",
+            t.delivered,
+        ),
+        (
+            "rabbitmq_global_messages_delivered_get_total",
+            "Total number of messages fetched with basic.get",
+            t.got,
+        ),
+        (
+            "rabbitmq_global_messages_redelivered_total",
+            "Total number of messages redelivered to consumers",
+            t.redelivered,
+        ),
+        (
+            "rabbitmq_global_messages_acknowledged_total",
+            "Total number of messages acknowledged by consumers",
+            t.acked,
+        ),
+        (
+            "rabbitmq_global_messages_confirmed_total",
+            "Total number of messages confirmed to publishers",
+            t.confirmed,
+        ),
+    ] {
+        s.counter(name, help, v);
     }
     s.set(
         "rabbitmq_alarms_memory_used_watermark",
