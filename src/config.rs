@@ -13,7 +13,8 @@ pub struct ServerArgs {
     /// frame_max, channel_max, message_size_max, store_segment_bytes, tls_cert, tls_key, tls_ca,
     /// tls_fail_if_no_peer_cert, ssl_cert_login_from, vm_memory_high_watermark,
     /// vm_memory_high_watermark_absolute, disk_free_limit, disk_free_limit_mem_relative,
-    /// connection_max, consumer_max_per_channel.
+    /// connection_max, consumer_max_per_channel, management_listen, prometheus_listen,
+    /// log_format.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Address for AMQP 0-9-1 clients [default: 0.0.0.0:5672].
@@ -61,6 +62,9 @@ pub struct ServerArgs {
     /// Log filter: error, warn, info, debug, trace, or a tracing filter [default: info].
     #[arg(long)]
     pub log_level: Option<String>,
+    /// Log format: text or json (one object per line) [default: text].
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
     /// Size at which the store starts a new message segment file [default: 64 MiB].
     #[arg(long)]
     pub store_segment_bytes: Option<u64>,
@@ -85,6 +89,7 @@ struct FileConfig {
     consumer_max_per_channel: Option<u64>,
     management_listen: Option<String>,
     prometheus_listen: Option<String>,
+    log_format: Option<LogFormat>,
     data_dir: Option<PathBuf>,
     log_level: Option<String>,
     heartbeat_s: Option<u16>,
@@ -114,6 +119,19 @@ pub struct ServerConfig {
     pub management_listen: Option<SocketAddr>,
     /// The Prometheus endpoint's address (None: off).
     pub prometheus_listen: Option<SocketAddr>,
+    /// How log lines are written.
+    pub log_format: LogFormat,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line (for log shippers).
+    Json,
 }
 
 /// Smallest segment size accepted (smaller only multiplies files).
@@ -199,6 +217,7 @@ impl ServerConfig {
             15692,
         )?;
         Ok(Self {
+            log_format: args.log_format.or(file.log_format).unwrap_or_default(),
             management_listen,
             prometheus_listen,
             watermarks,
@@ -320,6 +339,7 @@ mod tests {
             disk_free_limit: None,
             management_listen: None,
             prometheus_listen: None,
+            log_format: None,
             data_dir: None,
             log_level: None,
             store_segment_bytes: None,
@@ -347,6 +367,7 @@ mod tests {
         assert!(c.amqps.is_none(), "no certificate, no AMQPS listener");
         assert_eq!(c.watermarks, warren_broker::alarms::Watermarks::default());
         assert_eq!((c.connection_max, c.consumer_max_per_channel), (None, None));
+        assert_eq!(c.log_format, LogFormat::Text);
         assert_eq!(
             c.management_listen,
             Some(SocketAddr::from(([0, 0, 0, 0], 15672)))
@@ -422,7 +443,8 @@ mod tests {
              message_size_max = 1048576\n\
              store_segment_bytes = 1048576\n\
              connection_max = 100\n\
-             consumer_max_per_channel = 8\n",
+             consumer_max_per_channel = 8\n\
+             log_format = \"json\"\n",
         );
         let c = ServerConfig::load(args(Some(f.path().into()))).unwrap();
         assert_eq!(c.amqp_listen, SocketAddr::from(([127, 0, 0, 1], 5999)));
@@ -435,6 +457,7 @@ mod tests {
         assert_eq!(c.store.segment_max, 1_048_576);
         assert_eq!(c.connection_max, Some(100));
         assert_eq!(c.consumer_max_per_channel, Some(8));
+        assert_eq!(c.log_format, LogFormat::Json);
 
         let mut flags = args(Some(f.path().into()));
         flags.data_dir = Some("/tmp/from-flag".into());

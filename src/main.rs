@@ -50,7 +50,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            init_logging(&cfg.log_level);
+            init_logging(&cfg.log_level, cfg.log_format);
             let runtime = match tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
@@ -73,11 +73,16 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_logging(level: &str) {
+/// Logs go to stderr: text by default, one JSON object per line with `--log-format json`.
+/// The level is a tracing filter, so levels per module work: `info,warren_store=debug`.
+fn init_logging(level: &str, format: config::LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        config::LogFormat::Text => builder.init(),
+        config::LogFormat::Json => builder.json().init(),
+    }
 }
