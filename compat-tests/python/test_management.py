@@ -344,8 +344,41 @@ def test_message_counters_in_prometheus_and_overview(api, prometheus_url, conn, 
     expected = [before[0] + 6, before[1] + 6, before[2] + 6, before[3] + 6]
     after = eventually(totals, lambda t: t == expected)
     assert after == expected
-    status, o, _ = api("GET", "/api/overview")
+    status, o, _ = eventually(
+        lambda: api("GET", "/api/overview"),
+        lambda r: all(r[1].get("message_stats", {}).get(k, 0) >= 5
+                      for k in ("publish", "ack", "deliver_get")))
     assert status == 200
     for key in ("publish", "ack", "deliver_get"):
         assert o["message_stats"][key] >= 5
         assert "rate" in o["message_stats"][f"{key}_details"]
+
+
+def test_policies(api, ch, names):
+    """A policy set over HTTP applies to matching queues (max-length), is listed in RabbitMQ's
+    shape, and goes away on DELETE."""
+    queue = names.q()
+    name = queue.replace(".", "_") + "_pol"
+    path = f"/api/policies/%2F/{q(name)}"
+    body = {"pattern": "^" + re.escape(queue) + "$", "definition": {"max-length": 2},
+            "priority": 5, "apply-to": "queues"}
+    try:
+        assert api("PUT", path, body=body)[0] == 201
+        assert api("PUT", path, body=body)[0] == 204
+        status, p, _ = api("GET", path)
+        assert status == 200
+        assert {k: p[k] for k in ("vhost", "name", "pattern", "apply-to", "definition", "priority")} == {
+            "vhost": "/", "name": name, "pattern": body["pattern"], "apply-to": "queues",
+            "definition": {"max-length": 2}, "priority": 5}
+        assert name in [x["name"] for x in api("GET", "/api/policies/%2F")[1]]
+        ch.queue_declare(queue)
+        ch.confirm_delivery()
+        for i in range(4):
+            ch.basic_publish("", queue, f"m{i}".encode())
+        assert eventually(lambda: counts(ch.connection, queue)[0], lambda n: n == 2) == 2
+        status, err, _ = api("PUT", f"/api/policies/%2F/{q(name)}x",
+                             body={"pattern": "(", "definition": {"max-length": 1}})
+        assert status == 400
+    finally:
+        assert api("DELETE", path)[0] == 204
+    assert api("GET", path)[0] == 404

@@ -70,6 +70,12 @@ pub fn router(state: AppState) -> Router {
             "/api/exchanges/{vhost}/{exchange}/publish",
             axum::routing::post(publish),
         )
+        .route("/api/policies", get(list_all_policies))
+        .route("/api/policies/{vhost}", get(list_vhost_policies))
+        .route(
+            "/api/policies/{vhost}/{name}",
+            get(get_policy).put(put_policy).delete(delete_policy),
+        )
         .route("/api/connections", get(list_connections))
         .route(
             "/api/connections/{name}",
@@ -1332,5 +1338,96 @@ async fn close_connection(
         .unwrap_or("Closed via management plugin")
         .to_string();
     h.request_close(reason);
+    no_content()
+}
+
+// ---------------------------------------------------------------- policies
+
+fn policies_of(vhosts: &[Arc<VHost>]) -> Result<Value, ApiError> {
+    let defs: Vec<_> = vhosts.iter().flat_map(|vh| vh.policies()).collect();
+    serde_json::to_value(defs).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+async fn list_all_policies(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    ok_json(policies_of(&visible_vhosts(&state, &caller))?)
+}
+
+async fn list_vhost_policies(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    ok_json(policies_of(&[vh])?)
+}
+
+async fn get_policy(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let def = vh
+        .policies()
+        .into_iter()
+        .find(|p| p.name == name)
+        .ok_or_else(ApiError::not_found)?;
+    ok_json(serde_json::to_value(def).map_err(|e| ApiError::bad_request(e.to_string()))?)
+}
+
+#[derive(Debug, Deserialize)]
+struct PolicyBody {
+    pattern: String,
+    definition: serde_json::Map<String, Value>,
+    #[serde(default)]
+    priority: i32,
+    #[serde(rename = "apply-to", default = "apply_all")]
+    apply_to: String,
+}
+
+fn apply_all() -> String {
+    "all".into()
+}
+
+async fn put_policy(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    caller.require_policymaker()?;
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let b: PolicyBody =
+        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let existed = vh.policies().iter().any(|p| p.name == name);
+    let def = warren_broker::policy::PolicyDef {
+        vhost: vhost.clone(),
+        name,
+        pattern: b.pattern,
+        apply_to: b.apply_to,
+        priority: b.priority,
+        definition: b.definition,
+    };
+    let (tx, rx) = commit_waiter();
+    let mut tx = Some(tx);
+    vh.set_policy(def, &mut move || waiter(tx.take()))
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    wait(rx).await?;
+    created(!existed)
+}
+
+async fn delete_policy(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+) -> ApiResult {
+    caller.require_policymaker()?;
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let (tx, rx) = commit_waiter();
+    let mut tx = Some(tx);
+    if !vh.clear_policy(&name, &mut move || waiter(tx.take())) {
+        return Err(ApiError::not_found());
+    }
+    wait(rx).await?;
     no_content()
 }

@@ -43,6 +43,18 @@ impl Caller {
         }
     }
 
+    /// 401 unless the caller may manage policies (`policymaker` or `administrator`).
+    ///
+    /// # Errors
+    /// [`ApiError::unauthorised`].
+    pub fn require_policymaker(&self) -> Result<(), ApiError> {
+        if self.is_admin() || self.has("policymaker") {
+            Ok(())
+        } else {
+            Err(ApiError::unauthorised("Not policymaker user"))
+        }
+    }
+
     /// Whether the caller may see or act in `vhost`: monitoring and administrator see all,
     /// others only the vhosts they have permissions in.
     pub fn may_use_vhost(&self, state: &AppState, vhost: &str) -> bool {
