@@ -382,3 +382,44 @@ def test_policies(api, ch, names):
     finally:
         assert api("DELETE", path)[0] == 204
     assert api("GET", path)[0] == 404
+
+
+def test_limits_and_topic_permissions(api, params, prefix):
+    vhost = prefix.replace("compat.", "ml.")[:60]
+    user = prefix.replace("compat.", "mlu.")[:60]
+    try:
+        assert api("PUT", f"/api/vhosts/{q(vhost)}")[0] == 201
+        assert api("PUT", f"/api/users/{q(user)}", body={"password": "pw", "tags": ""})[0] == 201
+        assert api("PUT", f"/api/permissions/{q(vhost)}/{q(user)}",
+                   body={"configure": ".*", "write": ".*", "read": ".*"})[0] == 201
+        # Vhost limit: one connection.
+        assert api("PUT", f"/api/vhost-limits/{q(vhost)}/max-connections",
+                   body={"value": 1})[0] == 204
+        status, limits, _ = api("GET", f"/api/vhost-limits/{q(vhost)}")
+        assert status == 200 and limits == [{"vhost": vhost, "value": {"max-connections": 1}}]
+        assert {"vhost": vhost, "value": {"max-connections": 1}} in api("GET", "/api/vhost-limits")[1]
+        p = pika.ConnectionParameters(host=params.host, port=params.port, virtual_host=vhost,
+                                      credentials=pika.PlainCredentials(user, "pw"),
+                                      connection_attempts=1)
+        first = pika.BlockingConnection(p)
+        with pytest.raises(ProbableAccessDeniedError):
+            pika.BlockingConnection(p)
+        first.close()
+        assert api("DELETE", f"/api/vhost-limits/{q(vhost)}/max-connections")[0] == 204
+        assert api("GET", f"/api/vhost-limits/{q(vhost)}")[1] == []
+        # User limit.
+        assert api("PUT", f"/api/user-limits/{q(user)}/max-channels", body={"value": 3})[0] == 204
+        status, ulimits, _ = api("GET", f"/api/user-limits/{q(user)}")
+        assert status == 200 and ulimits == [{"user": user, "value": {"max-channels": 3}}]
+        assert api("DELETE", f"/api/user-limits/{q(user)}/max-channels")[0] == 204
+        # Topic permissions on amq.topic.
+        assert api("PUT", f"/api/topic-permissions/{q(vhost)}/{q(user)}",
+                   body={"exchange": "amq.topic", "write": "^a\\\\.", "read": ".*"})[0] == 201
+        status, tps, _ = api("GET", f"/api/topic-permissions/{q(vhost)}/{q(user)}")
+        assert status == 200 and tps == [{"user": user, "vhost": vhost, "exchange": "amq.topic",
+                                          "write": "^a\\\\.", "read": ".*"}]
+        assert api("DELETE", f"/api/topic-permissions/{q(vhost)}/{q(user)}")[0] == 204
+        assert api("GET", f"/api/topic-permissions/{q(vhost)}/{q(user)}")[0] == 404
+    finally:
+        api("DELETE", f"/api/users/{q(user)}")
+        api("DELETE", f"/api/vhosts/{q(vhost)}")

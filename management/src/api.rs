@@ -76,6 +76,25 @@ pub fn router(state: AppState) -> Router {
             "/api/policies/{vhost}/{name}",
             get(get_policy).put(put_policy).delete(delete_policy),
         )
+        .route("/api/vhost-limits", get(list_vhost_limits))
+        .route("/api/vhost-limits/{vhost}", get(get_vhost_limits))
+        .route(
+            "/api/vhost-limits/{vhost}/{name}",
+            axum::routing::put(put_vhost_limit).delete(delete_vhost_limit),
+        )
+        .route("/api/user-limits", get(list_user_limits))
+        .route("/api/user-limits/{user}", get(get_user_limits))
+        .route(
+            "/api/user-limits/{user}/{name}",
+            axum::routing::put(put_user_limit).delete(delete_user_limit),
+        )
+        .route("/api/topic-permissions", get(list_topic_permissions))
+        .route(
+            "/api/topic-permissions/{vhost}/{user}",
+            get(get_topic_permissions)
+                .put(put_topic_permission)
+                .delete(delete_topic_permissions),
+        )
         .route("/api/connections", get(list_connections))
         .route(
             "/api/connections/{name}",
@@ -1428,6 +1447,263 @@ async fn delete_policy(
     if !vh.clear_policy(&name, &mut move || waiter(tx.take())) {
         return Err(ApiError::not_found());
     }
+    wait(rx).await?;
+    no_content()
+}
+
+// ---------------------------------------------------------------- limits
+
+const VHOST_LIMITS: &[&str] = &["max-connections", "max-queues"];
+const USER_LIMITS: &[&str] = &["max-connections", "max-channels"];
+
+/// Set or remove one limit of a limits struct through its JSON form (keys as RabbitMQ's).
+fn with_limit<T: serde::Serialize + serde::de::DeserializeOwned>(
+    limits: &T,
+    known: &[&str],
+    name: &str,
+    value: Option<i64>,
+) -> Result<T, ApiError> {
+    if !known.contains(&name) {
+        return Err(ApiError::bad_request(format!("unknown limit {name}")));
+    }
+    let mut v = serde_json::to_value(limits).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    if let Value::Object(m) = &mut v {
+        match value {
+            Some(n) => {
+                m.insert(name.into(), json!(n));
+            }
+            None => {
+                m.remove(name);
+            }
+        }
+    }
+    serde_json::from_value(v).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+fn limit_value(raw: &[u8]) -> Result<i64, ApiError> {
+    body(raw)?
+        .get("value")
+        .and_then(Value::as_i64)
+        .ok_or_else(|| ApiError::bad_request("value must be an integer"))
+}
+
+fn vhost_limits_json(vh: &VHost) -> Option<Value> {
+    let v = serde_json::to_value(&*vh.limits.read()).ok()?;
+    (v.as_object().is_some_and(|m| !m.is_empty())).then(|| json!({"vhost": vh.name, "value": v}))
+}
+
+async fn list_vhost_limits(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    ok_json(Value::Array(
+        visible_vhosts(&state, &caller)
+            .iter()
+            .filter_map(|vh| vhost_limits_json(vh))
+            .collect(),
+    ))
+}
+
+async fn get_vhost_limits(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    ok_json(Value::Array(vhost_limits_json(&vh).into_iter().collect()))
+}
+
+async fn set_vhost_limit(
+    state: &AppState,
+    caller: &Caller,
+    vhost: &str,
+    name: &str,
+    value: Option<i64>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let vh = vhost_for(state, caller, vhost)?;
+    let limits = with_limit(&*vh.limits.read(), VHOST_LIMITS, name, value)?;
+    let (tx, rx) = commit_waiter();
+    let mut tx = Some(tx);
+    state
+        .broker
+        .set_vhost_limits(vhost, limits, &mut move || waiter(tx.take()))
+        .map_err(|e| user_error(&e))?;
+    wait(rx).await?;
+    no_content()
+}
+
+async fn put_vhost_limit(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    let value = limit_value(&raw)?;
+    set_vhost_limit(&state, &caller, &vhost, &name, Some(value)).await
+}
+
+async fn delete_vhost_limit(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+) -> ApiResult {
+    set_vhost_limit(&state, &caller, &vhost, &name, None).await
+}
+
+fn user_limits_json(u: &warren_broker::users::UserRecord) -> Option<Value> {
+    let v = serde_json::to_value(&u.limits).ok()?;
+    (v.as_object().is_some_and(|m| !m.is_empty())).then(|| json!({"user": u.name, "value": v}))
+}
+
+async fn list_user_limits(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    caller.require_admin()?;
+    ok_json(Value::Array(
+        state
+            .broker
+            .list_users()
+            .iter()
+            .filter_map(user_limits_json)
+            .collect(),
+    ))
+}
+
+fn find_user(state: &AppState, name: &str) -> Result<warren_broker::users::UserRecord, ApiError> {
+    state
+        .broker
+        .list_users()
+        .into_iter()
+        .find(|u| u.name == name)
+        .ok_or_else(ApiError::not_found)
+}
+
+async fn get_user_limits(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(user): Path<String>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let u = find_user(&state, &user)?;
+    ok_json(Value::Array(user_limits_json(&u).into_iter().collect()))
+}
+
+async fn set_user_limit(
+    state: &AppState,
+    caller: &Caller,
+    user: &str,
+    name: &str,
+    value: Option<i64>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let u = find_user(state, user)?;
+    let limits = with_limit(&u.limits, USER_LIMITS, name, value)?;
+    let (tx, rx) = commit_waiter();
+    let mut tx = Some(tx);
+    state
+        .broker
+        .set_user_limits(user, limits, &mut move || waiter(tx.take()))
+        .map_err(|e| user_error(&e))?;
+    wait(rx).await?;
+    no_content()
+}
+
+async fn put_user_limit(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((user, name)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    let value = limit_value(&raw)?;
+    set_user_limit(&state, &caller, &user, &name, Some(value)).await
+}
+
+async fn delete_user_limit(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((user, name)): Path<(String, String)>,
+) -> ApiResult {
+    set_user_limit(&state, &caller, &user, &name, None).await
+}
+
+// ---------------------------------------------------------------- topic permissions
+
+fn topic_json(p: &warren_broker::users::TopicPermissionRecord) -> Value {
+    json!({"user": p.user, "vhost": p.vhost, "exchange": p.exchange,
+           "write": p.write, "read": p.read})
+}
+
+async fn list_topic_permissions(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    caller.require_admin()?;
+    ok_json(Value::Array(
+        state
+            .broker
+            .list_topic_permissions(None, None)
+            .iter()
+            .map(topic_json)
+            .collect(),
+    ))
+}
+
+async fn get_topic_permissions(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, user)): Path<(String, String)>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let list = state
+        .broker
+        .list_topic_permissions(Some(&vhost), Some(&user));
+    if list.is_empty() {
+        return Err(ApiError::not_found());
+    }
+    ok_json(Value::Array(list.iter().map(topic_json).collect()))
+}
+
+async fn put_topic_permission(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, user)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    caller.require_admin()?;
+    let b = body(&raw)?;
+    let field = |k: &str| {
+        b.get(k)
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .ok_or_else(|| ApiError::bad_request(format!("{k} is required")))
+    };
+    let record = warren_broker::users::TopicPermissionRecord {
+        user: user.clone(),
+        vhost: vhost.clone(),
+        exchange: field("exchange")?,
+        write: field("write")?,
+        read: field("read")?,
+    };
+    let existed = state
+        .broker
+        .list_topic_permissions(Some(&vhost), Some(&user))
+        .iter()
+        .any(|p| p.exchange == record.exchange);
+    let (tx, rx) = commit_waiter();
+    let mut tx = Some(tx);
+    state
+        .broker
+        .set_topic_permissions(record, &mut move || waiter(tx.take()))
+        .map_err(|e| user_error(&e))?;
+    wait(rx).await?;
+    created(!existed)
+}
+
+async fn delete_topic_permissions(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, user)): Path<(String, String)>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let (tx, rx) = commit_waiter();
+    let mut tx = Some(tx);
+    state
+        .broker
+        .clear_topic_permissions(&vhost, &user, None, &mut move || waiter(tx.take()))
+        .map_err(|e| user_error(&e))?;
     wait(rx).await?;
     no_content()
 }
