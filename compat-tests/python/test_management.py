@@ -423,3 +423,35 @@ def test_limits_and_topic_permissions(api, params, prefix):
     finally:
         api("DELETE", f"/api/users/{q(user)}")
         api("DELETE", f"/api/vhosts/{q(vhost)}")
+
+
+def test_definitions_export(api, ch, names):
+    """GET /api/definitions lists users (with hashes), vhosts, permissions, queues, exchanges,
+    bindings and policies in RabbitMQ's format; the per-vhost export leaves out `vhost`."""
+    queue, x = names.q(), names.x()
+    ch.queue_declare(queue, durable=True, arguments={"x-max-length": 7})
+    ch.exchange_declare(x, "direct", durable=True)
+    ch.queue_bind(queue, x, "rk")
+    status, d, _ = api("GET", "/api/definitions")
+    assert status == 200
+    for key in ("rabbit_version", "users", "vhosts", "permissions", "topic_permissions",
+                "parameters", "global_parameters", "policies", "queues", "exchanges", "bindings"):
+        assert key in d, key
+    guest = [u for u in d["users"] if u["name"] == "guest"][0]
+    assert guest["hashing_algorithm"] == "rabbit_password_hashing_sha256"
+    assert base64.b64decode(guest["password_hash"]) and "administrator" in guest["tags"]
+    assert "/" in [v["name"] for v in d["vhosts"]]
+    assert {"user": "guest", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"} in d["permissions"]
+    assert {"name": queue, "vhost": "/", "durable": True, "auto_delete": False,
+            "arguments": {"x-max-length": 7}} in d["queues"]
+    mine_x = [e for e in d["exchanges"] if e["name"] == x]
+    assert mine_x and {k: mine_x[0][k] for k in ("vhost", "type", "durable", "auto_delete", "internal")} == {
+        "vhost": "/", "type": "direct", "durable": True, "auto_delete": False, "internal": False}
+    assert not [e for e in d["exchanges"] if e["name"].startswith("amq.") or e["name"] == ""]
+    assert {"source": x, "vhost": "/", "destination": queue, "destination_type": "queue",
+            "routing_key": "rk", "arguments": {}} in d["bindings"]
+    assert not [b for b in d["bindings"] if b["source"] == ""], "default bindings are implicit"
+    status, v, _ = api("GET", "/api/definitions/%2F")
+    assert status == 200 and "users" not in v
+    assert {"name": queue, "durable": True, "auto_delete": False,
+            "arguments": {"x-max-length": 7}} in v["queues"]

@@ -95,6 +95,8 @@ pub fn router(state: AppState) -> Router {
                 .put(put_topic_permission)
                 .delete(delete_topic_permissions),
         )
+        .route("/api/definitions", get(export_definitions))
+        .route("/api/definitions/{vhost}", get(export_vhost_definitions))
         .route("/api/connections", get(list_connections))
         .route(
             "/api/connections/{name}",
@@ -1706,4 +1708,160 @@ async fn delete_topic_permissions(
         .map_err(|e| user_error(&e))?;
     wait(rx).await?;
     no_content()
+}
+
+// ---------------------------------------------------------------- definitions export
+
+/// The objects of one vhost in RabbitMQ's definitions format; `with_vhost` adds the `vhost`
+/// field (the node-wide export has it, the per-vhost export does not).
+fn vhost_definitions(
+    vh: &VHost,
+    with_vhost: bool,
+) -> (Vec<Value>, Vec<Value>, Vec<Value>, Vec<Value>, Vec<Value>) {
+    let tag = |mut v: Value| {
+        if with_vhost && let Value::Object(m) = &mut v {
+            m.insert("vhost".into(), json!(vh.name));
+        }
+        v
+    };
+    let queues = vh
+        .queues()
+        .iter()
+        .filter(|q| q.exclusive_owner.is_none())
+        .map(|q| {
+            tag(
+                json!({"name": q.name, "durable": q.durable, "auto_delete": q.auto_delete,
+                       "arguments": table_to_json(&q.arguments)}),
+            )
+        })
+        .collect();
+    let exchanges = vh
+        .exchanges()
+        .iter()
+        .filter(|x| !x.name.is_empty() && !x.name.starts_with("amq."))
+        .map(|x| {
+            tag(json!({"name": x.name, "type": x.kind, "durable": x.durable,
+                       "auto_delete": x.auto_delete, "internal": x.internal,
+                       "arguments": table_to_json(&x.arguments)}))
+        })
+        .collect();
+    let bindings = vh
+        .bindings()
+        .iter()
+        .filter(|b| !b.source.is_empty())
+        .map(|b| {
+            tag(json!({"source": b.source, "destination": b.destination,
+                       "destination_type": if b.destination_is_queue { "queue" } else { "exchange" },
+                       "routing_key": b.routing_key, "arguments": table_to_json(&b.arguments)}))
+        })
+        .collect();
+    let policies = vh
+        .policies()
+        .into_iter()
+        .filter_map(|p| serde_json::to_value(p).ok())
+        .map(|mut v| {
+            if !with_vhost && let Value::Object(m) = &mut v {
+                m.remove("vhost");
+            }
+            v
+        })
+        .collect();
+    let parameters = serde_json::to_value(&*vh.limits.read())
+        .ok()
+        .filter(|v| v.as_object().is_some_and(|m| !m.is_empty()))
+        .map(|value| tag(json!({"value": value, "component": "vhost-limits", "name": "limits"})))
+        .into_iter()
+        .collect();
+    (queues, exchanges, bindings, policies, parameters)
+}
+
+fn versions() -> serde_json::Map<String, Value> {
+    let mut m = serde_json::Map::new();
+    m.insert("rabbit_version".into(), json!(RABBITMQ_API_VERSION));
+    m.insert("rabbitmq_version".into(), json!(RABBITMQ_API_VERSION));
+    m.insert("product_name".into(), json!("Warren"));
+    m.insert("product_version".into(), json!(env!("CARGO_PKG_VERSION")));
+    m
+}
+
+/// GET /api/definitions: everything needed to rebuild the node's topology and access rules,
+/// in RabbitMQ's format (users with their password hashes).
+async fn export_definitions(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    caller.require_admin()?;
+    let b = &state.broker;
+    let (mut queues, mut exchanges, mut bindings, mut policies, mut parameters) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut vhosts = Vec::new();
+    for name in b.list_vhosts() {
+        let Some(vh) = b.vhost(&name) else { continue };
+        let mut metadata = json!({"description": "", "tags": []});
+        if let Some(t) = vh.default_queue_type.read().clone() {
+            metadata["default_queue_type"] = json!(t);
+        }
+        vhosts.push(json!({"name": vh.name, "limits": [], "metadata": metadata}));
+        let (q, x, bd, p, pr) = vhost_definitions(&vh, true);
+        queues.extend(q);
+        exchanges.extend(x);
+        bindings.extend(bd);
+        policies.extend(p);
+        parameters.extend(pr);
+    }
+    let users: Vec<Value> = b
+        .list_users()
+        .iter()
+        .map(|u| {
+            json!({"name": u.name, "password_hash": u.password_hash,
+                   "hashing_algorithm": u.hashing_algorithm, "tags": u.tags,
+                   "limits": serde_json::to_value(&u.limits).unwrap_or_else(|_| json!({}))})
+        })
+        .collect();
+    let mut m = versions();
+    m.insert("users".into(), Value::Array(users));
+    m.insert("vhosts".into(), Value::Array(vhosts));
+    m.insert(
+        "permissions".into(),
+        Value::Array(
+            b.list_permissions(None, None)
+                .iter()
+                .map(permission_json)
+                .collect(),
+        ),
+    );
+    m.insert(
+        "topic_permissions".into(),
+        Value::Array(
+            b.list_topic_permissions(None, None)
+                .iter()
+                .map(topic_json)
+                .collect(),
+        ),
+    );
+    m.insert("parameters".into(), Value::Array(parameters));
+    m.insert(
+        "global_parameters".into(),
+        json!([{"name": "cluster_name", "value": state.node.cluster_name}]),
+    );
+    m.insert("policies".into(), Value::Array(policies));
+    m.insert("queues".into(), Value::Array(queues));
+    m.insert("exchanges".into(), Value::Array(exchanges));
+    m.insert("bindings".into(), Value::Array(bindings));
+    ok_json(Value::Object(m))
+}
+
+/// GET /api/definitions/{vhost}: one vhost's topology and policies (no `vhost` fields).
+async fn export_vhost_definitions(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
+    caller.require_admin()?;
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let (queues, exchanges, bindings, policies, parameters) = vhost_definitions(&vh, false);
+    let mut m = versions();
+    m.insert("parameters".into(), Value::Array(parameters));
+    m.insert("policies".into(), Value::Array(policies));
+    m.insert("queues".into(), Value::Array(queues));
+    m.insert("exchanges".into(), Value::Array(exchanges));
+    m.insert("bindings".into(), Value::Array(bindings));
+    ok_json(Value::Object(m))
 }
