@@ -1772,7 +1772,21 @@ fn vhost_definitions(
         .map(|value| tag(json!({"value": value, "component": "vhost-limits", "name": "limits"})))
         .into_iter()
         .collect();
-    (queues, exchanges, bindings, policies, parameters)
+    VhostDefs {
+        queues,
+        exchanges,
+        bindings,
+        policies,
+        parameters,
+    }
+}
+
+fn insert_defs(m: &mut serde_json::Map<String, Value>, d: VhostDefs) {
+    m.insert("parameters".into(), Value::Array(d.parameters));
+    m.insert("policies".into(), Value::Array(d.policies));
+    m.insert("queues".into(), Value::Array(d.queues));
+    m.insert("exchanges".into(), Value::Array(d.exchanges));
+    m.insert("bindings".into(), Value::Array(d.bindings));
 }
 
 fn versions() -> serde_json::Map<String, Value> {
@@ -1789,8 +1803,7 @@ fn versions() -> serde_json::Map<String, Value> {
 async fn export_definitions(State(state): State<AppState>, caller: Caller) -> ApiResult {
     caller.require_admin()?;
     let b = &state.broker;
-    let (mut queues, mut exchanges, mut bindings, mut policies, mut parameters) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut all = VhostDefs::default();
     let mut vhosts = Vec::new();
     for name in b.list_vhosts() {
         let Some(vh) = b.vhost(&name) else { continue };
@@ -1799,12 +1812,12 @@ async fn export_definitions(State(state): State<AppState>, caller: Caller) -> Ap
             metadata["default_queue_type"] = json!(t);
         }
         vhosts.push(json!({"name": vh.name, "limits": [], "metadata": metadata}));
-        let (q, x, bd, p, pr) = vhost_definitions(&vh, true);
-        queues.extend(q);
-        exchanges.extend(x);
-        bindings.extend(bd);
-        policies.extend(p);
-        parameters.extend(pr);
+        let d = vhost_definitions(&vh, true);
+        all.queues.extend(d.queues);
+        all.exchanges.extend(d.exchanges);
+        all.bindings.extend(d.bindings);
+        all.policies.extend(d.policies);
+        all.parameters.extend(d.parameters);
     }
     let users: Vec<Value> = b
         .list_users()
@@ -1836,15 +1849,11 @@ async fn export_definitions(State(state): State<AppState>, caller: Caller) -> Ap
                 .collect(),
         ),
     );
-    m.insert("parameters".into(), Value::Array(parameters));
     m.insert(
         "global_parameters".into(),
         json!([{"name": "cluster_name", "value": state.node.cluster_name}]),
     );
-    m.insert("policies".into(), Value::Array(policies));
-    m.insert("queues".into(), Value::Array(queues));
-    m.insert("exchanges".into(), Value::Array(exchanges));
-    m.insert("bindings".into(), Value::Array(bindings));
+    insert_defs(&mut m, all);
     ok_json(Value::Object(m))
 }
 
@@ -1856,12 +1865,7 @@ async fn export_vhost_definitions(
 ) -> ApiResult {
     caller.require_admin()?;
     let vh = vhost_for(&state, &caller, &vhost)?;
-    let (queues, exchanges, bindings, policies, parameters) = vhost_definitions(&vh, false);
     let mut m = versions();
-    m.insert("parameters".into(), Value::Array(parameters));
-    m.insert("policies".into(), Value::Array(policies));
-    m.insert("queues".into(), Value::Array(queues));
-    m.insert("exchanges".into(), Value::Array(exchanges));
-    m.insert("bindings".into(), Value::Array(bindings));
+    insert_defs(&mut m, vhost_definitions(&vh, false));
     ok_json(Value::Object(m))
 }
