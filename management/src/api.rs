@@ -1714,10 +1714,17 @@ async fn delete_topic_permissions(
 
 /// The objects of one vhost in RabbitMQ's definitions format; `with_vhost` adds the `vhost`
 /// field (the node-wide export has it, the per-vhost export does not).
-fn vhost_definitions(
-    vh: &VHost,
-    with_vhost: bool,
-) -> (Vec<Value>, Vec<Value>, Vec<Value>, Vec<Value>, Vec<Value>) {
+/// One vhost's part of a definitions export.
+#[derive(Debug, Default)]
+struct VhostDefs {
+    queues: Vec<Value>,
+    exchanges: Vec<Value>,
+    bindings: Vec<Value>,
+    policies: Vec<Value>,
+    parameters: Vec<Value>,
+}
+
+fn vhost_definitions(vh: &VHost, with_vhost: bool) -> VhostDefs {
     let tag = |mut v: Value| {
         if with_vhost && let Value::Object(m) = &mut v {
             m.insert("vhost".into(), json!(vh.name));
