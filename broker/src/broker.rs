@@ -482,6 +482,22 @@ impl Broker {
         }
     }
 
+    /// Create or replace a user from an imported record (RabbitMQ definitions: the password
+    /// hash is taken as it is).
+    ///
+    /// # Errors
+    /// [`UserError::Algorithm`] for a hashing algorithm Warren cannot verify.
+    pub fn import_user(&self, user: UserRecord, on_commit: OnCommit<'_>) -> Result<(), UserError> {
+        if !crate::users::HASHING_ALGORITHMS.contains(&user.hashing_algorithm.as_str()) {
+            return Err(UserError::Algorithm(user.hashing_algorithm));
+        }
+        let mut users = self.users.write();
+        self.submit_meta(vec![Self::put_user_op(&user)], on_commit);
+        users.put(user);
+        self.permissions_changed();
+        Ok(())
+    }
+
     /// Connections past connection.open on this node.
     #[must_use]
     pub fn connection_count(&self) -> u64 {

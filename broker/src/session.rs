@@ -289,8 +289,33 @@ impl Session {
         outbox: Arc<Outbox>,
         cancel_notify: bool,
     ) -> Self {
-        let conn_id = broker.next_id();
         let access = Access::new(Arc::clone(&broker), &vhost.name, &user);
+        Self::with_access(broker, vhost, user, outbox, cancel_notify, access)
+    }
+
+    /// A session of the broker itself (definitions import): no permission is checked.
+    #[must_use]
+    pub fn internal(broker: Arc<Broker>, vhost: Arc<VHost>, outbox: Arc<Outbox>) -> Self {
+        let access = Access::internal(Arc::clone(&broker), &vhost.name);
+        Self::with_access(
+            broker,
+            vhost,
+            "warren-internal".into(),
+            outbox,
+            false,
+            access,
+        )
+    }
+
+    fn with_access(
+        broker: Arc<Broker>,
+        vhost: Arc<VHost>,
+        user: String,
+        outbox: Arc<Outbox>,
+        cancel_notify: bool,
+        access: Access,
+    ) -> Self {
+        let conn_id = broker.next_id();
         let impersonator = broker.user_has_tag(&user, "impersonator");
         Self {
             ctx: Ctx {

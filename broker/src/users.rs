@@ -16,6 +16,8 @@ use sha2::{Digest, Sha256, Sha512};
 pub const SHA256: &str = "rabbit_password_hashing_sha256";
 /// The SHA-512 variant.
 pub const SHA512: &str = "rabbit_password_hashing_sha512";
+/// The hashing modules Warren verifies.
+pub const HASHING_ALGORITHMS: &[&str] = &[SHA256, SHA512];
 
 /// A user as stored (RabbitMQ's definitions fields).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -10,6 +10,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pika
 import pytest
@@ -455,3 +456,45 @@ def test_definitions_export(api, ch, names):
     assert status == 200 and "users" not in v
     assert {"name": queue, "durable": True, "auto_delete": False,
             "arguments": {"x-max-length": 7}} in v["queues"]
+    # Both exports import back unchanged (everything in them exists and is equivalent).
+    assert api("POST", "/api/definitions/%2F", body=v)[0] == 204
+    assert api("POST", "/api/definitions", body=d)[0] == 204
+
+
+DEFINITIONS = Path(__file__).parent / "data" / "rabbitmq-3.10.8-definitions.json"
+
+
+def test_a_rabbitmq_export_imports_unchanged(api, params):
+    """An export taken from RabbitMQ 3.10.8 imports as it is: the user logs in with its
+    original password (the hash is kept), the quorum queue, topology, policy, limits and topic
+    permission come back, and messages route through the imported bindings."""
+    defs = json.loads(DEFINITIONS.read_text())
+    try:
+        assert api("POST", "/api/definitions", body=defs)[0] == 204
+        assert api("POST", "/api/definitions", body=defs)[0] == 204, "importing twice is harmless"
+        conn = pika.BlockingConnection(pika.ConnectionParameters(
+            host=params.host, port=params.port, virtual_host="imported",
+            credentials=pika.PlainCredentials("importer", "imp0rt"), connection_attempts=1))
+        try:
+            ch = conn.channel()
+            ch.confirm_delivery()
+            ch.basic_publish("events", "job.1", b"to jobs")
+            ch.basic_publish("events", "other", b"to audit only")
+            assert counts(conn, "jobs")[0] == 1
+            assert counts(conn, "audit")[0] == 2, "events -> fan -> audit carries both"
+        finally:
+            conn.close()
+        status, jobs, _ = api("GET", "/api/queues/imported/jobs")
+        assert status == 200 and jobs["type"] == "quorum"
+        assert jobs["arguments"] == {"x-delivery-limit": 5, "x-queue-type": "quorum"}
+        status, policy, _ = api("GET", "/api/policies/imported/ttl")
+        assert status == 200 and policy["definition"] == {"message-ttl": 60000}
+        status, limits, _ = api("GET", "/api/vhost-limits/imported")
+        assert limits == [{"vhost": "imported", "value": {"max-queues": 100}}]
+        status, tps, _ = api("GET", "/api/topic-permissions/imported/importer")
+        assert status == 200 and tps[0]["write"] == "^orders\\."
+        status, user, _ = api("GET", "/api/users/importer")
+        assert user["password_hash"] == defs["users"][0]["password_hash"]
+    finally:
+        api("DELETE", "/api/vhosts/imported")
+        api("DELETE", "/api/users/importer")

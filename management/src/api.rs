@@ -95,8 +95,14 @@ pub fn router(state: AppState) -> Router {
                 .put(put_topic_permission)
                 .delete(delete_topic_permissions),
         )
-        .route("/api/definitions", get(export_definitions))
-        .route("/api/definitions/{vhost}", get(export_vhost_definitions))
+        .route(
+            "/api/definitions",
+            get(export_definitions).post(import_definitions),
+        )
+        .route(
+            "/api/definitions/{vhost}",
+            get(export_vhost_definitions).post(import_vhost_definitions),
+        )
         .route("/api/connections", get(list_connections))
         .route(
             "/api/connections/{name}",
@@ -1875,4 +1881,250 @@ async fn export_vhost_definitions(
     let mut m = versions();
     insert_defs(&mut m, vhost_definitions(&vh, false));
     ok_json(Value::Object(m))
+}
+
+// ---------------------------------------------------------------- definitions import
+
+fn str_field<'a>(v: &'a Value, k: &str) -> Result<&'a str, ApiError> {
+    v.get(k)
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::bad_request(format!("definitions: missing {k} in {v}")))
+}
+
+fn list<'a>(d: &'a Value, k: &str) -> &'a [Value] {
+    d.get(k)
+        .and_then(Value::as_array)
+        .map_or(&[], Vec::as_slice)
+}
+
+/// Commit waiters for a batch of changes: each change gets its completion, and the import
+/// answers only once all are durable.
+#[derive(Default)]
+struct Commits(Vec<CommitRx>);
+
+impl Commits {
+    fn next(&mut self) -> impl FnMut() -> warren_store::writer::Completion + use<> {
+        let (tx, rx) = commit_waiter();
+        self.0.push(rx);
+        let mut tx = Some(tx);
+        move || waiter(tx.take())
+    }
+
+    async fn wait(self) -> Result<(), ApiError> {
+        for rx in self.0 {
+            wait(rx).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Declare the queues, exchanges and bindings of `defs` in `vhost` (each item's own `vhost`
+/// field, when present, must name it) through an internal session, in RabbitMQ's order.
+async fn import_topology(
+    state: &AppState,
+    vhost: &str,
+    defs: &Value,
+    node_wide: bool,
+) -> Result<(), ApiError> {
+    let mine = |v: &&Value| !node_wide || v.get("vhost").and_then(Value::as_str) == Some(vhost);
+    let mut d = Direct::internal(&state.broker, vhost)?;
+    for q in list(defs, "queues").iter().filter(mine) {
+        d.call(
+            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: str_field(q, "name")?.into(),
+                passive: false,
+                durable: q.get("durable").and_then(Value::as_bool).unwrap_or(true),
+                exclusive: false,
+                auto_delete: q
+                    .get("auto_delete")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
+                nowait: false,
+                arguments: arguments(q.get("arguments"))?,
+            })),
+            None,
+        )
+        .await?;
+    }
+    for x in list(defs, "exchanges").iter().filter(mine) {
+        d.call(
+            AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+                exchange: str_field(x, "name")?.into(),
+                kind: str_field(x, "type")?.into(),
+                passive: false,
+                durable: x.get("durable").and_then(Value::as_bool).unwrap_or(true),
+                auto_delete: x
+                    .get("auto_delete")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false),
+                internal: x.get("internal").and_then(Value::as_bool).unwrap_or(false),
+                nowait: false,
+                arguments: arguments(x.get("arguments"))?,
+            })),
+            None,
+        )
+        .await?;
+    }
+    for b in list(defs, "bindings").iter().filter(mine) {
+        let source = str_field(b, "source")?;
+        let destination = str_field(b, "destination")?;
+        let routing_key = b.get("routing_key").and_then(Value::as_str).unwrap_or("");
+        let args = arguments(b.get("arguments"))?;
+        let method = if str_field(b, "destination_type")? == "exchange" {
+            AMQPClass::Exchange(exchange::AMQPMethod::Bind(exchange::Bind {
+                destination: destination.into(),
+                source: source.into(),
+                routing_key: routing_key.into(),
+                nowait: false,
+                arguments: args,
+            }))
+        } else {
+            AMQPClass::Queue(queue::AMQPMethod::Bind(queue::Bind {
+                queue: destination.into(),
+                exchange: source.into(),
+                routing_key: routing_key.into(),
+                nowait: false,
+                arguments: args,
+            }))
+        };
+        d.call(method, None).await?;
+    }
+    Ok(())
+}
+
+/// Policies and vhost limits of `defs` for `vhost`.
+fn import_policies_and_limits(
+    state: &AppState,
+    vhost: &str,
+    defs: &Value,
+    node_wide: bool,
+    commits: &mut Commits,
+) -> Result<(), ApiError> {
+    let mine = |v: &&Value| !node_wide || v.get("vhost").and_then(Value::as_str) == Some(vhost);
+    let vh = state.broker.vhost(vhost).ok_or_else(ApiError::not_found)?;
+    for p in list(defs, "policies").iter().filter(mine) {
+        let mut p = p.clone();
+        p["vhost"] = json!(vhost);
+        let def: warren_broker::policy::PolicyDef = serde_json::from_value(p)
+            .map_err(|e| ApiError::bad_request(format!("definitions: policy: {e}")))?;
+        vh.set_policy(def, &mut commits.next())
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    }
+    for p in list(defs, "parameters").iter().filter(mine) {
+        if p.get("component").and_then(Value::as_str) == Some("vhost-limits") {
+            let limits: warren_broker::users::VhostLimits =
+                serde_json::from_value(p.get("value").cloned().unwrap_or(Value::Null))
+                    .map_err(|e| ApiError::bad_request(format!("definitions: limits: {e}")))?;
+            state
+                .broker
+                .set_vhost_limits(vhost, limits, &mut commits.next())
+                .map_err(|e| user_error(&e))?;
+        }
+    }
+    Ok(())
+}
+
+/// POST /api/definitions: import a RabbitMQ (or Warren) export. Users keep their password
+/// hashes; objects that exist are declared again (equivalent ones are left as they are).
+async fn import_definitions(
+    State(state): State<AppState>,
+    caller: Caller,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    caller.require_admin()?;
+    let defs = body(&raw)?;
+    let b = &state.broker;
+    let mut commits = Commits::default();
+    for u in list(&defs, "users") {
+        let record = warren_broker::users::UserRecord {
+            name: str_field(u, "name")?.to_string(),
+            password_hash: u
+                .get("password_hash")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string(),
+            hashing_algorithm: u
+                .get("hashing_algorithm")
+                .and_then(Value::as_str)
+                .unwrap_or(warren_broker::users::SHA256)
+                .to_string(),
+            tags: tags_of(u),
+            limits: u
+                .get("limits")
+                .cloned()
+                .and_then(|l| serde_json::from_value(l).ok())
+                .unwrap_or_default(),
+        };
+        b.import_user(record, &mut commits.next())
+            .map_err(|e| user_error(&e))?;
+    }
+    let mut vhosts: Vec<String> = Vec::new();
+    for v in list(&defs, "vhosts") {
+        let name = str_field(v, "name")?.to_string();
+        let dqt = v
+            .get("default_queue_type")
+            .or_else(|| v.get("metadata").and_then(|m| m.get("default_queue_type")))
+            .and_then(Value::as_str)
+            .filter(|t| *t != "undefined");
+        b.add_vhost(&name, dqt, &mut commits.next())
+            .map_err(|e| user_error(&e))?;
+        vhosts.push(name);
+    }
+    for p in list(&defs, "permissions") {
+        let record = PermissionRecord {
+            user: str_field(p, "user")?.into(),
+            vhost: str_field(p, "vhost")?.into(),
+            configure: str_field(p, "configure")?.into(),
+            write: str_field(p, "write")?.into(),
+            read: str_field(p, "read")?.into(),
+        };
+        b.set_permissions(record, &mut commits.next())
+            .map_err(|e| user_error(&e))?;
+    }
+    for p in list(&defs, "topic_permissions") {
+        let record = warren_broker::users::TopicPermissionRecord {
+            user: str_field(p, "user")?.into(),
+            vhost: str_field(p, "vhost")?.into(),
+            exchange: str_field(p, "exchange")?.into(),
+            write: str_field(p, "write")?.into(),
+            read: str_field(p, "read")?.into(),
+        };
+        b.set_topic_permissions(record, &mut commits.next())
+            .map_err(|e| user_error(&e))?;
+    }
+    // Every vhost an object names, whether or not the file lists it.
+    for key in ["policies", "parameters", "queues", "exchanges", "bindings"] {
+        for item in list(&defs, key) {
+            if let Some(v) = item.get("vhost").and_then(Value::as_str)
+                && !vhosts.iter().any(|x| x == v)
+            {
+                vhosts.push(v.to_string());
+            }
+        }
+    }
+    for v in &vhosts {
+        import_policies_and_limits(&state, v, &defs, true, &mut commits)?;
+    }
+    commits.wait().await?;
+    for v in &vhosts {
+        import_topology(&state, v, &defs, true).await?;
+    }
+    no_content()
+}
+
+/// POST /api/definitions/{vhost}: import one vhost's export (items without `vhost` fields).
+async fn import_vhost_definitions(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    caller.require_admin()?;
+    vhost_for(&state, &caller, &vhost)?;
+    let defs = body(&raw)?;
+    let mut commits = Commits::default();
+    import_policies_and_limits(&state, &vhost, &defs, false, &mut commits)?;
+    commits.wait().await?;
+    import_topology(&state, &vhost, &defs, false).await?;
+    no_content()
 }

@@ -63,6 +63,23 @@ impl Direct {
         })
     }
 
+    /// Open a session of the broker itself (definitions import): nothing is refused for
+    /// lack of permissions, as RabbitMQ imports as its internal user.
+    ///
+    /// # Errors
+    /// 404 when the vhost does not exist.
+    pub fn internal(broker: &Arc<Broker>, vhost: &str) -> Result<Self, ApiError> {
+        let vh: Arc<VHost> = broker.vhost(vhost).ok_or_else(ApiError::not_found)?;
+        let outbox = Arc::new(Outbox::default());
+        let mut session = Session::internal(Arc::clone(broker), vh, Arc::clone(&outbox));
+        session.channel_opened(CHANNEL);
+        Ok(Self {
+            session,
+            outbox,
+            out: FrameWriter::new(),
+        })
+    }
+
     /// Send one method (with content for basic.publish) and return the replies, once what it
     /// changed is durable.
     ///

@@ -25,9 +25,9 @@ use warren_broker::Broker;
 
 pub use error::ApiError;
 
-/// Largest request body accepted (RabbitMQ's management default is 20 MiB for definitions;
-/// the endpoints served here take small bodies).
-pub const REQUEST_BODY_MAX: usize = 1024 * 1024;
+/// Largest request body accepted (RabbitMQ's `management.http_max_body_size` default, which
+/// bounds definitions uploads).
+pub const REQUEST_BODY_MAX: usize = 20 * 1024 * 1024;
 
 /// What the API reports about the node it runs on.
 #[derive(Debug, Clone)]
