@@ -381,6 +381,7 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
     // Registered with the broker once open (management API: list, close).
     let mut registered: Option<(u64, Arc<ConnectionHandle>)> = None;
     let mut close_request: Option<CloseFuture> = None;
+    let mut snapshot_request: Option<DownFuture> = None;
     let mut conn = Connection::new(config, peer.ip().is_loopback(), Instant::now().into_std());
     if let Some(identity) = external_identity {
         conn = conn.with_external_identity(identity);
@@ -509,6 +510,13 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
                 alarms = *alarm.borrow_and_update();
             },
             () = flow_released(flow.as_ref()), if flow.is_some() => flow = None,
+            () = wait_opt(snapshot_request.as_mut()), if snapshot_request.is_some() => {
+                if let (Some(s), Some((_, h))) = (session.as_ref(), registered.as_ref()) {
+                    h.answer_snapshots(&s.channel_infos());
+                    let h = Arc::clone(h);
+                    snapshot_request = Some(Box::pin(async move { h.snapshot_requested().await }));
+                }
+            },
             reason = wait_close(close_request.as_mut()), if close_request.is_some() => {
                 close_request = None;
                 let e = AmqpError::connection(ReplyCode::ConnectionForced, reason);
@@ -560,6 +568,8 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
                 let handle = broker.connections().register(s.conn_id(), info);
                 let h = Arc::clone(&handle);
                 close_request = Some(Box::pin(async move { h.close_requested().await }));
+                let h = Arc::clone(&handle);
+                snapshot_request = Some(Box::pin(async move { h.snapshot_requested().await }));
                 registered = Some((s.conn_id(), handle));
             }
             if let Some((_, h)) = &registered {
@@ -595,8 +605,10 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
             break;
         }
     }
-    if let Some((id, _)) = registered {
+    if let Some((id, h)) = registered {
         broker.connections().remove(id);
+        // Whoever waits for this connection's channels gets none: it is gone.
+        h.answer_snapshots(&[]);
     }
     let may_write = !output_held(&session) && !session.as_ref().is_some_and(Session::store_failed);
     // Released first: requeueing, exclusive queues and the connection counts must not wait

@@ -36,6 +36,39 @@ pub struct ConnectionInfo {
     pub heartbeat_s: u16,
 }
 
+/// One channel as the management API shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChannelInfo {
+    /// Channel number.
+    pub number: u16,
+    /// basic.qos prefetch for new consumers (global=false).
+    pub prefetch_count: u32,
+    /// basic.qos prefetch shared by the channel (global=true).
+    pub global_prefetch_count: u32,
+    /// Deliveries not yet acked.
+    pub unacked: u64,
+    /// In confirm mode.
+    pub confirm: bool,
+    /// In tx mode.
+    pub transactional: bool,
+    /// Its consumers.
+    pub consumers: Vec<ConsumerInfo>,
+}
+
+/// One consumer as the management API shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConsumerInfo {
+    /// Consumer tag.
+    pub tag: String,
+    /// Queue consumed from.
+    pub queue: String,
+    /// Whether deliveries need acks.
+    pub ack_required: bool,
+}
+
+/// A pending request for a connection's channels.
+type SnapshotRequest = tokio::sync::oneshot::Sender<Vec<ChannelInfo>>;
+
 /// One registered connection.
 #[derive(Debug)]
 pub struct ConnectionHandle {
@@ -44,6 +77,8 @@ pub struct ConnectionHandle {
     channels: AtomicU64,
     close_reason: Mutex<Option<String>>,
     close: Notify,
+    snapshot_requests: Mutex<Vec<SnapshotRequest>>,
+    snapshot: Notify,
 }
 
 impl ConnectionHandle {
@@ -62,6 +97,32 @@ impl ConnectionHandle {
     pub fn request_close(&self, reason: String) {
         *self.close_reason.lock() = Some(reason);
         self.close.notify_one();
+    }
+
+    /// Ask the connection task for its channels; `None` if it does not answer (it closed).
+    pub async fn channels_snapshot(&self) -> Option<Vec<ChannelInfo>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.snapshot_requests.lock().push(tx);
+        self.snapshot.notify_one();
+        rx.await.ok()
+    }
+
+    /// Resolves once a snapshot was asked for (the connection task then calls
+    /// [`ConnectionHandle::answer_snapshots`]).
+    pub async fn snapshot_requested(&self) {
+        loop {
+            if !self.snapshot_requests.lock().is_empty() {
+                return;
+            }
+            self.snapshot.notified().await;
+        }
+    }
+
+    /// Answer every pending snapshot request with `channels`.
+    pub fn answer_snapshots(&self, channels: &[ChannelInfo]) {
+        for tx in self.snapshot_requests.lock().drain(..) {
+            let _ = tx.send(channels.to_vec());
+        }
     }
 
     /// Resolves once a close was requested; returns the reason.
@@ -89,6 +150,8 @@ impl Connections {
             channels: AtomicU64::new(0),
             close_reason: Mutex::new(None),
             close: Notify::new(),
+            snapshot_requests: Mutex::new(Vec::new()),
+            snapshot: Notify::new(),
         });
         self.by_id.lock().insert(id, Arc::clone(&h));
         h
@@ -152,5 +215,30 @@ mod tests {
         assert_eq!(b.close_requested().await, "bye");
         c.remove(2);
         assert!(c.find("b").is_none());
+    }
+
+    #[tokio::test]
+    async fn snapshot_requests_are_answered_by_the_connection_task() {
+        let c = Connections::default();
+        let h = c.register(1, info("a"));
+        let task = {
+            let h = Arc::clone(&h);
+            tokio::spawn(async move {
+                h.snapshot_requested().await;
+                h.answer_snapshots(&[ChannelInfo {
+                    number: 1,
+                    prefetch_count: 10,
+                    global_prefetch_count: 0,
+                    unacked: 2,
+                    confirm: true,
+                    transactional: false,
+                    consumers: Vec::new(),
+                }]);
+            })
+        };
+        let got = h.channels_snapshot().await.unwrap_or_default();
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].number, got[0].unacked), (1, 2));
+        let _ = task.await;
     }
 }

@@ -586,6 +586,38 @@ impl Session {
         self.ctx.flow.borrow_mut().take()
     }
 
+    /// Its channels and consumers, for the management API.
+    #[must_use]
+    pub fn channel_infos(&self) -> Vec<crate::connections::ChannelInfo> {
+        let mut v: Vec<_> = self
+            .channels
+            .iter()
+            .map(|(n, c)| {
+                let mut consumers: Vec<_> = c
+                    .consumers
+                    .iter()
+                    .map(|(tag, e)| crate::connections::ConsumerInfo {
+                        tag: tag.clone(),
+                        queue: e.queue.name.clone(),
+                        ack_required: !e.no_ack,
+                    })
+                    .collect();
+                consumers.sort_by(|a, b| a.tag.cmp(&b.tag));
+                crate::connections::ChannelInfo {
+                    number: *n,
+                    prefetch_count: c.prefetch_consumer,
+                    global_prefetch_count: c.prefetch_channel,
+                    unacked: c.unacked.len() as u64,
+                    confirm: matches!(c.mode, Mode::Confirm { .. }),
+                    transactional: matches!(c.mode, Mode::Tx(_)),
+                    consumers,
+                }
+            })
+            .collect();
+        v.sort_by_key(|c| c.number);
+        v
+    }
+
     /// The authenticated user.
     #[must_use]
     pub fn user(&self) -> &str {

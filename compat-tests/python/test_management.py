@@ -498,3 +498,38 @@ def test_a_rabbitmq_export_imports_unchanged(api, params):
     finally:
         api("DELETE", "/api/vhosts/imported")
         api("DELETE", "/api/users/importer")
+
+
+def test_channels_and_consumers(api, params, names):
+    conn = pika.BlockingConnection(params)
+    try:
+        queue = names.q()
+        ch = conn.channel()
+        ch.queue_declare(queue)
+        ch.basic_qos(prefetch_count=7)
+        ch.confirm_delivery()
+        tag = ch.basic_consume(queue, lambda *a: None)
+        local_port = conn._impl._transport._sock.getsockname()[1]
+
+        def mine(r):
+            return [c for c in (r[1] or [])
+                    if c.get("connection_details", {}).get("peer_port") == local_port]
+
+        status, chans, _ = eventually(lambda: api("GET", "/api/channels"),
+                                      lambda r: any(c.get("consumer_count") == 1 for c in mine(r)))
+        assert status == 200
+        [c] = [c for c in mine((status, chans)) if c["number"] == ch.channel_number]
+        assert (c["user"], c["vhost"], c["consumer_count"], c["prefetch_count"], c["confirm"]) == (
+            "guest", "/", 1, 7, True)
+
+        def my_consumers(r):
+            return [k for k in (r[1] or []) if k.get("consumer_tag") == tag]
+
+        status, cons, _ = eventually(lambda: api("GET", "/api/consumers/%2F"),
+                                     lambda r: my_consumers(r))
+        [k] = my_consumers((status, cons))
+        assert k["queue"] == {"name": queue, "vhost": "/"}
+        assert k["ack_required"] is True and k["prefetch_count"] == 7
+        assert k["channel_details"]["connection_name"] == c["connection_details"]["name"]
+    finally:
+        conn.close()

@@ -103,6 +103,14 @@ pub fn router(state: AppState) -> Router {
             "/api/definitions/{vhost}",
             get(export_vhost_definitions).post(import_vhost_definitions),
         )
+        .route("/api/channels", get(list_channels))
+        .route("/api/vhosts/{vhost}/channels", get(list_vhost_channels))
+        .route(
+            "/api/connections/{name}/channels",
+            get(list_connection_channels),
+        )
+        .route("/api/consumers", get(list_consumers))
+        .route("/api/consumers/{vhost}", get(list_vhost_consumers))
         .route("/api/connections", get(list_connections))
         .route(
             "/api/connections/{name}",
@@ -2127,4 +2135,147 @@ async fn import_vhost_definitions(
     commits.wait().await?;
     import_topology(&state, &vhost, &defs, false).await?;
     no_content()
+}
+
+// ---------------------------------------------------------------- channels and consumers
+
+/// How long a connection task may take to describe its channels.
+const SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+type Handle = Arc<warren_broker::connections::ConnectionHandle>;
+
+/// The channels of `conns`, asked of their connection tasks concurrently; a connection that
+/// does not answer in time (or closed) is left out.
+async fn channels_of(conns: Vec<Handle>) -> Vec<(Handle, warren_broker::connections::ChannelInfo)> {
+    let mut tasks = Vec::new();
+    for h in conns {
+        tasks.push(tokio::spawn(async move {
+            let chans = tokio::time::timeout(SNAPSHOT_WAIT, h.channels_snapshot())
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or_default();
+            (h, chans)
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        if let Ok((h, chans)) = t.await {
+            out.extend(chans.into_iter().map(|c| (Arc::clone(&h), c)));
+        }
+    }
+    out
+}
+
+fn channel_name(h: &Handle, number: u16) -> String {
+    format!("{} ({number})", h.info.name)
+}
+
+fn channel_json(node: &str, h: &Handle, c: &warren_broker::connections::ChannelInfo) -> Value {
+    json!({
+        "name": channel_name(h, c.number),
+        "number": c.number,
+        "node": node,
+        "user": h.info.user,
+        "vhost": h.info.vhost,
+        "state": "running",
+        "connection_details": {"name": h.info.name, "peer_host": h.info.peer.ip().to_string(),
+                               "peer_port": h.info.peer.port()},
+        "consumer_count": c.consumers.len(),
+        "prefetch_count": c.prefetch_count,
+        "global_prefetch_count": c.global_prefetch_count,
+        "messages_unacknowledged": c.unacked,
+        "confirm": c.confirm,
+        "transactional": c.transactional,
+    })
+}
+
+async fn channels_filtered(
+    state: &AppState,
+    caller: &Caller,
+    keep: impl Fn(&Handle) -> bool,
+) -> Value {
+    let conns = visible_connections(state, caller)
+        .into_iter()
+        .filter(|h| keep(h))
+        .collect();
+    Value::Array(
+        channels_of(conns)
+            .await
+            .iter()
+            .map(|(h, c)| channel_json(&state.node.node, h, c))
+            .collect(),
+    )
+}
+
+async fn list_channels(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    ok_json(channels_filtered(&state, &caller, |_| true).await)
+}
+
+async fn list_vhost_channels(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
+    vhost_for(&state, &caller, &vhost)?;
+    ok_json(channels_filtered(&state, &caller, |h| h.info.vhost == vhost).await)
+}
+
+async fn list_connection_channels(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult {
+    if !visible_connections(&state, &caller)
+        .iter()
+        .any(|h| h.info.name == name)
+    {
+        return Err(ApiError::not_found());
+    }
+    ok_json(channels_filtered(&state, &caller, |h| h.info.name == name).await)
+}
+
+async fn consumers_filtered(state: &AppState, caller: &Caller, vhost: Option<&str>) -> Value {
+    let conns = visible_connections(state, caller)
+        .into_iter()
+        .filter(|h| vhost.is_none_or(|v| h.info.vhost == v))
+        .collect();
+    let mut out = Vec::new();
+    for (h, c) in channels_of(conns).await {
+        for k in &c.consumers {
+            out.push(json!({
+                "consumer_tag": k.tag,
+                "queue": {"name": k.queue, "vhost": h.info.vhost},
+                "channel_details": {
+                    "name": channel_name(&h, c.number),
+                    "number": c.number,
+                    "connection_name": h.info.name,
+                    "peer_host": h.info.peer.ip().to_string(),
+                    "peer_port": h.info.peer.port(),
+                    "user": h.info.user,
+                    "node": state.node.node,
+                },
+                "ack_required": k.ack_required,
+                "exclusive": false,
+                "prefetch_count": c.prefetch_count,
+                "arguments": {},
+                "active": true,
+                "activity_status": "up",
+            }));
+        }
+    }
+    Value::Array(out)
+}
+
+async fn list_consumers(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    ok_json(consumers_filtered(&state, &caller, None).await)
+}
+
+async fn list_vhost_consumers(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
+    vhost_for(&state, &caller, &vhost)?;
+    ok_json(consumers_filtered(&state, &caller, Some(&vhost)).await)
 }
