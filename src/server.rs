@@ -121,6 +121,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     };
 
     let node = warren_management::NodeInfo {
+        message_size_max: cfg.limits.message_size_max,
         node: format!("warren@{}", hostname()),
         cluster_name: "warren".into(),
         listeners: std::iter::once(("amqp".to_string(), local))
@@ -379,7 +380,7 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
         tls,
     } = io;
     // Registered with the broker once open (management API: list, close).
-    let mut registered: Option<(u64, Arc<ConnectionHandle>)> = None;
+    let mut registered: Option<Registered> = None;
     let mut close_request: Option<CloseFuture> = None;
     let mut snapshot_request: Option<DownFuture> = None;
     let mut conn = Connection::new(config, peer.ip().is_loopback(), Instant::now().into_std());
@@ -511,9 +512,9 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
             },
             () = flow_released(flow.as_ref()), if flow.is_some() => flow = None,
             () = wait_opt(snapshot_request.as_mut()), if snapshot_request.is_some() => {
-                if let (Some(s), Some((_, h))) = (session.as_ref(), registered.as_ref()) {
-                    h.answer_snapshots(&s.channel_infos());
-                    let h = Arc::clone(h);
+                if let (Some(s), Some(r)) = (session.as_ref(), registered.as_ref()) {
+                    r.handle.answer_snapshots(&s.channel_infos());
+                    let h = Arc::clone(&r.handle);
                     snapshot_request = Some(Box::pin(async move { h.snapshot_requested().await }));
                 }
             },
@@ -565,15 +566,15 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
                     frame_max: conn.frame_max(),
                     heartbeat_s: conn.heartbeat_s(),
                 };
-                let handle = broker.connections().register(s.conn_id(), info);
+                let handle = Registered::new(&broker, s.conn_id(), info);
                 let h = Arc::clone(&handle);
                 close_request = Some(Box::pin(async move { h.close_requested().await }));
                 let h = Arc::clone(&handle);
                 snapshot_request = Some(Box::pin(async move { h.snapshot_requested().await }));
-                registered = Some((s.conn_id(), handle));
+                registered = Some(handle);
             }
-            if let Some((_, h)) = &registered {
-                h.set_channels(s.channel_count() as u64);
+            if let Some(r) = &registered {
+                r.handle.set_channels(s.channel_count() as u64);
             }
             if !watching_vhost {
                 watching_vhost = true;
@@ -605,11 +606,8 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
             break;
         }
     }
-    if let Some((id, h)) = registered {
-        broker.connections().remove(id);
-        // Whoever waits for this connection's channels gets none: it is gone.
-        h.answer_snapshots(&[]);
-    }
+    // Deregistered here at the latest (or by the guard's drop if the task unwinds).
+    drop(registered);
     let may_write = !output_held(&session) && !session.as_ref().is_some_and(Session::store_failed);
     // Released first: requeueing, exclusive queues and the connection counts must not wait
     // for a peer that stopped reading.
@@ -643,6 +641,39 @@ fn output_held(session: &Option<Session>) -> bool {
 /// One future for the connection's life, created once its vhost is known: polled by every
 /// `select!`, so the vhost's shared `Notify` is touched once per connection, not per wake-up.
 type DownFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// A connection's entry in the broker's registry, removed when dropped (also when the task
+/// unwinds), so the management API never lists a connection that is gone.
+struct Registered {
+    broker: Arc<Broker>,
+    id: u64,
+    handle: Arc<ConnectionHandle>,
+}
+
+impl Registered {
+    fn new(broker: &Arc<Broker>, id: u64, info: ConnectionInfo) -> Self {
+        Self {
+            broker: Arc::clone(broker),
+            id,
+            handle: broker.connections().register(id, info),
+        }
+    }
+}
+
+impl std::ops::Deref for Registered {
+    type Target = Arc<ConnectionHandle>;
+    fn deref(&self) -> &Self::Target {
+        &self.handle
+    }
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.broker.connections().remove(self.id);
+        // Whoever waits for this connection's channels gets none: it is gone.
+        self.handle.answer_snapshots(&[]);
+    }
+}
 
 /// Resolves with the reason when the management API asks the connection to close.
 type CloseFuture = std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send>>;

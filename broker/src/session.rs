@@ -52,6 +52,9 @@ struct Ctx {
     impersonator: bool,
     /// Counts since they were last added to the broker's totals.
     stats: Cell<crate::stats::MessageStats>,
+    /// The connection and its channels were counted against the limits (a network
+    /// connection); in-process sessions of the management API were not and release nothing.
+    counted: bool,
 }
 
 impl Ctx {
@@ -293,18 +296,29 @@ impl Session {
         Self::with_access(broker, vhost, user, outbox, cancel_notify, access)
     }
 
-    /// A session of the broker itself (definitions import): no permission is checked.
+    /// A session of the broker itself (definitions import): no permission is checked, and
+    /// it counts against no limit.
     #[must_use]
     pub fn internal(broker: Arc<Broker>, vhost: Arc<VHost>, outbox: Arc<Outbox>) -> Self {
         let access = Access::internal(Arc::clone(&broker), &vhost.name);
-        Self::with_access(
-            broker,
-            vhost,
-            "warren-internal".into(),
-            outbox,
-            false,
-            access,
-        )
+        let user = "warren-internal".to_string();
+        let mut s = Self::with_access(broker, vhost, user, outbox, false, access);
+        s.ctx.counted = false;
+        s
+    }
+
+    /// An in-process session acting as `user` (the management API): permissions are the
+    /// user's, and it counts against no connection or channel limit.
+    #[must_use]
+    pub fn direct(
+        broker: Arc<Broker>,
+        vhost: Arc<VHost>,
+        user: String,
+        outbox: Arc<Outbox>,
+    ) -> Self {
+        let mut s = Self::new(broker, vhost, user, outbox, false);
+        s.ctx.counted = false;
+        s
     }
 
     fn with_access(
@@ -331,6 +345,7 @@ impl Session {
                 publishes: Cell::new(0),
                 impersonator,
                 stats: Cell::new(crate::stats::MessageStats::default()),
+                counted: true,
             },
             channels: HashMap::new(),
             drained: Vec::new(),
@@ -368,7 +383,9 @@ impl Session {
         let Some(chan) = self.channels.remove(&ch) else {
             return;
         };
-        self.ctx.broker.release_channel(&self.ctx.user);
+        if self.ctx.counted {
+            self.ctx.broker.release_channel(&self.ctx.user);
+        }
         if let Some((_, name)) = &chan.reply_consumer {
             self.ctx.vhost.replies.unregister(name);
         }
@@ -400,9 +417,16 @@ impl Session {
             }
         }
         self.ctx.vhost.delete_exclusive_queues(self.ctx.conn_id);
-        self.ctx
-            .broker
-            .release_connection(&self.ctx.user, &self.ctx.vhost.name);
+        if self.ctx.counted {
+            self.ctx
+                .broker
+                .release_connection(&self.ctx.user, &self.ctx.vhost.name);
+        }
+        // Counts of a session that ends before its next flush are not lost.
+        let stats = self.ctx.stats.take();
+        if !stats.is_zero() {
+            self.ctx.broker.stats().add(&stats);
+        }
     }
 
     /// Write what is owed before the output is flushed: coalesced publisher confirms.
@@ -424,6 +448,8 @@ impl Session {
                     if n - 1 > *acked_upto {
                         let multiple = n - 1 - *acked_upto > 1;
                         out.method_with(*ch, |b| put_basic_ack(b, n - 1, multiple));
+                        let acked = n - 1 - *acked_upto;
+                        self.ctx.count(|s| s.confirmed += acked);
                     }
                     out.method_with(*ch, |b| put_basic_nack(b, n, false));
                     *acked_upto = n;

@@ -93,8 +93,11 @@ def warren_process(*extra_args, wait_port=None):
                  "--amqp-listen", f"127.0.0.1:{port}",
                  "--data-dir", str(data_dir),
                  "--log-level", "warn",
-                 "--management-listen", f"127.0.0.1:{management_port}",
-                 "--prometheus-listen", f"127.0.0.1:{prometheus_port}", *extra_args],
+                 *([] if "--management-listen" in extra_args
+                   else ["--management-listen", f"127.0.0.1:{management_port}"]),
+                 *([] if "--prometheus-listen" in extra_args
+                   else ["--prometheus-listen", f"127.0.0.1:{prometheus_port}"]),
+                 *extra_args],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             )
             try:

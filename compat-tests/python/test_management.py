@@ -533,3 +533,117 @@ def test_channels_and_consumers(api, params, names):
         assert k["channel_details"]["connection_name"] == c["connection_details"]["name"]
     finally:
         conn.close()
+
+
+def test_put_defaults_and_user_rules(api, params, prefix, names):
+    """RabbitMQ's defaults and checks for PUT: a queue or exchange without fields is transient
+    (and the exchange direct); a user PUT needs tags; a password hash is taken as it is."""
+    queue, x = names.q(), names.x()
+    assert api("PUT", f"/api/queues/%2F/{q(queue)}", body={})[0] == 201
+    assert api("GET", f"/api/queues/%2F/{q(queue)}")[1]["durable"] is False
+    assert api("PUT", f"/api/exchanges/%2F/{q(x)}", body={})[0] == 201
+    info = api("GET", f"/api/exchanges/%2F/{q(x)}")[1]
+    assert (info["type"], info["durable"]) == ("direct", False)
+    status, body, _ = api("PUT", f"/api/queues/%2F/{'n' * 300}", body={})
+    assert status == 400, "a name over 255 bytes is refused, not a crash"
+    user = prefix.replace("compat.", "mh.")[:60]
+    try:
+        status, body, _ = api("PUT", f"/api/users/{q(user)}", body={"password": "x"})
+        assert (status, body["reason"]) == (400, "tags_not_present")
+        # The hash of "imp0rt" exported by RabbitMQ 3.10.8 (see data/).
+        defs = json.loads(DEFINITIONS.read_text())
+        assert api("PUT", f"/api/users/{q(user)}",
+                   body={"password_hash": defs["users"][0]["password_hash"],
+                         "hashing_algorithm": "rabbit_password_hashing_sha256",
+                         "tags": ""})[0] == 201
+        assert api("PUT", f"/api/permissions/%2F/{q(user)}",
+                   body={"configure": ".*", "write": ".*", "read": ".*"})[0] == 201
+        pika.BlockingConnection(pika.ConnectionParameters(
+            host=params.host, port=params.port,
+            credentials=pika.PlainCredentials(user, "imp0rt"), connection_attempts=1)).close()
+    finally:
+        api("DELETE", f"/api/users/{q(user)}")
+
+
+def test_publish_waits_for_the_queue_and_reports_refusals(api, ch, names):
+    queue = names.q()
+    ch.queue_declare(queue, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    publish = "/api/exchanges/%2F/amq.default/publish"
+    msg = {"properties": {}, "routing_key": queue, "payload": "x", "payload_encoding": "string"}
+    assert api("POST", publish, body=msg)[1] == {"routed": True}
+    assert counts(ch.connection, queue)[0] == 1
+    status, body, _ = api("POST", publish, body=msg)
+    assert (status, body) == (400, {"error": "bad_request",
+                                    "reason": "rejected Unable to publish message. Check queue limits."})
+    assert counts(ch.connection, queue)[0] == 1
+
+
+def test_management_sessions_do_not_change_connection_counts(api, prometheus_url, conn):
+    """Declares and gets through the API use in-process sessions that count against no
+    connection or channel limit, and release none either."""
+    def gauges():
+        text = http("GET", prometheus_url + "/metrics", user=None)[1]
+        return (series(text, "rabbitmq_connections").get(frozenset()),
+                series(text, "rabbitmq_channels").get(frozenset()))
+
+    conn.channel()
+    before = eventually(gauges, lambda g: g[0] is not None and g[0] >= 1)
+    for _ in range(3):
+        assert api("GET", "/api/aliveness-test/%2F")[1] == {"status": "ok"}
+    assert gauges() == before
+
+
+@pytest.mark.warren_only
+def test_monitoring_and_policymaker_limits(api, ctl, params, prefix):
+    """Monitoring sees every connection but closes none but its own; policies are read by
+    policymakers and written only where the policymaker has permissions."""
+    mon = prefix.replace("compat.", "mm.")[:60]
+    pol = prefix.replace("compat.", "mq.")[:60]
+    try:
+        assert ctl("add_user", mon, "pw")[0] == 0
+        assert ctl("set_user_tags", mon, "monitoring")[0] == 0
+        assert ctl("add_user", pol, "pw")[0] == 0
+        assert ctl("set_user_tags", pol, "policymaker")[0] == 0
+        conn = pika.BlockingConnection(params)
+        try:
+            port = conn._impl._transport._sock.getsockname()[1]
+            status, conns, _ = eventually(lambda: api("GET", "/api/connections", user=mon, password="pw"),
+                                          lambda r: any(c["peer_port"] == port for c in r[1]))
+            [c] = [c for c in conns if c["peer_port"] == port]
+            status, _, _ = api("DELETE", f"/api/connections/{q(c['name'])}", user=mon, password="pw")
+            assert status == 401
+            assert conn.is_open
+        finally:
+            conn.close()
+        assert api("GET", "/api/policies", user=mon, password="pw")[0] == 401
+        assert api("GET", "/api/policies", user=pol, password="pw")[0] == 200
+        body = {"pattern": "^nothing$", "definition": {"max-length": 1}}
+        assert api("PUT", "/api/policies/%2F/p1", user=pol, password="pw", body=body)[0] == 401
+        assert ctl("set_permissions", pol, ".*", ".*", ".*")[0] == 0
+        assert api("PUT", "/api/policies/%2F/p1", user=pol, password="pw", body=body)[0] == 201
+        assert api("DELETE", "/api/policies/%2F/p1", user=pol, password="pw")[0] == 204
+    finally:
+        ctl("delete_user", mon)
+        ctl("delete_user", pol)
+
+
+def _non_loopback_ipv4():
+    import subprocess
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+    for m in re.finditer(r"inet (\d+\.\d+\.\d+\.\d+)/", out):
+        if not m.group(1).startswith("127."):
+            return m.group(1)
+    return None
+
+
+@pytest.mark.warren_only
+def test_guest_is_refused_from_a_non_loopback_address():
+    from conftest import free_port, warren_process
+    addr = _non_loopback_ipv4()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    port = free_port()
+    with warren_process("--management-listen", f"0.0.0.0:{port}"):
+        status, body, _ = http("GET", f"http://{addr}:{port}/api/overview")
+        assert (status, body["reason"]) == (401, "User can only log in via localhost")
+        assert http("GET", f"http://127.0.0.1:{port}/api/overview")[0] == 200

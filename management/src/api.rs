@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use amq_protocol::protocol::{AMQPClass, basic, exchange, queue};
+use amq_protocol::protocol::{AMQPClass, basic, confirm, exchange, queue};
 use amq_protocol::types::FieldTable;
 use axum::Json;
 use axum::Router;
@@ -138,6 +138,12 @@ pub fn router(state: AppState) -> Router {
         .route("/api/aliveness-test/{vhost}", get(aliveness_test))
         .layer(DefaultBodyLimit::max(REQUEST_BODY_MAX))
         .with_state(state)
+}
+
+/// A short string from request data: 400 over 255 bytes (amq-protocol's `From<&str>` panics).
+fn short(s: &str) -> Result<amq_protocol::types::ShortString, ApiError> {
+    amq_protocol::types::ShortString::try_new(s.to_string())
+        .map_err(|_| ApiError::bad_request(format!("name too long (over 255 bytes): {s:.40}...")))
 }
 
 fn ok_json(v: Value) -> ApiResult {
@@ -490,41 +496,69 @@ async fn put_user(
 ) -> ApiResult {
     caller.require_admin()?;
     let b = body(&raw)?;
+    if name.is_empty() {
+        return Err(ApiError::bad_request("a user needs a name"));
+    }
+    // RabbitMQ 3.10 refuses a PUT without tags rather than clearing them.
+    if b.get("tags").is_none() {
+        return Err(ApiError::bad_request("tags_not_present"));
+    }
     let tags = tags_of(&b);
-    let exists = state.broker.list_users().iter().any(|u| u.name == name);
+    let existing = state
+        .broker
+        .list_users()
+        .into_iter()
+        .find(|u| u.name == name);
     let (tx, rx) = commit_waiter();
     let mut tx = Some(tx);
     let mut done = move || waiter(tx.take());
     let noop = &mut || -> warren_store::writer::Completion { Box::new(|_| {}) };
     let password = b.get("password").and_then(Value::as_str);
-    if exists {
-        if let Some(p) = password {
+    let hash = b.get("password_hash").and_then(Value::as_str);
+    match (password, hash) {
+        (Some(p), _) => {
+            if existing.is_some() {
+                state.broker.change_password(&name, p, noop)
+            } else {
+                state.broker.add_user(&name, p, noop)
+            }
+            .map_err(|e| user_error(&e))?;
             state
                 .broker
-                .change_password(&name, p, noop)
+                .set_user_tags(&name, tags, &mut done)
                 .map_err(|e| user_error(&e))?;
         }
-        state
-            .broker
-            .set_user_tags(&name, tags, &mut done)
-            .map_err(|e| user_error(&e))?;
-    } else {
-        let Some(p) = password else {
-            return Err(ApiError::bad_request(
-                "a password (or password_hash) is required to create a user",
-            ));
-        };
-        state
-            .broker
-            .add_user(&name, p, noop)
-            .map_err(|e| user_error(&e))?;
-        state
-            .broker
-            .set_user_tags(&name, tags, &mut done)
-            .map_err(|e| user_error(&e))?;
+        (None, hash) if hash.is_some() || existing.is_none() => {
+            // A given hash as it is, or a user without a password (it cannot log in with
+            // one), as RabbitMQ creates it.
+            let record = warren_broker::users::UserRecord {
+                name: name.clone(),
+                password_hash: hash.unwrap_or("").to_string(),
+                hashing_algorithm: b
+                    .get("hashing_algorithm")
+                    .and_then(Value::as_str)
+                    .unwrap_or(warren_broker::users::SHA256)
+                    .to_string(),
+                tags,
+                limits: existing
+                    .as_ref()
+                    .map(|u| u.limits.clone())
+                    .unwrap_or_default(),
+            };
+            state
+                .broker
+                .import_user(record, &mut done)
+                .map_err(|e| user_error(&e))?;
+        }
+        (None, _) => {
+            state
+                .broker
+                .set_user_tags(&name, tags, &mut done)
+                .map_err(|e| user_error(&e))?;
+        }
     }
     wait(rx).await?;
-    created(!exists)
+    created(existing.is_none())
 }
 
 async fn delete_user(
@@ -690,7 +724,7 @@ async fn get_queue(
 
 #[derive(Debug, Deserialize)]
 struct QueueBody {
-    #[serde(default = "yes")]
+    #[serde(default)]
     durable: bool,
     #[serde(default)]
     auto_delete: bool,
@@ -698,8 +732,8 @@ struct QueueBody {
     arguments: Option<Value>,
 }
 
-fn yes() -> bool {
-    true
+fn direct() -> String {
+    "direct".into()
 }
 
 fn arguments(v: Option<&Value>) -> Result<FieldTable, ApiError> {
@@ -726,7 +760,7 @@ async fn put_queue(
     let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
     d.call(
         AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
-            queue: name.as_str().into(),
+            queue: short(&name)?,
             passive: false,
             durable: b.durable,
             exclusive: false,
@@ -750,7 +784,7 @@ async fn delete_queue(
     let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
     d.call(
         AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
-            queue: name.as_str().into(),
+            queue: short(&name)?,
             if_unused: false,
             if_empty: false,
             nowait: false,
@@ -771,7 +805,7 @@ async fn purge_queue(
     let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
     d.call(
         AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
-            queue: name.as_str().into(),
+            queue: short(&name)?,
             nowait: false,
         })),
         None,
@@ -846,9 +880,9 @@ async fn get_exchange(
 
 #[derive(Debug, Deserialize)]
 struct ExchangeBody {
-    #[serde(rename = "type")]
+    #[serde(rename = "type", default = "direct")]
     kind: String,
-    #[serde(default = "yes")]
+    #[serde(default)]
     durable: bool,
     #[serde(default)]
     auto_delete: bool,
@@ -871,8 +905,8 @@ async fn put_exchange(
     let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
     d.call(
         AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-            exchange: name.as_str().into(),
-            kind: b.kind.as_str().into(),
+            exchange: short(&name)?,
+            kind: short(&b.kind)?,
             passive: false,
             durable: b.durable,
             auto_delete: b.auto_delete,
@@ -898,7 +932,7 @@ async fn delete_exchange(
     let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
     d.call(
         AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
-            exchange: name.as_str().into(),
+            exchange: short(&name)?,
             if_unused: false,
             nowait: false,
         })),
@@ -965,16 +999,16 @@ async fn post_binding(
     let source = exchange_name(&source).to_string();
     let method = match kind.as_str() {
         "q" => AMQPClass::Queue(queue::AMQPMethod::Bind(queue::Bind {
-            queue: destination.as_str().into(),
-            exchange: source.as_str().into(),
-            routing_key: b.routing_key.as_str().into(),
+            queue: short(&destination)?,
+            exchange: short(&source)?,
+            routing_key: short(&b.routing_key)?,
             nowait: false,
             arguments: args,
         })),
         "e" => AMQPClass::Exchange(exchange::AMQPMethod::Bind(exchange::Bind {
-            destination: destination.as_str().into(),
-            source: source.as_str().into(),
-            routing_key: b.routing_key.as_str().into(),
+            destination: short(&destination)?,
+            source: short(&source)?,
+            routing_key: short(&b.routing_key)?,
             nowait: false,
             arguments: args,
         })),
@@ -1159,7 +1193,7 @@ async fn get_messages(
         let replies = d
             .call(
                 AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
-                    queue: name.as_str().into(),
+                    queue: short(&name)?,
                     no_ack: false,
                 })),
                 None,
@@ -1252,6 +1286,13 @@ async fn publish(
             )));
         }
     };
+    if payload.len() as u64 > state.node.message_size_max {
+        return Err(ApiError::bad_request(format!(
+            "message size {} is larger than configured max size {}",
+            payload.len(),
+            state.node.message_size_max
+        )));
+    }
     let raw_props =
         crate::properties::from_json(b.properties.as_ref()).map_err(ApiError::bad_request)?;
     let properties = Properties::parse(
@@ -1260,11 +1301,20 @@ async fn publish(
     )
     .map_err(|_| ApiError::bad_request("invalid properties"))?;
     let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
-    let replies = d
+    // Confirm mode, as RabbitMQ's publish endpoint: the reply waits until the message is
+    // stored (persistent, durable queue) or refused.
+    d.call(
+        AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+            nowait: false,
+        })),
+        None,
+    )
+    .await?;
+    let mut replies = d
         .call(
             AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
-                exchange: exchange.as_str().into(),
-                routing_key: b.routing_key.as_str().into(),
+                exchange: short(&exchange)?,
+                routing_key: short(&b.routing_key)?,
                 mandatory: true,
                 immediate: false,
             })),
@@ -1274,9 +1324,29 @@ async fn publish(
             }),
         )
         .await?;
+    let settled = |rs: &[crate::direct::Reply]| {
+        rs.iter().any(|r| {
+            matches!(
+                r.method,
+                AMQPClass::Basic(basic::AMQPMethod::Ack(_) | basic::AMQPMethod::Nack(_))
+            )
+        })
+    };
+    while !settled(&replies) {
+        replies.extend(d.later_replies().await?);
+    }
     let returned = replies
         .iter()
         .any(|r| matches!(r.method, AMQPClass::Basic(basic::AMQPMethod::Return(_))));
+    let nacked = replies
+        .iter()
+        .any(|r| matches!(r.method, AMQPClass::Basic(basic::AMQPMethod::Nack(_))));
+    if nacked {
+        // RabbitMQ's text for a publish a queue refused (reject-publish at its limit).
+        return Err(ApiError::bad_request(
+            "rejected Unable to publish message. Check queue limits.",
+        ));
+    }
     ok_json(json!({"routed": !returned}))
 }
 
@@ -1367,6 +1437,10 @@ async fn close_connection(
         .into_iter()
         .find(|h| h.info.name == name)
         .ok_or_else(ApiError::not_found)?;
+    // Seeing every connection (monitoring) is not closing them: administrators or the owner.
+    if !caller.is_admin() && h.info.user != caller.name {
+        return Err(ApiError::unauthorised("Not administrator user"));
+    }
     let reason = headers
         .get("x-reason")
         .and_then(|v| v.to_str().ok())
@@ -1383,7 +1457,17 @@ fn policies_of(vhosts: &[Arc<VHost>]) -> Result<Value, ApiError> {
     serde_json::to_value(defs).map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
+/// Reading policies needs `policymaker` (or `administrator`), as in RabbitMQ.
+fn require_policy_reader(caller: &Caller) -> Result<(), ApiError> {
+    if caller.is_admin() || caller.has("policymaker") {
+        Ok(())
+    } else {
+        Err(ApiError::unauthorised("Not policymaker user"))
+    }
+}
+
 async fn list_all_policies(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    require_policy_reader(&caller)?;
     ok_json(policies_of(&visible_vhosts(&state, &caller))?)
 }
 
@@ -1392,6 +1476,7 @@ async fn list_vhost_policies(
     caller: Caller,
     Path(vhost): Path<String>,
 ) -> ApiResult {
+    require_policy_reader(&caller)?;
     let vh = vhost_for(&state, &caller, &vhost)?;
     ok_json(policies_of(&[vh])?)
 }
@@ -1401,6 +1486,7 @@ async fn get_policy(
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
 ) -> ApiResult {
+    require_policy_reader(&caller)?;
     let vh = vhost_for(&state, &caller, &vhost)?;
     let def = vh
         .policies()
@@ -1430,8 +1516,8 @@ async fn put_policy(
     Path((vhost, name)): Path<(String, String)>,
     raw: axum::body::Bytes,
 ) -> ApiResult {
-    caller.require_policymaker()?;
-    let vh = vhost_for(&state, &caller, &vhost)?;
+    let vh = state.broker.vhost(&vhost).ok_or_else(ApiError::not_found)?;
+    caller.require_policymaker(&state, &vhost)?;
     let b: PolicyBody =
         serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let existed = vh.policies().iter().any(|p| p.name == name);
@@ -1456,8 +1542,8 @@ async fn delete_policy(
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
 ) -> ApiResult {
-    caller.require_policymaker()?;
-    let vh = vhost_for(&state, &caller, &vhost)?;
+    let vh = state.broker.vhost(&vhost).ok_or_else(ApiError::not_found)?;
+    caller.require_policymaker(&state, &vhost)?;
     let (tx, rx) = commit_waiter();
     let mut tx = Some(tx);
     if !vh.clear_policy(&name, &mut move || waiter(tx.take())) {
@@ -1766,10 +1852,17 @@ fn vhost_definitions(vh: &VHost, with_vhost: bool) -> VhostDefs {
                        "arguments": table_to_json(&x.arguments)}))
         })
         .collect();
+    let exclusive: std::collections::HashSet<String> = vh
+        .queues()
+        .iter()
+        .filter(|q| q.exclusive_owner.is_some())
+        .map(|q| q.name.clone())
+        .collect();
     let bindings = vh
         .bindings()
         .iter()
         .filter(|b| !b.source.is_empty())
+        .filter(|b| !(b.destination_is_queue && exclusive.contains(&b.destination)))
         .map(|b| {
             tag(json!({"source": b.source, "destination": b.destination,
                        "destination_type": if b.destination_is_queue { "queue" } else { "exchange" },
@@ -1939,7 +2032,7 @@ async fn import_topology(
     for q in list(defs, "queues").iter().filter(mine) {
         d.call(
             AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
-                queue: str_field(q, "name")?.into(),
+                queue: short(str_field(q, "name")?)?,
                 passive: false,
                 durable: q.get("durable").and_then(Value::as_bool).unwrap_or(true),
                 exclusive: false,
@@ -1957,8 +2050,8 @@ async fn import_topology(
     for x in list(defs, "exchanges").iter().filter(mine) {
         d.call(
             AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-                exchange: str_field(x, "name")?.into(),
-                kind: str_field(x, "type")?.into(),
+                exchange: short(str_field(x, "name")?)?,
+                kind: short(str_field(x, "type")?)?,
                 passive: false,
                 durable: x.get("durable").and_then(Value::as_bool).unwrap_or(true),
                 auto_delete: x
@@ -1980,17 +2073,17 @@ async fn import_topology(
         let args = arguments(b.get("arguments"))?;
         let method = if str_field(b, "destination_type")? == "exchange" {
             AMQPClass::Exchange(exchange::AMQPMethod::Bind(exchange::Bind {
-                destination: destination.into(),
-                source: source.into(),
-                routing_key: routing_key.into(),
+                destination: short(destination)?,
+                source: short(source)?,
+                routing_key: short(routing_key)?,
                 nowait: false,
                 arguments: args,
             }))
         } else {
             AMQPClass::Queue(queue::AMQPMethod::Bind(queue::Bind {
-                queue: destination.into(),
-                exchange: source.into(),
-                routing_key: routing_key.into(),
+                queue: short(destination)?,
+                exchange: short(source)?,
+                routing_key: short(routing_key)?,
                 nowait: false,
                 arguments: args,
             }))
@@ -2012,7 +2105,12 @@ fn import_policies_and_limits(
     let vh = state.broker.vhost(vhost).ok_or_else(ApiError::not_found)?;
     for p in list(defs, "policies").iter().filter(mine) {
         let mut p = p.clone();
-        p["vhost"] = json!(vhost);
+        let Value::Object(m) = &mut p else {
+            return Err(ApiError::bad_request(
+                "definitions: a policy must be an object",
+            ));
+        };
+        m.insert("vhost".into(), json!(vhost));
         let def: warren_broker::policy::PolicyDef = serde_json::from_value(p)
             .map_err(|e| ApiError::bad_request(format!("definitions: policy: {e}")))?;
         vh.set_policy(def, &mut commits.next())
@@ -2044,8 +2142,12 @@ async fn import_definitions(
     let b = &state.broker;
     let mut commits = Commits::default();
     for u in list(&defs, "users") {
+        let name = str_field(u, "name")?;
+        if name.is_empty() {
+            return Err(ApiError::bad_request("definitions: a user without a name"));
+        }
         let record = warren_broker::users::UserRecord {
-            name: str_field(u, "name")?.to_string(),
+            name: name.to_string(),
             password_hash: u
                 .get("password_hash")
                 .and_then(Value::as_str)
@@ -2069,6 +2171,9 @@ async fn import_definitions(
     let mut vhosts: Vec<String> = Vec::new();
     for v in list(&defs, "vhosts") {
         let name = str_field(v, "name")?.to_string();
+        if name.is_empty() {
+            return Err(ApiError::bad_request("definitions: a vhost without a name"));
+        }
         let dqt = v
             .get("default_queue_type")
             .or_else(|| v.get("metadata").and_then(|m| m.get("default_queue_type")))

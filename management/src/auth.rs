@@ -17,7 +17,8 @@ pub struct Caller {
 }
 
 impl Caller {
-    fn has(&self, tag: &str) -> bool {
+    /// Whether the caller has `tag`.
+    pub fn has(&self, tag: &str) -> bool {
         self.tags.iter().any(|t| t == tag)
     }
 
@@ -43,12 +44,18 @@ impl Caller {
         }
     }
 
-    /// 401 unless the caller may manage policies (`policymaker` or `administrator`).
+    /// 401 unless the caller may manage policies in `vhost`: an administrator, or a
+    /// policymaker with a permission entry there (RabbitMQ's rule).
     ///
     /// # Errors
     /// [`ApiError::unauthorised`].
-    pub fn require_policymaker(&self) -> Result<(), ApiError> {
-        if self.is_admin() || self.has("policymaker") {
+    pub fn require_policymaker(&self, state: &AppState, vhost: &str) -> Result<(), ApiError> {
+        let permitted = state
+            .broker
+            .list_permissions(Some(vhost), Some(&self.name))
+            .iter()
+            .any(|p| p.vhost == vhost);
+        if self.is_admin() || (self.has("policymaker") && permitted) {
             Ok(())
         } else {
             Err(ApiError::unauthorised("Not policymaker user"))
@@ -108,6 +115,14 @@ impl FromRequestParts<AppState> for Caller {
             credentials(parts).ok_or_else(|| ApiError::unauthorised("Login failed"))?;
         if !state.broker.authenticate(&name, &password) {
             return Err(ApiError::unauthorised("Login failed"));
+        }
+        // Without the peer address (a router used without connect info) count as remote.
+        let loopback = parts
+            .extensions
+            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+            .is_some_and(|c| c.0.ip().is_loopback());
+        if warren_broker::limits::LOOPBACK_USERS.contains(&name.as_str()) && !loopback {
+            return Err(ApiError::unauthorised("User can only log in via localhost"));
         }
         let tags = state
             .broker

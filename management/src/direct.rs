@@ -48,12 +48,11 @@ impl Direct {
     pub fn open(broker: &Arc<Broker>, vhost: &str, user: &str) -> Result<Self, ApiError> {
         let vh: Arc<VHost> = broker.vhost(vhost).ok_or_else(ApiError::not_found)?;
         let outbox = Arc::new(Outbox::default());
-        let mut session = Session::new(
+        let mut session = Session::direct(
             Arc::clone(broker),
             vh,
             user.to_string(),
             Arc::clone(&outbox),
-            false,
         );
         session.channel_opened(CHANNEL);
         Ok(Self {
@@ -80,8 +79,9 @@ impl Direct {
         })
     }
 
-    /// Send one method (with content for basic.publish) and return the replies, once what it
-    /// changed is durable.
+    /// Send one method (with content for basic.publish) and return the replies, once the
+    /// changes it holds replies for are durable (declares, deletes, binds; a publish is
+    /// durable only in confirm mode, see [`Direct::later_replies`]).
     ///
     /// # Errors
     /// The AMQP error the broker answered with (channel and connection errors alike), or a
@@ -120,6 +120,32 @@ impl Direct {
         }
         self.session.flush(&mut self.out);
         self.replies().map_err(|e| ApiError::from_amqp(&e))
+    }
+
+    /// Replies that arrive after a call returned (publisher confirms): drain what the store
+    /// completed and flush, waiting for the outbox when nothing is there yet.
+    ///
+    /// # Errors
+    /// A 500 when the store failed or nothing arrived within the commit wait.
+    pub async fn later_replies(&mut self) -> Result<Vec<Reply>, ApiError> {
+        let deadline = tokio::time::Instant::now() + COMMIT_WAIT;
+        loop {
+            self.session.drain_completions();
+            if self.session.store_failed() {
+                return Err(store_failed());
+            }
+            self.session.flush(&mut self.out);
+            let replies = self.replies().map_err(|e| ApiError::from_amqp(&e))?;
+            if !replies.is_empty() {
+                return Ok(replies);
+            }
+            if tokio::time::timeout_at(deadline, self.outbox.notified())
+                .await
+                .is_err()
+            {
+                return Err(store_failed());
+            }
+        }
     }
 
     /// Decode what the session wrote since the last call.

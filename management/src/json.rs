@@ -55,7 +55,9 @@ pub fn json_to_table(v: &Value) -> Result<FieldTable, String> {
 fn object_to_table(map: &Map<String, Value>) -> Result<FieldTable, String> {
     let mut t = FieldTable::default();
     for (k, v) in map {
-        t.insert(k.as_str().into(), json_to_value(v)?);
+        let key = amq_protocol::types::ShortString::try_new(k.clone())
+            .map_err(|_| format!("argument name over 255 bytes: {k:.40}..."))?;
+        t.insert(key, json_to_value(v)?);
     }
     Ok(t)
 }

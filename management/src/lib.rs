@@ -38,6 +38,8 @@ pub struct NodeInfo {
     pub cluster_name: String,
     /// AMQP listeners, for `/api/overview`'s `listeners`.
     pub listeners: Vec<(String, SocketAddr)>,
+    /// The largest message accepted (publishes through the API are held to it too).
+    pub message_size_max: u64,
 }
 
 /// Shared state of the HTTP handlers.
@@ -67,6 +69,8 @@ impl AppState {
 /// (RabbitMQ's management statistics interval is 5 s too). Runs until dropped.
 pub async fn sample_rates(state: AppState) {
     let mut tick = tokio::time::interval(rates::SAMPLE_INTERVAL);
+    // After a stall, one tick late rather than a burst over microseconds (rate spikes).
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let now = state.broker.stats().snapshot();
@@ -91,5 +95,11 @@ pub fn prometheus_router(state: AppState) -> Router {
 /// # Errors
 /// When the listener fails.
 pub async fn serve(listener: TcpListener, router: Router) -> std::io::Result<()> {
-    axum::serve(listener, router).await
+    // The peer address reaches the handlers: loopback-only users (guest) are refused from
+    // other addresses, as RabbitMQ's management plugin does.
+    axum::serve(
+        listener,
+        router.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .await
 }

@@ -142,16 +142,6 @@ fn common(state: &AppState, s: &Scrape) {
             t.delivered + t.got,
         ),
         (
-            "rabbitmq_global_messages_delivered_consume_total",
-            "Total number of messages delivered to consumers (basic.consume)",
-            t.delivered,
-        ),
-        (
-            "rabbitmq_global_messages_delivered_get_total",
-            "Total number of messages fetched with basic.get",
-            t.got,
-        ),
-        (
             "rabbitmq_global_messages_redelivered_total",
             "Total number of messages redelivered to consumers",
             t.redelivered,
@@ -184,7 +174,7 @@ fn common(state: &AppState, s: &Scrape) {
 /// Per-queue series, or their sums when `per_object` is false (RabbitMQ aggregates
 /// per-object metrics by default on `/metrics`).
 fn queues(state: &AppState, s: &Scrape, per_object: bool) {
-    const SERIES: [(&str, &str); 6] = [
+    const SERIES: [(&str, &str); 5] = [
         (
             "rabbitmq_queue_messages_ready",
             "Messages ready to be delivered to consumers",
@@ -202,17 +192,13 @@ fn queues(state: &AppState, s: &Scrape, per_object: bool) {
             "Size in bytes of ready and unacknowledged messages",
         ),
         ("rabbitmq_queue_consumers", "Consumers on a queue"),
-        (
-            "rabbitmq_queue_messages_published_total",
-            "Total number of messages published to queues",
-        ),
     ];
     let labels: &[&str] = if per_object { &["vhost", "queue"] } else { &[] };
     let gauges: Vec<Option<GaugeVec>> = SERIES
         .iter()
         .map(|(name, help)| s.gauge(name, help, labels))
         .collect();
-    let mut sums = [0.0f64; 6];
+    let mut sums = [0.0f64; 5];
     let mut count = 0u64;
     for name in state.broker.list_vhosts() {
         let Some(vh) = state.broker.vhost(&name) else {
@@ -227,7 +213,6 @@ fn queues(state: &AppState, s: &Scrape, per_object: bool) {
                 (st.ready + st.unacked) as f64,
                 (st.ready_bytes + st.unacked_bytes) as f64,
                 st.consumers as f64,
-                st.counters.enqueued as f64,
             ];
             for (i, v) in values.iter().enumerate() {
                 sums[i] += v;
