@@ -191,6 +191,15 @@ def test_exchanges_and_bindings(api, ch, names):
         "the default exchange's binding is listed"
     status, exchanges, _ = api("GET", "/api/exchanges/%2F")
     assert {"amq.direct", "amq.topic", ""} <= {e["name"] for e in exchanges}
+    # One binding by its properties_key, then deleted through the API (as rabbitmqadmin does).
+    pair = f"/api/bindings/%2F/e/{q(x)}/q/{q(queue)}"
+    status, listed, _ = api("GET", pair)
+    assert status == 200 and [b["routing_key"] for b in listed] == ["orders.*"]
+    one = f"{pair}/{q(listed[0]['properties_key'])}"
+    assert api("GET", one)[0] == 200
+    assert api("DELETE", one)[0] == 204
+    assert api("GET", pair)[1] == []
+    assert api("DELETE", one)[0] == 404
     assert api("DELETE", xpath)[0] == 204
     assert api("GET", xpath)[0] == 404
 

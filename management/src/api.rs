@@ -130,7 +130,11 @@ pub fn router(state: AppState) -> Router {
         .route("/api/bindings/{vhost}", get(list_vhost_bindings))
         .route(
             "/api/bindings/{vhost}/e/{source}/{kind}/{destination}",
-            axum::routing::post(post_binding),
+            get(list_pair_bindings).post(post_binding),
+        )
+        .route(
+            "/api/bindings/{vhost}/e/{source}/{kind}/{destination}/{props}",
+            get(get_binding).delete(delete_binding),
         )
         .route("/api/health/checks/alarms", get(health_alarms))
         .route("/api/health/checks/local-alarms", get(health_alarms))
@@ -2383,4 +2387,109 @@ async fn list_vhost_consumers(
 ) -> ApiResult {
     vhost_for(&state, &caller, &vhost)?;
     ok_json(consumers_filtered(&state, &caller, Some(&vhost)).await)
+}
+
+// ---------------------------------------------------------------- one binding
+
+/// The bindings from `source` to `destination` (`kind` "q" or "e") in `vh`.
+fn pair_bindings(
+    vh: &VHost,
+    source: &str,
+    kind: &str,
+    destination: &str,
+) -> Result<Vec<warren_broker::vhost::BindingInfo>, ApiError> {
+    let to_queue = match kind {
+        "q" => true,
+        "e" => false,
+        _ => return Err(ApiError::not_found()),
+    };
+    let source = exchange_name(source);
+    Ok(vh
+        .bindings()
+        .into_iter()
+        .filter(|b| {
+            b.source == source && b.destination == destination && b.destination_is_queue == to_queue
+        })
+        .collect())
+}
+
+fn binding_json(vhost: &str, b: &warren_broker::vhost::BindingInfo) -> Value {
+    json!({
+        "source": b.source,
+        "vhost": vhost,
+        "destination": b.destination,
+        "destination_type": if b.destination_is_queue { "queue" } else { "exchange" },
+        "routing_key": b.routing_key,
+        "arguments": table_to_json(&b.arguments),
+        "properties_key": properties_key(&b.routing_key),
+    })
+}
+
+async fn list_pair_bindings(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, source, kind, destination)): Path<(String, String, String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let list = pair_bindings(&vh, &source, &kind, &destination)?;
+    ok_json(Value::Array(
+        list.iter().map(|b| binding_json(&vhost, b)).collect(),
+    ))
+}
+
+/// The binding whose `properties_key` is `props` (axum gives the segment percent-decoded,
+/// so it is compared with the decoded routing key too).
+fn find_binding(
+    vh: &VHost,
+    source: &str,
+    kind: &str,
+    destination: &str,
+    props: &str,
+) -> Result<warren_broker::vhost::BindingInfo, ApiError> {
+    pair_bindings(vh, source, kind, destination)?
+        .into_iter()
+        .find(|b| {
+            properties_key(&b.routing_key) == props
+                || b.routing_key == props
+                || (props == "~" && b.routing_key.is_empty())
+        })
+        .ok_or_else(ApiError::not_found)
+}
+
+async fn get_binding(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, source, kind, destination, props)): Path<(String, String, String, String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let b = find_binding(&vh, &source, &kind, &destination, &props)?;
+    ok_json(binding_json(&vhost, &b))
+}
+
+async fn delete_binding(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, source, kind, destination, props)): Path<(String, String, String, String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let b = find_binding(&vh, &source, &kind, &destination, &props)?;
+    let method = if b.destination_is_queue {
+        AMQPClass::Queue(queue::AMQPMethod::Unbind(queue::Unbind {
+            queue: short(&b.destination)?,
+            exchange: short(&b.source)?,
+            routing_key: short(&b.routing_key)?,
+            arguments: b.arguments.clone(),
+        }))
+    } else {
+        AMQPClass::Exchange(exchange::AMQPMethod::Unbind(exchange::Unbind {
+            destination: short(&b.destination)?,
+            source: short(&b.source)?,
+            routing_key: short(&b.routing_key)?,
+            nowait: false,
+            arguments: b.arguments.clone(),
+        }))
+    };
+    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    d.call(method, None).await?;
+    no_content()
 }
