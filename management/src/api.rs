@@ -372,23 +372,20 @@ async fn put_vhost(
         .or_else(|| b.get("metadata").and_then(|m| m.get("default_queue_type")))
         .and_then(Value::as_str)
         .map(str::to_string);
-    let (tx, rx) = commit_waiter();
-    let new = state
-        .broker
-        .add_vhost(&name, dqt.as_deref(), &mut {
-            let mut tx = Some(tx);
-            move || waiter(tx.take())
-        })
-        .map_err(|e| user_error(&e))?;
-    if !new && let Some(t) = dqt.as_deref() {
-        state
+    let new = durably(|done| {
+        let new = state
             .broker
-            .set_default_queue_type(&name, Some(t), &mut || Box::new(|_| {}))
+            .add_vhost(&name, dqt.as_deref(), done)
             .map_err(|e| user_error(&e))?;
-    }
-    if new {
-        wait(rx).await?;
-    }
+        if !new && let Some(t) = dqt.as_deref() {
+            state
+                .broker
+                .set_default_queue_type(&name, Some(t), done)
+                .map_err(|e| user_error(&e))?;
+        }
+        Ok(new)
+    })
+    .await?;
     created(new)
 }
 
@@ -398,15 +395,13 @@ async fn delete_vhost(
     Path(name): Path<String>,
 ) -> ApiResult {
     caller.require_admin()?;
-    let (tx, rx) = commit_waiter();
-    state
-        .broker
-        .delete_vhost(&name, &mut {
-            let mut tx = Some(tx);
-            move || waiter(tx.take())
-        })
-        .map_err(|e| user_error(&e))?;
-    wait(rx).await?;
+    durably(|done| {
+        state
+            .broker
+            .delete_vhost(&name, done)
+            .map_err(|e| user_error(&e))
+    })
+    .await?;
     no_content()
 }
 
@@ -427,6 +422,19 @@ fn waiter(tx: Option<CommitTx>) -> warren_store::writer::Completion {
             let _ = tx.send(r.is_ok());
         }
     })
+}
+
+/// Run `f` with a completion for the store and wait until what it changed is durable.
+async fn durably<T>(
+    f: impl FnOnce(&mut dyn FnMut() -> warren_store::writer::Completion) -> Result<T, ApiError>,
+) -> Result<T, ApiError> {
+    let mut commits = Commits::default();
+    let out = {
+        let mut done = commits.next();
+        f(&mut done)?
+    };
+    commits.wait().await?;
+    Ok(out)
 }
 
 /// Wait until the change is durable. A broker without a store never calls the completion:
@@ -513,13 +521,11 @@ async fn put_user(
         .list_users()
         .into_iter()
         .find(|u| u.name == name);
-    let (tx, rx) = commit_waiter();
-    let mut tx = Some(tx);
-    let mut done = move || waiter(tx.take());
-    let noop = &mut || -> warren_store::writer::Completion { Box::new(|_| {}) };
     let password = b.get("password").and_then(Value::as_str);
     let hash = b.get("password_hash").and_then(Value::as_str);
-    match (password, hash) {
+    // The password goes first; waiting for the tags' commit waits for it too (in order).
+    let noop = &mut || -> warren_store::writer::Completion { Box::new(|_| {}) };
+    durably(|done| match (password, hash) {
         (Some(p), _) => {
             if existing.is_some() {
                 state.broker.change_password(&name, p, noop)
@@ -529,8 +535,8 @@ async fn put_user(
             .map_err(|e| user_error(&e))?;
             state
                 .broker
-                .set_user_tags(&name, tags, &mut done)
-                .map_err(|e| user_error(&e))?;
+                .set_user_tags(&name, tags, done)
+                .map_err(|e| user_error(&e))
         }
         (None, hash) if hash.is_some() || existing.is_none() => {
             // A given hash as it is, or a user without a password (it cannot log in with
@@ -551,17 +557,15 @@ async fn put_user(
             };
             state
                 .broker
-                .import_user(record, &mut done)
-                .map_err(|e| user_error(&e))?;
+                .import_user(record, done)
+                .map_err(|e| user_error(&e))
         }
-        (None, _) => {
-            state
-                .broker
-                .set_user_tags(&name, tags, &mut done)
-                .map_err(|e| user_error(&e))?;
-        }
-    }
-    wait(rx).await?;
+        (None, _) => state
+            .broker
+            .set_user_tags(&name, tags, done)
+            .map_err(|e| user_error(&e)),
+    })
+    .await?;
     created(existing.is_none())
 }
 
@@ -571,13 +575,13 @@ async fn delete_user(
     Path(name): Path<String>,
 ) -> ApiResult {
     caller.require_admin()?;
-    let (tx, rx) = commit_waiter();
-    let mut tx = Some(tx);
-    state
-        .broker
-        .delete_user(&name, &mut move || waiter(tx.take()))
-        .map_err(|e| user_error(&e))?;
-    wait(rx).await?;
+    durably(|done| {
+        state
+            .broker
+            .delete_user(&name, done)
+            .map_err(|e| user_error(&e))
+    })
+    .await?;
     no_content()
 }
 
@@ -638,13 +642,13 @@ async fn put_permission(
         .broker
         .list_permissions(Some(&vhost), Some(&user))
         .is_empty();
-    let (tx, rx) = commit_waiter();
-    let mut tx = Some(tx);
-    state
-        .broker
-        .set_permissions(record, &mut move || waiter(tx.take()))
-        .map_err(|e| user_error(&e))?;
-    wait(rx).await?;
+    durably(|done| {
+        state
+            .broker
+            .set_permissions(record, done)
+            .map_err(|e| user_error(&e))
+    })
+    .await?;
     created(!existed)
 }
 
@@ -654,13 +658,13 @@ async fn delete_permission(
     Path((vhost, user)): Path<(String, String)>,
 ) -> ApiResult {
     caller.require_admin()?;
-    let (tx, rx) = commit_waiter();
-    let mut tx = Some(tx);
-    state
-        .broker
-        .clear_permissions(&vhost, &user, &mut move || waiter(tx.take()))
-        .map_err(|e| user_error(&e))?;
-    wait(rx).await?;
+    durably(|done| {
+        state
+            .broker
+            .clear_permissions(&vhost, &user, done)
+            .map_err(|e| user_error(&e))
+    })
+    .await?;
     no_content()
 }
 
@@ -1533,11 +1537,11 @@ async fn put_policy(
         priority: b.priority,
         definition: b.definition,
     };
-    let (tx, rx) = commit_waiter();
-    let mut tx = Some(tx);
-    vh.set_policy(def, &mut move || waiter(tx.take()))
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
-    wait(rx).await?;
+    durably(|done| {
+        vh.set_policy(def, done)
+            .map_err(|e| ApiError::bad_request(e.to_string()))
+    })
+    .await?;
     created(!existed)
 }
 
@@ -1548,12 +1552,14 @@ async fn delete_policy(
 ) -> ApiResult {
     let vh = state.broker.vhost(&vhost).ok_or_else(ApiError::not_found)?;
     caller.require_policymaker(&state, &vhost)?;
-    let (tx, rx) = commit_waiter();
-    let mut tx = Some(tx);
-    if !vh.clear_policy(&name, &mut move || waiter(tx.take())) {
-        return Err(ApiError::not_found());
-    }
-    wait(rx).await?;
+    durably(|done| {
+        if vh.clear_policy(&name, done) {
+            Ok(())
+        } else {
+            Err(ApiError::not_found())
+        }
+    })
+    .await?;
     no_content()
 }
 
@@ -1626,13 +1632,13 @@ async fn set_vhost_limit(
     caller.require_admin()?;
     let vh = vhost_for(state, caller, vhost)?;
     let limits = with_limit(&*vh.limits.read(), VHOST_LIMITS, name, value)?;
-    let (tx, rx) = commit_waiter();
-    let mut tx = Some(tx);
-    state
-        .broker
-        .set_vhost_limits(vhost, limits, &mut move || waiter(tx.take()))
-        .map_err(|e| user_error(&e))?;
-    wait(rx).await?;
+    durably(|done| {
+        state
+            .broker
+            .set_vhost_limits(vhost, limits, done)
+            .map_err(|e| user_error(&e))
+    })
+    .await?;
     no_content()
 }
 
@@ -1700,13 +1706,13 @@ async fn set_user_limit(
     caller.require_admin()?;
     let u = find_user(state, user)?;
     let limits = with_limit(&u.limits, USER_LIMITS, name, value)?;
-    let (tx, rx) = commit_waiter();
-    let mut tx = Some(tx);
-    state
-        .broker
-        .set_user_limits(user, limits, &mut move || waiter(tx.take()))
-        .map_err(|e| user_error(&e))?;
-    wait(rx).await?;
+    durably(|done| {
+        state
+            .broker
+            .set_user_limits(user, limits, done)
+            .map_err(|e| user_error(&e))
+    })
+    .await?;
     no_content()
 }
 
@@ -1788,13 +1794,13 @@ async fn put_topic_permission(
         .list_topic_permissions(Some(&vhost), Some(&user))
         .iter()
         .any(|p| p.exchange == record.exchange);
-    let (tx, rx) = commit_waiter();
-    let mut tx = Some(tx);
-    state
-        .broker
-        .set_topic_permissions(record, &mut move || waiter(tx.take()))
-        .map_err(|e| user_error(&e))?;
-    wait(rx).await?;
+    durably(|done| {
+        state
+            .broker
+            .set_topic_permissions(record, done)
+            .map_err(|e| user_error(&e))
+    })
+    .await?;
     created(!existed)
 }
 
@@ -1804,13 +1810,13 @@ async fn delete_topic_permissions(
     Path((vhost, user)): Path<(String, String)>,
 ) -> ApiResult {
     caller.require_admin()?;
-    let (tx, rx) = commit_waiter();
-    let mut tx = Some(tx);
-    state
-        .broker
-        .clear_topic_permissions(&vhost, &user, None, &mut move || waiter(tx.take()))
-        .map_err(|e| user_error(&e))?;
-    wait(rx).await?;
+    durably(|done| {
+        state
+            .broker
+            .clear_topic_permissions(&vhost, &user, None, done)
+            .map_err(|e| user_error(&e))
+    })
+    .await?;
     no_content()
 }
 
