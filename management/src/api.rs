@@ -473,13 +473,7 @@ async fn get_user(
     Path(name): Path<String>,
 ) -> ApiResult {
     caller.require_admin()?;
-    let u = state
-        .broker
-        .list_users()
-        .into_iter()
-        .find(|u| u.name == name)
-        .ok_or_else(ApiError::not_found)?;
-    ok_json(user_json(&u))
+    ok_json(user_json(&find_user(&state, &name)?))
 }
 
 /// `tags` as RabbitMQ takes them: a comma-separated string or a list.
@@ -516,11 +510,7 @@ async fn put_user(
         return Err(ApiError::bad_request("tags_not_present"));
     }
     let tags = tags_of(&b);
-    let existing = state
-        .broker
-        .list_users()
-        .into_iter()
-        .find(|u| u.name == name);
+    let existing = find_user(&state, &name).ok();
     let password = b.get("password").and_then(Value::as_str);
     let hash = b.get("password_hash").and_then(Value::as_str);
     // The password goes first; waiting for the tags' commit waits for it too (in order).
