@@ -92,7 +92,7 @@ def warren_process(*extra_args, wait_port=None):
                 [binary, "server",
                  "--amqp-listen", f"127.0.0.1:{port}",
                  "--data-dir", str(data_dir),
-                 "--log-level", "warn",
+                 *([] if "--log-level" in extra_args else ["--log-level", "warn"]),
                  *([] if "--management-listen" in extra_args
                    else ["--management-listen", f"127.0.0.1:{management_port}"]),
                  *([] if "--prometheus-listen" in extra_args
