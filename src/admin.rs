@@ -19,8 +19,9 @@ use warren_broker::users::{
     PermissionRecord, TopicPermissionRecord, UserError, UserLimits, VhostLimits,
 };
 
-/// Longest request line accepted (a policy definition is small).
-const REQUEST_MAX: usize = 64 * 1024;
+/// Longest request line accepted: a definitions file for import_definitions (RabbitMQ's
+/// management body limit, 20 MiB, with room for JSON escaping).
+const REQUEST_MAX: usize = 48 * 1024 * 1024;
 
 /// The socket of a data directory.
 #[must_use]
@@ -31,6 +32,14 @@ pub fn socket_path(data_dir: &Path) -> PathBuf {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 enum Request {
+    /// A management API request (method, path, JSON body).
+    Api {
+        method: String,
+        path: String,
+        body: Option<Value>,
+        #[serde(default)]
+        headers: Vec<(String, String)>,
+    },
     SetMemoryWatermark {
         relative: Option<f64>,
         absolute: Option<u64>,
@@ -336,10 +345,15 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
 }
 
 /// Serve admin requests on a socket from [`bind`] until the task is dropped.
-pub async fn serve(listener: UnixListener, broker: Arc<Broker>) -> anyhow::Result<()> {
+pub async fn serve(
+    listener: UnixListener,
+    broker: Arc<Broker>,
+    app: warren_management::AppState,
+) -> anyhow::Result<()> {
     loop {
         let (stream, _) = listener.accept().await?;
         let broker = Arc::clone(&broker);
+        let app = app.clone();
         tokio::spawn(async move {
             let (rd, mut wr) = stream.into_split();
             let mut lines = tokio::io::BufReader::new(rd).lines();
@@ -347,7 +361,7 @@ pub async fn serve(listener: UnixListener, broker: Arc<Broker>) -> anyhow::Resul
                 let reply = if line.len() > REQUEST_MAX {
                     json!({"ok": false, "error": "request too large"})
                 } else {
-                    handle(&broker, &line).await
+                    handle(&broker, &app, &line).await
                 };
                 let mut out = reply.to_string();
                 out.push('\n');
@@ -359,11 +373,25 @@ pub async fn serve(listener: UnixListener, broker: Arc<Broker>) -> anyhow::Resul
     }
 }
 
-async fn handle(broker: &Broker, line: &str) -> Value {
+async fn handle(broker: &Broker, app: &warren_management::AppState, line: &str) -> Value {
     let request: Request = match serde_json::from_str(line) {
         Ok(r) => r,
         Err(e) => return json!({"ok": false, "error": format!("bad request: {e}")}),
     };
+    // Management API calls: made in process as the local administrator.
+    if let Request::Api {
+        method,
+        path,
+        body,
+        headers,
+    } = request
+    {
+        let body = body.map(|b| b.to_string().into_bytes());
+        let (status, bytes) =
+            warren_management::local_call(app.clone(), &method, &path, body, &headers).await;
+        let value: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+        return json!({"ok": true, "status": status, "api": value});
+    }
     // Changes are acknowledged once durable, like declarations.
     let (tx, rx) = tokio::sync::oneshot::channel::<bool>();
     let mut tx = Some(tx);
@@ -702,6 +730,318 @@ pub enum CtlCommand {
     },
     /// Show the resource alarms in effect (rabbitmq-diagnostics alarms).
     Alarms,
+    /// List queues; columns are the management API's queue fields [default: name messages].
+    ListQueues {
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+        /// Columns.
+        columns: Vec<String>,
+    },
+    /// List exchanges [default columns: name type].
+    ListExchanges {
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+        /// Columns.
+        columns: Vec<String>,
+    },
+    /// List bindings [default columns: source_name source_kind destination_name
+    /// destination_kind routing_key arguments].
+    ListBindings {
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+        /// Columns.
+        columns: Vec<String>,
+    },
+    /// List connections [default columns: user peer_host peer_port state].
+    ListConnections {
+        /// Columns.
+        columns: Vec<String>,
+    },
+    /// List consumers [default columns: queue_name consumer_tag ack_required prefetch_count
+    /// arguments].
+    ListConsumers {
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+        /// Columns.
+        columns: Vec<String>,
+    },
+    /// Remove every ready message from a queue.
+    PurgeQueue {
+        /// Queue.
+        name: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// Delete a queue with its messages.
+    DeleteQueue {
+        /// Queue.
+        name: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// Close a connection (320 CONNECTION_FORCED with the explanation).
+    CloseConnection {
+        /// The connection's id: its `pid` (or `name`) in list_connections (`peer -> local`).
+        name: String,
+        /// Reason given to the client.
+        explanation: String,
+    },
+    /// Write the node's definitions (RabbitMQ's JSON format) to a file, or `-` for stdout.
+    ExportDefinitions {
+        /// Target file.
+        path: String,
+    },
+    /// Import definitions (RabbitMQ's JSON format) from a file.
+    ImportDefinitions {
+        /// Source file.
+        path: String,
+    },
+}
+
+/// A listing through the management API: (banner, API path, default columns).
+fn api_listing(command: &CtlCommand) -> Option<(String, String, Vec<&'static str>, &[String])> {
+    let v = |vhost: &str| percent_segment(vhost);
+    Some(match command {
+        CtlCommand::ListQueues { vhost, columns } => (
+            format!("Listing queues for vhost {vhost} ..."),
+            format!("/api/queues/{}", v(vhost)),
+            vec!["name", "messages"],
+            columns,
+        ),
+        CtlCommand::ListExchanges { vhost, columns } => (
+            format!("Listing exchanges for vhost {vhost} ..."),
+            format!("/api/exchanges/{}", v(vhost)),
+            vec!["name", "type"],
+            columns,
+        ),
+        CtlCommand::ListBindings { vhost, columns } => (
+            format!("Listing bindings for vhost {vhost}..."),
+            format!("/api/bindings/{}", v(vhost)),
+            vec![
+                "source_name",
+                "source_kind",
+                "destination_name",
+                "destination_kind",
+                "routing_key",
+                "arguments",
+            ],
+            columns,
+        ),
+        CtlCommand::ListConnections { columns } => (
+            "Listing connections ...".to_string(),
+            "/api/connections".to_string(),
+            vec!["user", "peer_host", "peer_port", "state"],
+            columns,
+        ),
+        CtlCommand::ListConsumers { vhost, columns } => (
+            format!("Listing consumers in vhost {vhost} ..."),
+            format!("/api/consumers/{}", v(vhost)),
+            vec![
+                "queue_name",
+                "consumer_tag",
+                "ack_required",
+                "prefetch_count",
+                "arguments",
+            ],
+            columns,
+        ),
+        _ => return None,
+    })
+}
+
+fn percent_segment(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+                char::from(b).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// One cell of a listing, from the API object, with rabbitmqctl's column names.
+fn cell(item: &Value, column: &str) -> String {
+    let v = match column {
+        "source_name" => item.get("source"),
+        "source_kind" => return "exchange".into(),
+        "destination_name" => item.get("destination"),
+        "destination_kind" => item.get("destination_type"),
+        "queue_name" => item.get("queue").and_then(|q| q.get("name")),
+        // rabbitmqctl's connection id for close_connection; Warren's is the name.
+        "pid" => item.get("name"),
+        other => item.get(other),
+    };
+    match v {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Object(m)) if m.is_empty() => "[]".into(),
+        Some(Value::Array(a)) if a.is_empty() => "[]".into(),
+        Some(other) => other.to_string(),
+    }
+}
+
+/// One request over the admin socket, one JSON reply.
+fn send(data_dir: &Path, request: &Request) -> anyhow::Result<Value> {
+    let path = socket_path(data_dir);
+    let mut stream = std::os::unix::net::UnixStream::connect(&path)
+        .with_context(|| format!("connecting to {} (is the broker running?)", path.display()))?;
+    let mut line = serde_json::to_string(request)?;
+    line.push('\n');
+    stream.write_all(line.as_bytes())?;
+    let mut reply = String::new();
+    BufReader::new(&stream).read_line(&mut reply)?;
+    serde_json::from_str(&reply).context("bad reply from the broker")
+}
+
+/// Send one management API request over the admin socket.
+fn api_request(
+    data_dir: &Path,
+    method: &str,
+    path: &str,
+    body: Option<Value>,
+    headers: Vec<(String, String)>,
+) -> anyhow::Result<(u16, Value)> {
+    let reply = send(
+        data_dir,
+        &Request::Api {
+            method: method.into(),
+            path: path.into(),
+            body,
+            headers,
+        },
+    )?;
+    let status = reply["status"].as_u64().unwrap_or(500);
+    Ok((u16::try_from(status).unwrap_or(500), reply["api"].clone()))
+}
+
+/// rabbitmqctl-like exit codes for API failures.
+fn api_failure(status: u16, body: &Value) -> u8 {
+    let reason = body["reason"].as_str().unwrap_or("failed");
+    eprintln!("Error:\n{reason}");
+    match status {
+        404 => 69,
+        400 | 401 => 65,
+        _ => 70,
+    }
+}
+
+/// The ctl verbs served by the management API; `None` for the others.
+fn api_ctl(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> {
+    if let Some((banner, path, defaults, columns)) = api_listing(command) {
+        println!("{banner}");
+        let columns: Vec<String> = if columns.is_empty() {
+            defaults.iter().map(|c| (*c).to_string()).collect()
+        } else {
+            columns.to_vec()
+        };
+        return Some(api_request(data_dir, "GET", &path, None, Vec::new()).map(
+            |(status, body)| {
+                if status != 200 {
+                    return api_failure(status, &body);
+                }
+                let rows = body.as_array().cloned().unwrap_or_default();
+                if !rows.is_empty() {
+                    println!("{}", columns.join("\t"));
+                }
+                for item in rows {
+                    let line: Vec<String> = columns.iter().map(|c| cell(&item, c)).collect();
+                    println!("{}", line.join("\t"));
+                }
+                0
+            },
+        ));
+    }
+    let (banner, method, path, body, headers) = match command {
+        CtlCommand::PurgeQueue { name, vhost } => (
+            format!("Purging queue '{name}' in vhost '{vhost}' ..."),
+            "DELETE",
+            format!(
+                "/api/queues/{}/{}/contents",
+                percent_segment(vhost),
+                percent_segment(name)
+            ),
+            None,
+            Vec::new(),
+        ),
+        CtlCommand::DeleteQueue { name, vhost } => (
+            format!("Deleting queue '{name}' on vhost '{vhost}' ..."),
+            "DELETE",
+            format!(
+                "/api/queues/{}/{}",
+                percent_segment(vhost),
+                percent_segment(name)
+            ),
+            None,
+            Vec::new(),
+        ),
+        CtlCommand::CloseConnection { name, explanation } => (
+            format!("Closing connection {name}, reason: {explanation}..."),
+            "DELETE",
+            format!("/api/connections/{}", percent_segment(name)),
+            None,
+            vec![("x-reason".to_string(), explanation.clone())],
+        ),
+        CtlCommand::ExportDefinitions { path } => {
+            if path != "-" {
+                println!("Exporting definitions in JSON to a file at \"{path}\" ...");
+            }
+            return Some(
+                api_request(data_dir, "GET", "/api/definitions", None, Vec::new()).and_then(
+                    |(status, body)| {
+                        if status != 200 {
+                            return Ok(api_failure(status, &body));
+                        }
+                        let text = serde_json::to_string_pretty(&body)?;
+                        if path == "-" {
+                            println!("{text}");
+                        } else {
+                            std::fs::write(path, text)
+                                .with_context(|| format!("writing {path}"))?;
+                        }
+                        Ok(0)
+                    },
+                ),
+            );
+        }
+        CtlCommand::ImportDefinitions { path } => {
+            println!("Importing definitions in JSON from a file at \"{path}\" ...");
+            let body = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {path}"))
+                .and_then(|t| serde_json::from_str::<Value>(&t).context("parsing the file"));
+            let body = match body {
+                Ok(b) => b,
+                Err(e) => return Some(Err(e)),
+            };
+            (
+                String::new(),
+                "POST",
+                "/api/definitions".to_string(),
+                Some(body),
+                Vec::new(),
+            )
+        }
+        _ => return None,
+    };
+    if !banner.is_empty() {
+        println!("{banner}");
+    }
+    Some(
+        api_request(data_dir, method, &path, body, headers).map(|(status, body)| {
+            if status < 300 {
+                0
+            } else {
+                api_failure(status, &body)
+            }
+        }),
+    )
 }
 
 impl CtlCommand {
@@ -785,6 +1125,9 @@ impl CtlCommand {
 
 /// Run a ctl command against the broker owning `data_dir`; prints the reply.
 pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
+    if let Some(result) = api_ctl(data_dir, &command) {
+        return result;
+    }
     if let Some(banner) = command.banner() {
         println!("{banner}");
     }
@@ -930,16 +1273,10 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
             _ => anyhow::bail!("usage: set_disk_free_limit <size> | mem_relative <fraction>"),
         },
         CtlCommand::Alarms => Request::ListAlarms,
+        // Served by the management API (api_ctl) before this match.
+        other => anyhow::bail!("{other:?} is served through the management API"),
     };
-    let path = socket_path(data_dir);
-    let mut stream = std::os::unix::net::UnixStream::connect(&path)
-        .with_context(|| format!("connecting to {} (is the broker running?)", path.display()))?;
-    let mut line = serde_json::to_string(&request)?;
-    line.push('\n');
-    stream.write_all(line.as_bytes())?;
-    let mut reply = String::new();
-    BufReader::new(&stream).read_line(&mut reply)?;
-    let reply: Value = serde_json::from_str(&reply).context("bad reply from the broker")?;
+    let reply = send(data_dir, &request)?;
     if reply["ok"] == json!(true) {
         if let Some(p) = reply.get("policies") {
             println!("{}", serde_json::to_string_pretty(p)?);

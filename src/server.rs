@@ -176,7 +176,11 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         },
     };
 
-    let admin = tokio::spawn(crate::admin::serve(admin_listener, Arc::clone(&broker)));
+    let admin = tokio::spawn(crate::admin::serve(
+        admin_listener,
+        Arc::clone(&broker),
+        app.clone(),
+    ));
     let signal = shutdown_signal();
     tokio::pin!(signal);
     loop {

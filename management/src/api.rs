@@ -150,6 +150,16 @@ fn short(s: &str) -> Result<amq_protocol::types::ShortString, ApiError> {
         .map_err(|_| ApiError::bad_request(format!("name too long (over 255 bytes): {s:.40}...")))
 }
 
+/// The in-process session a request acts through: the caller's own, or the broker's for
+/// `warren ctl`.
+fn direct(state: &AppState, vhost: &str, caller: &Caller) -> Result<Direct, ApiError> {
+    if caller.internal {
+        Direct::internal(&state.broker, vhost)
+    } else {
+        Direct::open(&state.broker, vhost, &caller.name)
+    }
+}
+
 fn ok_json(v: Value) -> ApiResult {
     Ok(Json(v).into_response())
 }
@@ -730,7 +740,7 @@ struct QueueBody {
     arguments: Option<Value>,
 }
 
-fn direct() -> String {
+fn direct_type() -> String {
     "direct".into()
 }
 
@@ -755,7 +765,7 @@ async fn put_queue(
         .vhost(&vhost)
         .and_then(|vh| vh.queue(&name))
         .is_some();
-    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut d = direct(&state, &vhost, &caller)?;
     d.call(
         AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
             queue: short(&name)?,
@@ -779,7 +789,7 @@ async fn delete_queue(
 ) -> ApiResult {
     let vh = vhost_for(&state, &caller, &vhost)?;
     vh.queue(&name).ok_or_else(ApiError::not_found)?;
-    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut d = direct(&state, &vhost, &caller)?;
     d.call(
         AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
             queue: short(&name)?,
@@ -800,7 +810,7 @@ async fn purge_queue(
 ) -> ApiResult {
     let vh = vhost_for(&state, &caller, &vhost)?;
     vh.queue(&name).ok_or_else(ApiError::not_found)?;
-    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut d = direct(&state, &vhost, &caller)?;
     d.call(
         AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
             queue: short(&name)?,
@@ -878,7 +888,7 @@ async fn get_exchange(
 
 #[derive(Debug, Deserialize)]
 struct ExchangeBody {
-    #[serde(rename = "type", default = "direct")]
+    #[serde(rename = "type", default = "direct_type")]
     kind: String,
     #[serde(default)]
     durable: bool,
@@ -900,7 +910,7 @@ async fn put_exchange(
     let b: ExchangeBody =
         serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let existed = vh.exchange_exists(&name);
-    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut d = direct(&state, &vhost, &caller)?;
     d.call(
         AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
             exchange: short(&name)?,
@@ -927,7 +937,7 @@ async fn delete_exchange(
     if !vh.exchange_exists(&name) {
         return Err(ApiError::not_found());
     }
-    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut d = direct(&state, &vhost, &caller)?;
     d.call(
         AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
             exchange: short(&name)?,
@@ -1012,7 +1022,7 @@ async fn post_binding(
         })),
         _ => return Err(ApiError::not_found()),
     };
-    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut d = direct(&state, &vhost, &caller)?;
     d.call(method, None).await?;
     let location = format!(
         "/api/bindings/{}/e/{}/{kind}/{}/{}",
@@ -1089,7 +1099,7 @@ async fn aliveness_test(
     Path(vhost): Path<String>,
 ) -> ApiResult {
     vhost_for(&state, &caller, &vhost)?;
-    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut d = direct(&state, &vhost, &caller)?;
     d.call(
         AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
             queue: "aliveness-test".into(),
@@ -1184,7 +1194,7 @@ async fn get_messages(
     if !matches!(b.encoding.as_str(), "auto" | "base64") {
         return Err(ApiError::bad_request("encoding must be auto or base64"));
     }
-    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut d = direct(&state, &vhost, &caller)?;
     let mut out = Vec::new();
     let mut last_tag = 0;
     for _ in 0..b.count.min(GET_COUNT_MAX) {
@@ -1298,7 +1308,7 @@ async fn publish(
         warren_amqp::limits::TABLE_DEPTH_MAX,
     )
     .map_err(|_| ApiError::bad_request("invalid properties"))?;
-    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut d = direct(&state, &vhost, &caller)?;
     // Confirm mode, as RabbitMQ's publish endpoint: the reply waits until the message is
     // stored (persistent, durable queue) or refused.
     d.call(
@@ -2485,7 +2495,7 @@ async fn delete_binding(
             arguments: b.arguments.clone(),
         }))
     };
-    let mut d = Direct::open(&state.broker, &vhost, &caller.name)?;
+    let mut d = direct(&state, &vhost, &caller)?;
     d.call(method, None).await?;
     no_content()
 }

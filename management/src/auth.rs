@@ -14,7 +14,15 @@ pub struct Caller {
     pub name: String,
     /// Its tags.
     pub tags: Vec<String>,
+    /// `warren ctl` over the local admin socket: an administrator whose changes are made by
+    /// the broker itself (as rabbitmqctl's), not checked against a user's permissions.
+    pub internal: bool,
 }
+
+/// Marks a request made in process for `warren ctl` (see [`crate::local_call`]). It can only
+/// be set by code in this process, never by an HTTP client.
+#[derive(Debug, Clone, Copy)]
+pub struct LocalAdmin;
 
 impl Caller {
     /// Whether the caller has `tag`.
@@ -108,6 +116,13 @@ impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        if parts.extensions.get::<LocalAdmin>().is_some() {
+            return Ok(Self {
+                name: "warren-ctl".into(),
+                tags: vec!["administrator".into()],
+                internal: true,
+            });
+        }
         if !parts.headers.contains_key(header::AUTHORIZATION) {
             return Err(ApiError::no_credentials());
         }
@@ -134,6 +149,10 @@ impl FromRequestParts<AppState> for Caller {
         if !tags.iter().any(|t| MANAGEMENT_TAGS.contains(&t.as_str())) {
             return Err(ApiError::unauthorised("Not management user"));
         }
-        Ok(Self { name, tags })
+        Ok(Self {
+            name,
+            tags,
+            internal: false,
+        })
     }
 }

@@ -23,6 +23,7 @@ use axum::Router;
 use tokio::net::TcpListener;
 use warren_broker::Broker;
 
+pub use auth::LocalAdmin;
 pub use error::ApiError;
 
 /// Largest request body accepted (RabbitMQ's `management.http_max_body_size` default, which
@@ -78,6 +79,37 @@ pub async fn sample_rates(state: AppState) {
             r.sample(std::time::Instant::now(), now);
         }
     }
+}
+
+/// Make one management API request in process, as the local administrator (`warren ctl`
+/// over the admin socket, whose file permissions are the authentication). Returns the status
+/// and the body.
+pub async fn local_call(
+    state: AppState,
+    method: &str,
+    path: &str,
+    body: Option<Vec<u8>>,
+    headers: &[(String, String)],
+) -> (u16, Vec<u8>) {
+    use tower::ServiceExt;
+    let mut builder = axum::http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header(axum::http::header::CONTENT_TYPE, "application/json");
+    for (k, v) in headers {
+        builder = builder.header(k.as_str(), v.as_str());
+    }
+    let Ok(mut req) = builder.body(axum::body::Body::from(body.unwrap_or_default())) else {
+        return (400, b"bad request line".to_vec());
+    };
+    req.extensions_mut().insert(LocalAdmin);
+    let Ok(resp) = api::router(state).oneshot(req).await;
+    let status = resp.status().as_u16();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .map(|b| b.to_vec())
+        .unwrap_or_default();
+    (status, bytes)
 }
 
 /// The management API router (`/api/...`).
