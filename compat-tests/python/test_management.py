@@ -656,3 +656,36 @@ def test_guest_is_refused_from_a_non_loopback_address():
         status, body, _ = http("GET", f"http://{addr}:{port}/api/overview")
         assert (status, body["reason"]) == (401, "User can only log in via localhost")
         assert http("GET", f"http://127.0.0.1:{port}/api/overview")[0] == 200
+
+
+def test_list_pagination_sorting_and_columns(api, ch, names):
+    """RabbitMQ's list parameters: name filter, sort, sort_reverse, columns, page/page_size."""
+    qs = [names.q(f"p{i}") for i in range(3)]
+    for i, queue in enumerate(qs):
+        ch.queue_declare(queue)
+        for _ in range(i):
+            ch.basic_publish("", queue, b"m")
+    counts(ch.connection, qs[-1])
+    prefix = names.prefix
+    base = f"/api/queues/%2F?name={q(prefix)}&columns=name,messages"
+
+    def page(extra):
+        return api("GET", base + extra)
+
+    status, p, _ = eventually(lambda: page("&page=1&page_size=2&sort=name"),
+                              lambda r: r[0] == 200 and r[1].get("filtered_count") == 3
+                              and [i.get("messages") for i in r[1]["items"]] == [0, 1])
+    assert status == 200
+    assert {k: p[k] for k in ("filtered_count", "item_count", "page", "page_count", "page_size")} == {
+        "filtered_count": 3, "item_count": 2, "page": 1, "page_count": 2, "page_size": 2}
+    assert p["items"] == [{"name": qs[0], "messages": 0}, {"name": qs[1], "messages": 1}]
+    status, p2, _ = page("&page=2&page_size=2&sort=name")
+    assert status == 200 and p2["items"] == [{"name": qs[2], "messages": 2}]
+    status, rev, _ = page("&page=1&sort=name&sort_reverse=true")
+    assert status == 200 and [i["name"] for i in rev["items"]] == list(reversed(qs))
+    pattern = q(re.escape(prefix) + r"\.p[02]$")
+    status, rx, _ = api("GET", f"/api/queues/%2F?page=1&name={pattern}&use_regex=true"
+                               "&columns=name&sort=name")
+    assert status == 200 and rx["items"] == [{"name": qs[0]}, {"name": qs[2]}]
+    status, _, _ = api("GET", f"/api/queues/%2F?page=1&page_size=501")
+    assert status == 400

@@ -140,6 +140,7 @@ pub fn router(state: AppState) -> Router {
         .route("/api/health/checks/local-alarms", get(health_alarms))
         .route("/api/health/checks/virtual-hosts", get(health_vhosts))
         .route("/api/aliveness-test/{vhost}", get(aliveness_test))
+        .layer(axum::middleware::from_fn(crate::listing::layer))
         .layer(DefaultBodyLimit::max(REQUEST_BODY_MAX))
         .with_state(state)
 }

@@ -12,6 +12,7 @@ mod auth;
 mod direct;
 mod error;
 mod json;
+pub mod listing;
 mod metrics;
 mod properties;
 pub mod rates;
