@@ -760,6 +760,11 @@ pub enum CtlCommand {
         /// Columns.
         columns: Vec<String>,
     },
+    /// List channels [default columns: pid user consumer_count messages_unacknowledged].
+    ListChannels {
+        /// Columns.
+        columns: Vec<String>,
+    },
     /// List consumers [default columns: queue_name consumer_tag ack_required prefetch_count
     /// arguments].
     ListConsumers {
@@ -837,6 +842,12 @@ fn api_listing(command: &CtlCommand) -> Option<(String, String, Vec<&'static str
             "Listing connections ...".to_string(),
             "/api/connections".to_string(),
             vec!["user", "peer_host", "peer_port", "state"],
+            columns,
+        ),
+        CtlCommand::ListChannels { columns } => (
+            "Listing channels ...".to_string(),
+            "/api/channels".to_string(),
+            vec!["pid", "user", "consumer_count", "messages_unacknowledged"],
             columns,
         ),
         CtlCommand::ListConsumers { vhost, columns } => (

@@ -34,6 +34,8 @@ def test_list_queues_exchanges_bindings_and_consumers(ctl, ch, names):
     tag = ch.basic_consume(queue, lambda *a: None, auto_ack=False)
     code, out = ctl("list_consumers", "queue_name", "consumer_tag", "ack_required")
     assert code == 0 and (queue, tag, "true") in rows(out, "queue_name\tconsumer_tag\tack_required"), out
+    code, out = ctl("list_channels", "user", "consumer_count")
+    assert code == 0 and ("guest", "1") in rows(out, "user\tconsumer_count"), out
     ch.basic_cancel(tag)
 
 
