@@ -191,6 +191,12 @@ def test_exchanges_and_bindings(api, ch, names):
         "the default exchange's binding is listed"
     status, exchanges, _ = api("GET", "/api/exchanges/%2F")
     assert {"amq.direct", "amq.topic", ""} <= {e["name"] for e in exchanges}
+    status, qb, _ = api("GET", f"/api/queues/%2F/{q(queue)}/bindings")
+    assert status == 200 and [(b["source"], b["routing_key"]) for b in qb] == [("", queue), (x, "orders.*")]
+    status, xb, _ = api("GET", f"/api/exchanges/%2F/{q(x)}/bindings/source")
+    assert status == 200 and [(b["destination"], b["routing_key"]) for b in xb] == [(queue, "orders.*")]
+    status, xd, _ = api("GET", f"/api/exchanges/%2F/{q(x)}/bindings/destination")
+    assert status == 200 and xd == []
     # One binding by its properties_key, then deleted through the API (as rabbitmqadmin does).
     pair = f"/api/bindings/%2F/e/{q(x)}/q/{q(queue)}"
     status, listed, _ = api("GET", pair)

@@ -120,6 +120,11 @@ pub fn router(state: AppState) -> Router {
             "/api/vhosts/{vhost}/connections",
             get(list_vhost_connections),
         )
+        .route("/api/queues/{vhost}/{queue}/bindings", get(queue_bindings))
+        .route(
+            "/api/exchanges/{vhost}/{exchange}/bindings/{side}",
+            get(exchange_bindings),
+        )
         .route("/api/exchanges", get(list_all_exchanges))
         .route("/api/exchanges/{vhost}", get(list_vhost_exchanges))
         .route(
@@ -2499,4 +2504,50 @@ async fn delete_binding(
     let mut d = direct(&state, &vhost, &caller)?;
     d.call(method, None).await?;
     no_content()
+}
+
+/// GET /api/queues/{vhost}/{queue}/bindings: every binding to the queue (the default
+/// exchange's first).
+async fn queue_bindings(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    vh.queue(&name).ok_or_else(ApiError::not_found)?;
+    ok_json(Value::Array(
+        vh.bindings()
+            .iter()
+            .filter(|b| b.destination_is_queue && b.destination == name)
+            .map(|b| binding_json(&vhost, b))
+            .collect(),
+    ))
+}
+
+/// GET /api/exchanges/{vhost}/{exchange}/bindings/source|destination.
+async fn exchange_bindings(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name, side)): Path<(String, String, String)>,
+) -> ApiResult {
+    let vh = vhost_for(&state, &caller, &vhost)?;
+    let name = exchange_name(&name).to_string();
+    if !name.is_empty() && !vh.exchange_exists(&name) {
+        return Err(ApiError::not_found());
+    }
+    let keep = |b: &warren_broker::vhost::BindingInfo| match side.as_str() {
+        "source" => b.source == name,
+        "destination" => !b.destination_is_queue && b.destination == name,
+        _ => false,
+    };
+    if !matches!(side.as_str(), "source" | "destination") {
+        return Err(ApiError::not_found());
+    }
+    ok_json(Value::Array(
+        vh.bindings()
+            .iter()
+            .filter(|b| keep(b))
+            .map(|b| binding_json(&vhost, b))
+            .collect(),
+    ))
 }
