@@ -210,6 +210,18 @@ fn visible_vhosts(state: &AppState, caller: &Caller) -> Vec<Arc<VHost>> {
         .collect()
 }
 
+/// The vhost and the queue a request names, 404 when either is missing.
+fn queue_for(
+    state: &AppState,
+    caller: &Caller,
+    vhost: &str,
+    name: &str,
+) -> Result<(Arc<VHost>, Arc<Queue>), ApiError> {
+    let vh = vhost_for(state, caller, vhost)?;
+    let q = vh.queue(name).ok_or_else(ApiError::not_found)?;
+    Ok((vh, q))
+}
+
 fn vhost_for(state: &AppState, caller: &Caller, name: &str) -> Result<Arc<VHost>, ApiError> {
     let vh = state.broker.vhost(name).ok_or_else(ApiError::not_found)?;
     caller.require_vhost(state, name)?;
@@ -731,8 +743,7 @@ async fn get_queue(
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
 ) -> ApiResult {
-    let vh = vhost_for(&state, &caller, &vhost)?;
-    let q = vh.queue(&name).ok_or_else(ApiError::not_found)?;
+    let (_, q) = queue_for(&state, &caller, &vhost, &name)?;
     ok_json(queue_json(&vhost, &state.node.node, &q))
 }
 
@@ -793,8 +804,7 @@ async fn delete_queue(
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
 ) -> ApiResult {
-    let vh = vhost_for(&state, &caller, &vhost)?;
-    vh.queue(&name).ok_or_else(ApiError::not_found)?;
+    queue_for(&state, &caller, &vhost, &name)?;
     let mut d = direct(&state, &vhost, &caller)?;
     d.call(
         AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
@@ -814,8 +824,7 @@ async fn purge_queue(
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
 ) -> ApiResult {
-    let vh = vhost_for(&state, &caller, &vhost)?;
-    vh.queue(&name).ok_or_else(ApiError::not_found)?;
+    queue_for(&state, &caller, &vhost, &name)?;
     let mut d = direct(&state, &vhost, &caller)?;
     d.call(
         AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
@@ -1186,8 +1195,7 @@ async fn get_messages(
     Path((vhost, name)): Path<(String, String)>,
     raw: axum::body::Bytes,
 ) -> ApiResult {
-    let vh = vhost_for(&state, &caller, &vhost)?;
-    vh.queue(&name).ok_or_else(ApiError::not_found)?;
+    queue_for(&state, &caller, &vhost, &name)?;
     let b: GetBody =
         serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let (ack, requeue) = match b.ackmode.as_str() {
@@ -2513,8 +2521,7 @@ async fn queue_bindings(
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
 ) -> ApiResult {
-    let vh = vhost_for(&state, &caller, &vhost)?;
-    vh.queue(&name).ok_or_else(ApiError::not_found)?;
+    let (vh, _) = queue_for(&state, &caller, &vhost, &name)?;
     ok_json(Value::Array(
         vh.bindings()
             .iter()
