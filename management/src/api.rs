@@ -1613,9 +1613,14 @@ fn limit_value(raw: &[u8]) -> Result<i64, ApiError> {
         .ok_or_else(|| ApiError::bad_request("value must be an integer"))
 }
 
+/// RabbitMQ's `{"<owner_key>": name, "value": {...}}` entry, or none when no limit is set.
+fn limits_entry(owner_key: &str, name: &str, limits: &impl serde::Serialize) -> Option<Value> {
+    let v = serde_json::to_value(limits).ok()?;
+    (v.as_object().is_some_and(|m| !m.is_empty())).then(|| json!({owner_key: name, "value": v}))
+}
+
 fn vhost_limits_json(vh: &VHost) -> Option<Value> {
-    let v = serde_json::to_value(&*vh.limits.read()).ok()?;
-    (v.as_object().is_some_and(|m| !m.is_empty())).then(|| json!({"vhost": vh.name, "value": v}))
+    limits_entry("vhost", &vh.name, &*vh.limits.read())
 }
 
 async fn list_vhost_limits(State(state): State<AppState>, caller: Caller) -> ApiResult {
@@ -1675,8 +1680,7 @@ async fn delete_vhost_limit(
 }
 
 fn user_limits_json(u: &warren_broker::users::UserRecord) -> Option<Value> {
-    let v = serde_json::to_value(&u.limits).ok()?;
-    (v.as_object().is_some_and(|m| !m.is_empty())).then(|| json!({"user": u.name, "value": v}))
+    limits_entry("user", &u.name, &u.limits)
 }
 
 async fn list_user_limits(State(state): State<AppState>, caller: Caller) -> ApiResult {
