@@ -29,6 +29,21 @@ type ApiResult = Result<Response, ApiError>;
 /// follows (clients such as rabbitmqadmin look at it).
 const RABBITMQ_API_VERSION: &str = "4.2.0";
 
+/// A 401 to a script's request (`X-Requested-With`, as the web UI sends) carries no
+/// `WWW-Authenticate`: the browser would otherwise pop its own login dialog over the UI's form.
+async fn no_login_prompt_for_scripts(
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let scripted = req.headers().contains_key("x-requested-with");
+    let mut resp = next.run(req).await;
+    if scripted && resp.status() == StatusCode::UNAUTHORIZED {
+        resp.headers_mut()
+            .remove(axum::http::header::WWW_AUTHENTICATE);
+    }
+    resp
+}
+
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/api/overview", get(overview))
@@ -147,6 +162,7 @@ pub fn router(state: AppState) -> Router {
         .route("/api/aliveness-test/{vhost}", get(aliveness_test))
         .layer(axum::middleware::from_fn(crate::listing::layer))
         .layer(DefaultBodyLimit::max(REQUEST_BODY_MAX))
+        .layer(axum::middleware::from_fn(no_login_prompt_for_scripts))
         .with_state(state)
 }
 

@@ -16,6 +16,7 @@ pub mod listing;
 mod metrics;
 mod properties;
 pub mod rates;
+mod ui;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -113,9 +114,9 @@ pub async fn local_call(
     (status, bytes)
 }
 
-/// The management API router (`/api/...`).
+/// The management listener's router: the API (`/api/...`) and the web UI (`/`).
 pub fn management_router(state: AppState) -> Router {
-    api::router(state)
+    api::router(state).merge(ui::router())
 }
 
 /// The Prometheus router (`/metrics`, `/metrics/per-object`).
