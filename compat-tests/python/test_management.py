@@ -695,3 +695,59 @@ def test_list_pagination_sorting_and_columns(api, ch, names):
     assert status == 200 and rx["items"] == [{"name": qs[0]}, {"name": qs[2]}]
     status, _, _ = api("GET", f"/api/queues/%2F?page=1&page_size=501")
     assert status == 400
+
+
+def test_queue_message_stats_count_publishes_deliveries_and_acks(api, ch, names):
+    """A queue's own `message_stats` (what the UI's queue rates are computed from)."""
+    queue = names.q()
+    ch.queue_declare(queue)
+    for i in range(4):
+        ch.basic_publish("", queue, f"m{i}".encode())
+    counts(ch.connection, queue)
+    method, _, _ = ch.basic_get(queue, auto_ack=False)
+    ch.basic_ack(method.delivery_tag)
+    method, _, _ = ch.basic_get(queue, auto_ack=False)
+    ch.basic_nack(method.delivery_tag, requeue=True)
+    method, _, _ = ch.basic_get(queue, auto_ack=True)  # the requeued one: redelivered
+    assert method.redelivered
+    counts(ch.connection, queue)
+    path = f"/api/queues/%2F/{q(queue)}"
+    _, info, _ = eventually(lambda: api("GET", path),
+                            lambda r: r[1].get("message_stats", {}).get("deliver_get", 0) >= 3
+                            and r[1]["message_stats"].get("ack", 0) >= 1
+                            and r[1]["message_stats"].get("publish", 0) >= 4)
+    stats = info["message_stats"]
+    assert stats["publish"] == 4
+    assert stats["ack"] == 1
+    assert stats["redeliver"] == 1
+    assert stats["deliver_get"] == 3
+    assert "rate" in stats["publish_details"]
+
+
+@pytest.mark.warren_only
+def test_oldest_ready_message_age(api, ch, names):
+    """Warren's `oldest_ready_message_age_ms`: how long the head of the queue has waited, null
+    when nothing is ready; it survives a requeue (counted from the first enqueue)."""
+    queue = names.q()
+    path = f"/api/queues/%2F/{q(queue)}"
+    ch.queue_declare(queue)
+    assert api("GET", path)[1]["oldest_ready_message_age_ms"] is None
+    before = time.monotonic()
+    ch.basic_publish("", queue, b"first")
+    counts(ch.connection, queue)
+    _, info, _ = api("GET", path)
+    age = info["oldest_ready_message_age_ms"]
+    assert age is not None and 0 <= age <= (time.monotonic() - before) * 1000 + 5
+    # Wait until the head is measurably older than a message published now.
+    eventually(lambda: api("GET", path), lambda r: r[1]["oldest_ready_message_age_ms"] >= 200)
+    method, _, _ = ch.basic_get(queue, auto_ack=False)
+    ch.basic_publish("", queue, b"second")
+    counts(ch.connection, queue)
+    _, info, _ = api("GET", path)
+    assert info["oldest_ready_message_age_ms"] < 200  # only "second" is ready now
+    ch.basic_nack(method.delivery_tag, requeue=True)
+    counts(ch.connection, queue)
+    _, info, _ = api("GET", path)
+    assert info["oldest_ready_message_age_ms"] >= 200  # "first" is back and keeps its age
+    ch.queue_purge(queue)
+    assert api("GET", path)[1]["oldest_ready_message_age_ms"] is None

@@ -21,7 +21,9 @@ use warren_broker::vhost::VHost;
 use crate::auth::Caller;
 use crate::direct::Direct;
 use crate::json::{json_to_table, table_to_json};
-use crate::{ApiError, AppState, REQUEST_BODY_MAX};
+use crate::rates::MessageRates;
+use crate::{ApiError, AppState, REQUEST_BODY_MAX, queue_message_stats};
+use warren_broker::stats::MessageStats;
 
 type ApiResult = Result<Response, ApiError>;
 
@@ -307,7 +309,7 @@ async fn overview(State(state): State<AppState>, caller: Caller) -> ApiResult {
     }))
 }
 
-/// RabbitMQ's `message_stats`: totals since start with `*_details.rate` per second.
+/// The node's `message_stats`: totals since start with `*_details.rate` per second.
 fn message_stats(state: &AppState) -> Value {
     let t = state.broker.stats().snapshot();
     let r = state
@@ -315,6 +317,12 @@ fn message_stats(state: &AppState) -> Value {
         .lock()
         .map(|r| r.per_second())
         .unwrap_or_default();
+    message_stats_json(&t, &r, true)
+}
+
+/// RabbitMQ's `message_stats` object from counters and their rates (`confirm` only where
+/// confirms happen: the node and exchanges, not queues).
+fn message_stats_json(t: &MessageStats, r: &MessageRates, with_confirm: bool) -> Value {
     let mut m = serde_json::Map::new();
     for (name, total, rate) in [
         ("publish", t.published, r.published),
@@ -325,6 +333,9 @@ fn message_stats(state: &AppState) -> Value {
         ("ack", t.acked, r.acked),
         ("confirm", t.confirmed, r.confirmed),
     ] {
+        if name == "confirm" && !with_confirm {
+            continue;
+        }
         m.insert(name.into(), json!(total));
         m.insert(format!("{name}_details"), json!({"rate": rate}));
     }
@@ -704,7 +715,7 @@ async fn delete_permission(
 
 // ---------------------------------------------------------------- queues
 
-fn queue_json(vhost: &str, node: &str, q: &Queue) -> Value {
+fn queue_json(vhost: &str, node: &str, q: &Queue, rates: &MessageRates) -> Value {
     let s = q.stats();
     json!({
         "name": q.name,
@@ -723,7 +734,18 @@ fn queue_json(vhost: &str, node: &str, q: &Queue) -> Value {
         "message_bytes_ready": s.ready_bytes,
         "message_bytes_unacknowledged": s.unacked_bytes,
         "consumers": s.consumers,
+        "message_stats": message_stats_json(&queue_message_stats(&s.counters), rates, false),
+        // Warren's own: how long the head of the queue has waited (null when nothing is ready).
+        "oldest_ready_message_age_ms": s.oldest_ready_age_ms,
     })
+}
+
+/// The per-queue rates, read once for a whole listing.
+fn queue_rates(state: &AppState) -> std::sync::MutexGuard<'_, crate::rates::QueueRates> {
+    state
+        .queue_rates
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 fn queues_of(state: &AppState, vhosts: &[Arc<VHost>]) -> Value {
@@ -731,9 +753,13 @@ fn queues_of(state: &AppState, vhosts: &[Arc<VHost>]) -> Value {
         vhosts
             .iter()
             .flat_map(|vh| {
+                let rates = queue_rates(state);
                 vh.queues()
                     .into_iter()
-                    .map(|q| queue_json(&vh.name, &state.node.node, &q))
+                    .map(|q| {
+                        let r = rates.per_second(&vh.name, &q.name);
+                        queue_json(&vh.name, &state.node.node, &q, &r)
+                    })
                     .collect::<Vec<_>>()
             })
             .collect(),
@@ -760,7 +786,8 @@ async fn get_queue(
     Path((vhost, name)): Path<(String, String)>,
 ) -> ApiResult {
     let (_, q) = queue_for(&state, &caller, &vhost, &name)?;
-    ok_json(queue_json(&vhost, &state.node.node, &q))
+    let r = queue_rates(&state).per_second(&vhost, &name);
+    ok_json(queue_json(&vhost, &state.node.node, &q, &r))
 }
 
 #[derive(Debug, Deserialize)]

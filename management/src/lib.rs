@@ -24,6 +24,7 @@ use std::sync::Arc;
 use axum::Router;
 use tokio::net::TcpListener;
 use warren_broker::Broker;
+use warren_broker::stats::MessageStats;
 
 pub use auth::LocalAdmin;
 pub use error::ApiError;
@@ -54,6 +55,8 @@ pub struct AppState {
     pub node: Arc<NodeInfo>,
     /// Message rates, updated by [`sample_rates`].
     pub rates: Arc<std::sync::Mutex<rates::Rates>>,
+    /// Per-queue message rates, updated by [`sample_rates`].
+    pub queue_rates: Arc<std::sync::Mutex<rates::QueueRates>>,
 }
 
 impl AppState {
@@ -64,6 +67,7 @@ impl AppState {
             broker,
             node: Arc::new(node),
             rates: Arc::new(std::sync::Mutex::new(rates::Rates::default())),
+            queue_rates: Arc::new(std::sync::Mutex::new(rates::QueueRates::default())),
         }
     }
 }
@@ -76,10 +80,38 @@ pub async fn sample_rates(state: AppState) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
+        let at = std::time::Instant::now();
         let now = state.broker.stats().snapshot();
         if let Ok(mut r) = state.rates.lock() {
-            r.sample(std::time::Instant::now(), now);
+            r.sample(at, now);
         }
+        // Read every queue's counters before taking the lock: the API's readers wait on it.
+        let mut samples = Vec::new();
+        for name in state.broker.list_vhosts() {
+            if let Some(vh) = state.broker.vhost(&name) {
+                for q in vh.queues() {
+                    let stats = queue_message_stats(&q.stats().counters);
+                    samples.push(((vh.name.clone(), q.name.clone()), stats));
+                }
+            }
+        }
+        if let Ok(mut r) = state.queue_rates.lock() {
+            r.sample(at, samples);
+        }
+    }
+}
+
+/// A queue's lifetime counters in the shape of the node's message statistics (a queue
+/// confirms nothing itself: `confirmed` stays zero).
+#[must_use]
+pub fn queue_message_stats(c: &warren_broker::queue::machine::Counters) -> MessageStats {
+    MessageStats {
+        published: c.enqueued,
+        delivered: c.delivered,
+        got: c.got,
+        redelivered: c.redelivered,
+        acked: c.acked,
+        confirmed: 0,
     }
 }
 

@@ -239,6 +239,9 @@ struct Ready<M> {
     expires_at: Option<u64>,
     /// Times it was returned after a delivery.
     delivery_count: u32,
+    /// Machine time (ms) it entered the queue (or was restored); kept across returns, so the
+    /// oldest-ready age counts from the first enqueue.
+    enqueued_at: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -249,6 +252,8 @@ struct Unacked<M> {
     expires_at: Option<u64>,
     /// Times it was returned before this delivery.
     delivery_count: u32,
+    /// When it entered the queue (see [`Ready`]).
+    enqueued_at: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -300,6 +305,14 @@ pub struct Counters {
     pub dropped: u64,
     /// Messages whose TTL ran out.
     pub expired: u64,
+    /// Deliveries to consumers (basic.deliver), redeliveries included.
+    pub delivered: u64,
+    /// Messages taken by basic.get, redeliveries included.
+    pub got: u64,
+    /// Deliveries and gets of messages returned before (the redelivered flag set).
+    pub redelivered: u64,
+    /// Messages acknowledged by a consumer (not counting no-ack deliveries).
+    pub acked: u64,
 }
 
 impl Counters {
@@ -494,6 +507,18 @@ impl<M: MessageRef> QueueMachine<M> {
         self.unacked.len()
     }
 
+    /// When the oldest ready message entered the queue (machine time, ms), if any is ready.
+    /// A returned message counts from its first enqueue; a restored one from its restore.
+    #[must_use]
+    pub fn oldest_ready_at(&self) -> Option<u64> {
+        self.levels
+            .values()
+            .flat_map(|l| [l.returned.values().next(), l.fresh.front()])
+            .flatten()
+            .map(|r| r.enqueued_at)
+            .min()
+    }
+
     /// Bytes of ready messages.
     #[must_use]
     pub fn ready_bytes(&self) -> u64 {
@@ -573,6 +598,7 @@ impl<M: MessageRef> QueueMachine<M> {
                     redelivered: false,
                     expires_at,
                     delivery_count: 0,
+                    enqueued_at: self.now,
                 });
                 Reply::Ok
             }
@@ -595,6 +621,7 @@ impl<M: MessageRef> QueueMachine<M> {
                     redelivered,
                     expires_at,
                     delivery_count: 0,
+                    enqueued_at: self.now,
                 });
                 Reply::Ok
             }
@@ -674,8 +701,9 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Settle(ids) => {
                 for id in ids {
-                    if let Some((msg, _, _)) = self.take_unacked(id) {
+                    if let Some(Unacked { msg, .. }) = self.take_unacked(id) {
                         self.counters.settled += 1;
+                        self.counters.acked += 1;
                         effects.push(Effect::Removed {
                             id,
                             msg,
@@ -687,7 +715,7 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Discard(ids) => {
                 for id in ids {
-                    if let Some((msg, _, _)) = self.take_unacked(id) {
+                    if let Some(Unacked { msg, .. }) = self.take_unacked(id) {
                         self.counters.discarded += 1;
                         effects.push(Effect::Removed {
                             id,
@@ -700,7 +728,14 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Return(ids) => {
                 for id in ids {
-                    if let Some((msg, expires_at, count)) = self.take_unacked(id) {
+                    if let Some(Unacked {
+                        msg,
+                        expires_at,
+                        delivery_count: count,
+                        enqueued_at,
+                        ..
+                    }) = self.take_unacked(id)
+                    {
                         let delivery_count = count.saturating_add(1);
                         if self
                             .config
@@ -721,6 +756,7 @@ impl<M: MessageRef> QueueMachine<M> {
                             redelivered: true,
                             expires_at,
                             delivery_count,
+                            enqueued_at,
                         });
                     }
                 }
@@ -730,6 +766,8 @@ impl<M: MessageRef> QueueMachine<M> {
                 None => Reply::Got(None),
                 Some(r) => {
                     let size = r.msg.size();
+                    self.counters.got += 1;
+                    self.counters.redelivered += u64::from(r.redelivered);
                     if no_ack {
                         self.counters.settled += 1;
                         effects.push(Effect::Removed {
@@ -746,6 +784,7 @@ impl<M: MessageRef> QueueMachine<M> {
                                 consumer: None,
                                 expires_at: r.expires_at,
                                 delivery_count: r.delivery_count,
+                                enqueued_at: r.enqueued_at,
                             },
                         );
                     }
@@ -858,7 +897,7 @@ impl<M: MessageRef> QueueMachine<M> {
         Ok(reply)
     }
 
-    fn take_unacked(&mut self, id: MsgId) -> Option<(M, Option<u64>, u32)> {
+    fn take_unacked(&mut self, id: MsgId) -> Option<Unacked<M>> {
         let u = self.unacked.remove(&id)?;
         self.unacked_bytes -= u.msg.size();
         if let Some(cid) = u.consumer
@@ -867,7 +906,7 @@ impl<M: MessageRef> QueueMachine<M> {
             c.unacked -= 1;
             self.refresh_ring(cid);
         }
-        Some((u.msg, u.expires_at, u.delivery_count))
+        Some(u)
     }
 
     /// When a message arriving now expires: the shorter of the queue's and its own TTL.
@@ -1021,6 +1060,8 @@ impl<M: MessageRef> QueueMachine<M> {
                 break;
             };
             let size = r.msg.size();
+            self.counters.delivered += 1;
+            self.counters.redelivered += u64::from(r.redelivered);
             c.unwritten += 1;
             c.unwritten_bytes += size;
             if c.is_limited() {
@@ -1038,6 +1079,7 @@ impl<M: MessageRef> QueueMachine<M> {
                         consumer: Some(cid),
                         expires_at: r.expires_at,
                         delivery_count: r.delivery_count,
+                        enqueued_at: r.enqueued_at,
                     },
                 );
             }

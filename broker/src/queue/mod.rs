@@ -68,6 +68,8 @@ pub struct QueueStats {
     pub consumers: u64,
     /// Lifetime counters (enqueued, settled, ...).
     pub counters: machine::Counters,
+    /// How long the oldest ready message has waited, in milliseconds (None: nothing ready).
+    pub oldest_ready_age_ms: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -812,6 +814,10 @@ impl Queue {
             unacked_bytes: st.machine.unacked_bytes(),
             consumers: st.machine.consumer_count() as u64,
             counters: st.machine.counters(),
+            oldest_ready_age_ms: st
+                .machine
+                .oldest_ready_at()
+                .map(|at| self.now_ms().saturating_sub(at)),
         }
     }
 

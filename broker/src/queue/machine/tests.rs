@@ -721,3 +721,31 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn oldest_ready_counts_from_first_enqueue_across_priorities_and_returns() {
+    let mut q = QueueMachine::with_config(QueueConfig {
+        max_priority: Some(5),
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    assert_eq!(q.oldest_ready_at(), None);
+    q.apply(10, Command::Enqueue(M(1)), &mut fx).unwrap();
+    q.apply(20, Command::Enqueue(M(300)), &mut fx).unwrap();
+    // The high-priority message leaves first; the oldest ready is still the t=10 one.
+    let high = got_id(q.apply(30, Command::Get { no_ack: false }, &mut fx)).unwrap();
+    assert_eq!(q.oldest_ready_at(), Some(10));
+    let low = got_id(q.apply(40, Command::Get { no_ack: false }, &mut fx)).unwrap();
+    assert_eq!(q.oldest_ready_at(), None);
+    // Returned messages keep the time they first arrived.
+    q.apply(50, Command::Return(vec![high]), &mut fx).unwrap();
+    assert_eq!(q.oldest_ready_at(), Some(20));
+    q.apply(60, Command::Return(vec![low]), &mut fx).unwrap();
+    assert_eq!(q.oldest_ready_at(), Some(10));
+    let c = q.counters();
+    assert_eq!((c.got, c.redelivered, c.delivered, c.acked), (2, 0, 0, 0));
+    let again = got_id(q.apply(70, Command::Get { no_ack: false }, &mut fx)).unwrap();
+    q.apply(80, Command::Settle(vec![again]), &mut fx).unwrap();
+    let c = q.counters();
+    assert_eq!((c.got, c.redelivered, c.acked), (3, 1, 1));
+}
