@@ -8,6 +8,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
+use warren_broker::stats::Lifecycle;
 
 use amq_protocol::protocol::connection;
 use anyhow::Context;
@@ -656,6 +657,7 @@ struct Registered {
 
 impl Registered {
     fn new(broker: &Arc<Broker>, id: u64, info: ConnectionInfo) -> Self {
+        broker.stats().event(Lifecycle::ConnectionOpened);
         Self {
             broker: Arc::clone(broker),
             id,
@@ -674,6 +676,7 @@ impl std::ops::Deref for Registered {
 impl Drop for Registered {
     fn drop(&mut self) {
         self.broker.connections().remove(self.id);
+        self.broker.stats().event(Lifecycle::ConnectionClosed);
         // Whoever waits for this connection's channels gets none: it is gone.
         self.handle.answer_snapshots(&[]);
     }

@@ -68,11 +68,17 @@ pub struct Broker {
     /// Open connections (management API).
     connections: crate::connections::Connections,
     /// Message counters since start.
-    stats: crate::stats::GlobalStats,
+    stats: Arc<crate::stats::GlobalStats>,
 }
 
 impl Broker {
-    /// Message counters since start.
+    /// The store's commit measurements (None for a node without a store).
+    #[must_use]
+    pub fn store_metrics(&self) -> Option<&warren_store::StoreMetrics> {
+        self.store.as_deref().map(Durable::metrics)
+    }
+
+    /// The node's message counters and lifecycle totals.
     #[must_use]
     pub fn stats(&self) -> &crate::stats::GlobalStats {
         &self.stats
@@ -113,11 +119,16 @@ impl Broker {
             alarms: crate::alarms::ResourceAlarms::default(),
             delayed_slot_next: std::sync::atomic::AtomicU32::new(1),
             connections: crate::connections::Connections::default(),
-            stats: crate::stats::GlobalStats::default(),
+            stats: Arc::default(),
         };
         b.vhosts.write().insert(
             "/".into(),
-            VHost::new(DEFAULT_VHOST, store, Some(Arc::clone(&b.timers))),
+            VHost::new(
+                DEFAULT_VHOST,
+                store,
+                Some(Arc::clone(&b.timers)),
+                Arc::clone(&b.stats),
+            ),
         );
         b.users.write().put(crate::users::UserRecord::new(
             crate::limits::DEFAULT_USER,
@@ -369,7 +380,12 @@ impl Broker {
         if vhosts.contains_key(name) {
             return Ok(false);
         }
-        let vh = VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers)));
+        let vh = VHost::new(
+            name,
+            self.store.clone(),
+            Some(Arc::clone(&self.timers)),
+            Arc::clone(&self.stats),
+        );
         *vh.default_queue_type.write() = default_queue_type.map(str::to_string);
         let slot_op = self.take_delayed_slot(&vh);
         self.submit_meta(vec![slot_op, Self::vhost_put_op(&vh)], on_commit);
@@ -677,7 +693,12 @@ impl Broker {
         let mut unslotted = Vec::new();
         for (name, record) in &listed {
             let vh = vhosts.entry(name.clone()).or_insert_with(|| {
-                VHost::new(name, self.store.clone(), Some(Arc::clone(&self.timers)))
+                VHost::new(
+                    name,
+                    self.store.clone(),
+                    Some(Arc::clone(&self.timers)),
+                    Arc::clone(&self.stats),
+                )
             });
             *vh.limits.write() = record.limits.clone();
             *vh.default_queue_type.write() = record.default_queue_type.clone();

@@ -38,6 +38,12 @@ impl Durable {
         Self { writer, segments }
     }
 
+    /// The store's commit measurements (fsync and commit latency, group sizes).
+    #[must_use]
+    pub fn metrics(&self) -> &warren_store::StoreMetrics {
+        self.writer.metrics()
+    }
+
     /// Queue a batch for the next group commit; `done` runs on the writer thread.
     pub fn submit(&self, batch: Batch, done: Completion) {
         self.writer.submit(batch, done);

@@ -6,6 +6,7 @@
 //! holds. Errors come back as [`AmqpError`] values; the connection machine turns them into
 //! `channel.close` or `connection.close` in one place. No method here blocks or awaits.
 
+use crate::stats::Lifecycle;
 use std::cell::Cell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -140,6 +141,11 @@ enum Mode {
         unconfirmed: BTreeSet<u64>,
         /// Publishes a queue refused: nacked (never acked) when their turn comes.
         nacks: BTreeSet<u64>,
+        /// For the publish-to-confirm histogram: (last sequence number, when) at each flush
+        /// that saw new publishes; a mark is observed once everything up to it is confirmed.
+        marks: std::collections::VecDeque<(u64, std::time::Instant)>,
+        /// Sequence number of the last mark observed.
+        marked_upto: u64,
     },
     Tx(TxBuffer),
 }
@@ -376,6 +382,9 @@ impl Session {
     pub fn channel_opened(&mut self, ch: u16) {
         let epoch = self.ctx.broker.next_id();
         self.channels.insert(ch, Channel::new(epoch));
+        if self.ctx.counted {
+            self.ctx.broker.stats().event(Lifecycle::ChannelOpened);
+        }
     }
 
     /// A channel is gone: cancel its consumers and requeue its unacked messages in order.
@@ -385,9 +394,25 @@ impl Session {
         };
         if self.ctx.counted {
             self.ctx.broker.release_channel(&self.ctx.user);
+            self.ctx.broker.stats().event(Lifecycle::ChannelClosed);
         }
         if let Some((_, name)) = &chan.reply_consumer {
             self.ctx.vhost.replies.unregister(name);
+        }
+        if let Mode::Confirm {
+            last_seq,
+            acked_upto,
+            marks,
+            marked_upto,
+            ..
+        } = &chan.mode
+        {
+            // Publishes since the last flush were not counted yet; none will be confirmed now.
+            let marked = marks.back().map_or(*marked_upto, |m| m.0);
+            self.ctx.count(|s| {
+                s.received_confirm += last_seq - marked;
+                s.confirm_abandoned += last_seq - acked_upto;
+            });
         }
         for (_, c) in chan.consumers {
             if c.queue.cancel(c.id) {
@@ -431,14 +456,25 @@ impl Session {
 
     /// Write what is owed before the output is flushed: coalesced publisher confirms.
     pub fn flush(&mut self, out: &mut FrameWriter) {
+        // One clock read per flush, and only when a confirm channel needs it: this measures,
+        // it never decides anything.
+        let mut now = None;
         for (ch, chan) in &mut self.channels {
             if let Mode::Confirm {
                 last_seq,
                 acked_upto,
                 unconfirmed,
                 nacks,
+                marks,
+                marked_upto,
             } = &mut chan.mode
             {
+                let marked = marks.back().map_or(*marked_upto, |m| m.0);
+                if *last_seq > marked {
+                    let t = *now.get_or_insert_with(std::time::Instant::now);
+                    marks.push_back((*last_seq, t));
+                    self.ctx.count(|s| s.received_confirm += *last_seq - marked);
+                }
                 let upto = unconfirmed.first().map_or(*last_seq, |first| first - 1);
                 while let Some(&n) = nacks.first()
                     && n <= upto
@@ -452,6 +488,7 @@ impl Session {
                         self.ctx.count(|s| s.confirmed += acked);
                     }
                     out.method_with(*ch, |b| put_basic_nack(b, n, false));
+                    self.ctx.count(|s| s.nacked += 1);
                     *acked_upto = n;
                 }
                 if upto > *acked_upto {
@@ -460,6 +497,17 @@ impl Session {
                     let n = upto - *acked_upto;
                     self.ctx.count(|s| s.confirmed += n);
                     *acked_upto = upto;
+                }
+                while let Some(&(seq, at)) = marks.front()
+                    && seq <= *acked_upto
+                {
+                    marks.pop_front();
+                    let t = *now.get_or_insert_with(std::time::Instant::now);
+                    self.ctx.broker.stats().confirm_seconds.observe_n(
+                        t.saturating_duration_since(at).as_secs_f64(),
+                        seq - *marked_upto,
+                    );
+                    *marked_upto = seq;
                 }
             }
         }
@@ -712,6 +760,7 @@ impl Session {
         let redelivered = d.redelivered;
         self.ctx.count(|s| {
             s.delivered += 1;
+            s.delivered_no_ack += u64::from(no_ack);
             s.redelivered += u64::from(redelivered);
         });
         out.method_with(d.channel, |b| {
@@ -814,6 +863,8 @@ impl Session {
                         acked_upto: 0,
                         unconfirmed: BTreeSet::new(),
                         nacks: BTreeSet::new(),
+                        marks: std::collections::VecDeque::new(),
+                        marked_upto: 0,
                     };
                     Ok(())
                 }
@@ -998,6 +1049,7 @@ fn handle_queue(
                 q
             };
             chan.last_queue = Some(q.name.clone());
+            ctx.broker.stats().event(Lifecycle::QueueDeclared);
             // A declare counts as use for x-expires (and arms its timer on a new queue).
             q.touch();
             if !d.nowait {
@@ -1746,16 +1798,20 @@ fn handle_basic(
             ctx.allow(Perm::Read, Resource::Queue, &name)?;
             let q = usable_queue(ctx, &name)?;
             match q.get(g.no_ack) {
-                None => reply(
-                    out,
-                    ch,
-                    AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
-                ),
+                None => {
+                    ctx.count(|s| s.get_empty += 1);
+                    reply(
+                        out,
+                        ch,
+                        AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
+                    )
+                }
                 Some((id, msg, redelivered, remaining, delivery_count)) => {
                     let tag = chan.next_tag;
                     chan.next_tag += 1;
                     ctx.count(|s| {
                         s.got += 1;
+                        s.got_no_ack += u64::from(g.no_ack);
                         s.redelivered += u64::from(redelivered);
                     });
                     if !g.no_ack {
@@ -2017,6 +2073,11 @@ fn enqueue_routed(
         // A queue at its limit refused it (reject-publish): nack, and no basic.return.
         nacks.insert(seq);
     }
+    ctx.count(|s| match (outcome, mandatory) {
+        (Enqueued::Gone, true) => s.unroutable_returned += 1,
+        (Enqueued::Gone, false) => s.unroutable_dropped += 1,
+        _ => s.routed += 1,
+    });
     if outcome == Enqueued::Gone && mandatory {
         out.method_with(ch, |b| {
             put_basic_return(

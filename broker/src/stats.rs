@@ -5,6 +5,7 @@
 //! ([`GlobalStats::add`]), so the hot path touches no shared cache line per message.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use warren_store::histogram::{Histogram, LATENCY_BOUNDS};
 
 /// A set of counts (a delta from one session, or a snapshot of the totals).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -21,6 +22,33 @@ pub struct MessageStats {
     pub acked: u64,
     /// Publishes confirmed to publishers.
     pub confirmed: u64,
+    /// Of `delivered`, those to no-ack consumers.
+    pub delivered_no_ack: u64,
+    /// Of `got`, those with no-ack.
+    pub got_no_ack: u64,
+    /// basic.get answered get-empty.
+    pub get_empty: u64,
+    /// Publishes that reached at least one queue.
+    pub routed: u64,
+    /// Publishes that reached no queue and were dropped (not mandatory).
+    pub unroutable_dropped: u64,
+    /// Publishes that reached no queue and were returned (mandatory).
+    pub unroutable_returned: u64,
+    /// Publishes on channels in confirm mode.
+    pub received_confirm: u64,
+    /// Publishes nacked to publishers.
+    pub nacked: u64,
+    /// Confirm-mode publishes whose channel closed before they were confirmed.
+    pub confirm_abandoned: u64,
+}
+
+impl MessageStats {
+    /// Confirm-mode publishes not yet acked or nacked (RabbitMQ's `messages_unconfirmed`).
+    #[must_use]
+    pub fn unconfirmed(&self) -> u64 {
+        self.received_confirm
+            .saturating_sub(self.confirmed + self.nacked + self.confirm_abandoned)
+    }
 }
 
 impl MessageStats {
@@ -32,7 +60,7 @@ impl MessageStats {
 }
 
 /// The node's totals since start.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct GlobalStats {
     published: AtomicU64,
     delivered: AtomicU64,
@@ -40,19 +68,114 @@ pub struct GlobalStats {
     redelivered: AtomicU64,
     acked: AtomicU64,
     confirmed: AtomicU64,
+    delivered_no_ack: AtomicU64,
+    got_no_ack: AtomicU64,
+    get_empty: AtomicU64,
+    routed: AtomicU64,
+    unroutable_dropped: AtomicU64,
+    unroutable_returned: AtomicU64,
+    received_confirm: AtomicU64,
+    nacked: AtomicU64,
+    confirm_abandoned: AtomicU64,
+    /// Connection, channel and queue lifecycle totals (counted where they happen: rare
+    /// compared with messages, so one atomic add each).
+    lifecycle: [AtomicU64; Lifecycle::COUNT],
+    /// Publish-to-confirm latency of confirm-mode publishes, in seconds. A publish's time is
+    /// the end of the read that brought it, its confirm's the flush that writes basic.ack
+    /// (or nack).
+    pub confirm_seconds: Histogram,
+}
+
+impl Default for GlobalStats {
+    fn default() -> Self {
+        Self {
+            published: AtomicU64::default(),
+            delivered: AtomicU64::default(),
+            got: AtomicU64::default(),
+            redelivered: AtomicU64::default(),
+            acked: AtomicU64::default(),
+            confirmed: AtomicU64::default(),
+            delivered_no_ack: AtomicU64::default(),
+            got_no_ack: AtomicU64::default(),
+            get_empty: AtomicU64::default(),
+            routed: AtomicU64::default(),
+            unroutable_dropped: AtomicU64::default(),
+            unroutable_returned: AtomicU64::default(),
+            received_confirm: AtomicU64::default(),
+            nacked: AtomicU64::default(),
+            confirm_abandoned: AtomicU64::default(),
+            lifecycle: Default::default(),
+            confirm_seconds: Histogram::new(LATENCY_BOUNDS),
+        }
+    }
+}
+
+/// Lifecycle events counted since start (RabbitMQ's `*_opened_total`, `*_closed_total`,
+/// `queues_declared_total`, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lifecycle {
+    /// A client connection was opened (reached connection.open-ok).
+    ConnectionOpened,
+    /// A client connection closed.
+    ConnectionClosed,
+    /// A channel was opened.
+    ChannelOpened,
+    /// A channel closed.
+    ChannelClosed,
+    /// queue.declare succeeded (new or existing queue).
+    QueueDeclared,
+    /// A queue was created.
+    QueueCreated,
+    /// A queue was deleted.
+    QueueDeleted,
+}
+
+impl Lifecycle {
+    /// How many kinds there are.
+    pub const COUNT: usize = 7;
 }
 
 impl GlobalStats {
+    fn fields(&self) -> [&AtomicU64; 15] {
+        [
+            &self.published,
+            &self.delivered,
+            &self.got,
+            &self.redelivered,
+            &self.acked,
+            &self.confirmed,
+            &self.delivered_no_ack,
+            &self.got_no_ack,
+            &self.get_empty,
+            &self.routed,
+            &self.unroutable_dropped,
+            &self.unroutable_returned,
+            &self.received_confirm,
+            &self.nacked,
+            &self.confirm_abandoned,
+        ]
+    }
+
     /// Add a session's counts.
     pub fn add(&self, d: &MessageStats) {
-        for (total, n) in [
-            (&self.published, d.published),
-            (&self.delivered, d.delivered),
-            (&self.got, d.got),
-            (&self.redelivered, d.redelivered),
-            (&self.acked, d.acked),
-            (&self.confirmed, d.confirmed),
-        ] {
+        let deltas = [
+            d.published,
+            d.delivered,
+            d.got,
+            d.redelivered,
+            d.acked,
+            d.confirmed,
+            d.delivered_no_ack,
+            d.got_no_ack,
+            d.get_empty,
+            d.routed,
+            d.unroutable_dropped,
+            d.unroutable_returned,
+            d.received_confirm,
+            d.nacked,
+            d.confirm_abandoned,
+        ];
+        for (total, n) in self.fields().into_iter().zip(deltas) {
             if n > 0 {
                 total.fetch_add(n, Ordering::Relaxed);
             }
@@ -62,14 +185,51 @@ impl GlobalStats {
     /// The totals now.
     #[must_use]
     pub fn snapshot(&self) -> MessageStats {
+        let [
+            published,
+            delivered,
+            got,
+            redelivered,
+            acked,
+            confirmed,
+            delivered_no_ack,
+            got_no_ack,
+            get_empty,
+            routed,
+            unroutable_dropped,
+            unroutable_returned,
+            received_confirm,
+            nacked,
+            confirm_abandoned,
+        ] = self.fields().map(|a| a.load(Ordering::Relaxed));
         MessageStats {
-            published: self.published.load(Ordering::Relaxed),
-            delivered: self.delivered.load(Ordering::Relaxed),
-            got: self.got.load(Ordering::Relaxed),
-            redelivered: self.redelivered.load(Ordering::Relaxed),
-            acked: self.acked.load(Ordering::Relaxed),
-            confirmed: self.confirmed.load(Ordering::Relaxed),
+            published,
+            delivered,
+            got,
+            redelivered,
+            acked,
+            confirmed,
+            delivered_no_ack,
+            got_no_ack,
+            get_empty,
+            routed,
+            unroutable_dropped,
+            unroutable_returned,
+            received_confirm,
+            nacked,
+            confirm_abandoned,
         }
+    }
+
+    /// Count one lifecycle event.
+    pub fn event(&self, e: Lifecycle) {
+        self.lifecycle[e as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many `e` events happened since start.
+    #[must_use]
+    pub fn events(&self, e: Lifecycle) -> u64 {
+        self.lifecycle[e as usize].load(Ordering::Relaxed)
     }
 }
 
@@ -90,8 +250,17 @@ mod tests {
             delivered: 4,
             ..MessageStats::default()
         });
+        g.add(&MessageStats {
+            unroutable_returned: 2,
+            get_empty: 1,
+            ..MessageStats::default()
+        });
         let s = g.snapshot();
         assert_eq!((s.published, s.delivered, s.acked, s.got), (5, 4, 1, 0));
+        assert_eq!((s.unroutable_returned, s.get_empty, s.routed), (2, 1, 0));
+        g.event(Lifecycle::QueueDeleted);
+        assert_eq!(g.events(Lifecycle::QueueDeleted), 1);
+        assert_eq!(g.events(Lifecycle::QueueCreated), 0);
         assert!(MessageStats::default().is_zero());
     }
 }

@@ -8,6 +8,7 @@
 //! (see [`crate::durable`] for why), and the caller's `on_commit` provides the completion that
 //! tells it when they are durable (it holds its reply until then).
 
+use crate::stats::Lifecycle;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
@@ -54,6 +55,8 @@ pub struct VHost {
     /// Set when the vhost is deleted; its connections are closed.
     down: std::sync::atomic::AtomicBool,
     down_notify: tokio::sync::Notify,
+    /// The node's counters (queue lifecycle events are counted here).
+    stats: Arc<crate::stats::GlobalStats>,
 }
 
 /// An exchange as the management API lists it.
@@ -175,6 +178,7 @@ impl VHost {
         name: &str,
         store: Option<Arc<Durable>>,
         timers: Option<Arc<crate::timers::Timers>>,
+        stats: Arc<crate::stats::GlobalStats>,
     ) -> Arc<Self> {
         let mut t = Topology::default();
         for (ex, kind) in PREDECLARED {
@@ -196,6 +200,7 @@ impl VHost {
             default_queue_type: RwLock::new(None),
             down: std::sync::atomic::AtomicBool::new(false),
             down_notify: tokio::sync::Notify::new(),
+            stats,
         })
     }
 
@@ -863,6 +868,7 @@ impl VHost {
         }
         t.queues
             .insert(candidate.name.clone(), Arc::clone(&candidate));
+        self.stats.event(Lifecycle::QueueCreated);
         (candidate, true)
     }
 
@@ -884,6 +890,7 @@ impl VHost {
         match t.queues.get(&queue.name) {
             Some(q) if Arc::ptr_eq(q, queue) && still(queue) => {
                 t.queues.remove(&queue.name);
+                self.stats.event(Lifecycle::QueueDeleted);
             }
             _ => return None,
         }

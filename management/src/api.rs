@@ -29,7 +29,7 @@ type ApiResult = Result<Response, ApiError>;
 
 /// The version the API reports as `rabbitmq_version`: the RabbitMQ release whose API Warren
 /// follows (clients such as rabbitmqadmin look at it).
-const RABBITMQ_API_VERSION: &str = "4.2.0";
+pub(crate) const RABBITMQ_API_VERSION: &str = "4.2.0";
 
 /// A 401 to a script's request (`X-Requested-With`, as the web UI sends) carries no
 /// `WWW-Authenticate`: the browser would otherwise pop its own login dialog over the UI's form.
@@ -365,6 +365,12 @@ async fn nodes(State(state): State<AppState>, _caller: Caller) -> ApiResult {
         "disk_free": sample.map_or(0, |s| s.disk_free),
         "disk_free_limit": w.disk_limit(total),
         "disk_free_alarm": alarms.state().disk,
+        "fd_used": crate::process::open_fds(),
+        "fd_total": crate::process::max_fds(),
+        "sockets_used": state.broker.connection_count(),
+        "sockets_total": state.broker.config.connection_max.or(crate::process::max_fds()),
+        "uptime": u64::try_from(state.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        "os_pid": std::process::id().to_string(),
     }]))
 }
 

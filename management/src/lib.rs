@@ -14,6 +14,7 @@ mod error;
 mod json;
 pub mod listing;
 mod metrics;
+mod process;
 mod properties;
 pub mod rates;
 mod ui;
@@ -26,6 +27,7 @@ use tokio::net::TcpListener;
 use warren_broker::Broker;
 use warren_broker::stats::MessageStats;
 
+use api::RABBITMQ_API_VERSION;
 pub use auth::LocalAdmin;
 pub use error::ApiError;
 
@@ -57,6 +59,8 @@ pub struct AppState {
     pub rates: Arc<std::sync::Mutex<rates::Rates>>,
     /// Per-queue message rates, updated by [`sample_rates`].
     pub queue_rates: Arc<std::sync::Mutex<rates::QueueRates>>,
+    /// When the management state was made (at node start): the node's uptime.
+    pub started: std::time::Instant,
 }
 
 impl AppState {
@@ -68,6 +72,7 @@ impl AppState {
             node: Arc::new(node),
             rates: Arc::new(std::sync::Mutex::new(rates::Rates::default())),
             queue_rates: Arc::new(std::sync::Mutex::new(rates::QueueRates::default())),
+            started: std::time::Instant::now(),
         }
     }
 }
@@ -101,8 +106,8 @@ pub async fn sample_rates(state: AppState) {
     }
 }
 
-/// A queue's lifetime counters in the shape of the node's message statistics (a queue
-/// confirms nothing itself: `confirmed` stays zero).
+/// A queue's lifetime counters in the shape of the node's message statistics (what a queue
+/// does not know, such as confirms and routing, stays zero).
 #[must_use]
 pub fn queue_message_stats(c: &warren_broker::queue::machine::Counters) -> MessageStats {
     MessageStats {
@@ -111,7 +116,7 @@ pub fn queue_message_stats(c: &warren_broker::queue::machine::Counters) -> Messa
         got: c.got,
         redelivered: c.redelivered,
         acked: c.acked,
-        confirmed: 0,
+        ..MessageStats::default()
     }
 }
 

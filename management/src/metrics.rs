@@ -1,33 +1,55 @@
 //! Prometheus metrics under RabbitMQ's names (rabbitmq_prometheus), so that the official
-//! Grafana dashboards, which join on `rabbitmq_identity_info`, work: `/metrics` with
-//! node-wide totals and `/metrics/per-object` with one series per queue.
+//! Grafana dashboards, which join on `rabbitmq_identity_info`, work:
+//!
+//! - `/metrics`: node-wide totals, per-queue series summed (RabbitMQ's aggregated default);
+//! - `/metrics/per-object`: one series per queue;
+//! - `/metrics/detailed?family=..&vhost=..`: only the asked families, `rabbitmq_detailed_`
+//!   prefix, filtered by vhost, as RabbitMQ's detailed endpoint.
+//!
+//! Warren's own series (`warren_*`): the oldest ready message's age per queue, and histograms of
+//! publish-to-confirm latency, segment fsync and commit latency, and group-commit sizes.
+
+use std::collections::BTreeSet;
+use std::fmt::Write as _;
+use std::sync::Arc;
 
 use axum::Router;
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use prometheus::{Encoder, GaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, GaugeVec, IntCounterVec, Opts, Registry, TextEncoder};
+use warren_broker::queue::{Queue, QueueStats};
+use warren_broker::stats::Lifecycle;
+use warren_store::histogram::HistogramSnapshot;
 
-use crate::AppState;
+use crate::{AppState, process};
 
 pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/metrics", get(aggregated))
         .route("/metrics/per-object", get(per_object))
+        .route("/metrics/detailed", get(detailed))
         .with_state(state)
 }
+
+/// The protocol label RabbitMQ puts on its global counters.
+const PROTOCOL: (&str, &str) = ("protocol", "amqp091");
 
 /// A registry filled at scrape time: metrics are read from the broker when asked, so nothing
 /// is counted twice and nothing is kept between scrapes.
 struct Scrape {
     registry: Registry,
+    /// Histograms, written in the text format directly (their buckets come ready-made from
+    /// lock-free recorders, which the prometheus crate's types cannot take).
+    histograms: String,
 }
 
 impl Scrape {
     fn new() -> Self {
         Self {
             registry: Registry::new(),
+            histograms: String::new(),
         }
     }
 
@@ -43,12 +65,36 @@ impl Scrape {
         }
     }
 
+    fn counters(&self, name: &str, help: &str, labels: &[&str]) -> Option<IntCounterVec> {
+        let c = IntCounterVec::new(Opts::new(name, help), labels).ok()?;
+        self.registry.register(Box::new(c.clone())).ok()?;
+        Some(c)
+    }
+
     fn counter(&self, name: &str, help: &str, value: u64) {
-        if let Ok(c) = prometheus::IntCounter::new(name, help)
-            && self.registry.register(Box::new(c.clone())).is_ok()
-        {
-            c.inc_by(value);
+        if let Some(c) = self.counters(name, help, &[]) {
+            c.with_label_values::<&str>(&[]).inc_by(value);
         }
+    }
+
+    /// A counter with RabbitMQ's `protocol="amqp091"` label.
+    fn protocol_counter(&self, name: &str, help: &str, value: u64) {
+        if let Some(c) = self.counters(name, help, &[PROTOCOL.0]) {
+            c.with_label_values(&[PROTOCOL.1]).inc_by(value);
+        }
+    }
+
+    fn histogram(&mut self, name: &str, help: &str, h: &HistogramSnapshot) {
+        let out = &mut self.histograms;
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (bound, n) in &h.cumulative {
+            if bound.is_infinite() {
+                let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {n}");
+            } else {
+                let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {n}");
+            }
+        }
+        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", h.sum, h.count);
     }
 
     fn render(&self) -> Response {
@@ -59,6 +105,7 @@ impl Scrape {
         {
             return StatusCode::INTERNAL_SERVER_ERROR.into_response();
         }
+        buf.extend_from_slice(self.histograms.as_bytes());
         (
             [(
                 header::CONTENT_TYPE,
@@ -70,8 +117,8 @@ impl Scrape {
     }
 }
 
-/// What both endpoints carry: identity, build, node resources, alarms and object counts.
-fn common(state: &AppState, s: &Scrape) {
+/// Identity and build: on every endpoint (dashboards join on `rabbitmq_identity_info`).
+fn identity(state: &AppState, s: &Scrape) {
     let node = state.node.node.as_str();
     if let Some(g) = s.gauge(
         "rabbitmq_identity_info",
@@ -88,48 +135,153 @@ fn common(state: &AppState, s: &Scrape) {
     if let Some(g) = s.gauge(
         "rabbitmq_build_info",
         "RabbitMQ & Erlang/OTP version info",
-        &["rabbitmq_version", "product_name", "product_version"],
+        &[
+            "rabbitmq_version",
+            "prometheus_plugin_version",
+            "prometheus_client_version",
+            "erlang_version",
+            "product_name",
+            "product_version",
+        ],
     ) {
-        g.with_label_values(&["4.2.0", "Warren", env!("CARGO_PKG_VERSION")])
+        let v = env!("CARGO_PKG_VERSION");
+        g.with_label_values(&[crate::RABBITMQ_API_VERSION, v, v, "none", "Warren", v])
             .set(1.0);
     }
+}
+
+/// Node-wide series of `/metrics` and `/metrics/per-object`: objects, resources, alarms,
+/// message counters, lifecycle totals and Warren's histograms.
+fn node(state: &AppState, s: &mut Scrape, queues: &[QueueRow]) {
+    identity(state, s);
     let b = &state.broker;
-    s.set(
-        "rabbitmq_connections",
-        "Connections currently open",
-        b.connection_count() as f64,
-    );
-    s.set(
-        "rabbitmq_channels",
-        "Channels currently open",
-        b.channel_count() as f64,
-    );
-    let alarms = b.alarms();
-    let st = alarms.state();
+    let consumers: u64 = queues.iter().map(|r| r.stats.consumers).sum();
+    for (name, help, v) in [
+        (
+            "rabbitmq_connections",
+            "Connections currently open",
+            b.connection_count() as f64,
+        ),
+        (
+            "rabbitmq_channels",
+            "Channels currently open",
+            b.channel_count() as f64,
+        ),
+        (
+            "rabbitmq_consumers",
+            "Consumers currently connected",
+            consumers as f64,
+        ),
+        (
+            "rabbitmq_channel_consumers",
+            "Consumers on a channel",
+            consumers as f64,
+        ),
+        (
+            "rabbitmq_erlang_uptime_seconds",
+            "Node uptime",
+            state.started.elapsed().as_secs_f64(),
+        ),
+    ] {
+        s.set(name, help, v);
+    }
+    resources(state, s);
+    let st = b.alarms().state();
+    for (name, help, on) in [
+        (
+            "rabbitmq_alarms_memory_used_watermark",
+            "is 1 if VM memory watermark alarm is in effect",
+            st.memory,
+        ),
+        (
+            "rabbitmq_alarms_free_disk_space_watermark",
+            "is 1 if free disk space watermark alarm is in effect",
+            st.disk,
+        ),
+        // Warren has no file descriptor alarm: connections over the limit are refused by the
+        // kernel's accept, never admitted half-way.
+        (
+            "rabbitmq_alarms_file_descriptor_limit",
+            "is 1 if file descriptor limit alarm is in effect",
+            false,
+        ),
+    ] {
+        s.set(name, help, f64::from(u8::from(on)));
+    }
+    message_counters(state, s);
+    lifecycle(state, s);
+    histograms(state, s);
+}
+
+/// Memory, disk, file descriptors and sockets.
+fn resources(state: &AppState, s: &Scrape) {
+    let alarms = state.broker.alarms();
     let w = alarms.watermarks();
     if let Some(sample) = alarms.last_sample() {
+        for (name, help, v) in [
+            (
+                "rabbitmq_process_resident_memory_bytes",
+                "Memory used in bytes",
+                sample.memory_used,
+            ),
+            (
+                "rabbitmq_resident_memory_limit_bytes",
+                "Memory high watermark in bytes",
+                w.memory_limit(sample.memory_total),
+            ),
+            (
+                "rabbitmq_disk_space_available_bytes",
+                "Disk space available in bytes",
+                sample.disk_free,
+            ),
+            (
+                "rabbitmq_disk_space_available_limit_bytes",
+                "Free disk space low watermark in bytes",
+                w.disk_limit(sample.memory_total),
+            ),
+        ] {
+            s.set(name, help, v as f64);
+        }
+    }
+    let max_fds = process::max_fds();
+    if let Some(n) = process::open_fds() {
         s.set(
-            "rabbitmq_process_resident_memory_bytes",
-            "Memory used in bytes",
-            sample.memory_used as f64,
-        );
-        s.set(
-            "rabbitmq_resident_memory_limit_bytes",
-            "Memory high watermark in bytes",
-            w.memory_limit(sample.memory_total) as f64,
-        );
-        s.set(
-            "rabbitmq_disk_space_available_bytes",
-            "Disk space available in bytes",
-            sample.disk_free as f64,
-        );
-        s.set(
-            "rabbitmq_disk_space_available_limit_bytes",
-            "Free disk space low watermark in bytes",
-            w.disk_limit(sample.memory_total) as f64,
+            "rabbitmq_process_open_fds",
+            "Open file descriptors",
+            n as f64,
         );
     }
-    let t = b.stats().snapshot();
+    if let Some(n) = max_fds {
+        s.set(
+            "rabbitmq_process_max_fds",
+            "Open file descriptors limit",
+            n as f64,
+        );
+    }
+    s.set(
+        "rabbitmq_process_open_tcp_sockets",
+        "Open TCP sockets",
+        state.broker.connection_count() as f64,
+    );
+    let socket_limit = match (state.broker.config.connection_max, max_fds) {
+        (Some(c), Some(f)) => Some(c.min(f)),
+        (c, f) => c.or(f),
+    };
+    if let Some(n) = socket_limit {
+        s.set(
+            "rabbitmq_process_max_tcp_sockets",
+            "Open TCP sockets limit",
+            n as f64,
+        );
+    }
+}
+
+/// RabbitMQ's global counters (with `protocol`) and the channel counters its Overview
+/// dashboard sums (one node-wide series each: Warren keeps no per-channel history).
+fn message_counters(state: &AppState, s: &Scrape) {
+    let t = state.broker.stats().snapshot();
+    let delivered_ack = t.delivered - t.delivered_no_ack;
+    let got_ack = t.got - t.got_no_ack;
     for (name, help, v) in [
         (
             "rabbitmq_global_messages_received_total",
@@ -137,9 +289,54 @@ fn common(state: &AppState, s: &Scrape) {
             t.published,
         ),
         (
+            "rabbitmq_global_messages_routed_total",
+            "Total number of messages routed to queues or streams",
+            t.routed,
+        ),
+        (
+            "rabbitmq_global_messages_unroutable_dropped_total",
+            "Total number of messages published as non-mandatory into an exchange and dropped as unroutable",
+            t.unroutable_dropped,
+        ),
+        (
+            "rabbitmq_global_messages_unroutable_returned_total",
+            "Total number of messages published as mandatory into an exchange and returned to the publisher as unroutable",
+            t.unroutable_returned,
+        ),
+        (
+            "rabbitmq_global_messages_confirmed_total",
+            "Total number of messages confirmed to publishers",
+            t.confirmed,
+        ),
+        (
             "rabbitmq_global_messages_delivered_total",
             "Total number of messages delivered to consumers",
             t.delivered + t.got,
+        ),
+        (
+            "rabbitmq_global_messages_delivered_consume_manual_ack_total",
+            "Total number of messages delivered to consumers using basic.consume with manual acknowledgment",
+            delivered_ack,
+        ),
+        (
+            "rabbitmq_global_messages_delivered_consume_auto_ack_total",
+            "Total number of messages delivered to consumers using basic.consume with automatic acknowledgment",
+            t.delivered_no_ack,
+        ),
+        (
+            "rabbitmq_global_messages_delivered_get_manual_ack_total",
+            "Total number of messages delivered to consumers using basic.get with manual acknowledgment",
+            got_ack,
+        ),
+        (
+            "rabbitmq_global_messages_delivered_get_auto_ack_total",
+            "Total number of messages delivered to consumers using basic.get with automatic acknowledgment",
+            t.got_no_ack,
+        ),
+        (
+            "rabbitmq_global_messages_get_empty_total",
+            "Total number of times basic.get operations fetched no message",
+            t.get_empty,
         ),
         (
             "rabbitmq_global_messages_redelivered_total",
@@ -151,98 +348,393 @@ fn common(state: &AppState, s: &Scrape) {
             "Total number of messages acknowledged by consumers",
             t.acked,
         ),
+    ] {
+        s.protocol_counter(name, help, v);
+    }
+    for (name, help, v) in [
         (
-            "rabbitmq_global_messages_confirmed_total",
-            "Total number of messages confirmed to publishers",
+            "rabbitmq_channel_messages_published_total",
+            "Total number of messages published into an exchange on a channel",
+            t.published,
+        ),
+        (
+            "rabbitmq_channel_messages_confirmed_total",
+            "Total number of messages published into an exchange and confirmed on the channel",
             t.confirmed,
+        ),
+        (
+            "rabbitmq_channel_messages_unroutable_dropped_total",
+            "Total number of messages published as non-mandatory into an exchange and dropped as unroutable",
+            t.unroutable_dropped,
+        ),
+        (
+            "rabbitmq_channel_messages_unroutable_returned_total",
+            "Total number of messages published as mandatory into an exchange and returned to the publisher as unroutable",
+            t.unroutable_returned,
+        ),
+        (
+            "rabbitmq_channel_messages_delivered_ack_total",
+            "Total number of messages delivered to consumers in manual acknowledgement mode",
+            delivered_ack,
+        ),
+        (
+            "rabbitmq_channel_messages_delivered_total",
+            "Total number of messages delivered to consumers in automatic acknowledgement mode",
+            t.delivered_no_ack,
+        ),
+        (
+            "rabbitmq_channel_messages_redelivered_total",
+            "Total number of messages redelivered to consumers",
+            t.redelivered,
+        ),
+        (
+            "rabbitmq_channel_messages_acked_total",
+            "Total number of messages acknowledged by consumers",
+            t.acked,
+        ),
+        (
+            "rabbitmq_channel_get_ack_total",
+            "Total number of messages fetched with basic.get in manual acknowledgement mode",
+            got_ack,
+        ),
+        (
+            "rabbitmq_channel_get_total",
+            "Total number of messages fetched with basic.get in automatic acknowledgement mode",
+            t.got_no_ack,
+        ),
+        (
+            "rabbitmq_channel_get_empty_total",
+            "Total number of times basic.get operations fetched no message",
+            t.get_empty,
         ),
     ] {
         s.counter(name, help, v);
     }
-    s.set(
-        "rabbitmq_alarms_memory_used_watermark",
-        "is 1 if VM memory watermark alarm is in effect",
-        f64::from(u8::from(st.memory)),
+    s.protocol_counter(
+        "rabbitmq_global_messages_received_confirm_total",
+        "Total number of messages received from publishers expecting confirmations",
+        t.received_confirm,
     );
     s.set(
-        "rabbitmq_alarms_free_disk_space_watermark",
-        "is 1 if free disk space watermark alarm is in effect",
-        f64::from(u8::from(st.disk)),
+        "rabbitmq_channel_messages_unconfirmed",
+        "Published but not yet confirmed messages",
+        t.unconfirmed() as f64,
     );
 }
 
-/// Per-queue series, or their sums when `per_object` is false (RabbitMQ aggregates
-/// per-object metrics by default on `/metrics`).
-fn queues(state: &AppState, s: &Scrape, per_object: bool) {
-    const SERIES: [(&str, &str); 5] = [
+fn lifecycle(state: &AppState, s: &Scrape) {
+    let st = state.broker.stats();
+    for (name, help, e) in [
         (
-            "rabbitmq_queue_messages_ready",
-            "Messages ready to be delivered to consumers",
+            "rabbitmq_connections_opened_total",
+            "Total number of connections opened",
+            Lifecycle::ConnectionOpened,
         ),
         (
-            "rabbitmq_queue_messages_unacked",
-            "Messages delivered to consumers but not yet acknowledged",
+            "rabbitmq_connections_closed_total",
+            "Total number of connections closed or terminated",
+            Lifecycle::ConnectionClosed,
         ),
         (
-            "rabbitmq_queue_messages",
-            "Sum of ready and unacknowledged messages - total queue depth",
+            "rabbitmq_channels_opened_total",
+            "Total number of channels opened",
+            Lifecycle::ChannelOpened,
         ),
         (
-            "rabbitmq_queue_messages_bytes",
-            "Size in bytes of ready and unacknowledged messages",
+            "rabbitmq_channels_closed_total",
+            "Total number of channels closed",
+            Lifecycle::ChannelClosed,
         ),
-        ("rabbitmq_queue_consumers", "Consumers on a queue"),
-    ];
-    let labels: &[&str] = if per_object { &["vhost", "queue"] } else { &[] };
-    let gauges: Vec<Option<GaugeVec>> = SERIES
-        .iter()
-        .map(|(name, help)| s.gauge(name, help, labels))
-        .collect();
-    let mut sums = [0.0f64; 5];
-    let mut count = 0u64;
+        (
+            "rabbitmq_queues_declared_total",
+            "Total number of queues declared",
+            Lifecycle::QueueDeclared,
+        ),
+        (
+            "rabbitmq_queues_created_total",
+            "Total number of queues created",
+            Lifecycle::QueueCreated,
+        ),
+        (
+            "rabbitmq_queues_deleted_total",
+            "Total number of queues deleted",
+            Lifecycle::QueueDeleted,
+        ),
+    ] {
+        s.counter(name, help, st.events(e));
+    }
+}
+
+fn histograms(state: &AppState, s: &mut Scrape) {
+    let confirm = state.broker.stats().confirm_seconds.snapshot();
+    s.histogram(
+        "warren_publish_confirm_seconds",
+        "Time from a confirm-mode publish to its basic.ack or basic.nack",
+        &confirm,
+    );
+    if let Some(m) = state.broker.store_metrics() {
+        s.histogram(
+            "warren_store_fsync_seconds",
+            "Duration of each message segment fdatasync",
+            &m.fsync_seconds.snapshot(),
+        );
+        s.histogram(
+            "warren_store_commit_seconds",
+            "Duration of each group commit (segment append, fdatasync, index transaction)",
+            &m.commit_seconds.snapshot(),
+        );
+        s.histogram(
+            "warren_store_group_commit_batches",
+            "Submissions merged into each group commit",
+            &m.group_commit_batches.snapshot(),
+        );
+    }
+}
+
+/// One queue's numbers, read once per scrape.
+struct QueueRow {
+    vhost: String,
+    queue: Arc<Queue>,
+    stats: QueueStats,
+}
+
+/// Every queue (of `vhosts`, when given) with its stats.
+fn queue_rows(state: &AppState, vhosts: Option<&BTreeSet<String>>) -> Vec<QueueRow> {
+    let mut rows = Vec::new();
     for name in state.broker.list_vhosts() {
+        if vhosts.is_some_and(|v| !v.contains(&name)) {
+            continue;
+        }
         let Some(vh) = state.broker.vhost(&name) else {
             continue;
         };
-        for q in vh.queues() {
-            count += 1;
-            let st = q.stats();
-            let values = [
-                st.ready as f64,
-                st.unacked as f64,
-                (st.ready + st.unacked) as f64,
-                (st.ready_bytes + st.unacked_bytes) as f64,
-                st.consumers as f64,
-            ];
-            for (i, v) in values.iter().enumerate() {
-                sums[i] += v;
-                if per_object && let Some(g) = &gauges[i] {
-                    g.with_label_values(&[vh.name.as_str(), q.name.as_str()])
-                        .set(*v);
+        for queue in vh.queues() {
+            let stats = queue.stats();
+            rows.push(QueueRow {
+                vhost: vh.name.clone(),
+                queue,
+                stats,
+            });
+        }
+    }
+    rows
+}
+
+/// Which of RabbitMQ's metric families a per-queue series belongs to (for `/metrics/detailed`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    QueueCoarse,
+    QueueConsumerCount,
+    Queue,
+}
+
+impl Family {
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "queue_coarse_metrics" => Some(Self::QueueCoarse),
+            "queue_consumer_count" => Some(Self::QueueConsumerCount),
+            "queue_metrics" => Some(Self::Queue),
+            _ => None,
+        }
+    }
+}
+
+/// A per-queue series: name without prefix, help, family, whether it is a counter, value.
+type QueueSeries = (
+    &'static str,
+    &'static str,
+    Family,
+    bool,
+    fn(&QueueStats) -> f64,
+);
+
+const QUEUE_SERIES: &[QueueSeries] = &[
+    (
+        "queue_messages_ready",
+        "Messages ready to be delivered to consumers",
+        Family::QueueCoarse,
+        false,
+        |s| s.ready as f64,
+    ),
+    (
+        "queue_messages_unacked",
+        "Messages delivered to consumers but not yet acknowledged",
+        Family::QueueCoarse,
+        false,
+        |s| s.unacked as f64,
+    ),
+    (
+        "queue_messages",
+        "Sum of ready and unacknowledged messages - total queue depth",
+        Family::QueueCoarse,
+        false,
+        |s| (s.ready + s.unacked) as f64,
+    ),
+    (
+        "queue_consumers",
+        "Consumers on a queue",
+        Family::QueueConsumerCount,
+        false,
+        |s| s.consumers as f64,
+    ),
+    (
+        "queue_messages_bytes",
+        "Size in bytes of ready and unacknowledged messages",
+        Family::Queue,
+        false,
+        |s| (s.ready_bytes + s.unacked_bytes) as f64,
+    ),
+    (
+        "queue_messages_ready_bytes",
+        "Size in bytes of ready messages",
+        Family::Queue,
+        false,
+        |s| s.ready_bytes as f64,
+    ),
+    (
+        "queue_messages_unacked_bytes",
+        "Size in bytes of all unacknowledged messages",
+        Family::Queue,
+        false,
+        |s| s.unacked_bytes as f64,
+    ),
+    (
+        "queue_messages_published_total",
+        "Total number of messages published to queues",
+        Family::Queue,
+        true,
+        |s| s.counters.enqueued as f64,
+    ),
+];
+
+/// Warren's oldest-ready-age series (seconds; queues with nothing ready report 0).
+const OLDEST_READY: &str = "queue_oldest_ready_message_age_seconds";
+const OLDEST_READY_HELP: &str = "How long the oldest ready message of a queue has waited";
+
+fn oldest_ready_seconds(s: &QueueStats) -> f64 {
+    s.oldest_ready_age_ms.unwrap_or(0) as f64 / 1000.0
+}
+
+/// Per-queue series: labelled (`vhost`, `queue`) when `per_object`, else summed into one
+/// series each (the oldest age takes the maximum instead: a sum of ages means nothing).
+fn queues(s: &Scrape, rows: &[QueueRow], per_object: bool) {
+    let labels: &[&str] = if per_object { &["vhost", "queue"] } else { &[] };
+    for (name, help, _, counter, value) in QUEUE_SERIES {
+        let name = format!("rabbitmq_{name}");
+        if *counter {
+            let Some(c) = s.counters(&name, help, labels) else {
+                continue;
+            };
+            if per_object {
+                for r in rows {
+                    c.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                        .inc_by(value(&r.stats) as u64);
                 }
+            } else {
+                c.with_label_values::<&str>(&[])
+                    .inc_by(rows.iter().map(|r| value(&r.stats) as u64).sum());
+            }
+        } else {
+            let Some(g) = s.gauge(&name, help, labels) else {
+                continue;
+            };
+            if per_object {
+                for r in rows {
+                    g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                        .set(value(&r.stats));
+                }
+            } else {
+                g.with_label_values::<&str>(&[])
+                    .set(rows.iter().map(|r| value(&r.stats)).sum());
             }
         }
     }
-    if !per_object {
-        for (g, v) in gauges.iter().zip(sums) {
-            if let Some(g) = g {
-                g.with_label_values::<&str>(&[]).set(v);
+    let name = format!("warren_{OLDEST_READY}");
+    if let Some(g) = s.gauge(&name, OLDEST_READY_HELP, labels) {
+        if per_object {
+            for r in rows {
+                g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                    .set(oldest_ready_seconds(&r.stats));
             }
+        } else {
+            let max = rows
+                .iter()
+                .map(|r| oldest_ready_seconds(&r.stats))
+                .fold(0.0, f64::max);
+            g.with_label_values::<&str>(&[]).set(max);
         }
     }
-    s.set("rabbitmq_queues", "Queues available", count as f64);
+    s.set("rabbitmq_queues", "Queues available", rows.len() as f64);
 }
 
 async fn aggregated(State(state): State<AppState>) -> Response {
-    let s = Scrape::new();
-    common(&state, &s);
-    queues(&state, &s, false);
+    let mut s = Scrape::new();
+    let rows = queue_rows(&state, None);
+    node(&state, &mut s, &rows);
+    queues(&s, &rows, false);
     s.render()
 }
 
 async fn per_object(State(state): State<AppState>) -> Response {
+    let mut s = Scrape::new();
+    let rows = queue_rows(&state, None);
+    node(&state, &mut s, &rows);
+    queues(&s, &rows, true);
+    s.render()
+}
+
+/// RabbitMQ's `/metrics/detailed`: only the families asked for (`family=`, repeatable), of
+/// the vhosts asked for (`vhost=`, repeatable; all when absent), with the `rabbitmq_detailed_`
+/// prefix; identity and build always. Families Warren does not have are ignored, as RabbitMQ
+/// ignores unknown ones. Warren's oldest-ready age comes with `queue_metrics`.
+async fn detailed(State(state): State<AppState>, RawQuery(query): RawQuery) -> Response {
+    let mut families = Vec::new();
+    let mut vhosts = BTreeSet::new();
+    for (k, v) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        match &*k {
+            "family" => families.extend(Family::parse(&v)),
+            "vhost" => {
+                vhosts.insert(v.into_owned());
+            }
+            _ => {}
+        }
+    }
     let s = Scrape::new();
-    common(&state, &s);
-    queues(&state, &s, true);
+    identity(&state, &s);
+    if !families.is_empty() {
+        let rows = queue_rows(&state, (!vhosts.is_empty()).then_some(&vhosts));
+        for (name, help, family, counter, value) in QUEUE_SERIES {
+            if !families.contains(family) {
+                continue;
+            }
+            let name = format!("rabbitmq_detailed_{name}");
+            let labels = ["vhost", "queue"];
+            if *counter {
+                if let Some(c) = s.counters(&name, help, &labels) {
+                    for r in &rows {
+                        c.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                            .inc_by(value(&r.stats) as u64);
+                    }
+                }
+            } else if let Some(g) = s.gauge(&name, help, &labels) {
+                for r in &rows {
+                    g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                        .set(value(&r.stats));
+                }
+            }
+        }
+        if families.contains(&Family::Queue)
+            && let Some(g) = s.gauge(
+                &format!("warren_detailed_{OLDEST_READY}"),
+                OLDEST_READY_HELP,
+                &["vhost", "queue"],
+            )
+        {
+            for r in &rows {
+                g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                    .set(oldest_ready_seconds(&r.stats));
+            }
+        }
+    }
     s.render()
 }

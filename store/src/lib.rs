@@ -18,6 +18,7 @@
 //! append and commit) are truncated.
 
 pub mod error;
+pub mod histogram;
 mod reclaim;
 pub mod record;
 pub mod segment;
@@ -260,6 +261,28 @@ pub struct Store {
     refs: HashMap<u64, u64>,
     buf: Vec<u8>,
     reclaimer: reclaim::Reclaimer,
+    metrics: Arc<StoreMetrics>,
+}
+
+/// What the store measures about its own commits (exposed as Prometheus histograms).
+#[derive(Debug)]
+pub struct StoreMetrics {
+    /// Duration of each segment `fdatasync` (the bodies' durability point), in seconds.
+    pub fsync_seconds: histogram::Histogram,
+    /// Duration of each whole commit (append, fdatasync, index transaction), in seconds.
+    pub commit_seconds: histogram::Histogram,
+    /// Submissions merged into each group commit.
+    pub group_commit_batches: histogram::Histogram,
+}
+
+impl Default for StoreMetrics {
+    fn default() -> Self {
+        Self {
+            fsync_seconds: histogram::Histogram::new(histogram::LATENCY_BOUNDS),
+            commit_seconds: histogram::Histogram::new(histogram::LATENCY_BOUNDS),
+            group_commit_batches: histogram::Histogram::new(histogram::COUNT_BOUNDS),
+        }
+    }
 }
 
 impl Store {
@@ -420,9 +443,16 @@ impl Store {
                 refs,
                 reclaimer,
                 buf: Vec::new(),
+                metrics: Arc::default(),
             },
             recovered,
         ))
+    }
+
+    /// The store's commit measurements.
+    #[must_use]
+    pub fn metrics(&self) -> Arc<StoreMetrics> {
+        Arc::clone(&self.metrics)
     }
 
     /// Shared readers for message records.
@@ -450,7 +480,14 @@ impl Store {
         let locations = self.append_bodies(&batch.bodies)?;
         // Bodies are durable before the index commit that references them: an index entry
         // never points at bytes that may not be on disk.
+        let t = std::time::Instant::now();
         self.active.sync()?;
+        if !batch.bodies.is_empty() {
+            // Only batches with bodies sync a segment (the others would record no-ops).
+            self.metrics
+                .fsync_seconds
+                .observe(t.elapsed().as_secs_f64());
+        }
         let mut delta: HashMap<u64, i64> = HashMap::new();
         let wtx = self
             .db

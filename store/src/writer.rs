@@ -52,6 +52,7 @@ enum Msg {
 }
 
 struct Shared {
+    metrics: Arc<crate::StoreMetrics>,
     pending_bytes: AtomicU64,
     commits: AtomicU64,
     /// Set with `failed`; read on every submit without a lock.
@@ -113,6 +114,7 @@ impl Writer {
     /// If the thread cannot be spawned.
     pub fn start(store: Store) -> std::io::Result<Self> {
         let shared = Arc::new(Shared {
+            metrics: store.metrics(),
             pending_bytes: AtomicU64::new(0),
             commits: AtomicU64::new(0),
             has_failed: AtomicBool::new(false),
@@ -188,6 +190,12 @@ impl Writer {
         self.shared.pending_bytes.load(Ordering::Relaxed)
     }
 
+    /// The store's commit measurements.
+    #[must_use]
+    pub fn metrics(&self) -> &crate::StoreMetrics {
+        &self.shared.metrics
+    }
+
     /// Commits done so far (each may carry many batches).
     #[must_use]
     pub fn commits(&self) -> u64 {
@@ -254,12 +262,21 @@ fn run(mut store: Store, shared: &Shared, rx: &mpsc::Receiver<Msg>) {
                 Msg::Close => closing = true,
             }
         }
+        shared
+            .metrics
+            .group_commit_batches
+            .observe(group.len() as f64);
         let merged = merge(&mut group);
         let failed = shared.failed.lock().clone();
+        let started = std::time::Instant::now();
         let result = match failed {
             Some(e) => Err(e),
             None => store.commit(&merged).map_err(Arc::new),
         };
+        shared
+            .metrics
+            .commit_seconds
+            .observe(started.elapsed().as_secs_f64());
         shared.commits.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = &result {
             tracing::error!(error = %e, "store commit failed; no further writes will be confirmed");
