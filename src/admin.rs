@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::UnixListener;
 use warren_broker::Broker;
-use warren_broker::policy::PolicyDef;
+use warren_broker::policy::{PolicyDef, PolicyKind};
 use warren_broker::users::{
     PermissionRecord, TopicPermissionRecord, UserError, UserLimits, VhostLimits,
 };
@@ -416,7 +416,10 @@ async fn handle(broker: &Broker, app: &warren_management::AppState, line: &str) 
             json!({"ok": false, "error": format!("no vhost '{vhost_name}'"), "code": 69})
         }
         Request::SetPolicy(def) => {
-            match vhost.as_ref().map(|v| v.set_policy(def, &mut on_commit)) {
+            match vhost
+                .as_ref()
+                .map(|v| v.set_policy(PolicyKind::User, def, &mut on_commit))
+            {
                 Some(Ok(())) => json!({"ok": true}),
                 Some(Err(e)) => json!({"ok": false, "error": e.to_string()}),
                 None => json!({"ok": false}),
@@ -425,7 +428,7 @@ async fn handle(broker: &Broker, app: &warren_management::AppState, line: &str) 
         Request::ClearPolicy { name, .. } => {
             if vhost
                 .as_ref()
-                .is_some_and(|v| v.clear_policy(&name, &mut on_commit))
+                .is_some_and(|v| v.clear_policy(PolicyKind::User, &name, &mut on_commit))
             {
                 json!({"ok": true})
             } else {
@@ -433,7 +436,7 @@ async fn handle(broker: &Broker, app: &warren_management::AppState, line: &str) 
             }
         }
         Request::ListPolicies { .. } => {
-            json!({"ok": true, "policies": vhost.as_ref().map(|v| v.policies())})
+            json!({"ok": true, "policies": vhost.as_ref().map(|v| v.policies(PolicyKind::User))})
         }
         Request::SetMemoryWatermark { relative, absolute } => {
             use warren_broker::alarms::MemoryWatermark;
@@ -797,6 +800,43 @@ pub enum CtlCommand {
         /// Reason given to the client.
         explanation: String,
     },
+    /// The node's status: version, uptime, listeners, alarms, memory, disk, file descriptors
+    /// and object totals.
+    Status,
+    /// Set an operator policy (limits that cap users' policies and queue arguments): NAME
+    /// PATTERN DEFINITION, e.g. `set_operator_policy cap '.*' '{"max-length": 100000}'`.
+    SetOperatorPolicy {
+        /// Policy name.
+        name: String,
+        /// Regular expression matched against queue names.
+        pattern: String,
+        /// JSON object of limits (message-ttl, expires, max-length, max-length-bytes,
+        /// delivery-limit).
+        definition: String,
+        /// Higher wins when several match.
+        #[arg(long, default_value_t = 0)]
+        priority: i32,
+        /// queues, classic_queues or quorum_queues.
+        #[arg(long = "apply-to", default_value = "queues")]
+        apply_to: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// Remove an operator policy.
+    ClearOperatorPolicy {
+        /// Policy name.
+        name: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// List operator policies [columns: vhost name pattern apply-to definition priority].
+    ListOperatorPolicies {
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
     /// Write the node's definitions (RabbitMQ's JSON format) to a file, or `-` for stdout.
     ExportDefinitions {
         /// Target file.
@@ -849,6 +889,19 @@ fn api_listing(command: &CtlCommand) -> Option<(String, String, Vec<&'static str
             "/api/channels".to_string(),
             vec!["pid", "user", "consumer_count", "messages_unacknowledged"],
             columns,
+        ),
+        CtlCommand::ListOperatorPolicies { vhost } => (
+            format!("Listing operator policy overrides for vhost \"{vhost}\" ..."),
+            format!("/api/operator-policies/{}", v(vhost)),
+            vec![
+                "vhost",
+                "name",
+                "pattern",
+                "apply-to",
+                "definition",
+                "priority",
+            ],
+            &[],
         ),
         CtlCommand::ListConsumers { vhost, columns } => (
             format!("Listing consumers in vhost {vhost} ..."),
@@ -933,6 +986,99 @@ fn api_request(
     Ok((u16::try_from(status).unwrap_or(500), reply["api"].clone()))
 }
 
+/// `warren ctl status`: what `rabbitmqctl status` shows that applies to Warren, from the
+/// management API's overview and node.
+fn status(data_dir: &Path) -> anyhow::Result<u8> {
+    let (code, overview) = api_request(data_dir, "GET", "/api/overview", None, Vec::new())?;
+    if code != 200 {
+        return Ok(api_failure(code, &overview));
+    }
+    let (code, nodes) = api_request(data_dir, "GET", "/api/nodes", None, Vec::new())?;
+    if code != 200 {
+        return Ok(api_failure(code, &nodes));
+    }
+    let n = &nodes[0];
+    let num = |v: &Value| {
+        v.as_u64()
+            .map_or_else(|| "unknown".to_string(), |x| x.to_string())
+    };
+    let node = overview["node"].as_str().unwrap_or("");
+    println!("Status of node {node} ...");
+    println!("Runtime\n");
+    println!("OS PID: {}", n["os_pid"].as_str().unwrap_or(""));
+    println!(
+        "Uptime (seconds): {}",
+        n["uptime"].as_u64().map_or(0, |ms| ms / 1000)
+    );
+    println!(
+        "Product name: {}",
+        overview["product_name"].as_str().unwrap_or("")
+    );
+    println!(
+        "Product version: {}",
+        overview["product_version"].as_str().unwrap_or("")
+    );
+    println!(
+        "RabbitMQ API version: {}",
+        overview["rabbitmq_version"].as_str().unwrap_or("")
+    );
+    println!("\nAlarms\n");
+    let alarms: Vec<&str> = [("memory", "mem_alarm"), ("disk", "disk_free_alarm")]
+        .into_iter()
+        .filter(|(_, k)| n[*k].as_bool().unwrap_or(false))
+        .map(|(name, _)| name)
+        .collect();
+    if alarms.is_empty() {
+        println!("(none)");
+    } else {
+        for a in alarms {
+            println!("resource limit alarm: {a}");
+        }
+    }
+    println!("\nMemory\n");
+    println!(
+        "Total memory used: {} bytes\nMemory high watermark: {} bytes",
+        num(&n["mem_used"]),
+        num(&n["mem_limit"])
+    );
+    println!("\nFree Disk Space\n");
+    println!(
+        "Low free disk space watermark: {} bytes\nFree disk space: {} bytes",
+        num(&n["disk_free_limit"]),
+        num(&n["disk_free"])
+    );
+    println!("\nFile Descriptors\n");
+    println!(
+        "Total: {}, limit: {}\nSockets: {}, limit: {}",
+        num(&n["fd_used"]),
+        num(&n["fd_total"]),
+        num(&n["sockets_used"]),
+        num(&n["sockets_total"])
+    );
+    println!("\nListeners\n");
+    for l in overview["listeners"].as_array().into_iter().flatten() {
+        println!(
+            "Interface: {}, port: {}, protocol: {}",
+            l["ip_address"].as_str().unwrap_or(""),
+            num(&l["port"]),
+            l["protocol"].as_str().unwrap_or("")
+        );
+    }
+    println!("\nTotals\n");
+    let t = &overview["object_totals"];
+    let q = &overview["queue_totals"];
+    println!(
+        "Connection count: {}\nChannel count: {}\nQueue count: {}\nConsumer count: {}\nMessages ready: {}\nMessages unacknowledged: {}",
+        num(&t["connections"]),
+        num(&t["channels"]),
+        num(&t["queues"]),
+        num(&t["consumers"]),
+        num(&q["messages_ready"]),
+        num(&q["messages_unacknowledged"])
+    );
+    Ok(0)
+}
+
 /// rabbitmqctl-like exit codes for API failures.
 fn api_failure(status: u16, body: &Value) -> u8 {
     let reason = body["reason"].as_str().unwrap_or("failed");
@@ -999,6 +1145,45 @@ fn api_ctl(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
             format!("/api/connections/{}", percent_segment(name)),
             None,
             vec![("x-reason".to_string(), explanation.clone())],
+        ),
+        CtlCommand::Status => return Some(status(data_dir)),
+        CtlCommand::SetOperatorPolicy {
+            name,
+            pattern,
+            definition,
+            priority,
+            apply_to,
+            vhost,
+        } => {
+            let definition: Value = match serde_json::from_str(definition) {
+                Ok(d) => d,
+                Err(e) => return Some(Err(anyhow::anyhow!("the definition must be JSON: {e}"))),
+            };
+            (
+                format!(
+                    "Setting operator policy override \"{name}\" for pattern \"{pattern}\" to \"{definition}\" with priority \"{priority}\" ..."
+                ),
+                "PUT",
+                format!(
+                    "/api/operator-policies/{}/{}",
+                    percent_segment(vhost),
+                    percent_segment(name)
+                ),
+                Some(json!({"pattern": pattern, "definition": definition,
+                            "priority": priority, "apply-to": apply_to})),
+                Vec::new(),
+            )
+        }
+        CtlCommand::ClearOperatorPolicy { name, vhost } => (
+            format!("Clearing operator policy \"{name}\" on vhost \"{vhost}\" ..."),
+            "DELETE",
+            format!(
+                "/api/operator-policies/{}/{}",
+                percent_segment(vhost),
+                percent_segment(name)
+            ),
+            None,
+            Vec::new(),
         ),
         CtlCommand::ExportDefinitions { path } => {
             if path != "-" {

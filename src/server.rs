@@ -121,6 +121,21 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         None => None,
     };
 
+    // The HTTP listeners are bound first: the API lists them (overview, port-listener check).
+    let mut http_listeners = Vec::new();
+    for (what, protocol, addr) in [
+        ("management", "http", cfg.management_listen),
+        ("prometheus", "http/prometheus", cfg.prometheus_listen),
+    ] {
+        let Some(addr) = addr else { continue };
+        let listener = TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("binding the {what} listener on {addr}"))?;
+        let local = listener.local_addr()?;
+        tracing::info!(%local, "{what} listener started");
+        println!("warren: {what} listening on {local}");
+        http_listeners.push((what, protocol, listener, local));
+    }
     let node = warren_management::NodeInfo {
         message_size_max: cfg.limits.message_size_max,
         node: format!("warren@{}", hostname()),
@@ -132,29 +147,21 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
                     .and_then(|(l, ..)| l.local_addr().ok())
                     .map(|a| ("amqp/ssl".to_string(), a)),
             )
+            .chain(
+                http_listeners
+                    .iter()
+                    .map(|(_, protocol, _, a)| ((*protocol).to_string(), *a)),
+            )
             .collect(),
     };
     let app = warren_management::AppState::new(Arc::clone(&broker), node);
     let mut http_tasks = vec![tokio::spawn(warren_management::sample_rates(app.clone()))];
-    for (what, addr, router) in [
-        (
-            "management",
-            cfg.management_listen,
-            warren_management::management_router(app.clone()),
-        ),
-        (
-            "prometheus",
-            cfg.prometheus_listen,
-            warren_management::prometheus_router(app.clone()),
-        ),
-    ] {
-        let Some(addr) = addr else { continue };
-        let listener = TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("binding the {what} listener on {addr}"))?;
-        let local = listener.local_addr()?;
-        tracing::info!(%local, "{what} listener started");
-        println!("warren: {what} listening on {local}");
+    for (what, _, listener, _) in http_listeners {
+        let router = if what == "management" {
+            warren_management::management_router(app.clone())
+        } else {
+            warren_management::prometheus_router(app.clone())
+        };
         http_tasks.push(tokio::spawn(async move {
             let _ = warren_management::serve(listener, router).await;
         }));

@@ -52,6 +52,37 @@ const KNOWN_KEYS: &[&str] = &[
     "alternate-exchange",
 ];
 
+/// Keys an operator policy may set: limits, which combine with the queue's own (the lower
+/// value wins), as RabbitMQ's operator policies.
+const OPERATOR_KEYS: &[&str] = &[
+    "message-ttl",
+    "expires",
+    "max-length",
+    "max-length-bytes",
+    "delivery-limit",
+];
+
+/// Which of a vhost's two policy sets: users' policies, or operator policies that cap them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PolicyKind {
+    /// `set_policy`: at most one applies to an object, the highest priority.
+    User,
+    /// `set_operator_policy`: limits that override users' policies and queue arguments when
+    /// lower.
+    Operator,
+}
+
+impl PolicyKind {
+    /// The store table its policies are kept in.
+    #[must_use]
+    pub fn table(self) -> warren_store::MetaTable {
+        match self {
+            Self::User => warren_store::MetaTable::Policies,
+            Self::Operator => warren_store::MetaTable::OperatorPolicies,
+        }
+    }
+}
+
 /// A validated policy.
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -79,6 +110,18 @@ impl Policy {
     /// # Errors
     /// A bad pattern, apply-to value, unknown key or value of the wrong type.
     pub fn new(def: PolicyDef) -> Result<Self, PolicyError> {
+        Self::new_of(PolicyKind::User, def)
+    }
+
+    /// Validate a definition of `kind` (operator policies accept only [`OPERATOR_KEYS`]).
+    ///
+    /// # Errors
+    /// As [`Policy::new`].
+    pub fn new_of(kind: PolicyKind, def: PolicyDef) -> Result<Self, PolicyError> {
+        let known = match kind {
+            PolicyKind::User => KNOWN_KEYS,
+            PolicyKind::Operator => OPERATOR_KEYS,
+        };
         let pattern = Regex::new(&def.pattern)
             .map_err(|e| PolicyError(format!("invalid pattern '{}': {e}", def.pattern)))?;
         if ![
@@ -98,7 +141,7 @@ impl Policy {
         let unknown: Vec<&String> = def
             .definition
             .keys()
-            .filter(|k| !KNOWN_KEYS.contains(&k.as_str()))
+            .filter(|k| !known.contains(&k.as_str()))
             .collect();
         if !unknown.is_empty() {
             return Err(PolicyError(format!(
@@ -192,9 +235,13 @@ pub struct QueueSettings {
     pub expires: Option<u64>,
 }
 
-/// Combine declare arguments and a policy with RabbitMQ's precedence.
+/// Combine declare arguments, a policy and an operator policy with RabbitMQ's precedence.
 #[must_use]
-pub fn queue_settings(args: &FieldTable, policy: Option<&Policy>) -> QueueSettings {
+pub fn queue_settings(
+    args: &FieldTable,
+    policy: Option<&Policy>,
+    operator: Option<&Policy>,
+) -> QueueSettings {
     let mut config = crate::args::queue_config(args);
     let arg_int = |k: &str| {
         args.inner()
@@ -238,11 +285,46 @@ pub fn queue_settings(args: &FieldTable, policy: Option<&Policy>) -> QueueSettin
             dl.routing_key = text(d, "dead-letter-routing-key");
         }
     }
+    if let Some(op) = operator {
+        // Operator limits cap whatever the arguments and the user's policy chose.
+        let d = &op.def.definition;
+        config.max_length = min_opt(config.max_length, int(d, "max-length"));
+        config.max_length_bytes = min_opt(config.max_length_bytes, int(d, "max-length-bytes"));
+        config.message_ttl = min_opt(config.message_ttl, int(d, "message-ttl"));
+        expires = min_opt(expires, int(d, "expires"));
+        if crate::args::is_quorum(args)
+            && let Some(limit) = int(d, "delivery-limit")
+        {
+            let limit = u32::try_from(limit).unwrap_or(u32::MAX);
+            config.delivery_limit = Some(config.delivery_limit.map_or(limit, |l| l.min(limit)));
+        }
+    }
     QueueSettings {
         config,
         dead_letter,
         expires,
     }
+}
+
+/// The definition in effect when `policy` and `operator` both apply (the management API's
+/// `effective_policy_definition`): the policy's keys, with each operator limit taking the lower
+/// value where both set one.
+#[must_use]
+pub fn effective_definition(
+    policy: Option<&Policy>,
+    operator: Option<&Policy>,
+) -> Map<String, Value> {
+    let mut out = policy.map(|p| p.def.definition.clone()).unwrap_or_default();
+    if let Some(op) = operator {
+        for (k, v) in &op.def.definition {
+            let lower = match (out.get(k).and_then(Value::as_u64), v.as_u64()) {
+                (Some(mine), Some(cap)) => Value::from(mine.min(cap)),
+                _ => v.clone(),
+            };
+            out.insert(k.clone(), lower);
+        }
+    }
+    out
 }
 
 /// The alternate exchange a policy gives an exchange (its argument wins).
@@ -314,13 +396,52 @@ mod tests {
             "x-dead-letter-exchange".into(),
             AMQPValue::LongString("dlx-arg".into()),
         );
-        let s = queue_settings(&args, Some(&p));
+        let s = queue_settings(&args, Some(&p), None);
         assert_eq!(s.config.max_length, Some(3));
         assert_eq!(s.config.message_ttl, Some(1000));
         assert_eq!(s.config.overflow, Overflow::RejectPublish);
         assert_eq!(s.dead_letter.unwrap().exchange, "dlx-arg");
-        let s = queue_settings(&FieldTable::default(), Some(&p));
+        let s = queue_settings(&FieldTable::default(), Some(&p), None);
         assert_eq!(s.dead_letter.unwrap().exchange, "dlx-policy");
+    }
+
+    #[test]
+    fn operator_policies_cap_arguments_and_policies() {
+        let user = policy("p", ".*", 0, serde_json::json!({"max-length": 50}));
+        let op = Policy::new_of(
+            PolicyKind::Operator,
+            PolicyDef {
+                vhost: "/".into(),
+                name: "cap".into(),
+                pattern: ".*".into(),
+                apply_to: "queues".into(),
+                priority: 0,
+                definition: serde_json::json!({"max-length": 10, "message-ttl": 60000})
+                    .as_object()
+                    .cloned()
+                    .unwrap_or_default(),
+            },
+        )
+        .unwrap();
+        let mut args = FieldTable::default();
+        args.insert("x-message-ttl".into(), AMQPValue::LongInt(1000));
+        let s = queue_settings(&args, Some(&user), Some(&op));
+        // The operator's 10 beats the policy's 50; the argument's 1000 ms beats the cap.
+        assert_eq!(s.config.max_length, Some(10));
+        assert_eq!(s.config.message_ttl, Some(1000));
+        let s = queue_settings(&FieldTable::default(), None, Some(&op));
+        assert_eq!(s.config.message_ttl, Some(60000));
+        let eff = effective_definition(Some(&user), Some(&op));
+        assert_eq!(
+            Value::Object(eff),
+            serde_json::json!({"max-length": 10, "message-ttl": 60000})
+        );
+        // Operator policies take limits only.
+        let mut def = op.def.clone();
+        def.definition
+            .insert("dead-letter-exchange".into(), "x".into());
+        assert!(Policy::new_of(PolicyKind::Operator, def.clone()).is_err());
+        assert!(Policy::new_of(PolicyKind::User, def).is_ok());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Rebuilding the broker from its store at start-up: durable exchanges, queues and bindings,
 //! then every indexed message, back into its queue with its stored id.
 
+use crate::policy::PolicyKind;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -68,17 +69,19 @@ impl Broker {
             rows(MetaTable::Permissions),
             rows(MetaTable::TopicPermissions),
         )?;
-        for (_, v) in rows(MetaTable::Policies) {
-            let def: crate::policy::PolicyDef =
-                serde_json::from_slice(v).map_err(|_| DecodeError::new("policy", "bad JSON"))?;
-            let policy = crate::policy::Policy::new(def)
-                .map_err(|_| DecodeError::new("policy", "does not validate"))?;
-            match self.vhost(&policy.def.vhost) {
-                Some(vh) => {
-                    vh.restore_policy(policy);
-                    report.policies += 1;
+        for kind in [PolicyKind::User, PolicyKind::Operator] {
+            for (_, v) in rows(kind.table()) {
+                let def: crate::policy::PolicyDef = serde_json::from_slice(v)
+                    .map_err(|_| DecodeError::new("policy", "bad JSON"))?;
+                let policy = crate::policy::Policy::new_of(kind, def)
+                    .map_err(|_| DecodeError::new("policy", "does not validate"))?;
+                match self.vhost(&policy.def.vhost) {
+                    Some(vh) => {
+                        vh.restore_policy(kind, policy);
+                        report.policies += 1;
+                    }
+                    None => report.dropped += 1,
                 }
-                None => report.dropped += 1,
             }
         }
         for (k, v) in rows(MetaTable::Exchanges) {
@@ -115,9 +118,7 @@ impl Broker {
                 vh.queue_env(),
             );
             by_id.insert(r.id, Arc::clone(&q));
-            if let Some(policy) = vh.policy_for(&q.name, q.policy_kind()) {
-                q.apply_policy(Some(&policy));
-            }
+            vh.apply_policies(&q);
             vh.restore_queue(q);
             report.queues += 1;
         }

@@ -8,6 +8,7 @@
 //! (see [`crate::durable`] for why), and the caller's `on_commit` provides the completion that
 //! tells it when they are durable (it holds its reply until then).
 
+use crate::policy::PolicyKind;
 use crate::stats::Lifecycle;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -48,6 +49,8 @@ pub struct VHost {
     pub delayed: Arc<crate::delayed::Delayed>,
     /// Policies of this vhost. Lock order: after topology (never topology while holding it).
     policies: RwLock<Vec<crate::policy::Policy>>,
+    /// Operator policies (same lock order as `policies`).
+    operator_policies: RwLock<Vec<crate::policy::Policy>>,
     /// `set_vhost_limits`.
     pub limits: RwLock<crate::users::VhostLimits>,
     /// The queue type for declarations without `x-queue-type` (None: classic).
@@ -196,6 +199,7 @@ impl VHost {
             me: me.clone(),
             replies: crate::reply_to::Replies::default(),
             policies: RwLock::new(Vec::new()),
+            operator_policies: RwLock::new(Vec::new()),
             limits: RwLock::new(crate::users::VhostLimits::default()),
             default_queue_type: RwLock::new(None),
             down: std::sync::atomic::AtomicBool::new(false),
@@ -325,9 +329,11 @@ impl VHost {
         for x in exchanges {
             let _ = self.delete_exchange(&x, false, noop);
         }
-        let policies: Vec<String> = self.policies().into_iter().map(|p| p.name).collect();
-        for name in policies {
-            self.clear_policy(&name, noop);
+        for kind in [PolicyKind::User, PolicyKind::Operator] {
+            let names: Vec<String> = self.policies(kind).into_iter().map(|p| p.name).collect();
+            for name in names {
+                self.clear_policy(kind, &name, noop);
+            }
         }
         self.delayed.discard_all();
     }
@@ -455,7 +461,7 @@ impl VHost {
     pub fn restore_exchange(&self, name: &str, decl: ExchangeDecl) {
         let mut ex = decl.build(name);
         ex.policy_alternate = crate::policy::alternate_exchange(
-            self.policy_for(name, crate::policy::Applies::Exchange)
+            self.policy_for(PolicyKind::User, name, crate::policy::Applies::Exchange)
                 .as_ref(),
         );
         self.topology.write().exchanges.insert(name.to_string(), ex);
@@ -489,20 +495,41 @@ impl VHost {
         }
     }
 
-    /// The policy that applies to an object named `name` of `kind`, if any.
+    fn policy_set(&self, kind: PolicyKind) -> &RwLock<Vec<crate::policy::Policy>> {
+        match kind {
+            PolicyKind::User => &self.policies,
+            PolicyKind::Operator => &self.operator_policies,
+        }
+    }
+
+    /// The policy of `kind` that applies to an object named `name` of `applies`, if any.
     #[must_use]
     pub fn policy_for(
         &self,
+        kind: PolicyKind,
         name: &str,
-        kind: crate::policy::Applies,
+        applies: crate::policy::Applies,
     ) -> Option<crate::policy::Policy> {
-        crate::policy::choose(&self.policies.read(), name, kind).cloned()
+        crate::policy::choose(&self.policy_set(kind).read(), name, applies).cloned()
     }
 
-    /// Policies, by name.
+    /// Give `queue` the settings of the policy and operator policy that match it now.
+    pub fn apply_policies(&self, queue: &Arc<Queue>) {
+        let kind = queue.policy_kind();
+        let policy = self.policy_for(PolicyKind::User, &queue.name, kind);
+        let operator = self.policy_for(PolicyKind::Operator, &queue.name, kind);
+        queue.apply_policy(policy.as_ref(), operator.as_ref());
+    }
+
+    /// Policies of `kind`, by name.
     #[must_use]
-    pub fn policies(&self) -> Vec<crate::policy::PolicyDef> {
-        let mut defs: Vec<_> = self.policies.read().iter().map(|p| p.def.clone()).collect();
+    pub fn policies(&self, kind: PolicyKind) -> Vec<crate::policy::PolicyDef> {
+        let mut defs: Vec<_> = self
+            .policy_set(kind)
+            .read()
+            .iter()
+            .map(|p| p.def.clone())
+            .collect();
         defs.sort_by(|a, b| a.name.cmp(&b.name));
         defs
     }
@@ -514,17 +541,18 @@ impl VHost {
     /// The definition does not validate.
     pub fn set_policy(
         &self,
+        kind: PolicyKind,
         def: crate::policy::PolicyDef,
         on_commit: OnCommit<'_>,
     ) -> Result<(), crate::policy::PolicyError> {
-        let policy = crate::policy::Policy::new(def)?;
+        let policy = crate::policy::Policy::new_of(kind, def)?;
         {
-            let mut ps = self.policies.write();
+            let mut ps = self.policy_set(kind).write();
             if self.store.is_some() {
                 let value = serde_json::to_vec(&policy.def).unwrap_or_default();
                 self.submit(
                     vec![Op::Put {
-                        table: MetaTable::Policies,
+                        table: kind.table(),
                         key: ExchangeRecord::key(&self.name, &policy.def.name),
                         value,
                     }],
@@ -538,17 +566,17 @@ impl VHost {
         Ok(())
     }
 
-    /// Remove a policy; false if there was none of that name.
-    pub fn clear_policy(&self, name: &str, on_commit: OnCommit<'_>) -> bool {
+    /// Remove a policy of `kind`; false if there was none of that name.
+    pub fn clear_policy(&self, kind: PolicyKind, name: &str, on_commit: OnCommit<'_>) -> bool {
         let removed = {
-            let mut ps = self.policies.write();
+            let mut ps = self.policy_set(kind).write();
             let before = ps.len();
             ps.retain(|p| p.def.name != name);
             let removed = ps.len() != before;
             if removed {
                 self.submit(
                     vec![Op::Delete {
-                        table: MetaTable::Policies,
+                        table: kind.table(),
                         key: ExchangeRecord::key(&self.name, name),
                     }],
                     on_commit,
@@ -563,8 +591,8 @@ impl VHost {
     }
 
     /// Put back a policy recovered from the store (before queues and exchanges).
-    pub fn restore_policy(&self, policy: crate::policy::Policy) {
-        self.policies.write().push(policy);
+    pub fn restore_policy(&self, kind: PolicyKind, policy: crate::policy::Policy) {
+        self.policy_set(kind).write().push(policy);
     }
 
     /// Recompute every queue's and exchange's policy settings.
@@ -577,12 +605,12 @@ impl VHost {
             )
         };
         for q in queues {
-            q.apply_policy(self.policy_for(&q.name, q.policy_kind()).as_ref());
+            self.apply_policies(&q);
         }
         let alternates: Vec<(String, Option<String>)> = exchanges
             .into_iter()
             .map(|name| {
-                let p = self.policy_for(&name, crate::policy::Applies::Exchange);
+                let p = self.policy_for(PolicyKind::User, &name, crate::policy::Applies::Exchange);
                 (name, crate::policy::alternate_exchange(p.as_ref()))
             })
             .collect();
@@ -849,9 +877,7 @@ impl VHost {
     ) -> (Arc<Queue>, bool) {
         let candidate = make();
         // Applied before the queue is visible (and with no vhost lock held).
-        if let Some(policy) = self.policy_for(&candidate.name, candidate.policy_kind()) {
-            candidate.apply_policy(Some(&policy));
-        }
+        self.apply_policies(&candidate);
         let mut t = self.topology.write();
         if let Some(q) = t.queues.get(&candidate.name) {
             return (Arc::clone(q), false);

@@ -89,3 +89,33 @@ def test_export_and_import_definitions(ctl, ch, names):
     assert code == 0, out
     ch.queue_declare(queue, passive=True)  # back from the file
     os.unlink(path)
+
+
+def test_status(ctl, ch):
+    code, out = ctl("status")
+    assert code == 0, out
+    assert "Status of node" in out
+    for section in ("Alarms", "Memory", "Listeners"):
+        assert section in out, (section, out)
+    assert "amqp" in out
+
+
+def test_operator_policy_verbs(ctl, ch, names):
+    """set_operator_policy caps a queue's length below what its own argument asks for."""
+    queue = names.q()
+    name = "cap-" + queue
+    code, out = ctl("set_operator_policy", name, "^" + queue + "$", '{"max-length": 2}',
+                    "--apply-to", "queues")
+    assert code == 0, out
+    try:
+        ch.queue_declare(queue, arguments={"x-max-length": 10})
+        for i in range(5):
+            ch.basic_publish("", queue, f"m{i}".encode())
+        assert counts(ch.connection, queue)[0] == 2
+        code, out = ctl("list_operator_policies")
+        assert code == 0 and name in out, out
+    finally:
+        code, out = ctl("clear_operator_policy", name)
+        assert code == 0, out
+    code, out = ctl("list_operator_policies")
+    assert name not in out

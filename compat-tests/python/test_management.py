@@ -751,3 +751,80 @@ def test_oldest_ready_message_age(api, ch, names):
     assert info["oldest_ready_message_age_ms"] >= 200  # "first" is back and keeps its age
     ch.queue_purge(queue)
     assert api("GET", path)[1]["oldest_ready_message_age_ms"] is None
+
+
+def test_operator_policies_cap_queue_limits(api, ch, names):
+    """An operator policy's limit wins over a higher one from a policy or an argument; the
+    queue reports both policies and the effective definition. Only administrators use them."""
+    queue = names.q()
+    pol, op = "pol-" + queue, "op-" + queue
+    pattern = "^" + re.escape(queue) + "$"
+    path = f"/api/operator-policies/%2F/{q(op)}"
+    assert api("PUT", f"/api/policies/%2F/{q(pol)}",
+               body={"pattern": pattern, "definition": {"max-length": 50},
+                     "apply-to": "queues"})[0] == 201
+    assert api("PUT", path, body={"pattern": pattern, "definition": {"max-length": 3},
+                                  "apply-to": "queues"})[0] == 201
+    try:
+        status, got, _ = api("GET", path)
+        assert status == 200
+        assert (got["name"], got["pattern"], got["definition"]) == (op, pattern, {"max-length": 3})
+        assert op in [p["name"] for p in api("GET", "/api/operator-policies/%2F")[1]]
+        assert op in [p["name"] for p in api("GET", "/api/operator-policies")[1]]
+        ch.queue_declare(queue, arguments={"x-max-length": 20})
+        for i in range(6):
+            ch.basic_publish("", queue, f"m{i}".encode())
+        assert counts(ch.connection, queue)[0] == 3
+        _, info, _ = eventually(lambda: api("GET", f"/api/queues/%2F/{q(queue)}"),
+                                lambda r: r[1].get("operator_policy") == op
+                                and r[1].get("policy") == pol)
+        assert (info["policy"], info["operator_policy"]) == (pol, op)
+        assert info["effective_policy_definition"]["max-length"] == 3
+        # Limits only: anything else is refused.
+        status, body, _ = api("PUT", path, body={"pattern": pattern,
+                                                 "definition": {"dead-letter-exchange": "x"}})
+        assert status == 400, body
+    finally:
+        assert api("DELETE", path)[0] == 204
+        assert api("DELETE", f"/api/policies/%2F/{q(pol)}")[0] == 204
+    assert api("GET", path)[0] == 404
+    assert api("DELETE", path)[0] == 404
+    # With the cap gone the queue's own limit (20) applies again.
+    for i in range(6):
+        ch.basic_publish("", queue, f"n{i}".encode())
+    assert counts(ch.connection, queue)[0] == 9
+
+
+def test_operator_policies_need_administrator(api, ctl, prefix):
+    user = prefix + "-pm"
+    assert api("PUT", f"/api/users/{q(user)}",
+               body={"password": "pw", "tags": "policymaker"})[0] in (201, 204)
+    assert api("PUT", f"/api/permissions/%2F/{q(user)}",
+               body={"configure": ".*", "write": ".*", "read": ".*"})[0] in (201, 204)
+    try:
+        assert api("GET", "/api/policies/%2F", user=user, password="pw")[0] == 200
+        # A policymaker may read operator policies but not set or clear them.
+        assert api("GET", "/api/operator-policies/%2F", user=user, password="pw")[0] == 200
+        status, _, _ = api("PUT", "/api/operator-policies/%2F/nope", user=user, password="pw",
+                           body={"pattern": ".*", "definition": {"max-length": 1},
+                                 "apply-to": "queues"})
+        assert status == 401
+        assert api("DELETE", "/api/operator-policies/%2F/nope", user=user, password="pw")[0] == 401
+    finally:
+        api("DELETE", f"/api/users/{q(user)}")
+
+
+def test_port_listener_health_check(api, amqp_url):
+    port = urllib.parse.urlparse(amqp_url).port or 5672
+    status, body, _ = api("GET", f"/api/health/checks/port-listener/{port}")
+    assert (status, body["status"]) == (200, "ok"), body
+    status, body, _ = api("GET", "/api/health/checks/port-listener/1")
+    assert (status, body["status"]) == (503, "failed"), body
+    assert port in body["ports"]
+    assert api("GET", "/api/health/checks/port-listener/not-a-port")[0] == 400
+
+
+@pytest.mark.rabbitmq4
+def test_ready_to_serve_clients_health_check(api):
+    status, body, _ = api("GET", "/api/health/checks/ready-to-serve-clients")
+    assert (status, body["status"]) == (200, "ok"), body

@@ -14,6 +14,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use warren_amqp::assembler::Content;
 use warren_amqp::properties::Properties;
+use warren_broker::policy::PolicyKind;
 use warren_broker::queue::Queue;
 use warren_broker::users::{PermissionRecord, UserError};
 use warren_broker::vhost::VHost;
@@ -87,11 +88,24 @@ pub fn router(state: AppState) -> Router {
             "/api/exchanges/{vhost}/{exchange}/publish",
             axum::routing::post(publish),
         )
-        .route("/api/policies", get(list_all_policies))
-        .route("/api/policies/{vhost}", get(list_vhost_policies))
+        .route("/api/policies", get(list_all_policies::<false>))
+        .route("/api/policies/{vhost}", get(list_vhost_policies::<false>))
         .route(
             "/api/policies/{vhost}/{name}",
-            get(get_policy).put(put_policy).delete(delete_policy),
+            get(get_policy::<false>)
+                .put(put_policy::<false>)
+                .delete(delete_policy::<false>),
+        )
+        .route("/api/operator-policies", get(list_all_policies::<true>))
+        .route(
+            "/api/operator-policies/{vhost}",
+            get(list_vhost_policies::<true>),
+        )
+        .route(
+            "/api/operator-policies/{vhost}/{name}",
+            get(get_policy::<true>)
+                .put(put_policy::<true>)
+                .delete(delete_policy::<true>),
         )
         .route("/api/vhost-limits", get(list_vhost_limits))
         .route("/api/vhost-limits/{vhost}", get(get_vhost_limits))
@@ -161,6 +175,14 @@ pub fn router(state: AppState) -> Router {
         .route("/api/health/checks/alarms", get(health_alarms))
         .route("/api/health/checks/local-alarms", get(health_alarms))
         .route("/api/health/checks/virtual-hosts", get(health_vhosts))
+        .route(
+            "/api/health/checks/port-listener/{port}",
+            get(health_port_listener),
+        )
+        .route(
+            "/api/health/checks/ready-to-serve-clients",
+            get(health_ready),
+        )
         .route("/api/aliveness-test/{vhost}", get(aliveness_test))
         .layer(axum::middleware::from_fn(crate::listing::layer))
         .layer(DefaultBodyLimit::max(REQUEST_BODY_MAX))
@@ -305,6 +327,13 @@ async fn overview(State(state): State<AppState>, caller: Caller) -> ApiResult {
             "messages_unacknowledged": t.unacked,
         },
         "listeners": listeners,
+        "exchange_types": [
+            {"name": "direct", "description": "AMQP direct exchange, as per the AMQP specification", "enabled": true},
+            {"name": "fanout", "description": "AMQP fanout exchange, as per the AMQP specification", "enabled": true},
+            {"name": "headers", "description": "AMQP headers exchange, as per the AMQP specification", "enabled": true},
+            {"name": "topic", "description": "AMQP topic exchange, as per the AMQP specification", "enabled": true},
+            {"name": "x-delayed-message", "description": "Delayed Message Exchange", "enabled": true},
+        ],
         "message_stats": message_stats(&state),
     }))
 }
@@ -721,11 +750,19 @@ async fn delete_permission(
 
 // ---------------------------------------------------------------- queues
 
-fn queue_json(vhost: &str, node: &str, q: &Queue, rates: &MessageRates) -> Value {
+fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value {
     let s = q.stats();
+    let policy = vh.policy_for(PolicyKind::User, &q.name, q.policy_kind());
+    let operator = vh.policy_for(PolicyKind::Operator, &q.name, q.policy_kind());
     json!({
         "name": q.name,
-        "vhost": vhost,
+        "vhost": vh.name,
+        "policy": policy.as_ref().map(|p| &p.def.name),
+        "operator_policy": operator.as_ref().map(|p| &p.def.name),
+        "effective_policy_definition": warren_broker::policy::effective_definition(
+            policy.as_ref(),
+            operator.as_ref(),
+        ),
         "durable": q.durable,
         "auto_delete": q.auto_delete,
         "exclusive": q.exclusive_owner.is_some(),
@@ -764,7 +801,7 @@ fn queues_of(state: &AppState, vhosts: &[Arc<VHost>]) -> Value {
                     .into_iter()
                     .map(|q| {
                         let r = rates.per_second(&vh.name, &q.name);
-                        queue_json(&vh.name, &state.node.node, &q, &r)
+                        queue_json(vh, &state.node.node, &q, &r)
                     })
                     .collect::<Vec<_>>()
             })
@@ -791,9 +828,9 @@ async fn get_queue(
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
 ) -> ApiResult {
-    let (_, q) = queue_for(&state, &caller, &vhost, &name)?;
+    let (vh, q) = queue_for(&state, &caller, &vhost, &name)?;
     let r = queue_rates(&state).per_second(&vhost, &name);
-    ok_json(queue_json(&vhost, &state.node.node, &q, &r))
+    ok_json(queue_json(&vh, &state.node.node, &q, &r))
 }
 
 #[derive(Debug, Deserialize)]
@@ -1149,6 +1186,42 @@ async fn health_alarms(State(state): State<AppState>, _caller: Caller) -> ApiRes
                     "alarms": alarms})),
     )
         .into_response())
+}
+
+/// RabbitMQ's `port-listener/{port}`: is something of this node listening on that port?
+async fn health_port_listener(
+    State(state): State<AppState>,
+    _caller: Caller,
+    Path(port): Path<String>,
+) -> ApiResult {
+    let port: u16 = port
+        .parse()
+        .map_err(|_| ApiError::bad_request(format!("Invalid port: {port}")))?;
+    let ports: Vec<u16> = state.node.listeners.iter().map(|(_, a)| a.port()).collect();
+    if ports.contains(&port) {
+        return ok_json(json!({"status": "ok", "port": port}));
+    }
+    Ok((
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"status": "failed", "reason": "No active listener",
+                    "missing": port, "ports": ports})),
+    )
+        .into_response())
+}
+
+/// RabbitMQ's `ready-to-serve-clients`: the node accepts client connections (its listeners
+/// are up, which they are once the API answers, and the connection limit is not reached).
+async fn health_ready(State(state): State<AppState>, _caller: Caller) -> ApiResult {
+    let open = state.broker.connection_count() as u64;
+    match state.broker.config.connection_max {
+        Some(max) if open >= max => Ok((
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "failed",
+                        "reason": format!("node connection limit ({max}) is reached")})),
+        )
+            .into_response()),
+        _ => ok_json(json!({"status": "ok"})),
+    }
 }
 
 async fn health_vhosts(_state: State<AppState>, _caller: Caller) -> ApiResult {
@@ -1523,12 +1596,22 @@ async fn close_connection(
 
 // ---------------------------------------------------------------- policies
 
-fn policies_of(vhosts: &[Arc<VHost>]) -> Result<Value, ApiError> {
-    let defs: Vec<_> = vhosts.iter().flat_map(|vh| vh.policies()).collect();
+/// The policy set a route serves: `/api/operator-policies` (OPERATOR) or `/api/policies`.
+const fn kind<const OPERATOR: bool>() -> PolicyKind {
+    if OPERATOR {
+        PolicyKind::Operator
+    } else {
+        PolicyKind::User
+    }
+}
+
+fn policies_of(vhosts: &[Arc<VHost>], kind: PolicyKind) -> Result<Value, ApiError> {
+    let defs: Vec<_> = vhosts.iter().flat_map(|vh| vh.policies(kind)).collect();
     serde_json::to_value(defs).map_err(|e| ApiError::bad_request(e.to_string()))
 }
 
-/// Reading policies needs `policymaker` (or `administrator`), as in RabbitMQ.
+/// Reading policies, operator policies included, needs `policymaker` (or `administrator`),
+/// as in RabbitMQ.
 fn require_policy_reader(caller: &Caller) -> Result<(), ApiError> {
     if caller.is_admin() || caller.has("policymaker") {
         Ok(())
@@ -1537,22 +1620,43 @@ fn require_policy_reader(caller: &Caller) -> Result<(), ApiError> {
     }
 }
 
-async fn list_all_policies(State(state): State<AppState>, caller: Caller) -> ApiResult {
-    require_policy_reader(&caller)?;
-    ok_json(policies_of(&visible_vhosts(&state, &caller))?)
+/// Setting policies needs `policymaker` with access to the vhost; operator policies need
+/// `administrator` (RabbitMQ 3.10 answers a policymaker's PUT with 401).
+fn require_policy_writer(
+    state: &AppState,
+    caller: &Caller,
+    vhost: &str,
+    kind: PolicyKind,
+) -> Result<(), ApiError> {
+    match kind {
+        PolicyKind::User => caller.require_policymaker(state, vhost),
+        PolicyKind::Operator if caller.is_admin() => Ok(()),
+        PolicyKind::Operator => Err(ApiError::unauthorised("Not administrator user")),
+    }
 }
 
-async fn list_vhost_policies(
+async fn list_all_policies<const OPERATOR: bool>(
+    State(state): State<AppState>,
+    caller: Caller,
+) -> ApiResult {
+    require_policy_reader(&caller)?;
+    ok_json(policies_of(
+        &visible_vhosts(&state, &caller),
+        kind::<OPERATOR>(),
+    )?)
+}
+
+async fn list_vhost_policies<const OPERATOR: bool>(
     State(state): State<AppState>,
     caller: Caller,
     Path(vhost): Path<String>,
 ) -> ApiResult {
     require_policy_reader(&caller)?;
     let vh = vhost_for(&state, &caller, &vhost)?;
-    ok_json(policies_of(&[vh])?)
+    ok_json(policies_of(&[vh], kind::<OPERATOR>())?)
 }
 
-async fn get_policy(
+async fn get_policy<const OPERATOR: bool>(
     State(state): State<AppState>,
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
@@ -1560,7 +1664,7 @@ async fn get_policy(
     require_policy_reader(&caller)?;
     let vh = vhost_for(&state, &caller, &vhost)?;
     let def = vh
-        .policies()
+        .policies(kind::<OPERATOR>())
         .into_iter()
         .find(|p| p.name == name)
         .ok_or_else(ApiError::not_found)?;
@@ -1581,17 +1685,18 @@ fn apply_all() -> String {
     "all".into()
 }
 
-async fn put_policy(
+async fn put_policy<const OPERATOR: bool>(
     State(state): State<AppState>,
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
     raw: axum::body::Bytes,
 ) -> ApiResult {
+    let kind = kind::<OPERATOR>();
     let vh = state.broker.vhost(&vhost).ok_or_else(ApiError::not_found)?;
-    caller.require_policymaker(&state, &vhost)?;
+    require_policy_writer(&state, &caller, &vhost, kind)?;
     let b: PolicyBody =
         serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
-    let existed = vh.policies().iter().any(|p| p.name == name);
+    let existed = vh.policies(kind).iter().any(|p| p.name == name);
     let def = warren_broker::policy::PolicyDef {
         vhost: vhost.clone(),
         name,
@@ -1601,22 +1706,23 @@ async fn put_policy(
         definition: b.definition,
     };
     durably(|done| {
-        vh.set_policy(def, done)
+        vh.set_policy(kind, def, done)
             .map_err(|e| ApiError::bad_request(e.to_string()))
     })
     .await?;
     created(!existed)
 }
 
-async fn delete_policy(
+async fn delete_policy<const OPERATOR: bool>(
     State(state): State<AppState>,
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
 ) -> ApiResult {
+    let kind = kind::<OPERATOR>();
     let vh = state.broker.vhost(&vhost).ok_or_else(ApiError::not_found)?;
-    caller.require_policymaker(&state, &vhost)?;
+    require_policy_writer(&state, &caller, &vhost, kind)?;
     durably(|done| {
-        if vh.clear_policy(&name, done) {
+        if vh.clear_policy(kind, &name, done) {
             Ok(())
         } else {
             Err(ApiError::not_found())
@@ -1947,7 +2053,7 @@ fn vhost_definitions(vh: &VHost, with_vhost: bool) -> VhostDefs {
         })
         .collect();
     let policies = vh
-        .policies()
+        .policies(PolicyKind::User)
         .into_iter()
         .filter_map(|p| serde_json::to_value(p).ok())
         .map(|mut v| {
@@ -2190,7 +2296,7 @@ fn import_policies_and_limits(
         m.insert("vhost".into(), json!(vhost));
         let def: warren_broker::policy::PolicyDef = serde_json::from_value(p)
             .map_err(|e| ApiError::bad_request(format!("definitions: policy: {e}")))?;
-        vh.set_policy(def, &mut commits.next())
+        vh.set_policy(PolicyKind::User, def, &mut commits.next())
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
     }
     for p in list(defs, "parameters").iter().filter(mine) {

@@ -66,16 +66,19 @@ pub enum MetaTable {
     Vhosts,
     /// Topic permissions per (vhost, user, exchange) (JSON).
     TopicPermissions,
+    /// Operator policies (JSON, as policies).
+    OperatorPolicies,
 }
 
 impl MetaTable {
     /// All tables, in recovery order.
-    pub const ALL: [Self; 8] = [
+    pub const ALL: [Self; 9] = [
         Self::Vhosts,
         Self::Users,
         Self::TopicPermissions,
         Self::Permissions,
         Self::Policies,
+        Self::OperatorPolicies,
         Self::Exchanges,
         Self::Queues,
         Self::Bindings,
@@ -91,6 +94,7 @@ impl MetaTable {
             Self::Permissions => "permissions",
             Self::Vhosts => "vhosts",
             Self::TopicPermissions => "topic_permissions",
+            Self::OperatorPolicies => "operator_policies",
         })
     }
 }

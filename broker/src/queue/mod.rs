@@ -160,7 +160,7 @@ impl Queue {
         env: QueueEnv,
     ) -> Arc<Self> {
         let store = env.store.filter(|_| durable && exclusive_owner.is_none());
-        let settings = crate::policy::queue_settings(&arguments, None);
+        let settings = crate::policy::queue_settings(&arguments, None, None);
         Arc::new(Self {
             id,
             store,
@@ -231,10 +231,15 @@ impl Queue {
             .map(|ms| st.last_used.saturating_add(ms))
     }
 
-    /// Apply the queue's policy (None: no policy matches any more): its effective settings
-    /// are recomputed from the declare arguments and the policy, and take effect at once.
-    pub fn apply_policy(self: &Arc<Self>, policy: Option<&crate::policy::Policy>) {
-        let settings = crate::policy::queue_settings(&self.arguments, policy);
+    /// Apply the queue's policy and operator policy (None: none matches any more): its
+    /// effective settings are recomputed from the declare arguments and both, and take effect
+    /// at once.
+    pub fn apply_policy(
+        self: &Arc<Self>,
+        policy: Option<&crate::policy::Policy>,
+        operator: Option<&crate::policy::Policy>,
+    ) {
+        let settings = crate::policy::queue_settings(&self.arguments, policy, operator);
         {
             let mut st = self.state.lock();
             st.dead_letter = settings.dead_letter;
