@@ -1212,7 +1212,7 @@ async fn health_port_listener(
 /// RabbitMQ's `ready-to-serve-clients`: the node accepts client connections (its listeners
 /// are up, which they are once the API answers, and the connection limit is not reached).
 async fn health_ready(State(state): State<AppState>, _caller: Caller) -> ApiResult {
-    let open = state.broker.connection_count() as u64;
+    let open = state.broker.connection_count();
     match state.broker.config.connection_max {
         Some(max) if open >= max => Ok((
             StatusCode::SERVICE_UNAVAILABLE,
