@@ -50,7 +50,10 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            init_logging(&cfg.log_level, cfg.log_format);
+            if let Err(e) = init_logging(&cfg.log_level, cfg.log_format) {
+                eprintln!("warren: {e}");
+                return ExitCode::from(2);
+            }
             let runtime = match tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
@@ -75,9 +78,11 @@ fn main() -> ExitCode {
 
 /// Logs go to stderr: text by default, one JSON object per line with `--log-format json`.
 /// The level is a tracing filter, so levels per module work: `info,warren_store=debug`.
-fn init_logging(level: &str, format: config::LogFormat) {
+/// A filter that does not parse is refused (exit 2) rather than replaced: an operator who asked
+/// for `warren_store=debug` must not silently get `info`.
+fn init_logging(level: &str, format: config::LogFormat) -> Result<(), String> {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .map_err(|e| format!("invalid --log-level '{level}': {e}"))?;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -85,4 +90,5 @@ fn init_logging(level: &str, format: config::LogFormat) {
         config::LogFormat::Text => builder.init(),
         config::LogFormat::Json => builder.json().init(),
     }
+    Ok(())
 }

@@ -27,3 +27,33 @@ def test_json_logs_and_listener_lines():
     for r in records:
         assert {"timestamp", "level", "fields", "target"} <= r.keys()
     assert any(r["fields"].get("message") == "AMQP 0-9-1 listener started" for r in records)
+
+
+def _records(*args):
+    with warren_process("--log-format", "json", *args) as w:
+        conn = pika.BlockingConnection(pika.ConnectionParameters(host="127.0.0.1", port=w["port"]))
+        conn.close()
+        lines = w["log"].read_text().splitlines()
+    return [json.loads(l) for l in lines if not l.startswith("warren: ") and l.strip()]
+
+
+def test_log_levels_per_module():
+    """`--log-level` is a filter with levels per module: one module's level overrides the
+    default in either direction."""
+    started = "AMQP 0-9-1 listener started"  # an info record of warren::server
+    raised = _records("--log-level", "warn,warren::server=info")
+    assert any(r["fields"].get("message") == started for r in raised)
+    assert all(r["level"] in ("WARN", "ERROR") or r["target"] == "warren::server" for r in raised)
+    lowered = _records("--log-level", "info,warren::server=warn")
+    assert not any(r["fields"].get("message") == started for r in lowered)
+
+
+def test_an_invalid_log_filter_is_refused():
+    import subprocess
+    from conftest import warren_binary
+    p = subprocess.run([warren_binary(), "server", "--log-level", "info,warren=loud",
+                        "--amqp-listen", "127.0.0.1:0", "--management-listen", "off",
+                        "--prometheus-listen", "off", "--data-dir", "/nonexistent/never-made"],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 2
+    assert "invalid --log-level" in p.stderr
