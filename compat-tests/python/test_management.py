@@ -828,3 +828,26 @@ def test_port_listener_health_check(api, amqp_url):
 def test_ready_to_serve_clients_health_check(api):
     status, body, _ = api("GET", "/api/health/checks/ready-to-serve-clients")
     assert (status, body["status"]) == (200, "ok"), body
+
+
+def test_bindings_differing_only_in_arguments_have_their_own_keys(api, ch, names):
+    queue, x = names.q(), names.x()
+    ch.queue_declare(queue)
+    ch.exchange_declare(x, "headers")
+    pair = f"/api/bindings/%2F/e/{q(x)}/q/{q(queue)}"
+    for fmt in ("pdf", "zip"):
+        status, _, headers = api("POST", pair, body={"routing_key": "",
+                                                     "arguments": {"x-match": "all", "format": fmt}})
+        assert status == 201
+        # Relative to the POST's URL, as RabbitMQ writes it: "<queue>/<properties_key>".
+        assert headers["Location"].startswith(q(queue) + "/"), headers["Location"]
+    status, listed, _ = api("GET", pair)
+    assert status == 200 and len(listed) == 2
+    keys = {b["arguments"]["format"]: b["properties_key"] for b in listed}
+    assert keys["pdf"] != keys["zip"]
+    status, one, _ = api("GET", f"{pair}/{keys['zip']}")
+    assert status == 200 and one["arguments"]["format"] == "zip"
+    assert api("DELETE", f"{pair}/{keys['zip']}")[0] == 204
+    status, listed, _ = api("GET", pair)
+    assert [b["arguments"]["format"] for b in listed] == ["pdf"]
+    assert api("DELETE", f"{pair}/{keys['zip']}")[0] == 404

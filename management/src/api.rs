@@ -1057,33 +1057,48 @@ fn bindings_of(vhosts: &[Arc<VHost>]) -> Value {
             .iter()
             .flat_map(|vh| {
                 vh.bindings()
-                    .into_iter()
-                    .map(|b| {
-                        let props_key = properties_key(&b.routing_key);
-                        json!({
-                            "source": b.source,
-                            "vhost": vh.name,
-                            "destination": b.destination,
-                            "destination_type": if b.destination_is_queue { "queue" } else { "exchange" },
-                            "routing_key": b.routing_key,
-                            "arguments": table_to_json(&b.arguments),
-                            "properties_key": props_key,
-                        })
-                    })
+                    .iter()
+                    .map(|b| binding_json(&vh.name, b))
                     .collect::<Vec<_>>()
             })
             .collect(),
     )
 }
 
-/// RabbitMQ's `properties_key`, the binding's id in URLs: "~" for an empty key, else the key
-/// percent-encoded (unreserved characters kept).
-fn properties_key(routing_key: &str) -> String {
-    if routing_key.is_empty() {
-        "~".into()
-    } else {
-        percent(routing_key)
+/// RabbitMQ's `properties_key`, the binding's id in URLs: "~" for an empty key without
+/// arguments, else the key percent-encoded (unreserved characters kept), followed by "~" and a
+/// hash of the arguments when there are any (bindings that differ only in arguments get
+/// different keys, as in RabbitMQ; the hash is Warren's own, clients only pass it back).
+fn properties_key(routing_key: &str, arguments: &FieldTable) -> String {
+    match args_hash(arguments) {
+        None if routing_key.is_empty() => "~".into(),
+        None => percent(routing_key),
+        Some(h) => format!("{}~{h}", percent(routing_key)),
     }
+}
+
+/// `properties_key` as axum hands it to a handler (percent-decoded).
+fn properties_key_decoded(routing_key: &str, arguments: &FieldTable) -> String {
+    match args_hash(arguments) {
+        None if routing_key.is_empty() => "~".into(),
+        None => routing_key.to_string(),
+        Some(h) => format!("{routing_key}~{h}"),
+    }
+}
+
+/// 32-bit FNV-1a of the arguments' JSON (keys sorted), base64url without padding: stable
+/// across restarts and nodes, and URL-safe. None without arguments.
+fn args_hash(arguments: &FieldTable) -> Option<String> {
+    use base64::Engine;
+    if arguments.inner().is_empty() {
+        return None;
+    }
+    let text = table_to_json(arguments).to_string();
+    let mut h: u32 = 0x811c_9dc5;
+    for b in text.bytes() {
+        h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+    }
+    Some(base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(h.to_be_bytes()))
 }
 
 #[derive(Debug, Deserialize)]
@@ -1105,6 +1120,7 @@ async fn post_binding(
     let b: BindingBody =
         serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let args = arguments(b.arguments.as_ref())?;
+    let args_table = args.clone();
     let source = exchange_name(&source).to_string();
     let method = match kind.as_str() {
         "q" => AMQPClass::Queue(queue::AMQPMethod::Bind(queue::Bind {
@@ -1125,12 +1141,11 @@ async fn post_binding(
     };
     let mut d = direct(&state, &vhost, &caller)?;
     d.call(method, None).await?;
+    // Relative to the request's URL, as RabbitMQ writes it: `<destination>/<properties_key>`.
     let location = format!(
-        "/api/bindings/{}/e/{}/{kind}/{}/{}",
-        percent(&vhost),
-        percent(&source),
+        "{}/{}",
         percent(&destination),
-        properties_key(&b.routing_key)
+        properties_key(&b.routing_key, &args_table)
     );
     Ok((
         StatusCode::CREATED,
@@ -2600,7 +2615,7 @@ fn binding_json(vhost: &str, b: &warren_broker::vhost::BindingInfo) -> Value {
         "destination_type": if b.destination_is_queue { "queue" } else { "exchange" },
         "routing_key": b.routing_key,
         "arguments": table_to_json(&b.arguments),
-        "properties_key": properties_key(&b.routing_key),
+        "properties_key": properties_key(&b.routing_key, &b.arguments),
     })
 }
 
@@ -2628,9 +2643,8 @@ fn find_binding(
     pair_bindings(vh, source, kind, destination)?
         .into_iter()
         .find(|b| {
-            properties_key(&b.routing_key) == props
-                || b.routing_key == props
-                || (props == "~" && b.routing_key.is_empty())
+            properties_key(&b.routing_key, &b.arguments) == props
+                || properties_key_decoded(&b.routing_key, &b.arguments) == props
         })
         .ok_or_else(ApiError::not_found)
 }
