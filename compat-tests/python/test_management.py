@@ -137,6 +137,7 @@ def test_vhosts_users_and_permissions(api, params, prefix):
             credentials=pika.PlainCredentials(user, "s3cret"), connection_attempts=1))
         conn.close()
         assert api("DELETE", f"/api/permissions/{q(vhost)}/{q(user)}")[0] == 204
+        assert api("DELETE", f"/api/permissions/{q(vhost)}/{q(user)}")[0] == 404
         with pytest.raises(ProbableAccessDeniedError):
             pika.BlockingConnection(pika.ConnectionParameters(
                 host=params.host, port=params.port, virtual_host=vhost,
@@ -436,6 +437,7 @@ def test_limits_and_topic_permissions(api, params, prefix):
                                           "write": "^a\\\\.", "read": ".*"}]
         assert api("DELETE", f"/api/topic-permissions/{q(vhost)}/{q(user)}")[0] == 204
         assert api("GET", f"/api/topic-permissions/{q(vhost)}/{q(user)}")[0] == 404
+        assert api("DELETE", f"/api/topic-permissions/{q(vhost)}/{q(user)}")[0] == 404
     finally:
         api("DELETE", f"/api/users/{q(user)}")
         api("DELETE", f"/api/vhosts/{q(vhost)}")

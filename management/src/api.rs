@@ -738,6 +738,14 @@ async fn delete_permission(
     Path((vhost, user)): Path<(String, String)>,
 ) -> ApiResult {
     caller.require_admin()?;
+    // Nothing to clear is a 404, as RabbitMQ answers (the ctl verb stays idempotent).
+    if state
+        .broker
+        .list_permissions(Some(&vhost), Some(&user))
+        .is_empty()
+    {
+        return Err(ApiError::not_found());
+    }
     durably(|done| {
         state
             .broker
@@ -1998,6 +2006,13 @@ async fn delete_topic_permissions(
     Path((vhost, user)): Path<(String, String)>,
 ) -> ApiResult {
     caller.require_admin()?;
+    if state
+        .broker
+        .list_topic_permissions(Some(&vhost), Some(&user))
+        .is_empty()
+    {
+        return Err(ApiError::not_found());
+    }
     durably(|done| {
         state
             .broker
