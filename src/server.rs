@@ -576,6 +576,7 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
                     client_properties: conn.client_properties().clone(),
                     connected_at_ms: warren_broker::timers::wall_ms(),
                     frame_max: conn.frame_max(),
+                    channel_max: conn.channel_max(),
                     heartbeat_s: conn.heartbeat_s(),
                 };
                 let handle = Registered::new(&broker, s.conn_id(), info);

@@ -242,6 +242,12 @@ impl Connection {
         self.frame_max
     }
 
+    /// The negotiated channel_max (0 before tune-ok).
+    #[must_use]
+    pub fn channel_max(&self) -> u16 {
+        self.channel_max
+    }
+
     /// Whether the handshake finished and the connection is usable.
     #[must_use]
     pub fn is_open(&self) -> bool {

@@ -32,6 +32,8 @@ pub struct ConnectionInfo {
     pub connected_at_ms: u64,
     /// Negotiated frame_max.
     pub frame_max: u32,
+    /// Negotiated channel_max.
+    pub channel_max: u16,
     /// Negotiated heartbeat in seconds (0: none).
     pub heartbeat_s: u16,
 }
@@ -197,6 +199,7 @@ mod tests {
             client_properties: FieldTable::default(),
             connected_at_ms: 0,
             frame_max: 4096,
+            channel_max: 2047,
             heartbeat_s: 0,
         }
     }

@@ -66,3 +66,64 @@ def test_rabbitmqadmin_overview_health_and_definitions(admin, tmp_path):
     defs = json.loads(path.read_text())
     assert "guest" in [u["name"] for u in defs["users"]]
     admin("definitions", "import", "--file", str(path))
+
+
+def test_rabbitmqadmin_users_permissions_and_policies(admin, prefix):
+    user, pol, op = f"{prefix}.u", f"{prefix}.p", f"{prefix}.op"
+    admin("declare", "user", "--name", user, "--password", "pw", "--tags", "monitoring")
+    try:
+        out = admin("list", "users").stdout
+        assert user in out and "monitoring" in out
+        admin("declare", "permissions", "--username", user, "--configure", "^cfg",
+              "--read", ".*", "--write", "^w")
+        out = admin("list", "permissions").stdout
+        assert user in out and "^cfg" in out
+        admin("delete", "permissions", "--username", user)
+        assert user not in admin("list", "permissions").stdout
+    finally:
+        admin("delete", "user", "--name", user)
+    assert user not in admin("list", "users").stdout
+    admin("declare", "policy", "--name", pol, "--pattern", "^nothing-here$", "--apply-to",
+          "queues", "--definition", '{"max-length": 7}')
+    out = admin("list", "policies").stdout
+    assert pol in out and "max-length" in out
+    admin("delete", "policy", "--name", pol)
+    assert pol not in admin("list", "policies").stdout
+    admin("declare", "operator_policy", "--name", op, "--pattern", "^nothing-here$",
+          "--apply-to", "queues", "--definition", '{"max-length": 9}')
+    assert op in admin("list", "operator_policies").stdout
+    admin("delete", "operator_policy", "--name", op)
+    assert op not in admin("list", "operator_policies").stdout
+
+
+def test_rabbitmqadmin_closes_a_connection_and_checks_listeners(admin, amqp_url, management_url):
+    import pika
+    params = pika.URLParameters(amqp_url)
+    params.client_properties = {"connection_name": "ra-close-" + uuid.uuid4().hex}
+    conn = pika.BlockingConnection(params)
+    try:
+        wanted = params.client_properties["connection_name"]
+        # The connection's name (what the API calls it; rabbitmqadmin's table shows it but not
+        # the client-provided name) comes from the management API.
+        from test_management import eventually, http
+
+        def named():
+            listed = http("GET", management_url + "/api/connections")[1]
+            return [c["name"] for c in listed
+                    if c.get("client_properties", {}).get("connection_name") == wanted]
+        found = eventually(named, bool)  # RabbitMQ lists connections after a stats interval
+        assert found, "the connection is listed"
+        name = found[0]
+        assert name in admin("list", "connections").stdout
+        admin("close", "connection", "--name", name)
+        with pytest.raises(pika.exceptions.ConnectionClosed):
+            conn.process_data_events(time_limit=10)
+            conn.channel()
+    finally:
+        if conn.is_open:
+            conn.close()
+    port = urllib.parse.urlparse(amqp_url).port or 5672
+    assert admin("health_check", "port_listener", "--port", str(port)).returncode == 0
+    assert admin("health_check", "port_listener", "--port", "1", ok=False).returncode != 0
+    assert admin("health_check", "protocol_listener", "--protocol", "amqp").returncode == 0
+    assert admin("health_check", "cluster_wide_alarms").returncode == 0

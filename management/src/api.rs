@@ -180,6 +180,10 @@ pub fn router(state: AppState) -> Router {
             get(health_port_listener),
         )
         .route(
+            "/api/health/checks/protocol-listener/{protocol}",
+            get(health_protocol_listener),
+        )
+        .route(
             "/api/health/checks/ready-to-serve-clients",
             get(health_ready),
         )
@@ -1232,6 +1236,37 @@ async fn health_port_listener(
         .into_response())
 }
 
+/// RabbitMQ's `protocol-listener/{protocol}`: is this node listening for that protocol?
+/// RabbitMQ's aliases are accepted (`amqp091`, `amqp0-9-1`, `amqps`, `management`, ...).
+async fn health_protocol_listener(
+    State(state): State<AppState>,
+    _caller: Caller,
+    Path(protocol): Path<String>,
+) -> ApiResult {
+    let wanted = match protocol.to_ascii_lowercase().as_str() {
+        "amqp" | "amqp091" | "amqp0-9-1" | "amqp0.9.1" | "amqp0_9_1" => "amqp",
+        "amqps" | "amqp/ssl" | "amqp091/ssl" | "amqp+tls" => "amqp/ssl",
+        "http" | "management" | "http/management" => "http",
+        "prometheus" | "http/prometheus" => "http/prometheus",
+        _ => "",
+    };
+    let protocols: Vec<&str> = state
+        .node
+        .listeners
+        .iter()
+        .map(|(p, _)| p.as_str())
+        .collect();
+    if !wanted.is_empty() && protocols.contains(&wanted) {
+        return ok_json(json!({"status": "ok", "protocol": wanted}));
+    }
+    Ok((
+        StatusCode::SERVICE_UNAVAILABLE,
+        Json(json!({"status": "failed", "reason": "No active listener",
+                    "missing": protocol, "protocols": protocols})),
+    )
+        .into_response())
+}
+
 /// RabbitMQ's `ready-to-serve-clients`: the node accepts client connections (its listeners
 /// are up, which they are once the API answers, and the connection limit is not reached).
 async fn health_ready(State(state): State<AppState>, _caller: Caller) -> ApiResult {
@@ -1536,6 +1571,7 @@ fn connection_json(node: &str, h: &warren_broker::connections::ConnectionHandle)
         "port": i.local.port(),
         "ssl": i.tls,
         "frame_max": i.frame_max,
+        "channel_max": i.channel_max,
         "timeout": i.heartbeat_s,
         "connected_at": i.connected_at_ms,
         "client_properties": table_to_json(&i.client_properties),
