@@ -853,3 +853,24 @@ def test_bindings_differing_only_in_arguments_have_their_own_keys(api, ch, names
     status, listed, _ = api("GET", pair)
     assert [b["arguments"]["format"] for b in listed] == ["pdf"]
     assert api("DELETE", f"{pair}/{keys['zip']}")[0] == 404
+
+
+def test_creating_in_a_missing_vhost_is_vhost_not_found(api):
+    missing = "no-such-vhost-" + uuid_hex()
+    for method, path, body in [
+        ("PUT", f"/api/queues/{missing}/q", {"durable": False}),
+        ("PUT", f"/api/exchanges/{missing}/x", {"type": "direct"}),
+        ("PUT", f"/api/policies/{missing}/p", {"pattern": ".*", "definition": {"max-length": 1}}),
+        ("POST", f"/api/bindings/{missing}/e/x/q/q", {"routing_key": "k"}),
+    ]:
+        status, reply, _ = api(method, path, body=body)
+        assert (status, reply) == (404, {"error": "not_found", "reason": "vhost_not_found"}), path
+    # Grants name a user and a vhost: RabbitMQ answers 400 for either missing.
+    status, reply, _ = api("PUT", f"/api/permissions/{missing}/guest",
+                           body={"configure": ".*", "write": ".*", "read": ".*"})
+    assert (status, reply["reason"]) == (400, "vhost_or_user_not_found")
+
+
+def uuid_hex():
+    import uuid
+    return uuid.uuid4().hex

@@ -53,6 +53,24 @@ pub fn router(state: AppState) -> Router {
         .route("/api/whoami", get(whoami))
         .route("/api/cluster-name", get(cluster_name))
         .route("/api/nodes", get(nodes))
+        .route("/api/nodes/{name}", get(one_node))
+        .route(
+            "/api/vhosts/{vhost}/permissions",
+            get(vhost_permissions::<false>),
+        )
+        .route(
+            "/api/vhosts/{vhost}/topic-permissions",
+            get(vhost_permissions::<true>),
+        )
+        .route(
+            "/api/users/{user}/permissions",
+            get(user_permissions::<false>),
+        )
+        .route(
+            "/api/users/{user}/topic-permissions",
+            get(user_permissions::<true>),
+        )
+        .route("/api/channels/{name}", get(get_channel))
         .route("/api/vhosts", get(list_vhosts))
         .route(
             "/api/vhosts/{vhost}",
@@ -236,6 +254,16 @@ fn body(raw: &[u8]) -> Result<Value, ApiError> {
     serde_json::from_slice(raw).map_err(|e| ApiError::bad_request(format!("bad JSON: {e}")))
 }
 
+/// A grant to a user or vhost that does not exist: RabbitMQ's 400 `vhost_or_user_not_found`.
+fn grant_error(e: &UserError) -> ApiError {
+    match e {
+        UserError::NoSuchUser(_) | UserError::NoSuchVhost(_) => {
+            ApiError::bad_request("vhost_or_user_not_found")
+        }
+        other => user_error(other),
+    }
+}
+
 fn user_error(e: &UserError) -> ApiError {
     match e {
         UserError::NoSuchUser(_) | UserError::NoSuchVhost(_) => ApiError::not_found(),
@@ -268,6 +296,17 @@ fn queue_for(
 
 fn vhost_for(state: &AppState, caller: &Caller, name: &str) -> Result<Arc<VHost>, ApiError> {
     let vh = state.broker.vhost(name).ok_or_else(ApiError::not_found)?;
+    caller.require_vhost(state, name)?;
+    Ok(vh)
+}
+
+/// [`vhost_for`] for a PUT or POST that creates something in the vhost: a missing vhost is
+/// RabbitMQ's `404 {"error":"not_found","reason":"vhost_not_found"}`.
+fn vhost_to_write(state: &AppState, caller: &Caller, name: &str) -> Result<Arc<VHost>, ApiError> {
+    let vh = state
+        .broker
+        .vhost(name)
+        .ok_or_else(ApiError::vhost_not_found)?;
     caller.require_vhost(state, name)?;
     Ok(vh)
 }
@@ -383,12 +422,33 @@ async fn cluster_name(State(state): State<AppState>, _caller: Caller) -> ApiResu
     ok_json(json!({"name": state.node.cluster_name}))
 }
 
-async fn nodes(State(state): State<AppState>, _caller: Caller) -> ApiResult {
+async fn nodes(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    ok_json(Value::Array(vec![node_json(&state, &caller)?]))
+}
+
+/// `GET /api/nodes/{name}`: this node, or 404 for any other name.
+async fn one_node(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult {
+    let node = node_json(&state, &caller)?;
+    if name != state.node.node {
+        return Err(ApiError::not_found());
+    }
+    ok_json(node)
+}
+
+/// The node's facts (RabbitMQ shows them to `monitoring` and `administrator` users only).
+fn node_json(state: &AppState, caller: &Caller) -> Result<Value, ApiError> {
+    if !caller.sees_all_vhosts() {
+        return Err(ApiError::unauthorised("Not monitor user"));
+    }
     let alarms = state.broker.alarms();
     let w = alarms.watermarks();
     let sample = alarms.last_sample();
     let total = sample.map_or(0, |s| s.memory_total);
-    ok_json(json!([{
+    Ok(json!({
         "name": state.node.node,
         "type": "disc",
         "running": true,
@@ -404,7 +464,7 @@ async fn nodes(State(state): State<AppState>, _caller: Caller) -> ApiResult {
         "sockets_total": state.broker.config.connection_max.or(crate::process::max_fds()),
         "uptime": u64::try_from(state.started.elapsed().as_millis()).unwrap_or(u64::MAX),
         "os_pid": std::process::id().to_string(),
-    }]))
+    }))
 }
 
 // ---------------------------------------------------------------- vhosts
@@ -550,7 +610,7 @@ fn user_json(u: &warren_broker::users::UserRecord) -> Value {
         "password_hash": u.password_hash,
         "hashing_algorithm": u.hashing_algorithm,
         "tags": u.tags,
-        "limits": {},
+        "limits": serde_json::to_value(&u.limits).unwrap_or_else(|_| json!({})),
     })
 }
 
@@ -674,16 +734,46 @@ fn permission_json(p: &PermissionRecord) -> Value {
            "write": p.write, "read": p.read})
 }
 
-async fn list_permissions(State(state): State<AppState>, caller: Caller) -> ApiResult {
+/// `/api/vhosts/{vhost}/permissions` (TOPIC: `/topic-permissions`): the grants in one vhost.
+async fn vhost_permissions<const TOPIC: bool>(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(vhost): Path<String>,
+) -> ApiResult {
     caller.require_admin()?;
-    ok_json(Value::Array(
-        state
-            .broker
-            .list_permissions(None, None)
+    state.broker.vhost(&vhost).ok_or_else(ApiError::not_found)?;
+    ok_json(grants(&state, Some(&vhost), None, TOPIC))
+}
+
+/// `/api/users/{user}/permissions` (TOPIC: `/topic-permissions`): one user's grants.
+async fn user_permissions<const TOPIC: bool>(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(user): Path<String>,
+) -> ApiResult {
+    caller.require_admin()?;
+    find_user(&state, &user)?;
+    ok_json(grants(&state, None, Some(&user), TOPIC))
+}
+
+fn grants(state: &AppState, vhost: Option<&str>, user: Option<&str>, topic: bool) -> Value {
+    let b = &state.broker;
+    Value::Array(if topic {
+        b.list_topic_permissions(vhost, user)
+            .iter()
+            .map(topic_json)
+            .collect()
+    } else {
+        b.list_permissions(vhost, user)
             .iter()
             .map(permission_json)
-            .collect(),
-    ))
+            .collect()
+    })
+}
+
+async fn list_permissions(State(state): State<AppState>, caller: Caller) -> ApiResult {
+    caller.require_admin()?;
+    ok_json(grants(&state, None, None, false))
 }
 
 async fn get_permission(
@@ -730,7 +820,7 @@ async fn put_permission(
         state
             .broker
             .set_permissions(record, done)
-            .map_err(|e| user_error(&e))
+            .map_err(|e| grant_error(&e))
     })
     .await?;
     created(!existed)
@@ -842,7 +932,22 @@ async fn get_queue(
 ) -> ApiResult {
     let (vh, q) = queue_for(&state, &caller, &vhost, &name)?;
     let r = queue_rates(&state).per_second(&vhost, &name);
-    ok_json(queue_json(&vh, &state.node.node, &q, &r))
+    let mut v = queue_json(&vh, &state.node.node, &q, &r);
+    // As RabbitMQ, the one-queue view lists the queue's consumers (asking their connections,
+    // so only when the queue has any).
+    let details = if q.stats().consumers == 0 {
+        Vec::new()
+    } else {
+        match consumers_filtered(&state, &caller, Some(&vhost)).await {
+            Value::Array(all) => all
+                .into_iter()
+                .filter(|c| c["queue"]["name"] == name.as_str())
+                .collect(),
+            _ => Vec::new(),
+        }
+    };
+    v["consumer_details"] = Value::Array(details);
+    ok_json(v)
 }
 
 #[derive(Debug, Deserialize)]
@@ -872,7 +977,7 @@ async fn put_queue(
     Path((vhost, name)): Path<(String, String)>,
     raw: axum::body::Bytes,
 ) -> ApiResult {
-    vhost_for(&state, &caller, &vhost)?;
+    vhost_to_write(&state, &caller, &vhost)?;
     let b: QueueBody =
         serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let existed = state
@@ -897,18 +1002,49 @@ async fn put_queue(
     created(!existed)
 }
 
+/// `?if-empty=true` / `?if-unused=true` on a DELETE: RabbitMQ's conditional deletes (400 when
+/// the condition fails, from the AMQP 406).
+#[derive(Debug, Default, Deserialize)]
+struct DeleteConditions {
+    #[serde(rename = "if-empty")]
+    if_empty: Option<String>,
+    #[serde(rename = "if-unused")]
+    if_unused: Option<String>,
+}
+
+impl DeleteConditions {
+    fn flag(name: &str, v: Option<&String>) -> Result<bool, ApiError> {
+        match v.map(String::as_str) {
+            None | Some("false") => Ok(false),
+            Some("true") => Ok(true),
+            Some(other) => Err(ApiError::bad_request(format!(
+                "{name} must be true or false, not {other:?}"
+            ))),
+        }
+    }
+
+    fn if_empty(&self) -> Result<bool, ApiError> {
+        Self::flag("if-empty", self.if_empty.as_ref())
+    }
+
+    fn if_unused(&self) -> Result<bool, ApiError> {
+        Self::flag("if-unused", self.if_unused.as_ref())
+    }
+}
+
 async fn delete_queue(
     State(state): State<AppState>,
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
+    axum::extract::Query(cond): axum::extract::Query<DeleteConditions>,
 ) -> ApiResult {
     queue_for(&state, &caller, &vhost, &name)?;
     let mut d = direct(&state, &vhost, &caller)?;
     d.call(
         AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
             queue: short(&name)?,
-            if_unused: false,
-            if_empty: false,
+            if_unused: cond.if_unused()?,
+            if_empty: cond.if_empty()?,
             nowait: false,
         })),
         None,
@@ -1019,7 +1155,7 @@ async fn put_exchange(
     Path((vhost, name)): Path<(String, String)>,
     raw: axum::body::Bytes,
 ) -> ApiResult {
-    let vh = vhost_for(&state, &caller, &vhost)?;
+    let vh = vhost_to_write(&state, &caller, &vhost)?;
     let b: ExchangeBody =
         serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let existed = vh.exchange_exists(&name);
@@ -1045,6 +1181,7 @@ async fn delete_exchange(
     State(state): State<AppState>,
     caller: Caller,
     Path((vhost, name)): Path<(String, String)>,
+    axum::extract::Query(cond): axum::extract::Query<DeleteConditions>,
 ) -> ApiResult {
     let vh = vhost_for(&state, &caller, &vhost)?;
     if !vh.exchange_exists(&name) {
@@ -1054,7 +1191,7 @@ async fn delete_exchange(
     d.call(
         AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
             exchange: short(&name)?,
-            if_unused: false,
+            if_unused: cond.if_unused()?,
             nowait: false,
         })),
         None,
@@ -1128,7 +1265,7 @@ async fn post_binding(
     Path((vhost, source, kind, destination)): Path<(String, String, String, String)>,
     raw: axum::body::Bytes,
 ) -> ApiResult {
-    vhost_for(&state, &caller, &vhost)?;
+    vhost_to_write(&state, &caller, &vhost)?;
     let b: BindingBody =
         serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let args = arguments(b.arguments.as_ref())?;
@@ -1751,7 +1888,10 @@ async fn put_policy<const OPERATOR: bool>(
     raw: axum::body::Bytes,
 ) -> ApiResult {
     let kind = kind::<OPERATOR>();
-    let vh = state.broker.vhost(&vhost).ok_or_else(ApiError::not_found)?;
+    let vh = state
+        .broker
+        .vhost(&vhost)
+        .ok_or_else(ApiError::vhost_not_found)?;
     require_policy_writer(&state, &caller, &vhost, kind)?;
     let b: PolicyBody =
         serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
@@ -1975,14 +2115,7 @@ fn topic_json(p: &warren_broker::users::TopicPermissionRecord) -> Value {
 
 async fn list_topic_permissions(State(state): State<AppState>, caller: Caller) -> ApiResult {
     caller.require_admin()?;
-    ok_json(Value::Array(
-        state
-            .broker
-            .list_topic_permissions(None, None)
-            .iter()
-            .map(topic_json)
-            .collect(),
-    ))
+    ok_json(grants(&state, None, None, true))
 }
 
 async fn get_topic_permissions(
@@ -2030,7 +2163,7 @@ async fn put_topic_permission(
         state
             .broker
             .set_topic_permissions(record, done)
-            .map_err(|e| user_error(&e))
+            .map_err(|e| grant_error(&e))
     })
     .await?;
     created(!existed)
@@ -2395,13 +2528,18 @@ async fn import_definitions(
         if name.is_empty() {
             return Err(ApiError::bad_request("definitions: a user without a name"));
         }
+        // RabbitMQ's import takes a plain `password` too (hashed here, never stored).
+        let password_hash = match (
+            u.get("password_hash").and_then(Value::as_str),
+            u.get("password").and_then(Value::as_str),
+        ) {
+            (Some(h), _) => h.to_string(),
+            (None, Some(p)) => warren_broker::users::hash_password(p),
+            (None, None) => String::new(),
+        };
         let record = warren_broker::users::UserRecord {
             name: name.to_string(),
-            password_hash: u
-                .get("password_hash")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_string(),
+            password_hash,
             hashing_algorithm: u
                 .get("hashing_algorithm")
                 .and_then(Value::as_str)
@@ -2619,6 +2757,29 @@ async fn consumers_filtered(state: &AppState, caller: &Caller, vhost: Option<&st
         }
     }
     Value::Array(out)
+}
+
+/// `GET /api/channels/{name}`: one channel, named `<connection name> (<number>)`.
+async fn get_channel(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult {
+    let (conn, number) = name
+        .strip_suffix(')')
+        .and_then(|n| n.rsplit_once(" ("))
+        .and_then(|(c, n)| Some((c, n.parse::<u16>().ok()?)))
+        .ok_or_else(ApiError::not_found)?;
+    let conns = visible_connections(&state, &caller)
+        .into_iter()
+        .filter(|h| h.info.name == conn)
+        .collect();
+    channels_of(conns)
+        .await
+        .iter()
+        .find(|(_, c)| c.number == number)
+        .map(|(h, c)| ok_json(channel_json(&state.node.node, h, c)))
+        .unwrap_or_else(|| Err(ApiError::not_found()))
 }
 
 async fn list_consumers(State(state): State<AppState>, caller: Caller) -> ApiResult {

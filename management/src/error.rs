@@ -38,6 +38,16 @@ impl ApiError {
         }
     }
 
+    /// 404 for a PUT or POST into a vhost that does not exist (RabbitMQ's shape for it).
+    #[must_use]
+    pub fn vhost_not_found() -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            error: "not_found",
+            reason: "vhost_not_found".into(),
+        }
+    }
+
     /// 400 for a body or parameter that does not validate.
     #[must_use]
     pub fn bad_request(reason: impl Into<String>) -> Self {

@@ -115,10 +115,12 @@ pub fn apply(items: Vec<Value>, q: &ListQuery) -> Result<Value, ApiError> {
             let re = regex_lite(name)?;
             items.retain(|i| i.get("name").and_then(Value::as_str).is_some_and(&re));
         } else {
+            // A case-insensitive substring, as RabbitMQ matches it.
+            let needle = name.to_lowercase();
             items.retain(|i| {
                 i.get("name")
                     .and_then(Value::as_str)
-                    .is_some_and(|n| n.contains(name))
+                    .is_some_and(|n| n.to_lowercase().contains(&needle))
             });
         }
     }
