@@ -14,10 +14,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 use tokio::net::UnixListener;
 use warren_broker::Broker;
-use warren_broker::policy::{PolicyDef, PolicyKind};
-use warren_broker::users::{
-    PermissionRecord, TopicPermissionRecord, UserError, UserLimits, VhostLimits,
-};
+use warren_broker::users::UserError;
 
 /// Longest request line accepted: a definitions file for import_definitions (RabbitMQ's
 /// management body limit, 20 MiB, with room for JSON escaping).
@@ -49,288 +46,19 @@ enum Request {
         mem_relative: Option<f64>,
     },
     ListAlarms,
-    SetPolicy(PolicyDef),
-    ClearPolicy {
-        vhost: String,
-        name: String,
-    },
-    ListPolicies {
-        vhost: String,
-    },
-    AddUser {
-        name: String,
-        password: String,
-    },
-    DeleteUser {
-        name: String,
-    },
-    ChangePassword {
-        name: String,
-        password: String,
-    },
-    SetUserTags {
-        name: String,
-        tags: Vec<String>,
-    },
-    ListUsers,
     AuthenticateUser {
         name: String,
         password: String,
     },
-    SetPermissions(PermissionRecord),
-    ClearPermissions {
-        vhost: String,
-        user: String,
-    },
-    ListPermissions {
-        vhost: Option<String>,
-        user: Option<String>,
-    },
-    AddVhost {
-        name: String,
-        default_queue_type: Option<String>,
-    },
-    UpdateVhostMetadata {
-        name: String,
-        default_queue_type: Option<String>,
-    },
-    DeleteVhost {
-        name: String,
-    },
-    ListVhosts {
-        #[serde(default)]
-        columns: Vec<String>,
-    },
-    SetVhostLimits {
-        vhost: String,
-        limits: VhostLimits,
-    },
-    ListVhostLimits {
-        vhost: String,
-    },
-    SetUserLimits {
-        name: String,
-        limits: UserLimits,
-    },
-    ClearUserLimits {
-        name: String,
-        limit: String,
-    },
-    ListUserLimits {
-        name: String,
-    },
-    SetTopicPermissions(TopicPermissionRecord),
-    ClearTopicPermissions {
-        vhost: String,
-        user: String,
-        exchange: Option<String>,
-    },
-    ListTopicPermissions {
-        vhost: Option<String>,
-        user: Option<String>,
-    },
 }
 
 /// rabbitmqctl's exit codes for the errors it reports (sysexits).
-fn exit_code(e: &UserError) -> u8 {
+pub(crate) fn exit_code(e: &UserError) -> u8 {
     match e {
         UserError::NoSuchUser(_) => 67,
         UserError::NoSuchVhost(_) | UserError::BadPattern(..) | UserError::Algorithm(_) => 69,
         UserError::QueueType(_) => 64,
         UserError::Exists(_) => 70,
-    }
-}
-
-fn user_result(r: Result<(), UserError>) -> Value {
-    match r {
-        Ok(()) => json!({"ok": true}),
-        Err(e) => json!({"ok": false, "error": e.to_string(), "code": exit_code(&e)}),
-    }
-}
-
-/// Users and permissions (node-wide, not per vhost).
-fn handle_users(
-    broker: &Broker,
-    request: Request,
-    on_commit: warren_broker::vhost::OnCommit<'_>,
-) -> Value {
-    match request {
-        Request::AddUser { name, password } => {
-            user_result(broker.add_user(&name, &password, on_commit))
-        }
-        Request::DeleteUser { name } => user_result(broker.delete_user(&name, on_commit)),
-        Request::ChangePassword { name, password } => {
-            user_result(broker.change_password(&name, &password, on_commit))
-        }
-        Request::SetUserTags { name, tags } => {
-            user_result(broker.set_user_tags(&name, tags, on_commit))
-        }
-        Request::ListUsers => {
-            let rows: Vec<Vec<String>> = broker
-                .list_users()
-                .into_iter()
-                .map(|u| vec![u.name, format!("[{}]", u.tags.join(", "))])
-                .collect();
-            json!({"ok": true, "header": ["user", "tags"], "rows": rows})
-        }
-        Request::AuthenticateUser { name, password } => {
-            if broker.authenticate(&name, &password) {
-                json!({"ok": true, "message": "Success"})
-            } else {
-                json!({"ok": false, "error": format!("failed to authenticate user \"{name}\""), "code": 65})
-            }
-        }
-        Request::SetPermissions(p) => user_result(broker.set_permissions(p, on_commit)),
-        Request::ClearPermissions { vhost, user } => {
-            user_result(broker.clear_permissions(&vhost, &user, on_commit))
-        }
-        Request::AddVhost {
-            name,
-            default_queue_type,
-        } => user_result(
-            broker
-                .add_vhost(&name, default_queue_type.as_deref(), on_commit)
-                .map(|_| ()),
-        ),
-        // Keys not given are left as they are, as in rabbitmqctl.
-        Request::UpdateVhostMetadata {
-            name,
-            default_queue_type: None,
-        } => match broker.vhost(&name) {
-            Some(_) => json!({"ok": true}),
-            None => user_result(Err(UserError::NoSuchVhost(name))),
-        },
-        Request::UpdateVhostMetadata {
-            name,
-            default_queue_type,
-        } => user_result(broker.set_default_queue_type(
-            &name,
-            default_queue_type.as_deref(),
-            on_commit,
-        )),
-        Request::DeleteVhost { name } => match broker.delete_vhost(&name, on_commit) {
-            Ok(()) => json!({"ok": true}),
-            // rabbitmqctl's code for a missing vhost here is 65, not 69.
-            Err(_) => {
-                json!({"ok": false, "error": format!("Virtual host '{name}' does not exist"), "code": 65})
-            }
-        },
-        Request::SetVhostLimits { vhost, limits } => {
-            user_result(broker.set_vhost_limits(&vhost, limits, on_commit))
-        }
-        Request::ListVhostLimits { vhost } => match broker.vhost(&vhost) {
-            Some(v) => {
-                let limits = serde_json::to_value(&*v.limits.read()).unwrap_or_default();
-                json!({"ok": true, "message": limits.to_string()})
-            }
-            None => {
-                json!({"ok": false, "error": format!("Virtual host '{vhost}' does not exist"), "code": 65})
-            }
-        },
-        Request::SetUserLimits { name, limits } => {
-            user_result(broker.set_user_limits(&name, limits, on_commit))
-        }
-        Request::ClearUserLimits { name, limit } => {
-            let current = broker
-                .list_users()
-                .into_iter()
-                .find(|u| u.name == name)
-                .map(|u| u.limits);
-            match current {
-                None => user_result(Err(UserError::NoSuchUser(name))),
-                Some(mut l) => {
-                    match limit.as_str() {
-                        "all" => l = UserLimits::default(),
-                        "max-connections" => l.max_connections = None,
-                        "max-channels" => l.max_channels = None,
-                        _ => {}
-                    }
-                    user_result(broker.set_user_limits(&name, l, on_commit))
-                }
-            }
-        }
-        Request::ListUserLimits { name } => {
-            match broker.list_users().into_iter().find(|u| u.name == name) {
-                Some(u) => {
-                    let limits = serde_json::to_value(&u.limits).unwrap_or_default();
-                    json!({"ok": true, "message": limits.to_string()})
-                }
-                None => user_result(Err(UserError::NoSuchUser(name))),
-            }
-        }
-        Request::SetTopicPermissions(p) => user_result(broker.set_topic_permissions(p, on_commit)),
-        Request::ClearTopicPermissions {
-            vhost,
-            user,
-            exchange,
-        } => user_result(broker.clear_topic_permissions(
-            &vhost,
-            &user,
-            exchange.as_deref(),
-            on_commit,
-        )),
-        Request::ListTopicPermissions { vhost, user } => {
-            let by_user = user.is_some();
-            let rows: Vec<Vec<String>> = broker
-                .list_topic_permissions(vhost.as_deref(), user.as_deref())
-                .into_iter()
-                .map(|p| {
-                    let first = if by_user { p.vhost } else { p.user };
-                    vec![first, p.exchange, p.write, p.read]
-                })
-                .collect();
-            let first = if by_user { "vhost" } else { "user" };
-            json!({"ok": true, "header": [first, "exchange", "write", "read"], "rows": rows})
-        }
-        Request::ListVhosts { columns } => {
-            let columns = if columns.is_empty() {
-                vec!["name".to_string()]
-            } else {
-                columns
-            };
-            if let Some(bad) = columns
-                .iter()
-                .find(|c| !["name", "default_queue_type"].contains(&c.as_str()))
-            {
-                return json!({"ok": false, "error": format!("Illegal column: {bad}"), "code": 64});
-            }
-            let rows: Vec<Vec<String>> = broker
-                .list_vhosts()
-                .into_iter()
-                .filter_map(|name| broker.vhost(&name))
-                .map(|vh| {
-                    columns
-                        .iter()
-                        .map(|c| match c.as_str() {
-                            "default_queue_type" => vh
-                                .default_queue_type
-                                .read()
-                                .clone()
-                                .unwrap_or_else(|| "undefined".into()),
-                            _ => vh.name.clone(),
-                        })
-                        .collect()
-                })
-                .collect();
-            json!({"ok": true, "header": columns, "rows": rows})
-        }
-        Request::ListPermissions { vhost: Some(v), .. } if broker.vhost(&v).is_none() => {
-            json!({"ok": false, "error": format!("Virtual host '{v}' does not exist"), "code": 65})
-        }
-        Request::ListPermissions { vhost, user } => {
-            let by_user = user.is_some();
-            let rows: Vec<Vec<String>> = broker
-                .list_permissions(vhost.as_deref(), user.as_deref())
-                .into_iter()
-                .map(|p| {
-                    let first = if by_user { p.vhost } else { p.user };
-                    vec![first, p.configure, p.write, p.read]
-                })
-                .collect();
-            let first = if by_user { "vhost" } else { "user" };
-            json!({"ok": true, "header": [first, "configure", "write", "read"], "rows": rows})
-        }
-        _ => json!({"ok": false, "error": "not a user request"}),
     }
 }
 
@@ -378,65 +106,20 @@ async fn handle(broker: &Broker, app: &warren_management::AppState, line: &str) 
         Ok(r) => r,
         Err(e) => return json!({"ok": false, "error": format!("bad request: {e}")}),
     };
-    // Management API calls: made in process as the local administrator.
-    if let Request::Api {
-        method,
-        path,
-        body,
-        headers,
-    } = request
-    {
-        let body = body.map(|b| b.to_string().into_bytes());
-        let (status, bytes) =
-            warren_management::local_call(app.clone(), &method, &path, body, &headers).await;
-        let value: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-        return json!({"ok": true, "status": status, "api": value});
-    }
-    // Changes are acknowledged once durable, like declarations.
-    let (tx, rx) = tokio::sync::oneshot::channel::<bool>();
-    let mut tx = Some(tx);
-    let mut on_commit = move || -> warren_store::writer::Completion {
-        let tx = tx.take();
-        Box::new(move |r| {
-            if let Some(tx) = tx {
-                let _ = tx.send(r.is_ok());
-            }
-        })
-    };
-    let vhost_name = match &request {
-        Request::SetPolicy(d) => d.vhost.clone(),
-        Request::ClearPolicy { vhost, .. } | Request::ListPolicies { vhost } => vhost.clone(),
-        _ => String::new(),
-    };
-    let vhost = broker.vhost(&vhost_name);
-    let reply = match request {
-        Request::SetPolicy(_) | Request::ClearPolicy { .. } | Request::ListPolicies { .. }
-            if vhost.is_none() =>
-        {
-            json!({"ok": false, "error": format!("no vhost '{vhost_name}'"), "code": 69})
-        }
-        Request::SetPolicy(def) => {
-            match vhost
-                .as_ref()
-                .map(|v| v.set_policy(PolicyKind::User, def, &mut on_commit))
-            {
-                Some(Ok(())) => json!({"ok": true}),
-                Some(Err(e)) => json!({"ok": false, "error": e.to_string()}),
-                None => json!({"ok": false}),
-            }
-        }
-        Request::ClearPolicy { name, .. } => {
-            if vhost
-                .as_ref()
-                .is_some_and(|v| v.clear_policy(PolicyKind::User, &name, &mut on_commit))
-            {
-                json!({"ok": true})
-            } else {
-                json!({"ok": false, "error": format!("no policy '{name}' in vhost '{vhost_name}'")})
-            }
-        }
-        Request::ListPolicies { .. } => {
-            json!({"ok": true, "policies": vhost.as_ref().map(|v| v.policies(PolicyKind::User))})
+    match request {
+        // Management API calls: made in process as the local administrator. Every change to
+        // users, vhosts, permissions, limits, policies and topology goes this way.
+        Request::Api {
+            method,
+            path,
+            body,
+            headers,
+        } => {
+            let body = body.map(|b| b.to_string().into_bytes());
+            let (status, bytes) =
+                warren_management::local_call(app.clone(), &method, &path, body, &headers).await;
+            let value: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            json!({"ok": true, "status": status, "api": value})
         }
         Request::SetMemoryWatermark { relative, absolute } => {
             use warren_broker::alarms::MemoryWatermark;
@@ -495,14 +178,14 @@ async fn handle(broker: &Broker, app: &warren_management::AppState, line: &str) 
             };
             json!({"ok": true, "message": message})
         }
-        other => handle_users(broker, other, &mut on_commit),
-    };
-    drop(on_commit);
-    // Without a store write (or with an error) the sender is gone and this returns at once.
-    if rx.await == Ok(false) {
-        return json!({"ok": false, "error": "store write failed"});
+        Request::AuthenticateUser { name, password } => {
+            if broker.authenticate(&name, &password) {
+                json!({"ok": true, "message": "Success"})
+            } else {
+                json!({"ok": false, "error": format!("failed to authenticate user \"{name}\""), "code": 65})
+            }
+        }
     }
-    reply
 }
 
 /// `warren ctl` subcommands (rabbitmqctl names).
@@ -919,7 +602,7 @@ fn api_listing(command: &CtlCommand) -> Option<(String, String, Vec<&'static str
     })
 }
 
-fn percent_segment(s: &str) -> String {
+pub(crate) fn percent_segment(s: &str) -> String {
     s.bytes()
         .map(|b| {
             if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
@@ -966,7 +649,7 @@ fn send(data_dir: &Path, request: &Request) -> anyhow::Result<Value> {
 }
 
 /// Send one management API request over the admin socket.
-fn api_request(
+pub(crate) fn api_request(
     data_dir: &Path,
     method: &str,
     path: &str,
@@ -1327,121 +1010,13 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
     if let Some(banner) = command.banner() {
         println!("{banner}");
     }
+    if let Some(result) = crate::ctl_api::run(data_dir, &command) {
+        return result;
+    }
     let request = match command {
-        CtlCommand::SetPolicy {
-            name,
-            pattern,
-            definition,
-            priority,
-            apply_to,
-            vhost,
-        } => {
-            let definition: serde_json::Map<String, Value> = serde_json::from_str(&definition)
-                .context("the definition must be a JSON object")?;
-            Request::SetPolicy(PolicyDef {
-                vhost,
-                name,
-                pattern,
-                apply_to,
-                priority,
-                definition,
-            })
-        }
-        CtlCommand::ClearPolicy { name, vhost } => Request::ClearPolicy { vhost, name },
-        CtlCommand::ListPolicies { vhost } => Request::ListPolicies { vhost },
-        CtlCommand::AddUser { name, password } => Request::AddUser { name, password },
-        CtlCommand::DeleteUser { name } => Request::DeleteUser { name },
-        CtlCommand::ChangePassword { name, password } => Request::ChangePassword { name, password },
-        CtlCommand::SetUserTags { name, tags } => Request::SetUserTags { name, tags },
-        CtlCommand::ListUsers => Request::ListUsers,
         CtlCommand::AuthenticateUser { name, password } => {
             Request::AuthenticateUser { name, password }
         }
-        CtlCommand::SetPermissions {
-            user,
-            configure,
-            write,
-            read,
-            vhost,
-        } => Request::SetPermissions(PermissionRecord {
-            user,
-            vhost,
-            configure,
-            write,
-            read,
-        }),
-        CtlCommand::ClearPermissions { user, vhost } => Request::ClearPermissions { vhost, user },
-        CtlCommand::ListPermissions { vhost } => Request::ListPermissions {
-            vhost: Some(vhost),
-            user: None,
-        },
-        CtlCommand::ListUserPermissions { user } => Request::ListPermissions {
-            vhost: None,
-            user: Some(user),
-        },
-        CtlCommand::AddVhost {
-            name,
-            default_queue_type,
-        } => Request::AddVhost {
-            name,
-            default_queue_type,
-        },
-        CtlCommand::UpdateVhostMetadata {
-            name,
-            default_queue_type,
-        } => Request::UpdateVhostMetadata {
-            name,
-            default_queue_type,
-        },
-        CtlCommand::DeleteVhost { name } => Request::DeleteVhost { name },
-        CtlCommand::ListVhosts { columns } => Request::ListVhosts { columns },
-        CtlCommand::SetVhostLimits { definition, vhost } => Request::SetVhostLimits {
-            vhost,
-            limits: serde_json::from_str(&definition)
-                .context("limits must be a JSON object with max-connections / max-queues")?,
-        },
-        CtlCommand::ClearVhostLimits { vhost } => Request::SetVhostLimits {
-            vhost,
-            limits: VhostLimits::default(),
-        },
-        CtlCommand::ListVhostLimits { vhost } => Request::ListVhostLimits { vhost },
-        CtlCommand::SetUserLimits { name, definition } => Request::SetUserLimits {
-            name,
-            limits: serde_json::from_str(&definition)
-                .context("limits must be a JSON object with max-connections / max-channels")?,
-        },
-        CtlCommand::ClearUserLimits { name, limit } => Request::ClearUserLimits { name, limit },
-        CtlCommand::ListUserLimits { user } => Request::ListUserLimits { name: user },
-        CtlCommand::SetTopicPermissions {
-            user,
-            exchange,
-            write,
-            read,
-            vhost,
-        } => Request::SetTopicPermissions(TopicPermissionRecord {
-            user,
-            vhost,
-            exchange,
-            write,
-            read,
-        }),
-        CtlCommand::ClearTopicPermissions {
-            user,
-            exchange,
-            vhost,
-        } => Request::ClearTopicPermissions {
-            vhost,
-            user,
-            exchange,
-        },
-        CtlCommand::ListTopicPermissions { vhost } => Request::ListTopicPermissions {
-            vhost: Some(vhost),
-            user: None,
-        },
-        CtlCommand::ListUserTopicPermissions { user } => Request::ListTopicPermissions {
-            vhost: None,
-            user: Some(user),
-        },
         CtlCommand::SetVmMemoryHighWatermark { value, size } => match (value.as_str(), size) {
             ("absolute", Some(size)) => Request::SetMemoryWatermark {
                 relative: None,
@@ -1469,7 +1044,7 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
             _ => anyhow::bail!("usage: set_disk_free_limit <size> | mem_relative <fraction>"),
         },
         CtlCommand::Alarms => Request::ListAlarms,
-        // Served by the management API (api_ctl) before this match.
+        // Served by the management API (api_ctl, ctl_api) before this match.
         other => anyhow::bail!("{other:?} is served through the management API"),
     };
     let reply = send(data_dir, &request)?;

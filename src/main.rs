@@ -2,6 +2,7 @@
 
 mod admin;
 mod config;
+mod ctl_api;
 mod resources;
 mod server;
 mod tls;

@@ -2169,23 +2169,33 @@ async fn put_topic_permission(
     created(!existed)
 }
 
+#[derive(Debug, Default, Deserialize)]
+struct TopicScope {
+    exchange: Option<String>,
+}
+
+/// DELETE `/api/topic-permissions/{vhost}/{user}`: all the user's topic permissions in the
+/// vhost, or (Warren's `?exchange=`, for `warren ctl clear_topic_permissions`) one exchange's.
 async fn delete_topic_permissions(
     State(state): State<AppState>,
     caller: Caller,
     Path((vhost, user)): Path<(String, String)>,
+    axum::extract::Query(scope): axum::extract::Query<TopicScope>,
 ) -> ApiResult {
     caller.require_admin()?;
-    if state
+    let exchange = scope.exchange.as_deref();
+    if !state
         .broker
         .list_topic_permissions(Some(&vhost), Some(&user))
-        .is_empty()
+        .iter()
+        .any(|p| exchange.is_none_or(|x| p.exchange == x))
     {
         return Err(ApiError::not_found());
     }
     durably(|done| {
         state
             .broker
-            .clear_topic_permissions(&vhost, &user, None, done)
+            .clear_topic_permissions(&vhost, &user, exchange, done)
             .map_err(|e| user_error(&e))
     })
     .await?;
