@@ -188,31 +188,35 @@ async fn handle(broker: &Broker, app: &warren_management::AppState, line: &str) 
     }
 }
 
+/// The arguments of `set_policy` and `set_operator_policy`.
+#[derive(Debug, clap::Args)]
+pub struct PolicyArgs {
+    /// Policy name.
+    pub name: String,
+    /// Regular expression matched against queue / exchange names.
+    pub pattern: String,
+    /// JSON object of settings.
+    pub definition: String,
+    /// Higher wins when several match.
+    #[arg(long, default_value_t = 0)]
+    pub priority: i32,
+    /// all, queues, classic_queues, quorum_queues or exchanges.
+    #[arg(long = "apply-to", default_value = "all")]
+    pub apply_to: String,
+    /// Vhost.
+    #[arg(short = 'p', long, default_value = "/")]
+    pub vhost: String,
+}
+
 /// `warren ctl` subcommands (rabbitmqctl names).
 #[derive(Debug, clap::Subcommand)]
 #[command(rename_all = "snake_case")]
 pub enum CtlCommand {
     /// Set a policy: NAME PATTERN DEFINITION (JSON), e.g.
-    /// `set_policy limits '^orders\.' '{"max-length": 1000}' --apply-to queues`.
-    SetPolicy {
-        /// Policy name.
-        name: String,
-        /// Regular expression matched against queue / exchange names.
-        pattern: String,
-        /// JSON object of settings (message-ttl, expires, max-length, max-length-bytes,
-        /// overflow, dead-letter-exchange, dead-letter-routing-key, delivery-limit,
-        /// alternate-exchange).
-        definition: String,
-        /// Higher wins when several match.
-        #[arg(long, default_value_t = 0)]
-        priority: i32,
-        /// all, queues, classic_queues, quorum_queues or exchanges.
-        #[arg(long = "apply-to", default_value = "all")]
-        apply_to: String,
-        /// Vhost.
-        #[arg(short = 'p', long, default_value = "/")]
-        vhost: String,
-    },
+    /// `set_policy limits '^orders\.' '{"max-length": 1000}' --apply-to queues`. Keys:
+    /// message-ttl, expires, max-length, max-length-bytes, overflow, dead-letter-exchange,
+    /// dead-letter-routing-key, delivery-limit, alternate-exchange.
+    SetPolicy(PolicyArgs),
     /// Remove a policy.
     ClearPolicy {
         /// Policy name.
@@ -488,24 +492,8 @@ pub enum CtlCommand {
     Status,
     /// Set an operator policy (limits that cap users' policies and queue arguments): NAME
     /// PATTERN DEFINITION, e.g. `set_operator_policy cap '.*' '{"max-length": 100000}'`.
-    SetOperatorPolicy {
-        /// Policy name.
-        name: String,
-        /// Regular expression matched against queue names.
-        pattern: String,
-        /// JSON object of limits (message-ttl, expires, max-length, max-length-bytes,
-        /// delivery-limit).
-        definition: String,
-        /// Higher wins when several match.
-        #[arg(long, default_value_t = 0)]
-        priority: i32,
-        /// queues, classic_queues or quorum_queues.
-        #[arg(long = "apply-to", default_value = "queues")]
-        apply_to: String,
-        /// Vhost.
-        #[arg(short = 'p', long, default_value = "/")]
-        vhost: String,
-    },
+    /// Keys: message-ttl, expires, max-length, max-length-bytes, delivery-limit.
+    SetOperatorPolicy(PolicyArgs),
     /// Remove an operator policy.
     ClearOperatorPolicy {
         /// Policy name.
@@ -830,44 +818,6 @@ fn api_ctl(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
             vec![("x-reason".to_string(), explanation.clone())],
         ),
         CtlCommand::Status => return Some(status(data_dir)),
-        CtlCommand::SetOperatorPolicy {
-            name,
-            pattern,
-            definition,
-            priority,
-            apply_to,
-            vhost,
-        } => {
-            let definition: Value = match serde_json::from_str(definition) {
-                Ok(d) => d,
-                Err(e) => return Some(Err(anyhow::anyhow!("the definition must be JSON: {e}"))),
-            };
-            (
-                format!(
-                    "Setting operator policy override \"{name}\" for pattern \"{pattern}\" to \"{definition}\" with priority \"{priority}\" ..."
-                ),
-                "PUT",
-                format!(
-                    "/api/operator-policies/{}/{}",
-                    percent_segment(vhost),
-                    percent_segment(name)
-                ),
-                Some(json!({"pattern": pattern, "definition": definition,
-                            "priority": priority, "apply-to": apply_to})),
-                Vec::new(),
-            )
-        }
-        CtlCommand::ClearOperatorPolicy { name, vhost } => (
-            format!("Clearing operator policy \"{name}\" on vhost \"{vhost}\" ..."),
-            "DELETE",
-            format!(
-                "/api/operator-policies/{}/{}",
-                percent_segment(vhost),
-                percent_segment(name)
-            ),
-            None,
-            Vec::new(),
-        ),
         CtlCommand::ExportDefinitions { path } => {
             if path != "-" {
                 println!("Exporting definitions in JSON to a file at \"{path}\" ...");
@@ -986,6 +936,13 @@ impl CtlCommand {
             }
             Self::ListUserTopicPermissions { user } => {
                 format!("Listing topic permissions for user \"{user}\" ...")
+            }
+            Self::SetOperatorPolicy(a) => format!(
+                "Setting operator policy override \"{}\" for pattern \"{}\" to \"{}\" with priority \"{}\" ...",
+                a.name, a.pattern, a.definition, a.priority
+            ),
+            Self::ClearOperatorPolicy { name, vhost } => {
+                format!("Clearing operator policy \"{name}\" on vhost \"{vhost}\" ...")
             }
             Self::SetVmMemoryHighWatermark { value, size } => match size {
                 Some(size) => format!("Setting memory threshold on warren to {size} bytes ..."),

@@ -194,67 +194,32 @@ pub fn run(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
             write,
             read,
             vhost,
-        } => grant(
-            &api,
-            vhost,
-            user,
-            &format!("/api/permissions/{}/{}", seg(vhost), seg(user)),
-            json!({"configure": configure, "write": write, "read": read}),
-        ),
-        CtlCommand::ClearPermissions { user, vhost } => revoke(
-            &api,
-            vhost,
-            user,
-            &format!("/api/permissions/{}/{}", seg(vhost), seg(user)),
-        ),
-        CtlCommand::ListPermissions { vhost } => list_grants(
-            &api,
-            &format!("/api/vhosts/{}/permissions", seg(vhost)),
-            vhost,
-            &["user", "configure", "write", "read"],
-        ),
-        CtlCommand::ListUserPermissions { user } => list_grants(
-            &api,
-            &format!("/api/users/{}/permissions", seg(user)),
-            "",
-            &["vhost", "configure", "write", "read"],
-        ),
+        } => grant(&api, PERMISSIONS, vhost, user, [configure, write, read]),
+        CtlCommand::ClearPermissions { user, vhost } => {
+            revoke(&api, &grant_path(PERMISSIONS, vhost, user), vhost, user)
+        }
+        CtlCommand::ListPermissions { vhost } => list_grants(&api, PERMISSIONS, By::Vhost(vhost)),
+        CtlCommand::ListUserPermissions { user } => list_grants(&api, PERMISSIONS, By::User(user)),
         CtlCommand::SetTopicPermissions {
             user,
             exchange,
             write,
             read,
             vhost,
-        } => grant(
-            &api,
-            vhost,
-            user,
-            &format!("/api/topic-permissions/{}/{}", seg(vhost), seg(user)),
-            json!({"exchange": exchange, "write": write, "read": read}),
-        ),
+        } => grant(&api, TOPIC, vhost, user, [exchange, write, read]),
         CtlCommand::ClearTopicPermissions {
             user,
             exchange,
             vhost,
         } => {
-            let mut path = format!("/api/topic-permissions/{}/{}", seg(vhost), seg(user));
+            let mut path = grant_path(TOPIC, vhost, user);
             if let Some(x) = exchange {
                 path.push_str(&format!("?exchange={}", seg(x)));
             }
-            revoke(&api, vhost, user, &path)
+            revoke(&api, &path, vhost, user)
         }
-        CtlCommand::ListTopicPermissions { vhost } => list_grants(
-            &api,
-            &format!("/api/vhosts/{}/topic-permissions", seg(vhost)),
-            vhost,
-            &["user", "exchange", "write", "read"],
-        ),
-        CtlCommand::ListUserTopicPermissions { user } => list_grants(
-            &api,
-            &format!("/api/users/{}/topic-permissions", seg(user)),
-            "",
-            &["vhost", "exchange", "write", "read"],
-        ),
+        CtlCommand::ListTopicPermissions { vhost } => list_grants(&api, TOPIC, By::Vhost(vhost)),
+        CtlCommand::ListUserTopicPermissions { user } => list_grants(&api, TOPIC, By::User(user)),
         CtlCommand::AddVhost {
             name,
             default_queue_type,
@@ -344,37 +309,12 @@ pub fn run(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
                 }
                 _ => no_user(user),
             }),
-        CtlCommand::SetPolicy {
-            name,
-            pattern,
-            definition,
-            priority,
-            apply_to,
-            vhost,
-        } => (|| {
-            let definition = json_object(definition, "the definition")?;
-            let (status, body) = api.call(
-                "PUT",
-                &format!("/api/policies/{}/{}", seg(vhost), seg(name)),
-                Some(json!({"pattern": pattern, "definition": definition,
-                            "priority": priority, "apply-to": apply_to})),
-            )?;
-            Ok(match status {
-                404 => no_vhost(vhost),
-                s => done(s, &body, 1),
-            })
-        })(),
-        CtlCommand::ClearPolicy { name, vhost } => api
-            .call(
-                "DELETE",
-                &format!("/api/policies/{}/{}", seg(vhost), seg(name)),
-                None,
-            )
-            .map(|(status, body)| match status {
-                404 if !api.vhost_exists(vhost).unwrap_or(false) => no_vhost(vhost),
-                404 => fail(&format!("no policy '{name}' in vhost '{vhost}'"), 1),
-                s => done(s, &body, 1),
-            }),
+        CtlCommand::SetPolicy(args) => set_policy(&api, "policies", args),
+        CtlCommand::SetOperatorPolicy(args) => set_policy(&api, "operator-policies", args),
+        CtlCommand::ClearPolicy { name, vhost } => clear_policy(&api, "policies", name, vhost),
+        CtlCommand::ClearOperatorPolicy { name, vhost } => {
+            clear_policy(&api, "operator-policies", name, vhost)
+        }
         CtlCommand::ListPolicies { vhost } => api
             .get(&format!("/api/policies/{}", seg(vhost)))
             .and_then(|(status, list)| match status {
@@ -387,6 +327,34 @@ pub fn run(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
         _ => return None,
     };
     Some(result)
+}
+
+/// PUT a policy into `set` (`policies` or `operator-policies`).
+fn set_policy(api: &Api<'_>, set: &str, a: &crate::admin::PolicyArgs) -> anyhow::Result<u8> {
+    let definition = json_object(&a.definition, "the definition")?;
+    let (status, body) = api.call(
+        "PUT",
+        &format!("/api/{set}/{}/{}", seg(&a.vhost), seg(&a.name)),
+        Some(json!({"pattern": a.pattern, "definition": definition,
+                    "priority": a.priority, "apply-to": a.apply_to})),
+    )?;
+    Ok(match status {
+        404 => no_vhost(&a.vhost),
+        s => done(s, &body, 1),
+    })
+}
+
+fn clear_policy(api: &Api<'_>, set: &str, name: &str, vhost: &str) -> anyhow::Result<u8> {
+    let (status, body) = api.call(
+        "DELETE",
+        &format!("/api/{set}/{}/{}", seg(vhost), seg(name)),
+        None,
+    )?;
+    Ok(match status {
+        404 if !api.vhost_exists(vhost)? => no_vhost(vhost),
+        404 => fail(&format!("no policy '{name}' in vhost '{vhost}'"), 1),
+        s => done(s, &body, 1),
+    })
 }
 
 fn add_user(api: &Api<'_>, name: &str, password: &str) -> anyhow::Result<u8> {
@@ -426,17 +394,36 @@ fn missing_party(api: &Api<'_>, vhost: &str, user: &str) -> anyhow::Result<Optio
     Ok(None)
 }
 
-fn grant(api: &Api<'_>, vhost: &str, user: &str, path: &str, body: Value) -> anyhow::Result<u8> {
+/// `/api/{permissions|topic-permissions}/{vhost}/{user}`.
+fn grant_path((kind, _): Grants, vhost: &str, user: &str) -> String {
+    format!("/api/{kind}/{}/{}", seg(vhost), seg(user))
+}
+
+/// Set a grant: `values` are the kind's three fields (configure/exchange, write, read).
+fn grant(
+    api: &Api<'_>,
+    grants: Grants,
+    vhost: &str,
+    user: &str,
+    values: [&String; 3],
+) -> anyhow::Result<u8> {
     if let Some(code) = missing_party(api, vhost, user)? {
         return Ok(code);
     }
-    let (status, reply) = api.call("PUT", path, Some(body))?;
+    let body: serde_json::Map<String, Value> = grants
+        .1
+        .iter()
+        .zip(values)
+        .map(|(k, v)| ((*k).to_string(), Value::from(v.as_str())))
+        .collect();
+    let path = grant_path(grants, vhost, user);
+    let (status, reply) = api.call("PUT", &path, Some(Value::Object(body)))?;
     // What the API refuses past that is a pattern that does not compile.
     let code = crate::admin::exit_code(&UserError::BadPattern(String::new(), String::new()));
     Ok(done(status, &reply, code))
 }
 
-fn revoke(api: &Api<'_>, vhost: &str, user: &str, path: &str) -> anyhow::Result<u8> {
+fn revoke(api: &Api<'_>, path: &str, vhost: &str, user: &str) -> anyhow::Result<u8> {
     if let Some(code) = missing_party(api, vhost, user)? {
         return Ok(code);
     }
@@ -449,18 +436,34 @@ fn revoke(api: &Api<'_>, vhost: &str, user: &str, path: &str) -> anyhow::Result<
     })
 }
 
-/// A permission listing. A missing vhost (`vhost` non-empty) is rabbitmqctl's 65; a missing
-/// user lists nothing.
-fn list_grants(api: &Api<'_>, path: &str, vhost: &str, columns: &[&str]) -> anyhow::Result<u8> {
-    let (status, list) = api.get(path)?;
-    Ok(match status {
-        200 => table(columns, &rows(&list, columns)),
-        404 if !vhost.is_empty() => fail(
+/// A kind of grant: its API path segment and the columns after the owner's.
+type Grants = (&'static str, [&'static str; 3]);
+const PERMISSIONS: Grants = ("permissions", ["configure", "write", "read"]);
+const TOPIC: Grants = ("topic-permissions", ["exchange", "write", "read"]);
+
+/// Whose grants a listing shows.
+enum By<'a> {
+    Vhost(&'a str),
+    User(&'a str),
+}
+
+/// A permission listing, by vhost (first column `user`) or by user (first column `vhost`). A
+/// missing vhost is rabbitmqctl's 65; a missing user lists nothing.
+fn list_grants(api: &Api<'_>, (kind, cols): Grants, by: By<'_>) -> anyhow::Result<u8> {
+    let (path, first) = match by {
+        By::Vhost(v) => (format!("/api/vhosts/{}/{kind}", seg(v)), "user"),
+        By::User(u) => (format!("/api/users/{}/{kind}", seg(u)), "vhost"),
+    };
+    let columns = [first, cols[0], cols[1], cols[2]];
+    let (status, list) = api.get(&path)?;
+    Ok(match (status, by) {
+        (200, _) => table(&columns, &rows(&list, &columns)),
+        (404, By::Vhost(vhost)) => fail(
             &format!("Virtual host '{vhost}' does not exist"),
             EX_DATAERR,
         ),
-        404 => 0,
-        s => done(s, &list, EX_DATAERR),
+        (404, By::User(_)) => 0,
+        (s, _) => done(s, &list, EX_DATAERR),
     })
 }
 

@@ -251,19 +251,12 @@ pub fn queue_settings(
     };
     let mut dead_letter = DeadLetterTarget::from_args(args);
     let mut expires = arg_int("x-expires");
+    let quorum = crate::args::is_quorum(args);
     if let Some(p) = policy {
         let d = &p.def.definition;
-        config.max_length = min_opt(config.max_length, int(d, "max-length"));
-        config.max_length_bytes = min_opt(config.max_length_bytes, int(d, "max-length-bytes"));
-        config.message_ttl = min_opt(config.message_ttl, int(d, "message-ttl"));
-        expires = min_opt(expires, int(d, "expires"));
-        if crate::args::is_quorum(args)
-            && let Some(limit) = int(d, "delivery-limit")
-        {
-            let arg = arg_int("x-delivery-limit").and_then(|n| u32::try_from(n).ok());
-            let limit = u32::try_from(limit).unwrap_or(u32::MAX);
-            config.delivery_limit = Some(arg.map_or(limit, |a| a.min(limit)));
-        }
+        // A policy's delivery-limit replaces the quorum default unless the argument set one.
+        let delivery_arg = arg_int("x-delivery-limit").and_then(|n| u32::try_from(n).ok());
+        cap_limits(&mut config, &mut expires, d, quorum.then_some(delivery_arg));
         if !args.inner().contains_key("x-overflow") {
             config.overflow = match text(d, "overflow").as_deref() {
                 Some("reject-publish") => Overflow::RejectPublish,
@@ -287,22 +280,40 @@ pub fn queue_settings(
     }
     if let Some(op) = operator {
         // Operator limits cap whatever the arguments and the user's policy chose.
-        let d = &op.def.definition;
-        config.max_length = min_opt(config.max_length, int(d, "max-length"));
-        config.max_length_bytes = min_opt(config.max_length_bytes, int(d, "max-length-bytes"));
-        config.message_ttl = min_opt(config.message_ttl, int(d, "message-ttl"));
-        expires = min_opt(expires, int(d, "expires"));
-        if crate::args::is_quorum(args)
-            && let Some(limit) = int(d, "delivery-limit")
-        {
-            let limit = u32::try_from(limit).unwrap_or(u32::MAX);
-            config.delivery_limit = Some(config.delivery_limit.map_or(limit, |l| l.min(limit)));
-        }
+        let delivery = config.delivery_limit;
+        cap_limits(
+            &mut config,
+            &mut expires,
+            &op.def.definition,
+            quorum.then_some(delivery),
+        );
     }
     QueueSettings {
         config,
         dead_letter,
         expires,
+    }
+}
+
+/// Lower the numeric limits of `config` (and `expires`) to those `d` sets: a policy's limits
+/// combine with the queue's own as RabbitMQ does, the smaller wins. `delivery` is None for a
+/// classic queue (no delivery limit), else the limit `d`'s `delivery-limit` combines with
+/// (`Some(None)`: none, so `d`'s applies as it is).
+fn cap_limits(
+    config: &mut QueueConfig,
+    expires: &mut Option<u64>,
+    d: &Map<String, Value>,
+    delivery: Option<Option<u32>>,
+) {
+    config.max_length = min_opt(config.max_length, int(d, "max-length"));
+    config.max_length_bytes = min_opt(config.max_length_bytes, int(d, "max-length-bytes"));
+    config.message_ttl = min_opt(config.message_ttl, int(d, "message-ttl"));
+    *expires = min_opt(*expires, int(d, "expires"));
+    if let Some(base) = delivery
+        && let Some(limit) = int(d, "delivery-limit")
+    {
+        let limit = u32::try_from(limit).unwrap_or(u32::MAX);
+        config.delivery_limit = Some(base.map_or(limit, |b| b.min(limit)));
     }
 }
 
@@ -431,6 +442,28 @@ mod tests {
         assert_eq!(s.config.message_ttl, Some(1000));
         let s = queue_settings(&FieldTable::default(), None, Some(&op));
         assert_eq!(s.config.message_ttl, Some(60000));
+        // Quorum queues: a policy's delivery-limit replaces the default 20 even when higher;
+        // an operator's caps what results.
+        let mut quorum = FieldTable::default();
+        quorum.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+        let lenient = policy("d", ".*", 0, serde_json::json!({"delivery-limit": 50}));
+        let s = queue_settings(&quorum, Some(&lenient), None);
+        assert_eq!(s.config.delivery_limit, Some(50));
+        let mut strict = op.clone();
+        strict.def.definition = serde_json::json!({"delivery-limit": 30})
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
+        let s = queue_settings(&quorum, Some(&lenient), Some(&strict));
+        assert_eq!(s.config.delivery_limit, Some(30));
+        let s = queue_settings(&FieldTable::default(), None, Some(&strict));
+        assert_eq!(
+            s.config.delivery_limit, None,
+            "classic queues count no deliveries"
+        );
         let eff = effective_definition(Some(&user), Some(&op));
         assert_eq!(
             Value::Object(eff),

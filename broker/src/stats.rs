@@ -52,6 +52,53 @@ impl MessageStats {
 }
 
 impl MessageStats {
+    /// How many counts there are.
+    pub const FIELDS: usize = 15;
+
+    /// The counts in field order (what [`GlobalStats`] keeps as atomics).
+    #[must_use]
+    pub fn to_array(&self) -> [u64; Self::FIELDS] {
+        [
+            self.published,
+            self.delivered,
+            self.got,
+            self.redelivered,
+            self.acked,
+            self.confirmed,
+            self.delivered_no_ack,
+            self.got_no_ack,
+            self.get_empty,
+            self.routed,
+            self.unroutable_dropped,
+            self.unroutable_returned,
+            self.received_confirm,
+            self.nacked,
+            self.confirm_abandoned,
+        ]
+    }
+
+    /// The inverse of [`MessageStats::to_array`].
+    #[must_use]
+    pub fn from_array(c: [u64; Self::FIELDS]) -> Self {
+        Self {
+            published: c[0],
+            delivered: c[1],
+            got: c[2],
+            redelivered: c[3],
+            acked: c[4],
+            confirmed: c[5],
+            delivered_no_ack: c[6],
+            got_no_ack: c[7],
+            get_empty: c[8],
+            routed: c[9],
+            unroutable_dropped: c[10],
+            unroutable_returned: c[11],
+            received_confirm: c[12],
+            nacked: c[13],
+            confirm_abandoned: c[14],
+        }
+    }
+
     /// Whether every count is zero (nothing to add).
     #[must_use]
     pub fn is_zero(&self) -> bool {
@@ -62,21 +109,8 @@ impl MessageStats {
 /// The node's totals since start.
 #[derive(Debug)]
 pub struct GlobalStats {
-    published: AtomicU64,
-    delivered: AtomicU64,
-    got: AtomicU64,
-    redelivered: AtomicU64,
-    acked: AtomicU64,
-    confirmed: AtomicU64,
-    delivered_no_ack: AtomicU64,
-    got_no_ack: AtomicU64,
-    get_empty: AtomicU64,
-    routed: AtomicU64,
-    unroutable_dropped: AtomicU64,
-    unroutable_returned: AtomicU64,
-    received_confirm: AtomicU64,
-    nacked: AtomicU64,
-    confirm_abandoned: AtomicU64,
+    /// [`MessageStats`] as an array (see [`MessageStats::to_array`]).
+    counts: [AtomicU64; MessageStats::FIELDS],
     /// Connection, channel and queue lifecycle totals (counted where they happen: rare
     /// compared with messages, so one atomic add each).
     lifecycle: [AtomicU64; Lifecycle::COUNT],
@@ -89,21 +123,7 @@ pub struct GlobalStats {
 impl Default for GlobalStats {
     fn default() -> Self {
         Self {
-            published: AtomicU64::default(),
-            delivered: AtomicU64::default(),
-            got: AtomicU64::default(),
-            redelivered: AtomicU64::default(),
-            acked: AtomicU64::default(),
-            confirmed: AtomicU64::default(),
-            delivered_no_ack: AtomicU64::default(),
-            got_no_ack: AtomicU64::default(),
-            get_empty: AtomicU64::default(),
-            routed: AtomicU64::default(),
-            unroutable_dropped: AtomicU64::default(),
-            unroutable_returned: AtomicU64::default(),
-            received_confirm: AtomicU64::default(),
-            nacked: AtomicU64::default(),
-            confirm_abandoned: AtomicU64::default(),
+            counts: Default::default(),
             lifecycle: Default::default(),
             confirm_seconds: Histogram::new(LATENCY_BOUNDS),
         }
@@ -136,46 +156,9 @@ impl Lifecycle {
 }
 
 impl GlobalStats {
-    fn fields(&self) -> [&AtomicU64; 15] {
-        [
-            &self.published,
-            &self.delivered,
-            &self.got,
-            &self.redelivered,
-            &self.acked,
-            &self.confirmed,
-            &self.delivered_no_ack,
-            &self.got_no_ack,
-            &self.get_empty,
-            &self.routed,
-            &self.unroutable_dropped,
-            &self.unroutable_returned,
-            &self.received_confirm,
-            &self.nacked,
-            &self.confirm_abandoned,
-        ]
-    }
-
     /// Add a session's counts.
     pub fn add(&self, d: &MessageStats) {
-        let deltas = [
-            d.published,
-            d.delivered,
-            d.got,
-            d.redelivered,
-            d.acked,
-            d.confirmed,
-            d.delivered_no_ack,
-            d.got_no_ack,
-            d.get_empty,
-            d.routed,
-            d.unroutable_dropped,
-            d.unroutable_returned,
-            d.received_confirm,
-            d.nacked,
-            d.confirm_abandoned,
-        ];
-        for (total, n) in self.fields().into_iter().zip(deltas) {
+        for (total, n) in self.counts.iter().zip(d.to_array()) {
             if n > 0 {
                 total.fetch_add(n, Ordering::Relaxed);
             }
@@ -185,40 +168,7 @@ impl GlobalStats {
     /// The totals now.
     #[must_use]
     pub fn snapshot(&self) -> MessageStats {
-        let [
-            published,
-            delivered,
-            got,
-            redelivered,
-            acked,
-            confirmed,
-            delivered_no_ack,
-            got_no_ack,
-            get_empty,
-            routed,
-            unroutable_dropped,
-            unroutable_returned,
-            received_confirm,
-            nacked,
-            confirm_abandoned,
-        ] = self.fields().map(|a| a.load(Ordering::Relaxed));
-        MessageStats {
-            published,
-            delivered,
-            got,
-            redelivered,
-            acked,
-            confirmed,
-            delivered_no_ack,
-            got_no_ack,
-            get_empty,
-            routed,
-            unroutable_dropped,
-            unroutable_returned,
-            received_confirm,
-            nacked,
-            confirm_abandoned,
-        }
+        MessageStats::from_array(self.counts.each_ref().map(|a| a.load(Ordering::Relaxed)))
     }
 
     /// Count one lifecycle event.
@@ -258,6 +208,8 @@ mod tests {
         let s = g.snapshot();
         assert_eq!((s.published, s.delivered, s.acked, s.got), (5, 4, 1, 0));
         assert_eq!((s.unroutable_returned, s.get_empty, s.routed), (2, 1, 0));
+        let all = MessageStats::from_array(std::array::from_fn(|i| i as u64 + 1));
+        assert_eq!(all.to_array(), std::array::from_fn(|i| i as u64 + 1));
         g.event(Lifecycle::QueueDeleted);
         assert_eq!(g.events(Lifecycle::QueueDeleted), 1);
         assert_eq!(g.events(Lifecycle::QueueCreated), 0);

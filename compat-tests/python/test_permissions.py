@@ -148,5 +148,9 @@ def test_topic_permissions_constrain_routing_and_binding_keys(ctl, as_user, user
     ch = conn.channel()
     ch.confirm_delivery()
     ch.basic_publish("amq.direct", "other.key", b"x")
+    assert ctl("set_topic_permissions", user, "other.topic", ".*", ".*")[0] == 0
     assert ctl("clear_topic_permissions", user, "amq.topic")[0] == 0
+    # Only that exchange's entry went.
+    mine = [r for r in topic_rows(ctl("list_topic_permissions", "-p", "/")[1]) if r[0] == user]
+    assert mine == [(user, "other.topic", ".*", ".*")], mine
     ch.basic_publish("amq.topic", "other.key", b"x")
