@@ -16,6 +16,8 @@
   const DASH = '–';
   const EXCHANGE_TYPES = ['direct', 'fanout', 'topic', 'headers', 'x-delayed-message'];
   const QUEUE_TYPES = ['classic', 'quorum'];
+  const NO_YES = [['false', 'No'], ['true', 'Yes']];
+  const DURABILITY = [['true', 'Durable'], ['false', 'Transient']];
 
   const state = {
     auth: null, // base64 "user:pass"
@@ -361,20 +363,33 @@
     return h('div', { class: 'view-error', id: 'view-error', role: 'alert', hidden: true });
   }
 
-  /** A labelled stat box; returns [box, valueElement]. */
-  function stat(id, label, cls) {
-    const v = h('div', { class: 'stat-value', id, 'data-testid': id }, DASH);
-    return [h('div', { class: 'stat ' + (cls || '') }, v, h('div', { class: 'stat-label' }, label)), v];
+  /**
+   * A row of labelled stat boxes. defs: [id, label, value], value(obj) giving the text shown;
+   * update(obj) sets every box from one API object.
+   */
+  function statRow(defs) {
+    const values = defs.map(([id]) => h('div', { class: 'stat-value', id, 'data-testid': id }, DASH));
+    const el = h('div', { class: 'stats' }, defs.map(([, label], i) =>
+      h('div', { class: 'stat' }, values[i], h('div', { class: 'stat-label' }, label))));
+    return { el, update: (obj) => defs.forEach(([, , value], i) => setText(values[i], value(obj))) };
   }
 
-  function statRow(defs) {
-    const els = {};
-    const row = h('div', { class: 'stats' }, defs.map(([id, label, cls]) => {
-      const [box, v] = stat(id, label, cls);
-      els[id] = v;
-      return box;
-    }));
-    return [row, els];
+  /** Stat values: a count, or a message rate (key as in message_stats). */
+  const countOf = (key) => (o) => fmtNum(o[key]);
+  const rateStat = (key) => (o) => fmtRate(rate(o, key));
+
+  /** The ready / unacked / total message counts, ids `${prefix}-messages-*`. */
+  function messageCountDefs(prefix) {
+    return [
+      [prefix + '-messages-ready', 'Ready', countOf('messages_ready')],
+      [prefix + '-messages-unacked', 'Unacked', countOf('messages_unacknowledged')],
+      [prefix + '-messages-total', 'Total', countOf('messages')],
+    ];
+  }
+
+  /** Message rate boxes, ids `${prefix}-rate-${name}`; defs: [name, label, message_stats key (default: name)]. */
+  function rateStats(prefix, defs) {
+    return statRow(defs.map(([n, label, key]) => [`${prefix}-rate-${n}`, label, rateStat(key || n)]));
   }
 
   /** A form laid out as a two-column grid of labels and controls. */
@@ -421,22 +436,35 @@
     if (!v || typeof v !== 'object' || Array.isArray(v)) throw new Error(`${what}: must be a JSON object like {"key": "value"}`);
     return v;
   }
-
-  /** Links under a JSON textarea that insert a common key with a sample value. */
-  function jsonHelpers(area, keys) {
-    return h('div', { class: 'hint helpers' }, 'Add: ', keys.map(([k, sample], i) => [
+  /** A hint line of links ("Add: a | b | c"); clicking one calls pick(item). Items: names, or [name, ...]. */
+  function helperLinks(lead, items, pick) {
+    return h('div', { class: 'hint helpers' }, lead, items.map((item, i) => [
       i ? ' | ' : null,
       h('a', {
         href: '#', class: 'helper', onclick: (e) => {
           e.preventDefault();
-          let obj = {};
-          try { obj = parseObject(area.value, 'arguments'); } catch (_) { return; }
-          obj[k] = sample;
-          area.value = JSON.stringify(obj, null, 1).replace(/\n\s*/g, ' ');
-          area.focus();
+          pick(item);
         },
-      }, k),
+      }, Array.isArray(item) ? item[0] : item),
     ]));
+  }
+
+  /** Links under a JSON textarea that insert a common key with a sample value. */
+  function jsonHelpers(area, keys) {
+    return helperLinks('Add: ', keys, ([k, sample]) => {
+      let obj = {};
+      try { obj = parseObject(area.value, 'arguments'); } catch (_) { return; }
+      obj[k] = sample;
+      area.value = JSON.stringify(obj, null, 1).replace(/\n\s*/g, ' ');
+      area.focus();
+    });
+  }
+
+  /** The trimmed value of a required text input; an error naming `what` when it is empty. */
+  function required(el, what) {
+    const v = el.value.trim();
+    if (!v) throw new Error(`${what} is required.`);
+    return v;
   }
 
   function vhostSelect(id) {
@@ -578,6 +606,136 @@
     return { el: bar, box, re, count };
   }
 
+  /** Table columns: a number, a message rate (key as in message_stats), the row's action button. */
+  const numCol = (key, label, more) => Object.assign({ key, label, num: true, fmt: fmtNum }, more);
+  const rateCol = (key, label, statKey) => ({ key, label, num: true, get: (r) => rate(r, statKey || key), fmt: fmtRate });
+  const actionCol = (cell) => ({ key: 'actions', label: '', action: true, cell });
+
+  /** The same header group for each of `cols`. */
+  function grouped(group, cols) {
+    return cols.map((c) => Object.assign({ group }, c));
+  }
+
+  // ------------------------------------------------------------------------------------------
+  // Page building blocks: list pages, forms and buttons that run an action
+  // ------------------------------------------------------------------------------------------
+  /** "/api/<kind>", or "/api/<kind>/<vhost>" when a vhost is given. */
+  function apiPath(kind, vhost) {
+    return vhost ? P(kind, vhost) : '/api/' + kind;
+  }
+
+  /**
+   * A list page: a filter bar over a sortable table (id `<tab>-table`) of GET /api/<tab>, narrowed
+   * to the vhost chosen in the header, then the caller's `sections`.
+   * cfg: { tab, title, table: table() config (id and sort by name by default), filterText(row)
+   * (what the filter matches; the name by default), byVhost (narrowed as /api/vhosts/<vhost>/<tab>
+   * rather than /api/<tab>/<vhost>), sections, refresh() (more to do on each refresh) }.
+   */
+  function listView(cfg) {
+    const err = viewError();
+    let rows = [];
+    const fb = filterBar(cfg.tab + '-filter', () => render());
+    const tbl = table(Object.assign({ id: cfg.tab + '-table', sort: ['name'] }, cfg.table));
+    function render() {
+      const shown = nameFilter(rows, fb.box.value, fb.re.checked, cfg.filterText);
+      tbl.update(shown);
+      setText(fb.count, `${shown.length} of ${rows.length}`);
+    }
+    const el = h('div', { class: 'view' }, h('h1', null, cfg.title), err,
+      section('All ' + cfg.tab, [fb.el, tbl.el]), cfg.sections);
+    async function refresh() {
+      const vh = state.vhostFilter;
+      rows = await api('GET', cfg.byVhost && vh ? P('vhosts', vh, cfg.tab) : apiPath(cfg.tab, vh)) || [];
+      render();
+      if (cfg.refresh) cfg.refresh();
+    }
+    return { tab: cfg.tab, title: cfg.title, el, refresh };
+  }
+
+  /**
+   * A form: `intro`, a grid of `rows`, a submit button labelled `label` with its result line, then
+   * `extra`. Submitting runs `action` (see runAction; its answer is the message shown), then empties
+   * the inputs in `reset` and refreshes the view. Element ids are `<id>-form`, `<id>-submit` and
+   * `<id>-result` unless formId / submitId / resultId say otherwise.
+   */
+  function actionForm(cfg) {
+    const submitId = cfg.submitId || cfg.id + '-submit';
+    const submit = h('button', { type: 'submit', class: 'btn btn-primary', id: submitId, 'data-testid': submitId }, cfg.label);
+    const out = result(cfg.resultId || cfg.id + '-result');
+    return h('form', {
+      id: cfg.formId || cfg.id + '-form', novalidate: true, onsubmit: (e) => {
+        e.preventDefault();
+        runAction(submit, out, async () => {
+          const msg = await cfg.action();
+          for (const el of cfg.reset || []) el.value = '';
+          refreshNow();
+          return msg;
+        });
+      },
+    }, cfg.intro, formGrid(cfg.rows), h('div', { class: 'form-actions' }, submit, out), cfg.extra);
+  }
+
+  /** A button that asks `question` first (when there is one), then runs `fn` as an action reporting to `out`. */
+  function actionButton(label, attrs, question, out, fn) {
+    return button(label, Object.assign({}, attrs, {
+      onclick: (e) => {
+        if (question && !confirm(question)) return;
+        runAction(e.currentTarget, out, fn);
+      },
+    }));
+  }
+
+  /** A small red button for a table row: asks `question` (when given), DELETEs `path`, flashes `done`. */
+  function deleteButton(label, testid, question, path, done) {
+    return actionButton(label, { class: 'btn btn-small btn-danger', 'data-testid': testid }, question, null, async () => {
+      await api('DELETE', path);
+      flash(done);
+      refreshNow();
+    });
+  }
+
+  /** Unbind, for a row of a bindings table (none for the default exchange's implicit bindings). */
+  function unbindButton(b) {
+    if (b.source === '') return null;
+    const kind = b.destination_type === 'exchange' ? 'e' : 'q';
+    return deleteButton('Unbind', 'unbind', null, P('bindings', b.vhost, 'e', b.source, kind, b.destination, b.properties_key), 'Binding removed.');
+  }
+
+  /** A bindings table: `end` (the column of the binding's other end), routing key, arguments, Unbind. */
+  function bindingsTable(cfg, end) {
+    return table(Object.assign({}, cfg, {
+      columns: [
+        end,
+        { key: 'routing_key', label: 'Routing key' },
+        { key: 'arguments', label: 'Arguments', cell: (b) => kvList(b.arguments), sortable: false },
+        actionCol(unbindButton),
+      ],
+    }));
+  }
+
+  /**
+   * The "add binding" form of an exchange or queue page: the binding's other end (input `id` with a
+   * datalist `<id>-list` that the page fills; `prefix` goes before it), routing key and arguments.
+   * POSTs to path(other end); done(other end) is the message shown. Returns { el, list }.
+   */
+  function bindForm(cfg) {
+    const other = input(cfg.id, { list: cfg.id + '-list', required: true });
+    const list = h('datalist', { id: cfg.id + '-list' });
+    const rk = input('bind-routing-key');
+    const args = textarea('bind-arguments', { rows: 2, placeholder: '{"x-match": "all"}' });
+    const el = actionForm({
+      id: 'bind', label: 'Bind',
+      rows: [[cfg.label, h('span', { class: cfg.prefix ? 'inline' : null }, cfg.prefix, other, list)], ['Routing key', rk], ['Arguments (JSON)', args]],
+      action: async () => {
+        const v = other.value;
+        if (!v) throw new Error(cfg.missing);
+        await api('POST', cfg.path(v), { routing_key: rk.value, arguments: parseObject(args.value, 'Arguments') });
+        return cfg.done(v);
+      },
+    });
+    return { el, list };
+  }
+
   // ------------------------------------------------------------------------------------------
   // Charts (inline SVG, history kept in memory while the page is open)
   // ------------------------------------------------------------------------------------------
@@ -628,24 +786,13 @@
   function overviewView() {
     const err = viewError();
     const alarmBanner = h('div', { id: 'overview-alarms', 'data-testid': 'overview-alarms', class: 'alarm-banner ok' }, 'Checking alarms…');
-    const [totalsRow, tot] = statRow([
-      ['overview-messages-ready', 'Ready'],
-      ['overview-messages-unacked', 'Unacked'],
-      ['overview-messages-total', 'Total'],
-    ]);
-    const [objRow, obj] = statRow([
-      ['overview-connections', 'Connections'],
-      ['overview-channels', 'Channels'],
-      ['overview-exchanges', 'Exchanges'],
-      ['overview-queues', 'Queues'],
-      ['overview-consumers', 'Consumers'],
-    ]);
-    const [rateRow, rt] = statRow([
-      ['overview-rate-publish', 'Publish'],
-      ['overview-rate-confirm', 'Publisher confirm'],
-      ['overview-rate-deliver', 'Deliver / get'],
-      ['overview-rate-redeliver', 'Redelivered'],
-      ['overview-rate-ack', 'Consumer ack'],
+    const totals = statRow(messageCountDefs('overview'));
+    const objects = statRow([
+      ['connections', 'Connections'], ['channels', 'Channels'], ['exchanges', 'Exchanges'], ['queues', 'Queues'], ['consumers', 'Consumers'],
+    ].map(([k, label]) => ['overview-' + k, label, countOf(k)]));
+    const rates = rateStats('overview', [
+      ['publish', 'Publish'], ['confirm', 'Publisher confirm'], ['deliver', 'Deliver / get', 'deliver_get'],
+      ['redeliver', 'Redelivered'], ['ack', 'Consumer ack'],
     ]);
     const qChart = chart('chart-queued', 'Queued messages', [
       { key: 'ready', label: 'Ready' }, { key: 'unacked', label: 'Unacked' }, { key: 'total', label: 'Total' },
@@ -684,10 +831,10 @@
       err,
       alarmBanner,
       section('Totals', [
-        h('div', { class: 'stat-group' }, h('h3', null, 'Messages'), totalsRow),
-        h('div', { class: 'stat-group' }, h('h3', null, 'Objects'), objRow),
+        h('div', { class: 'stat-group' }, h('h3', null, 'Messages'), totals.el),
+        h('div', { class: 'stat-group' }, h('h3', null, 'Objects'), objects.el),
       ]),
-      section('Message rates', [rateRow, h('div', { class: 'charts' }, qChart.el, rChart.el)]),
+      section('Message rates', [rates.el, h('div', { class: 'charts' }, qChart.el, rChart.el)]),
       section('Nodes', [
         h('dl', { class: 'inline-facts' },
           h('dt', null, 'Cluster'), h('dd', null, clusterName),
@@ -709,20 +856,9 @@
       state.overview = o;
       updateHeader(o);
       const qt = o.queue_totals || {};
-      setText(tot['overview-messages-ready'], fmtNum(qt.messages_ready));
-      setText(tot['overview-messages-unacked'], fmtNum(qt.messages_unacknowledged));
-      setText(tot['overview-messages-total'], fmtNum(qt.messages));
-      const ot = o.object_totals || {};
-      setText(obj['overview-connections'], fmtNum(ot.connections));
-      setText(obj['overview-channels'], fmtNum(ot.channels));
-      setText(obj['overview-exchanges'], fmtNum(ot.exchanges));
-      setText(obj['overview-queues'], fmtNum(ot.queues));
-      setText(obj['overview-consumers'], fmtNum(ot.consumers));
-      setText(rt['overview-rate-publish'], fmtRate(rate(o, 'publish')));
-      setText(rt['overview-rate-confirm'], fmtRate(rate(o, 'confirm')));
-      setText(rt['overview-rate-deliver'], fmtRate(rate(o, 'deliver_get')));
-      setText(rt['overview-rate-redeliver'], fmtRate(rate(o, 'redeliver')));
-      setText(rt['overview-rate-ack'], fmtRate(rate(o, 'ack')));
+      totals.update(qt);
+      objects.update(o.object_totals || {});
+      rates.update(o);
       setText(nodeName, o.node);
       setText(clusterName, o.cluster_name);
       setText(version, productLine(o));
@@ -794,64 +930,49 @@
 
   // ---- Connections --------------------------------------------------------------------------
   function connectionsView() {
-    const err = viewError();
-    let rows = [];
-    const fb = filterBar('connections-filter', () => render());
     const reason = input('close-reason', { value: 'Closed via management UI', size: 40 });
-    const tbl = table({
-      id: 'connections-table',
-      sort: ['name'],
-      rowAttrs: (c) => ({ 'data-connection': c.name }),
-      columns: [
-        { key: 'name', label: 'Name', group: 'Overview', cell: (c) => [h('div', null, c.name), clientName(c) ? h('div', { class: 'muted small' }, clientName(c)) : null] },
-        { key: 'vhost', label: 'Virtual host', group: 'Overview' },
-        { key: 'user', label: 'User', group: 'Overview' },
-        { key: 'state', label: 'State', group: 'Overview', cell: (c) => stateBadge(c.state) },
-        { key: 'ssl', label: 'TLS', group: 'Details', fmt: (v) => (v ? '●' : '○') },
-        { key: 'protocol', label: 'Protocol', group: 'Details' },
-        { key: 'client', label: 'Client', group: 'Details', get: (c) => clientProduct(c) },
-        { key: 'channels', label: 'Channels', group: 'Details', num: true, fmt: fmtNum },
-        { key: 'connected_at', label: 'Connected', group: 'Details', fmt: (v) => fmtTime(v) },
-        { key: 'recv', label: 'From client', group: 'Network', num: true, get: (c) => rateOf(c.recv_oct_details), fmt: (v) => (v == null ? DASH : fmtBytes(v) + '/s') },
-        { key: 'send', label: 'To client', group: 'Network', num: true, get: (c) => rateOf(c.send_oct_details), fmt: (v) => (v == null ? DASH : fmtBytes(v) + '/s') },
-        {
-          key: 'actions', label: '', action: true, cell: (c) => button('Close', {
-            class: 'btn btn-small btn-danger close-connection', 'data-testid': 'close-connection',
-            onclick: (e) => closeConnection(e.currentTarget, c.name),
-          }),
-        },
-      ],
-    });
-
-    async function closeConnection(btn, name) {
-      if (!confirm(`Close connection "${name}"?`)) return;
-      const ok = await runAction(btn, null, async () => {
-        await api('DELETE', P('connections', name), undefined, { headers: { 'X-Reason': reason.value || 'Closed via management UI' } });
-      });
-      if (ok) {
-        flash(`Connection "${name}" closed.`);
+    const closeButton = (c) => actionButton('Close', { class: 'btn btn-small btn-danger close-connection', 'data-testid': 'close-connection' },
+      `Close connection "${c.name}"?`, null, async () => {
+        await api('DELETE', P('connections', c.name), undefined, { headers: { 'X-Reason': reason.value || 'Closed via management UI' } });
+        flash(`Connection "${c.name}" closed.`);
         refreshNow();
         // The broker drops the connection once the client answers connection.close.
         setTimeout(() => refreshNow(), 1000);
-      }
-    }
+      });
+    return listView({
+      tab: 'connections',
+      title: 'Connections',
+      byVhost: true,
+      filterText: (c) => c.name + ' ' + (clientName(c) || ''),
+      table: {
+        rowAttrs: (c) => ({ 'data-connection': c.name }),
+        columns: [
+          ...grouped('Overview', [
+            { key: 'name', label: 'Name', cell: (c) => [h('div', null, c.name), clientName(c) ? h('div', { class: 'muted small' }, clientName(c)) : null] },
+            { key: 'vhost', label: 'Virtual host' },
+            { key: 'user', label: 'User' },
+            { key: 'state', label: 'State', cell: (c) => stateBadge(c.state) },
+          ]),
+          ...grouped('Details', [
+            { key: 'ssl', label: 'TLS', fmt: (v) => (v ? '●' : '○') },
+            { key: 'protocol', label: 'Protocol' },
+            { key: 'client', label: 'Client', get: (c) => clientProduct(c) },
+            numCol('channels', 'Channels'),
+            { key: 'connected_at', label: 'Connected', fmt: (v) => fmtTime(v) },
+          ]),
+          ...grouped('Network', [
+            { key: 'recv', label: 'From client', num: true, get: (c) => rateOf(c.recv_oct_details), fmt: fmtByteRate },
+            { key: 'send', label: 'To client', num: true, get: (c) => rateOf(c.send_oct_details), fmt: fmtByteRate },
+          ]),
+          actionCol(closeButton),
+        ],
+      },
+      sections: section('Close connections', formGrid([['Reason sent to the client', reason, 'Sent as the X-Reason header; the client sees it in connection.close.']]), { open: true }),
+    });
+  }
 
-    function render() {
-      const shown = nameFilter(rows, fb.box.value, fb.re.checked, (c) => c.name + ' ' + (clientName(c) || ''));
-      tbl.update(shown);
-      setText(fb.count, `${shown.length} of ${rows.length}`);
-    }
-
-    const el = h('div', { class: 'view' }, h('h1', null, 'Connections'), err,
-      section('All connections', [fb.el, tbl.el]),
-      section('Close connections', formGrid([['Reason sent to the client', reason, 'Sent as the X-Reason header; the client sees it in connection.close.']]), { open: true }));
-
-    async function refresh() {
-      const vh = state.vhostFilter;
-      rows = await api('GET', vh ? P('vhosts', vh, 'connections') : '/api/connections') || [];
-      render();
-    }
-    return { tab: 'connections', title: 'Connections', el, refresh };
+  function fmtByteRate(v) {
+    return v == null ? DASH : fmtBytes(v) + '/s';
   }
 
   function rateOf(d) {
@@ -877,111 +998,88 @@
 
   // ---- Channels -----------------------------------------------------------------------------
   function channelsView() {
-    const err = viewError();
-    let rows = [];
-    const fb = filterBar('channels-filter', () => render());
-    const tbl = table({
-      id: 'channels-table',
-      sort: ['name'],
-      rowAttrs: (c) => ({ 'data-channel': c.name }),
-      columns: [
-        { key: 'name', label: 'Channel', group: 'Overview' },
-        { key: 'vhost', label: 'Virtual host', group: 'Overview' },
-        { key: 'user', label: 'User', group: 'Overview' },
-        { key: 'mode', label: 'Mode', group: 'Overview', get: (c) => (c.confirm ? 'C' : '') + (c.transactional ? 'T' : ''), title: 'C = confirm, T = transactional' },
-        { key: 'state', label: 'State', group: 'Overview', cell: (c) => stateBadge(c.state) },
-        { key: 'consumer_count', label: 'Consumers', group: 'Details', num: true, fmt: fmtNum },
-        { key: 'prefetch_count', label: 'Prefetch', group: 'Details', num: true, fmt: fmtNum },
-        { key: 'global_prefetch_count', label: 'Global prefetch', group: 'Details', num: true, fmt: fmtNum },
-        { key: 'messages_unacknowledged', label: 'Unacked', group: 'Details', num: true, fmt: fmtNum },
-        { key: 'messages_unconfirmed', label: 'Unconfirmed', group: 'Details', num: true, fmt: fmtNum },
-        { key: 'publish', label: 'Publish', group: 'Message rates', num: true, get: (c) => rate(c, 'publish'), fmt: fmtRate },
-        { key: 'confirm', label: 'Confirm', group: 'Message rates', num: true, get: (c) => rate(c, 'confirm'), fmt: fmtRate },
-        { key: 'deliver', label: 'Deliver / get', group: 'Message rates', num: true, get: (c) => rate(c, 'deliver_get'), fmt: fmtRate },
-        { key: 'ack', label: 'Ack', group: 'Message rates', num: true, get: (c) => rate(c, 'ack'), fmt: fmtRate },
-      ],
+    return listView({
+      tab: 'channels',
+      title: 'Channels',
+      byVhost: true,
+      table: {
+        rowAttrs: (c) => ({ 'data-channel': c.name }),
+        columns: [
+          ...grouped('Overview', [
+            { key: 'name', label: 'Channel' },
+            { key: 'vhost', label: 'Virtual host' },
+            { key: 'user', label: 'User' },
+            { key: 'mode', label: 'Mode', get: (c) => (c.confirm ? 'C' : '') + (c.transactional ? 'T' : ''), title: 'C = confirm, T = transactional' },
+            { key: 'state', label: 'State', cell: (c) => stateBadge(c.state) },
+          ]),
+          ...grouped('Details', [
+            numCol('consumer_count', 'Consumers'),
+            numCol('prefetch_count', 'Prefetch'),
+            numCol('global_prefetch_count', 'Global prefetch'),
+            numCol('messages_unacknowledged', 'Unacked'),
+            numCol('messages_unconfirmed', 'Unconfirmed'),
+          ]),
+          ...grouped('Message rates', [
+            rateCol('publish', 'Publish'),
+            rateCol('confirm', 'Confirm'),
+            rateCol('deliver', 'Deliver / get', 'deliver_get'),
+            rateCol('ack', 'Ack'),
+          ]),
+        ],
+      },
     });
-    function render() {
-      const shown = nameFilter(rows, fb.box.value, fb.re.checked);
-      tbl.update(shown);
-      setText(fb.count, `${shown.length} of ${rows.length}`);
-    }
-    const el = h('div', { class: 'view' }, h('h1', null, 'Channels'), err, section('All channels', [fb.el, tbl.el]));
-    async function refresh() {
-      const vh = state.vhostFilter;
-      rows = await api('GET', vh ? P('vhosts', vh, 'channels') : '/api/channels') || [];
-      render();
-    }
-    return { tab: 'channels', title: 'Channels', el, refresh };
   }
 
   // ---- Exchanges ----------------------------------------------------------------------------
   function exchangesView() {
-    const err = viewError();
-    let rows = [];
-    const fb = filterBar('exchanges-filter', () => render());
-    const tbl = table({
-      id: 'exchanges-table',
-      sort: ['name'],
-      rowAttrs: (x) => ({ 'data-exchange': x.name, 'data-vhost': x.vhost }),
-      columns: [
-        { key: 'vhost', label: 'Virtual host' },
-        { key: 'name', label: 'Name', cell: (x) => link(exchangeHref(x.vhost, x.name), exchangeLabel(x.name), { class: 'name-link' }) },
-        { key: 'type', label: 'Type' },
-        { key: 'features', label: 'Features', cell: (x) => features(x, 'exchange'), sortable: false },
-        { key: 'in', label: 'Message rate in', num: true, get: (x) => rate(x, 'publish_in'), fmt: fmtRate },
-        { key: 'out', label: 'Message rate out', num: true, get: (x) => rate(x, 'publish_out'), fmt: fmtRate },
-      ],
-    });
-    function render() {
-      const shown = nameFilter(rows, fb.box.value, fb.re.checked, (x) => exchangeLabel(x.name));
-      tbl.update(shown);
-      setText(fb.count, `${shown.length} of ${rows.length}`);
-    }
-
     const vh = vhostSelect('add-exchange-vhost');
     const name = input('add-exchange-name', { required: true });
     const type = h('select', { id: 'add-exchange-type', 'data-testid': 'add-exchange-type' });
     fillSelect(type, state.exchangeTypes, 'direct');
-    const durable = select('add-exchange-durable', [['true', 'Durable'], ['false', 'Transient']], 'true');
-    const autoDelete = select('add-exchange-auto-delete', [['false', 'No'], ['true', 'Yes']], 'false');
-    const internal = select('add-exchange-internal', [['false', 'No'], ['true', 'Yes']], 'false');
+    const durable = select('add-exchange-durable', DURABILITY, 'true');
+    const autoDelete = select('add-exchange-auto-delete', NO_YES, 'false');
+    const internal = select('add-exchange-internal', NO_YES, 'false');
     const args = textarea('add-exchange-arguments', { placeholder: '{"alternate-exchange": "my-ae"}', rows: 2 });
-    const submit = h('button', { type: 'submit', class: 'btn btn-primary', id: 'add-exchange-submit', 'data-testid': 'add-exchange-submit' }, 'Add exchange');
-    const out = result('add-exchange-result');
-    const form = h('form', {
-      id: 'add-exchange-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(submit, out, async () => {
-          const n = name.value.trim();
-          if (!n) throw new Error('Name is required.');
-          const body = {
-            type: type.value, durable: durable.value === 'true', auto_delete: autoDelete.value === 'true',
-            internal: internal.value === 'true', arguments: parseObject(args.value, 'Arguments'),
-          };
-          await api('PUT', P('exchanges', vh.value, n), body);
-          name.value = '';
-          refreshNow();
-          return `Exchange "${n}" declared in vhost "${vh.value}".`;
-        });
+    const form = actionForm({
+      id: 'add-exchange',
+      label: 'Add exchange',
+      reset: [name],
+      rows: [
+        ['Virtual host', vh], ['Name', name], ['Type', type], ['Durability', durable], ['Auto delete', autoDelete],
+        ['Internal', internal], ['Arguments (JSON)', args, jsonHelpers(args, [['alternate-exchange', 'my-ae'], ['x-delayed-type', 'direct']])],
+      ],
+      action: async () => {
+        const n = required(name, 'Name');
+        const body = {
+          type: type.value, durable: durable.value === 'true', auto_delete: autoDelete.value === 'true',
+          internal: internal.value === 'true', arguments: parseObject(args.value, 'Arguments'),
+        };
+        await api('PUT', P('exchanges', vh.value, n), body);
+        return `Exchange "${n}" declared in vhost "${vh.value}".`;
       },
-    }, formGrid([
-      ['Virtual host', vh], ['Name', name], ['Type', type], ['Durability', durable], ['Auto delete', autoDelete],
-      ['Internal', internal], ['Arguments (JSON)', args, jsonHelpers(args, [['alternate-exchange', 'my-ae'], ['x-delayed-type', 'direct']])],
-    ]), h('div', { class: 'form-actions' }, submit, out));
+    });
 
-    const el = h('div', { class: 'view' }, h('h1', null, 'Exchanges'), err,
-      section('All exchanges', [fb.el, tbl.el]),
-      section('Add a new exchange', form, { key: 'add-exchange' }));
-
-    async function refresh() {
-      const v = state.vhostFilter;
-      rows = await api('GET', v ? P('exchanges', v) : '/api/exchanges') || [];
-      render();
-      syncVhostSelect(vh);
-      fillSelect(type, state.exchangeTypes, 'direct');
-    }
-    return { tab: 'exchanges', title: 'Exchanges', el, refresh };
+    return listView({
+      tab: 'exchanges',
+      title: 'Exchanges',
+      filterText: (x) => exchangeLabel(x.name),
+      table: {
+        rowAttrs: (x) => ({ 'data-exchange': x.name, 'data-vhost': x.vhost }),
+        columns: [
+          { key: 'vhost', label: 'Virtual host' },
+          { key: 'name', label: 'Name', cell: (x) => link(exchangeHref(x.vhost, x.name), exchangeLabel(x.name), { class: 'name-link' }) },
+          { key: 'type', label: 'Type' },
+          { key: 'features', label: 'Features', cell: (x) => features(x, 'exchange'), sortable: false },
+          rateCol('in', 'Message rate in', 'publish_in'),
+          rateCol('out', 'Message rate out', 'publish_out'),
+        ],
+      },
+      sections: section('Add a new exchange', form, { key: 'add-exchange' }),
+      refresh: () => {
+        syncVhostSelect(vh);
+        fillSelect(type, state.exchangeTypes, 'direct');
+      },
+    });
   }
 
   function exchangeView(vhost, seg) {
@@ -990,98 +1088,52 @@
     const isDefault = name === '';
     const err = viewError();
     const details = h('dl', { class: 'details', id: 'exchange-details' });
-    const [rateRow, rt] = statRow([
-      ['exchange-rate-in', 'Publish in'],
-      ['exchange-rate-out', 'Publish out'],
-    ]);
+    const rates = rateStats('exchange', [['in', 'Publish in', 'publish_in'], ['out', 'Publish out', 'publish_out']]);
 
-    const unbind = (b) => button('Unbind', {
-      class: 'btn btn-small btn-danger', 'data-testid': 'unbind',
-      onclick: (e) => {
-        const kind = b.destination_type === 'exchange' ? 'e' : 'q';
-        runAction(e.currentTarget, null, async () => {
-          await api('DELETE', P('bindings', b.vhost, 'e', b.source, kind, b.destination, b.properties_key));
-          flash('Binding removed.');
-          refreshNow();
-        });
-      },
-    });
-    const outTbl = table({
+    const outTbl = bindingsTable({
       id: 'exchange-bindings-table',
       empty: isDefault ? 'The default exchange is implicitly bound to every queue, with the queue name as routing key.' : 'No bindings.',
       rowAttrs: (b) => ({ 'data-destination': b.destination }),
-      columns: [
-        { key: 'destination', label: 'To', cell: (b) => [b.destination_type === 'exchange' ? link(exchangeHref(b.vhost, b.destination), b.destination) : link(queueHref(b.vhost, b.destination), b.destination), h('span', { class: 'muted small' }, ' (' + b.destination_type + ')')] },
-        { key: 'routing_key', label: 'Routing key' },
-        { key: 'arguments', label: 'Arguments', cell: (b) => kvList(b.arguments), sortable: false },
-        { key: 'actions', label: '', action: true, cell: (b) => unbind(b) },
-      ],
-    });
-    const inTbl = table({
+    }, { key: 'destination', label: 'To', cell: (b) => [b.destination_type === 'exchange' ? link(exchangeHref(b.vhost, b.destination), b.destination) : link(queueHref(b.vhost, b.destination), b.destination), h('span', { class: 'muted small' }, ' (' + b.destination_type + ')')] });
+    const inTbl = bindingsTable({
       id: 'exchange-bindings-in-table',
       empty: 'No exchange-to-exchange bindings to this exchange.',
-      columns: [
-        { key: 'source', label: 'From', cell: (b) => link(exchangeHref(b.vhost, b.source), exchangeLabel(b.source)) },
-        { key: 'routing_key', label: 'Routing key' },
-        { key: 'arguments', label: 'Arguments', cell: (b) => kvList(b.arguments), sortable: false },
-        { key: 'actions', label: '', action: true, cell: (b) => unbind(b) },
-      ],
-    });
+    }, { key: 'source', label: 'From', cell: (b) => link(exchangeHref(b.vhost, b.source), exchangeLabel(b.source)) });
 
     // Add binding from this exchange.
     const destType = select('bind-destination-type', [['q', 'To queue'], ['e', 'To exchange']], 'q');
-    const dest = input('bind-destination', { list: 'bind-destination-list', required: true });
-    const destList = h('datalist', { id: 'bind-destination-list' });
     destType.addEventListener('change', () => refreshNow());
-    const rk = input('bind-routing-key');
-    const bargs = textarea('bind-arguments', { rows: 2, placeholder: '{"x-match": "all"}' });
-    const bsubmit = h('button', { type: 'submit', class: 'btn btn-primary', id: 'bind-submit', 'data-testid': 'bind-submit' }, 'Bind');
-    const bout = result('bind-result');
-    const bindForm = h('form', {
-      id: 'bind-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(bsubmit, bout, async () => {
-          const d = dest.value;
-          if (!d) throw new Error('Destination is required.');
-          await api('POST', P('bindings', vhost, 'e', apiName, destType.value, d), { routing_key: rk.value, arguments: parseObject(bargs.value, 'Arguments') });
-          refreshNow();
-          return `Bound to ${destType.value === 'q' ? 'queue' : 'exchange'} "${d}".`;
-        });
-      },
-    }, formGrid([['Destination', h('span', { class: 'inline' }, destType, dest, destList)], ['Routing key', rk], ['Arguments (JSON)', bargs]]),
-    h('div', { class: 'form-actions' }, bsubmit, bout));
-
-    const pub = publishForm({
-      routingKey: true,
-      publish: async (body) => api('POST', P('exchanges', vhost, apiName, 'publish'), body),
-      after: () => refreshNow(),
+    const bind = bindForm({
+      id: 'bind-destination',
+      label: 'Destination',
+      prefix: destType,
+      missing: 'Destination is required.',
+      path: (d) => P('bindings', vhost, 'e', apiName, destType.value, d),
+      done: (d) => `Bound to ${destType.value === 'q' ? 'queue' : 'exchange'} "${d}".`,
     });
 
-    const delBtn = button('Delete this exchange', {
-      class: 'btn btn-danger', id: 'exchange-delete', 'data-testid': 'exchange-delete',
-      onclick: (e) => {
-        if (!confirm(`Delete exchange "${name}" in vhost "${vhost}"?`)) return;
-        runAction(e.currentTarget, null, async () => {
-          await api('DELETE', P('exchanges', vhost, apiName));
-          flash(`Exchange "${name}" deleted.`);
-          location.hash = '#/exchanges';
-        });
-      },
-    });
+    const pub = publishForm(P('exchanges', vhost, apiName, 'publish'));
+
+    const delBtn = actionButton('Delete this exchange', { class: 'btn btn-danger', id: 'exchange-delete', 'data-testid': 'exchange-delete' },
+      `Delete exchange "${name}" in vhost "${vhost}"?`, null, async () => {
+        await api('DELETE', P('exchanges', vhost, apiName));
+        flash(`Exchange "${name}" deleted.`);
+        location.hash = '#/exchanges';
+      });
     const builtin = isDefault || name.startsWith('amq.');
 
     const el = h('div', { class: 'view' },
       h('div', { class: 'crumbs' }, link('#/exchanges', 'Exchanges'), ' › virtual host ', h('span', { class: 'mono' }, vhost)),
       h('h1', null, 'Exchange: ', h('span', { class: 'entity-name', id: 'exchange-name' }, exchangeLabel(name))),
       err,
-      section('Overview', [details, rateRow], { key: 'x-overview' }),
+      section('Overview', [details, rates.el], { key: 'x-overview' }),
       isDefault ? null : section('Bindings', [
         h('h3', null, 'From this exchange'), outTbl.el,
         h('h3', null, 'To this exchange'), inTbl.el,
-        h('h3', null, 'Add binding from this exchange'), bindForm,
+        h('h3', null, 'Add binding from this exchange'), bind.el,
       ], { key: 'x-bindings' }),
       isDefault ? section('Bindings', h('p', { class: 'muted' }, 'The default exchange is implicitly bound to every queue, with the queue name as routing key. It cannot be bound or unbound explicitly.'), { key: 'x-bindings' }) : null,
-      section('Publish message', pub.el, { key: 'x-publish' }),
+      section('Publish message', pub, { key: 'x-publish' }),
       builtin ? null : section('Delete this exchange', delBtn, { key: 'x-delete' }),
     );
 
@@ -1092,8 +1144,7 @@
         ['Durable', fmtBool(x.durable)], ['Auto delete', fmtBool(x.auto_delete)], ['Internal', fmtBool(x.internal)],
         ['Arguments', kvList(x.arguments)], ['Policy', x.policy || DASH],
       ]);
-      setText(rt['exchange-rate-in'], fmtRate(rate(x, 'publish_in')));
-      setText(rt['exchange-rate-out'], fmtRate(rate(x, 'publish_out')));
+      rates.update(x);
       if (!isDefault) {
         const [src, dst, qs] = await Promise.all([
           api('GET', P('exchanges', vhost, apiName, 'bindings', 'source')),
@@ -1102,7 +1153,7 @@
         ]);
         outTbl.update(src || []);
         inTbl.update(dst || []);
-        fillSelect(destList, (qs || []).map((o) => o.name).filter(Boolean));
+        fillSelect(bind.list, (qs || []).map((o) => o.name).filter(Boolean));
       }
     }
     return { tab: 'exchanges', title: 'Exchange ' + exchangeLabel(name), el, refresh };
@@ -1114,142 +1165,115 @@
     if (dl.dataset.sig === sig) return;
     dl.dataset.sig = sig;
     clear(dl);
-    for (const [k, v] of pairs) {
-      dl.appendChild(h('div', { class: 'detail' }, h('dt', null, k), h('dd', null, v == null || v === '' ? DASH : v)));
-    }
+    for (const [k, v] of pairs) dl.appendChild(detail(k, v));
   }
 
-  /** The "Publish message" form (queue page: routing key fixed to the queue name). */
-  function publishForm(cfg) {
-    const rk = cfg.routingKey ? input('publish-routing-key') : null;
+  /**
+   * The "Publish message" form, POSTing to `path` (an exchange's publish endpoint). With `fixedKey`
+   * (the queue page) the routing key is that, not an input.
+   */
+  function publishForm(path, fixedKey) {
+    const rk = fixedKey == null ? input('publish-routing-key') : null;
     const mode = select('publish-delivery-mode', [['1', '1 - Non-persistent'], ['2', '2 - Persistent']], '2');
     const props = textarea('publish-properties', { rows: 2, placeholder: '{"content_type": "text/plain", "headers": {"k": "v"}}' });
     const encoding = select('publish-encoding', [['string', 'String'], ['base64', 'Base64']], 'string');
     const payload = textarea('publish-payload', { rows: 4 });
-    const submit = h('button', { type: 'submit', class: 'btn btn-primary', id: 'publish-submit', 'data-testid': 'publish-submit' }, 'Publish message');
-    const out = result('publish-result');
-    const el = h('form', {
-      id: 'publish-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(submit, out, async () => {
-          const properties = parseObject(props.value, 'Properties');
-          if (properties.delivery_mode == null) properties.delivery_mode = Number(mode.value);
-          const body = {
-            properties,
-            routing_key: cfg.routingKey ? rk.value : cfg.fixedKey,
-            payload: payload.value,
-            payload_encoding: encoding.value,
-          };
-          const r = await cfg.publish(body);
-          if (cfg.after) cfg.after();
-          if (r && r.routed === false) return { text: 'Message published, but not routed.', kind: 'warn' };
-          return 'Message published.';
-        });
+    return actionForm({
+      id: 'publish',
+      label: 'Publish message',
+      intro: h('p', { class: 'hint' }, rk ? null : `Published through the default exchange with routing key "${fixedKey}", so it goes to this queue.`),
+      rows: [
+        rk ? ['Routing key', rk] : null,
+        ['Delivery mode', mode],
+        ['Properties (JSON)', props, jsonHelpers(props, [['content_type', 'text/plain'], ['headers', { key: 'value' }], ['message_id', 'id-1'], ['expiration', '60000'], ['priority', 1]])],
+        ['Payload encoding', encoding],
+        ['Payload', payload],
+      ],
+      action: async () => {
+        const properties = parseObject(props.value, 'Properties');
+        if (properties.delivery_mode == null) properties.delivery_mode = Number(mode.value);
+        const body = {
+          properties,
+          routing_key: rk ? rk.value : fixedKey,
+          payload: payload.value,
+          payload_encoding: encoding.value,
+        };
+        const r = await api('POST', path, body);
+        if (r && r.routed === false) return { text: 'Message published, but not routed.', kind: 'warn' };
+        return 'Message published.';
       },
-    },
-    h('p', { class: 'hint' }, cfg.routingKey ? null : `Published through the default exchange with routing key "${cfg.fixedKey}", so it goes to this queue.`),
-    formGrid([
-      rk ? ['Routing key', rk] : null,
-      ['Delivery mode', mode],
-      ['Properties (JSON)', props, jsonHelpers(props, [['content_type', 'text/plain'], ['headers', { key: 'value' }], ['message_id', 'id-1'], ['expiration', '60000'], ['priority', 1]])],
-      ['Payload encoding', encoding],
-      ['Payload', payload],
-    ]),
-    h('div', { class: 'form-actions' }, submit, out));
-    return { el, payload };
+    });
   }
 
   // ---- Queues -------------------------------------------------------------------------------
   function queuesView() {
-    const err = viewError();
-    let rows = [];
-    const fb = filterBar('queues-filter', () => render());
-    const tbl = table({
-      id: 'queues-table',
-      sort: ['name'],
-      rowAttrs: (q) => ({ 'data-queue': q.name, 'data-vhost': q.vhost }),
-      columns: [
-        { key: 'vhost', label: 'Virtual host', group: 'Overview' },
-        { key: 'name', label: 'Name', group: 'Overview', cell: (q) => link(queueHref(q.vhost, q.name), q.name, { class: 'name-link' }) },
-        { key: 'type', label: 'Type', group: 'Overview' },
-        { key: 'features', label: 'Features', group: 'Overview', cell: (q) => features(q, 'queue'), sortable: false },
-        { key: 'state', label: 'State', group: 'Overview', cell: (q) => stateBadge(q.state) },
-        { key: 'messages_ready', label: 'Ready', group: 'Messages', num: true, fmt: fmtNum },
-        { key: 'messages_unacknowledged', label: 'Unacked', group: 'Messages', num: true, fmt: fmtNum },
-        { key: 'messages', label: 'Total', group: 'Messages', num: true, fmt: fmtNum },
-        { key: 'consumers', label: 'Consumers', group: 'Messages', num: true, fmt: fmtNum },
-        { key: 'oldest_ready_message_age_ms', label: 'Oldest ready', group: 'Messages', num: true, fmt: fmtDuration, title: 'Age of the oldest ready message' },
-        { key: 'publish', label: 'Incoming', group: 'Message rates', num: true, get: (q) => rate(q, 'publish'), fmt: fmtRate },
-        { key: 'deliver', label: 'Deliver / get', group: 'Message rates', num: true, get: (q) => rate(q, 'deliver_get'), fmt: fmtRate },
-        { key: 'ack', label: 'Ack', group: 'Message rates', num: true, get: (q) => rate(q, 'ack'), fmt: fmtRate },
-      ],
-    });
-    function render() {
-      const shown = nameFilter(rows, fb.box.value, fb.re.checked);
-      tbl.update(shown);
-      setText(fb.count, `${shown.length} of ${rows.length}`);
-    }
-
     const vh = vhostSelect('add-queue-vhost');
     const type = select('add-queue-type', QUEUE_TYPES, 'classic');
     const name = input('add-queue-name', { required: true });
-    const durable = select('add-queue-durable', [['true', 'Durable'], ['false', 'Transient']], 'true');
-    const autoDelete = select('add-queue-auto-delete', [['false', 'No'], ['true', 'Yes']], 'false');
+    const durable = select('add-queue-durable', DURABILITY, 'true');
+    const autoDelete = select('add-queue-auto-delete', NO_YES, 'false');
     const args = textarea('add-queue-arguments', { rows: 2, placeholder: '{"x-message-ttl": 60000}' });
-    const submit = h('button', { type: 'submit', class: 'btn btn-primary', id: 'add-queue-submit', 'data-testid': 'add-queue-submit' }, 'Add queue');
-    const out = result('add-queue-result');
-    const form = h('form', {
-      id: 'add-queue-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(submit, out, async () => {
-          const n = name.value.trim();
-          if (!n) throw new Error('Name is required.');
-          const a = parseObject(args.value, 'Arguments');
-          if (type.value !== 'classic' && a['x-queue-type'] == null) a['x-queue-type'] = type.value;
-          await api('PUT', P('queues', vh.value, n), { durable: durable.value === 'true', auto_delete: autoDelete.value === 'true', arguments: a });
-          name.value = '';
-          refreshNow();
-          return `Queue "${n}" declared in vhost "${vh.value}".`;
-        });
+    const form = actionForm({
+      id: 'add-queue',
+      label: 'Add queue',
+      reset: [name],
+      rows: [
+        ['Virtual host', vh], ['Type', type], ['Name', name], ['Durability', durable], ['Auto delete', autoDelete],
+        ['Arguments (JSON)', args, jsonHelpers(args, [
+          ['x-message-ttl', 60000], ['x-expires', 1800000], ['x-max-length', 1000], ['x-max-length-bytes', 1048576],
+          ['x-overflow', 'reject-publish'], ['x-dead-letter-exchange', 'dlx'], ['x-dead-letter-routing-key', 'dead'],
+          ['x-max-priority', 10], ['x-single-active-consumer', true], ['x-delivery-limit', 20]])],
+      ],
+      action: async () => {
+        const n = required(name, 'Name');
+        const a = parseObject(args.value, 'Arguments');
+        if (type.value !== 'classic' && a['x-queue-type'] == null) a['x-queue-type'] = type.value;
+        await api('PUT', P('queues', vh.value, n), { durable: durable.value === 'true', auto_delete: autoDelete.value === 'true', arguments: a });
+        return `Queue "${n}" declared in vhost "${vh.value}".`;
       },
-    }, formGrid([
-      ['Virtual host', vh], ['Type', type], ['Name', name], ['Durability', durable], ['Auto delete', autoDelete],
-      ['Arguments (JSON)', args, jsonHelpers(args, [
-        ['x-message-ttl', 60000], ['x-expires', 1800000], ['x-max-length', 1000], ['x-max-length-bytes', 1048576],
-        ['x-overflow', 'reject-publish'], ['x-dead-letter-exchange', 'dlx'], ['x-dead-letter-routing-key', 'dead'],
-        ['x-max-priority', 10], ['x-single-active-consumer', true], ['x-delivery-limit', 20]])],
-    ]), h('div', { class: 'form-actions' }, submit, out));
+    });
 
-    const el = h('div', { class: 'view' }, h('h1', null, 'Queues'), err,
-      section('All queues', [fb.el, tbl.el]),
-      section('Add a new queue', form, { key: 'add-queue' }));
-
-    async function refresh() {
-      const v = state.vhostFilter;
-      rows = await api('GET', v ? P('queues', v) : '/api/queues') || [];
-      render();
-      syncVhostSelect(vh);
-    }
-    return { tab: 'queues', title: 'Queues', el, refresh };
+    return listView({
+      tab: 'queues',
+      title: 'Queues',
+      table: {
+        rowAttrs: (q) => ({ 'data-queue': q.name, 'data-vhost': q.vhost }),
+        columns: [
+          ...grouped('Overview', [
+            { key: 'vhost', label: 'Virtual host' },
+            { key: 'name', label: 'Name', cell: (q) => link(queueHref(q.vhost, q.name), q.name, { class: 'name-link' }) },
+            { key: 'type', label: 'Type' },
+            { key: 'features', label: 'Features', cell: (q) => features(q, 'queue'), sortable: false },
+            { key: 'state', label: 'State', cell: (q) => stateBadge(q.state) },
+          ]),
+          ...grouped('Messages', [
+            numCol('messages_ready', 'Ready'),
+            numCol('messages_unacknowledged', 'Unacked'),
+            numCol('messages', 'Total'),
+            numCol('consumers', 'Consumers'),
+            numCol('oldest_ready_message_age_ms', 'Oldest ready', { fmt: fmtDuration, title: 'Age of the oldest ready message' }),
+          ]),
+          ...grouped('Message rates', [
+            rateCol('publish', 'Incoming'),
+            rateCol('deliver', 'Deliver / get', 'deliver_get'),
+            rateCol('ack', 'Ack'),
+          ]),
+        ],
+      },
+      sections: section('Add a new queue', form, { key: 'add-queue' }),
+      refresh: () => syncVhostSelect(vh),
+    });
   }
 
   function queueView(vhost, name) {
     const err = viewError();
     const details = h('dl', { class: 'details', id: 'queue-details' });
-    const [countRow, cnt] = statRow([
-      ['queue-messages-ready', 'Ready'],
-      ['queue-messages-unacked', 'Unacked'],
-      ['queue-messages-total', 'Total'],
-      ['queue-consumers', 'Consumers'],
-      ['queue-message-bytes', 'Message bytes'],
-      ['queue-oldest-ready-age', 'Oldest ready'],
-    ]);
-    const [rateRow, rt] = statRow([
-      ['queue-rate-publish', 'Incoming'],
-      ['queue-rate-deliver', 'Deliver / get'],
-      ['queue-rate-ack', 'Ack'],
-      ['queue-rate-redeliver', 'Redelivered'],
-    ]);
+    const counts = statRow(messageCountDefs('queue').concat([
+      ['queue-consumers', 'Consumers', countOf('consumers')],
+      ['queue-message-bytes', 'Message bytes', (q) => fmtBytes(q.message_bytes)],
+      ['queue-oldest-ready-age', 'Oldest ready', (q) => fmtDuration(q.oldest_ready_message_age_ms)],
+    ]));
+    const rates = rateStats('queue', [['publish', 'Incoming'], ['deliver', 'Deliver / get', 'deliver_get'], ['ack', 'Ack'], ['redeliver', 'Redelivered']]);
 
     const consumers = table({
       id: 'queue-consumers-table',
@@ -1260,53 +1284,26 @@
         { key: 'consumer_tag', label: 'Consumer tag' },
         { key: 'ack_required', label: 'Ack required', fmt: fmtBool },
         { key: 'exclusive', label: 'Exclusive', fmt: fmtBool },
-        { key: 'prefetch_count', label: 'Prefetch', num: true, fmt: fmtNum },
+        numCol('prefetch_count', 'Prefetch'),
         { key: 'active', label: 'Active', fmt: fmtBool },
         { key: 'arguments', label: 'Arguments', cell: (c) => kvList(c.arguments), sortable: false },
       ],
     });
 
-    const bindings = table({
+    const bindings = bindingsTable({
       id: 'queue-bindings-table',
       empty: 'No bindings.',
       rowAttrs: (b) => ({ 'data-source': b.source, 'data-routing-key': b.routing_key }),
-      columns: [
-        { key: 'source', label: 'From', cell: (b) => (b.source === '' ? h('span', { class: 'muted' }, '(Default exchange binding)') : link(exchangeHref(b.vhost, b.source), b.source)) },
-        { key: 'routing_key', label: 'Routing key' },
-        { key: 'arguments', label: 'Arguments', cell: (b) => kvList(b.arguments), sortable: false },
-        {
-          key: 'actions', label: '', action: true, cell: (b) => (b.source === '' ? null : button('Unbind', {
-            class: 'btn btn-small btn-danger', 'data-testid': 'unbind',
-            onclick: (e) => runAction(e.currentTarget, null, async () => {
-              await api('DELETE', P('bindings', b.vhost, 'e', b.source, 'q', b.destination, b.properties_key));
-              flash('Binding removed.');
-              refreshNow();
-            }),
-          })),
-        },
-      ],
-    });
+    }, { key: 'source', label: 'From', cell: (b) => (b.source === '' ? h('span', { class: 'muted' }, '(Default exchange binding)') : link(exchangeHref(b.vhost, b.source), b.source)) });
 
     // Add binding to this queue.
-    const bx = input('bind-exchange', { list: 'bind-exchange-list', required: true });
-    const bxList = h('datalist', { id: 'bind-exchange-list' });
-    const brk = input('bind-routing-key');
-    const bargs = textarea('bind-arguments', { rows: 2, placeholder: '{"x-match": "all"}' });
-    const bsubmit = h('button', { type: 'submit', class: 'btn btn-primary', id: 'bind-submit', 'data-testid': 'bind-submit' }, 'Bind');
-    const bout = result('bind-result');
-    const bindForm = h('form', {
-      id: 'bind-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(bsubmit, bout, async () => {
-          const x = bx.value;
-          if (!x) throw new Error('Exchange name is required.');
-          await api('POST', P('bindings', vhost, 'e', x, 'q', name), { routing_key: brk.value, arguments: parseObject(bargs.value, 'Arguments') });
-          refreshNow();
-          return `Bound from exchange "${x}".`;
-        });
-      },
-    }, formGrid([['From exchange', h('span', null, bx, bxList)], ['Routing key', brk], ['Arguments (JSON)', bargs]]),
-    h('div', { class: 'form-actions' }, bsubmit, bout));
+    const bind = bindForm({
+      id: 'bind-exchange',
+      label: 'From exchange',
+      missing: 'Exchange name is required.',
+      path: (x) => P('bindings', vhost, 'e', x, 'q', name),
+      done: (x) => `Bound from exchange "${x}".`,
+    });
 
     // Get messages.
     const ackmode = select('get-ackmode', [
@@ -1318,59 +1315,46 @@
     const getEncoding = select('get-encoding', [['auto', 'Auto string / base64'], ['base64', 'base64']], 'auto');
     const getCount = input('get-count', { type: 'number', min: 1, value: '1', class: 'narrow' });
     const truncate = input('get-truncate', { type: 'number', min: 1, value: '50000', class: 'narrow' });
-    const getSubmit = h('button', { type: 'submit', class: 'btn btn-primary', id: 'get-submit', 'data-testid': 'get-submit' }, 'Get message(s)');
-    const getOut = result('get-status');
     const getResult = h('div', { id: 'get-result', 'data-testid': 'get-result', class: 'messages' });
-    const getForm = h('form', {
-      id: 'get-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(getSubmit, getOut, async () => {
-          const count = Math.max(1, parseInt(getCount.value, 10) || 1);
-          const body = { count, ackmode: ackmode.value, encoding: getEncoding.value };
-          const t = parseInt(truncate.value, 10);
-          if (t > 0) body.truncate = t;
-          const msgs = await api('POST', P('queues', vhost, name, 'get'), body);
-          showMessages(getResult, msgs || []);
-          refreshNow();
-          return (msgs || []).length ? `${msgs.length} message${msgs.length === 1 ? '' : 's'} fetched.` : 'Queue is empty.';
-        });
+    const getForm = actionForm({
+      id: 'get',
+      label: 'Get message(s)',
+      resultId: 'get-status',
+      intro: h('p', { class: 'hint' }, 'Getting messages is a destructive action: with "Automatic ack" they leave the queue; the other modes put them back (marked redelivered) or drop them.'),
+      rows: [['Ack mode', ackmode], ['Encoding', getEncoding], ['Messages', getCount], ['Truncate (bytes)', truncate]],
+      extra: getResult,
+      action: async () => {
+        const count = Math.max(1, parseInt(getCount.value, 10) || 1);
+        const body = { count, ackmode: ackmode.value, encoding: getEncoding.value };
+        const t = parseInt(truncate.value, 10);
+        if (t > 0) body.truncate = t;
+        const msgs = await api('POST', P('queues', vhost, name, 'get'), body);
+        showMessages(getResult, msgs || []);
+        return (msgs || []).length ? `${msgs.length} message${msgs.length === 1 ? '' : 's'} fetched.` : 'Queue is empty.';
       },
-    },
-    h('p', { class: 'hint' }, 'Getting messages is a destructive action: with "Automatic ack" they leave the queue; the other modes put them back (marked redelivered) or drop them.'),
-    formGrid([['Ack mode', ackmode], ['Encoding', getEncoding], ['Messages', getCount], ['Truncate (bytes)', truncate]]),
-    h('div', { class: 'form-actions' }, getSubmit, getOut), getResult);
+    });
 
-    const pub = publishForm({ fixedKey: name, publish: (body) => api('POST', P('exchanges', vhost, 'amq.default', 'publish'), body), after: () => refreshNow() });
+    const pub = publishForm(P('exchanges', vhost, 'amq.default', 'publish'), name);
 
     const actionsOut = result('queue-action-result');
-    const purgeBtn = button('Purge messages', {
-      class: 'btn btn-warn', id: 'queue-purge', 'data-testid': 'queue-purge',
-      onclick: (e) => {
-        if (!confirm(`Purge all ready messages from queue "${name}"?`)) return;
-        runAction(e.currentTarget, actionsOut, async () => {
-          await api('DELETE', P('queues', vhost, name, 'contents'));
-          refreshNow();
-          return 'Queue purged.';
-        });
-      },
-    });
+    const purgeBtn = actionButton('Purge messages', { class: 'btn btn-warn', id: 'queue-purge', 'data-testid': 'queue-purge' },
+      `Purge all ready messages from queue "${name}"?`, actionsOut, async () => {
+        await api('DELETE', P('queues', vhost, name, 'contents'));
+        refreshNow();
+        return 'Queue purged.';
+      });
     const ifUnused = h('input', { type: 'checkbox', id: 'delete-if-unused' });
     const ifEmpty = h('input', { type: 'checkbox', id: 'delete-if-empty' });
-    const deleteBtn = button('Delete queue', {
-      class: 'btn btn-danger', id: 'queue-delete', 'data-testid': 'queue-delete',
-      onclick: (e) => {
-        if (!confirm(`Delete queue "${name}" in vhost "${vhost}"? Its messages are lost.`)) return;
-        runAction(e.currentTarget, actionsOut, async () => {
-          const q = [];
-          if (ifUnused.checked) q.push('if-unused=true');
-          if (ifEmpty.checked) q.push('if-empty=true');
-          await api('DELETE', P('queues', vhost, name) + (q.length ? '?' + q.join('&') : ''));
-          flash(`Queue "${name}" deleted.`);
-          location.hash = '#/queues';
-          return 'Queue deleted.';
-        });
-      },
-    });
+    const deleteBtn = actionButton('Delete queue', { class: 'btn btn-danger', id: 'queue-delete', 'data-testid': 'queue-delete' },
+      `Delete queue "${name}" in vhost "${vhost}"? Its messages are lost.`, actionsOut, async () => {
+        const q = [];
+        if (ifUnused.checked) q.push('if-unused=true');
+        if (ifEmpty.checked) q.push('if-empty=true');
+        await api('DELETE', P('queues', vhost, name) + (q.length ? '?' + q.join('&') : ''));
+        flash(`Queue "${name}" deleted.`);
+        location.hash = '#/queues';
+        return 'Queue deleted.';
+      });
 
     const el = h('div', { class: 'view' },
       h('div', { class: 'crumbs' }, link('#/queues', 'Queues'), ' › virtual host ', h('span', { class: 'mono' }, vhost)),
@@ -1379,11 +1363,11 @@
       section('Overview', [
         h('div', { class: 'overview-grid' },
           h('div', null, h('h3', null, 'Details'), details),
-          h('div', null, h('h3', null, 'Messages'), countRow, h('h3', null, 'Message rates'), rateRow)),
+          h('div', null, h('h3', null, 'Messages'), counts.el, h('h3', null, 'Message rates'), rates.el)),
       ], { key: 'q-overview' }),
       section('Consumers', consumers.el, { key: 'q-consumers' }),
-      section('Bindings', [bindings.el, h('h3', null, 'Add binding to this queue'), bindForm], { key: 'q-bindings' }),
-      section('Publish message', pub.el, { key: 'q-publish' }),
+      section('Bindings', [bindings.el, h('h3', null, 'Add binding to this queue'), bind.el], { key: 'q-bindings' }),
+      section('Publish message', pub, { key: 'q-publish' }),
       section('Get messages', getForm, { key: 'q-get' }),
       section('Purge and delete', [
         h('div', { class: 'danger-zone' },
@@ -1414,16 +1398,8 @@
         ['Effective policy definition', q.effective_policy_definition ? kvList(q.effective_policy_definition) : DASH],
         ['Node', q.node],
       ]);
-      setText(cnt['queue-messages-ready'], fmtNum(q.messages_ready));
-      setText(cnt['queue-messages-unacked'], fmtNum(q.messages_unacknowledged));
-      setText(cnt['queue-messages-total'], fmtNum(q.messages));
-      setText(cnt['queue-consumers'], fmtNum(q.consumers));
-      setText(cnt['queue-message-bytes'], fmtBytes(q.message_bytes));
-      setText(cnt['queue-oldest-ready-age'], fmtDuration(q.oldest_ready_message_age_ms));
-      setText(rt['queue-rate-publish'], fmtRate(rate(q, 'publish')));
-      setText(rt['queue-rate-deliver'], fmtRate(rate(q, 'deliver_get')));
-      setText(rt['queue-rate-ack'], fmtRate(rate(q, 'ack')));
-      setText(rt['queue-rate-redeliver'], fmtRate(rate(q, 'redeliver')));
+      counts.update(q);
+      rates.update(q);
       const [bs, cs, xs] = await Promise.all([
         api('GET', P('queues', vhost, name, 'bindings')),
         api('GET', P('consumers', vhost)).catch(() => null),
@@ -1431,7 +1407,7 @@
       ]);
       bindings.update(bs || []);
       if (cs) consumers.update(cs.filter((c) => c.queue && c.queue.name === name && c.queue.vhost === vhost));
-      fillSelect(bxList, (xs || []).map((x) => x.name).filter(Boolean));
+      fillSelect(bind.list, (xs || []).map((x) => x.name).filter(Boolean));
     }
     return { tab: 'queues', title: 'Queue ' + name, el, refresh, isGone: () => gone };
   }
@@ -1475,19 +1451,6 @@
     return { tab: 'admin', title: 'Admin', el, refresh: inner.refresh };
   }
 
-  function deleteButton(label, confirmText, fn, testid) {
-    return button(label, {
-      class: 'btn btn-small btn-danger', 'data-testid': testid || 'delete',
-      onclick: (e) => {
-        if (!confirm(confirmText)) return;
-        runAction(e.currentTarget, null, async () => {
-          await fn();
-          refreshNow();
-        });
-      },
-    });
-  }
-
   function usersPanel() {
     let perms = [];
     const tbl = table({
@@ -1499,48 +1462,32 @@
         { key: 'tags', label: 'Tags', get: (u) => tagsOf(u.tags).join(', '), cell: (u) => tagsOf(u.tags).map((t) => h('span', { class: 'tag' }, t)) },
         { key: 'vhosts', label: 'Can access virtual hosts', get: (u) => perms.filter((p) => p.user === u.name).map((p) => p.vhost).sort().join(', ') || 'No access' },
         { key: 'password', label: 'Has password', get: (u) => (u.password_hash ? '●' : '○') },
-        {
-          key: 'actions', label: '', action: true, cell: (u) => deleteButton('Delete', `Delete user "${u.name}"?`, async () => {
-            await api('DELETE', P('users', u.name));
-            flash(`User "${u.name}" deleted.`);
-          }, 'delete-user'),
-        },
+        actionCol((u) => deleteButton('Delete', 'delete-user', `Delete user "${u.name}"?`, P('users', u.name), `User "${u.name}" deleted.`)),
       ],
     });
     const uname = input('add-user-name', { required: true });
     const pw = input('add-user-password', { type: 'password', autocomplete: 'new-password' });
     const tags = input('add-user-tags', { placeholder: 'administrator' });
-    const tagLinks = h('div', { class: 'hint helpers' }, 'Set: ', ['administrator', 'monitoring', 'policymaker', 'management', 'impersonator', 'none'].map((t, i) => [
-      i ? ' | ' : null,
-      h('a', {
-        href: '#', onclick: (e) => {
-          e.preventDefault();
-          if (t === 'none') { tags.value = ''; return; }
-          const cur = tagsOf(tags.value);
-          if (!cur.includes(t)) cur.push(t);
-          tags.value = cur.join(', ');
-        },
-      }, t)]));
-    const submit = h('button', { type: 'submit', class: 'btn btn-primary', id: 'add-user-submit', 'data-testid': 'add-user-submit' }, 'Add / update user');
-    const out = result('add-user-result');
-    const form = h('form', {
-      id: 'add-user-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(submit, out, async () => {
-          const n = uname.value.trim();
-          if (!n) throw new Error('Username is required.');
-          const body = { tags: tagsOf(tags.value).join(',') };
-          if (pw.value) body.password = pw.value;
-          else body.password_hash = '';
-          await api('PUT', P('users', n), body);
-          uname.value = '';
-          pw.value = '';
-          refreshNow();
-          return `User "${n}" saved.` + (body.password == null ? ' It has no password (it cannot log in with one).' : '');
-        });
+    const tagLinks = helperLinks('Set: ', ['administrator', 'monitoring', 'policymaker', 'management', 'impersonator', 'none'], (t) => {
+      if (t === 'none') { tags.value = ''; return; }
+      const cur = tagsOf(tags.value);
+      if (!cur.includes(t)) cur.push(t);
+      tags.value = cur.join(', ');
+    });
+    const form = actionForm({
+      id: 'add-user',
+      label: 'Add / update user',
+      reset: [uname, pw],
+      rows: [['Username', uname], ['Password', pw, 'Leave empty for a user without password.'], ['Tags', tags, tagLinks]],
+      action: async () => {
+        const n = required(uname, 'Username');
+        const body = { tags: tagsOf(tags.value).join(',') };
+        if (pw.value) body.password = pw.value;
+        else body.password_hash = '';
+        await api('PUT', P('users', n), body);
+        return `User "${n}" saved.` + (body.password == null ? ' It has no password (it cannot log in with one).' : '');
       },
-    }, formGrid([['Username', uname], ['Password', pw, 'Leave empty for a user without password.'], ['Tags', tags, tagLinks]]),
-    h('div', { class: 'form-actions' }, submit, out));
+    });
     const el = h('div', null, section('All users', tbl.el, { key: 'users' }), section('Add a user', form, { key: 'add-user' }));
     async function refresh() {
       const [users, p] = await Promise.all([api('GET', '/api/users'), api('GET', '/api/permissions').catch(() => [])]);
@@ -1560,41 +1507,31 @@
         { key: 'description', label: 'Description', get: (v) => v.description || (v.metadata || {}).description || '' },
         { key: 'tags', label: 'Tags', get: (v) => tagsOf(v.tags || (v.metadata || {}).tags).join(', ') },
         { key: 'default_queue_type', label: 'Default queue type' },
-        { key: 'messages_ready', label: 'Ready', num: true, fmt: fmtNum },
-        { key: 'messages_unacknowledged', label: 'Unacked', num: true, fmt: fmtNum },
-        { key: 'messages', label: 'Total', num: true, fmt: fmtNum },
-        {
-          key: 'actions', label: '', action: true, cell: (v) => deleteButton('Delete', `Delete virtual host "${v.name}" and everything in it?`, async () => {
-            await api('DELETE', P('vhosts', v.name));
-            flash(`Virtual host "${v.name}" deleted.`);
-          }, 'delete-vhost'),
-        },
+        numCol('messages_ready', 'Ready'),
+        numCol('messages_unacknowledged', 'Unacked'),
+        numCol('messages', 'Total'),
+        actionCol((v) => deleteButton('Delete', 'delete-vhost', `Delete virtual host "${v.name}" and everything in it?`, P('vhosts', v.name), `Virtual host "${v.name}" deleted.`)),
       ],
     });
     const name = input('add-vhost-name', { required: true });
     const desc = input('add-vhost-description');
     const tags = input('add-vhost-tags');
     const dqt = select('add-vhost-default-queue-type', [['', '(broker default)'], ['classic', 'classic'], ['quorum', 'quorum']], '');
-    const submit = h('button', { type: 'submit', class: 'btn btn-primary', id: 'add-vhost-submit', 'data-testid': 'add-vhost-submit' }, 'Add virtual host');
-    const out = result('add-vhost-result');
-    const form = h('form', {
-      id: 'add-vhost-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(submit, out, async () => {
-          const n = name.value.trim();
-          if (!n) throw new Error('Name is required.');
-          const body = {};
-          if (desc.value) body.description = desc.value;
-          if (tags.value) body.tags = tagsOf(tags.value).join(',');
-          if (dqt.value) body.default_queue_type = dqt.value;
-          await api('PUT', P('vhosts', n), body);
-          name.value = '';
-          refreshNow();
-          return `Virtual host "${n}" added.`;
-        });
+    const form = actionForm({
+      id: 'add-vhost',
+      label: 'Add virtual host',
+      reset: [name],
+      rows: [['Name', name], ['Description', desc], ['Tags', tags], ['Default queue type', dqt]],
+      action: async () => {
+        const n = required(name, 'Name');
+        const body = {};
+        if (desc.value) body.description = desc.value;
+        if (tags.value) body.tags = tagsOf(tags.value).join(',');
+        if (dqt.value) body.default_queue_type = dqt.value;
+        await api('PUT', P('vhosts', n), body);
+        return `Virtual host "${n}" added.`;
       },
-    }, formGrid([['Name', name], ['Description', desc], ['Tags', tags], ['Default queue type', dqt]]),
-    h('div', { class: 'form-actions' }, submit, out));
+    });
     const el = h('div', null, section('All virtual hosts', tbl.el, { key: 'vhosts' }), section('Add a virtual host', form, { key: 'add-vhost' }));
     async function refresh() {
       tbl.update(await api('GET', '/api/vhosts') || []);
@@ -1613,12 +1550,7 @@
         { key: 'configure', label: 'Configure regexp', cls: 'mono' },
         { key: 'write', label: 'Write regexp', cls: 'mono' },
         { key: 'read', label: 'Read regexp', cls: 'mono' },
-        {
-          key: 'actions', label: '', action: true, cell: (p) => deleteButton('Clear', `Clear permissions of "${p.user}" on "${p.vhost}"?`, async () => {
-            await api('DELETE', P('permissions', p.vhost, p.user));
-            flash('Permissions cleared.');
-          }, 'clear-permission'),
-        },
+        actionCol((p) => deleteButton('Clear', 'clear-permission', `Clear permissions of "${p.user}" on "${p.vhost}"?`, P('permissions', p.vhost, p.user), 'Permissions cleared.')),
       ],
     });
     const user = select('perm-user', []);
@@ -1626,20 +1558,16 @@
     const conf = input('perm-configure', { value: '.*', class: 'mono' });
     const write = input('perm-write', { value: '.*', class: 'mono' });
     const read = input('perm-read', { value: '.*', class: 'mono' });
-    const submit = h('button', { type: 'submit', class: 'btn btn-primary', id: 'perm-submit', 'data-testid': 'perm-submit' }, 'Set permission');
-    const out = result('perm-result');
-    const form = h('form', {
-      id: 'perm-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(submit, out, async () => {
-          if (!user.value) throw new Error('Choose a user.');
-          await api('PUT', P('permissions', vh.value, user.value), { configure: conf.value, write: write.value, read: read.value });
-          refreshNow();
-          return `Permissions of "${user.value}" on "${vh.value}" set.`;
-        });
+    const form = actionForm({
+      id: 'perm',
+      label: 'Set permission',
+      rows: [['User', user], ['Virtual host', vh], ['Configure regexp', conf], ['Write regexp', write], ['Read regexp', read]],
+      action: async () => {
+        if (!user.value) throw new Error('Choose a user.');
+        await api('PUT', P('permissions', vh.value, user.value), { configure: conf.value, write: write.value, read: read.value });
+        return `Permissions of "${user.value}" on "${vh.value}" set.`;
       },
-    }, formGrid([['User', user], ['Virtual host', vh], ['Configure regexp', conf], ['Write regexp', write], ['Read regexp', read]]),
-    h('div', { class: 'form-actions' }, submit, out));
+    });
     const el = h('div', null, section('All permissions', tbl.el, { key: 'permissions' }), section('Set permission', form, { key: 'set-permission' }));
     async function refresh() {
       const [p, users] = await Promise.all([api('GET', '/api/permissions'), api('GET', '/api/users').catch(() => [])]);
@@ -1651,23 +1579,15 @@
   }
 
   function policyColumns(kind, del) {
-    const cols = [
+    return [
       { key: 'vhost', label: 'Virtual host' },
       { key: 'name', label: 'Name' },
       { key: 'pattern', label: 'Pattern', cls: 'mono' },
       { key: 'apply-to', label: 'Apply to' },
       { key: 'definition', label: 'Definition', cell: (p) => kvList(p.definition), sortable: false },
       { key: 'priority', label: 'Priority', num: true },
-    ];
-    if (del) {
-      cols.push({
-        key: 'actions', label: '', action: true, cell: (p) => deleteButton('Delete', `Delete ${kind} "${p.name}" in "${p.vhost}"?`, async () => {
-          await api('DELETE', P('policies', p.vhost, p.name));
-          flash(`Policy "${p.name}" deleted.`);
-        }, 'delete-policy'),
-      });
-    }
-    return cols;
+      del ? actionCol((p) => deleteButton('Delete', 'delete-policy', `Delete ${kind} "${p.name}" in "${p.vhost}"?`, P('policies', p.vhost, p.name), `Policy "${p.name}" deleted.`)) : null,
+    ].filter(Boolean);
   }
 
   function policiesPanel() {
@@ -1680,29 +1600,25 @@
     const applyTo = select('policy-apply-to', [['all', 'Exchanges and queues'], ['queues', 'Queues'], ['classic_queues', 'Classic queues'], ['quorum_queues', 'Quorum queues'], ['exchanges', 'Exchanges']], 'queues');
     const priority = input('policy-priority', { type: 'number', value: '0', class: 'narrow' });
     const def = textarea('policy-definition', { rows: 3, placeholder: '{"max-length": 1000}' });
-    const submit = h('button', { type: 'submit', class: 'btn btn-primary', id: 'policy-submit', 'data-testid': 'policy-submit' }, 'Add / update policy');
-    const out = result('policy-result');
-    const form = h('form', {
-      id: 'policy-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(submit, out, async () => {
-          const n = name.value.trim();
-          if (!n) throw new Error('Name is required.');
-          if (!pattern.value) throw new Error('Pattern is required.');
-          const definition = parseObject(def.value, 'Definition');
-          if (Object.keys(definition).length === 0) throw new Error('Definition must not be empty.');
-          await api('PUT', P('policies', vh.value, n), { pattern: pattern.value, definition, priority: parseInt(priority.value, 10) || 0, 'apply-to': applyTo.value });
-          name.value = '';
-          refreshNow();
-          return `Policy "${n}" saved.`;
-        });
+    const form = actionForm({
+      id: 'policy',
+      label: 'Add / update policy',
+      reset: [name],
+      rows: [
+        ['Virtual host', vh], ['Name', name], ['Pattern', pattern, 'Regular expression matched against queue / exchange names.'], ['Apply to', applyTo], ['Priority', priority],
+        ['Definition (JSON)', def, jsonHelpers(def, [
+          ['max-length', 1000], ['max-length-bytes', 1048576], ['overflow', 'reject-publish'], ['message-ttl', 60000], ['expires', 1800000],
+          ['dead-letter-exchange', 'dlx'], ['dead-letter-routing-key', 'dead'], ['delivery-limit', 20], ['alternate-exchange', 'my-ae']])],
+      ],
+      action: async () => {
+        const n = required(name, 'Name');
+        if (!pattern.value) throw new Error('Pattern is required.');
+        const definition = parseObject(def.value, 'Definition');
+        if (Object.keys(definition).length === 0) throw new Error('Definition must not be empty.');
+        await api('PUT', P('policies', vh.value, n), { pattern: pattern.value, definition, priority: parseInt(priority.value, 10) || 0, 'apply-to': applyTo.value });
+        return `Policy "${n}" saved.`;
       },
-    }, formGrid([
-      ['Virtual host', vh], ['Name', name], ['Pattern', pattern, 'Regular expression matched against queue / exchange names.'], ['Apply to', applyTo], ['Priority', priority],
-      ['Definition (JSON)', def, jsonHelpers(def, [
-        ['max-length', 1000], ['max-length-bytes', 1048576], ['overflow', 'reject-publish'], ['message-ttl', 60000], ['expires', 1800000],
-        ['dead-letter-exchange', 'dlx'], ['dead-letter-routing-key', 'dead'], ['delivery-limit', 20], ['alternate-exchange', 'my-ae']])],
-    ]), h('div', { class: 'form-actions' }, submit, out));
+    });
     const el = h('div', null,
       section('User policies', tbl.el, { key: 'policies' }),
       section('Add / update a policy', form, { key: 'add-policy' }),
@@ -1710,21 +1626,16 @@
     async function refresh() {
       const v = state.vhostFilter;
       const [p, op] = await Promise.all([
-        api('GET', v ? P('policies', v) : '/api/policies'),
-        state.operatorPolicies === false ? Promise.resolve(null) : api('GET', v ? P('operator-policies', v) : '/api/operator-policies').catch((e) => e),
+        api('GET', apiPath('policies', v)),
+        state.operatorPolicies === false ? Promise.resolve(null) : api('GET', apiPath('operator-policies', v)).catch((e) => e),
       ]);
       tbl.update(p || []);
+      if (op instanceof Error && (op.status === 404 || op.status === 405)) state.operatorPolicies = false;
       if (state.operatorPolicies === false) {
         opTbl.el.hidden = true;
         setText(opNote, 'This broker does not expose operator policies (GET /api/operator-policies: not found).');
       } else if (op instanceof Error) {
-        if (op.status === 404 || op.status === 405) {
-          state.operatorPolicies = false;
-          opTbl.el.hidden = true;
-          setText(opNote, 'This broker does not expose operator policies (GET /api/operator-policies: not found).');
-        } else {
-          setText(opNote, 'Could not load operator policies: ' + op.message);
-        }
+        setText(opNote, 'Could not load operator policies: ' + op.message);
       } else if (op) {
         state.operatorPolicies = true;
         opTbl.el.hidden = false;
@@ -1740,11 +1651,10 @@
   function definitionsView() {
     const err = viewError();
     const exportVhost = select('definitions-export-vhost', [['', 'All virtual hosts']], '');
-    const dl = button('Download broker definitions', { class: 'btn btn-primary', id: 'definitions-download', 'data-testid': 'definitions-download' });
     const dlOut = result('definitions-download-result');
-    dl.addEventListener('click', () => runAction(dl, dlOut, async () => {
+    const dl = actionButton('Download broker definitions', { class: 'btn btn-primary', id: 'definitions-download', 'data-testid': 'definitions-download' }, null, dlOut, async () => {
       const v = exportVhost.value;
-      const data = await api('GET', v ? P('definitions', v) : '/api/definitions');
+      const data = await api('GET', apiPath('definitions', v));
       const text = JSON.stringify(data, null, 2);
       const blob = new Blob([text], { type: 'application/json' });
       const url = URL.createObjectURL(blob);
@@ -1758,7 +1668,7 @@
       a.remove();
       setTimeout(() => URL.revokeObjectURL(url), 10000);
       return `Downloaded ${fname} (${summarize(data)}).`;
-    }));
+    });
 
     const importVhost = select('definitions-import-vhost', [['', 'All virtual hosts']], '');
     const file = h('input', { type: 'file', id: 'definitions-file', 'data-testid': 'definitions-file', accept: '.json,application/json' });
@@ -1778,25 +1688,23 @@
         setText(preview, `${f.name}: not a definitions file (${e.message})`);
       }
     });
-    const up = h('button', { type: 'submit', class: 'btn btn-primary', id: 'definitions-upload', 'data-testid': 'definitions-upload' }, 'Upload broker definitions');
-    const upOut = result('definitions-result');
-    const form = h('form', {
-      id: 'definitions-upload-form', novalidate: true, onsubmit: (e) => {
-        e.preventDefault();
-        runAction(up, upOut, async () => {
-          const f = file.files && file.files[0];
-          if (!f) throw new Error('Choose a definitions file first.');
-          let body = parsed;
-          if (!body) {
-            try { body = JSON.parse(await f.text()); } catch (e2) { throw new Error('The file is not valid JSON: ' + e2.message); }
-          }
-          const v = importVhost.value;
-          const r = await api('POST', v ? P('definitions', v) : '/api/definitions', body, { withStatus: true });
-          refreshNow();
-          return `Definitions imported from ${f.name} (HTTP ${r.status}): ${summarize(body)}.`;
-        });
+    const form = actionForm({
+      id: 'definitions-upload',
+      submitId: 'definitions-upload',
+      resultId: 'definitions-result',
+      label: 'Upload broker definitions',
+      rows: [['Definitions file', file, preview], ['Import into', importVhost]],
+      action: async () => {
+        const f = file.files && file.files[0];
+        if (!f) throw new Error('Choose a definitions file first.');
+        let body = parsed;
+        if (!body) {
+          try { body = JSON.parse(await f.text()); } catch (e2) { throw new Error('The file is not valid JSON: ' + e2.message); }
+        }
+        const r = await api('POST', apiPath('definitions', importVhost.value), body, { withStatus: true });
+        return `Definitions imported from ${f.name} (HTTP ${r.status}): ${summarize(body)}.`;
       },
-    }, formGrid([['Definitions file', file, preview], ['Import into', importVhost]]), h('div', { class: 'form-actions' }, up, upOut));
+    });
 
     const el = h('div', { class: 'view' }, h('h1', null, 'Definitions'), err,
       section('Export definitions', [
