@@ -47,7 +47,7 @@ pub trait MessageRef: Clone {
 }
 
 /// What happens to a publish that would exceed a length limit (`x-overflow`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum Overflow {
     /// Drop (dead-letter) messages from the head until within limits (RabbitMQ's default).
     #[default]
@@ -59,7 +59,7 @@ pub enum Overflow {
 }
 
 /// A queue's declared behaviour.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct QueueConfig {
     /// `x-max-priority`: number of priority levels above 0 (None: priorities ignored).
     pub max_priority: Option<u8>,
@@ -80,7 +80,7 @@ pub struct QueueConfig {
 }
 
 /// Why a message left the queue without being acknowledged or delivered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Removal {
     /// Acknowledged, or delivered to a no-ack `basic.get`.
     Settled,
@@ -97,7 +97,7 @@ pub enum Removal {
 }
 
 /// How a consumer receives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ConsumerSpec {
     /// Unacked deliveries allowed at once (0 = unlimited), basic.qos per-consumer prefetch.
     pub prefetch: u32,
@@ -117,7 +117,7 @@ pub struct ConsumerSpec {
 }
 
 /// Commands (nouns, as in rabbit_fifo).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub enum Command<M> {
     /// Add a message to the tail.
     Enqueue(M),
@@ -174,7 +174,7 @@ pub enum Command<M> {
 }
 
 /// Effects for the driver to carry out.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Effect<M> {
     /// Send a message to a consumer.
     Deliver {
@@ -205,7 +205,7 @@ pub enum Effect<M> {
 }
 
 /// Replies to a command.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Reply<M> {
     /// Nothing to report.
     Ok,
@@ -220,7 +220,9 @@ pub enum Reply<M> {
 }
 
 /// Why a command was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize,
+)]
 pub enum MachineError {
     /// An exclusive consumer holds the queue, or an exclusive one asked while others exist.
     #[error("queue in exclusive use")]
@@ -230,7 +232,7 @@ pub enum MachineError {
     DuplicateConsumer,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Ready<M> {
     id: MsgId,
     msg: M,
@@ -244,7 +246,7 @@ struct Ready<M> {
     enqueued_at: u64,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Unacked<M> {
     msg: M,
     consumer: Option<ConsumerId>,
@@ -256,7 +258,7 @@ struct Unacked<M> {
     enqueued_at: u64,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Consumer {
     spec: ConsumerSpec,
     unacked: u32,
@@ -291,7 +293,7 @@ impl Consumer {
 }
 
 /// Counters for invariants and statistics.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Counters {
     /// Messages ever enqueued.
     pub enqueued: u64,
@@ -324,7 +326,7 @@ impl Counters {
 }
 
 /// Ready messages of one priority.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 struct Level<M> {
     fresh: VecDeque<Ready<M>>,
     returned: BTreeMap<MsgId, Ready<M>>,
@@ -365,7 +367,7 @@ impl<M> Level<M> {
 }
 
 /// A classic queue's delivery state.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct QueueMachine<M> {
     config: QueueConfig,
     /// Time of the command being applied.

@@ -1,0 +1,14 @@
+//! Replication for Warren (issue 8): a quorum queue is an openraft group whose state machine is
+//! the same pure [`QueueMachine`](warren_broker::queue::machine::QueueMachine) that drives
+//! classic queues. Every state change is a log entry carrying machine commands and the leader's
+//! time; each replica applies the committed entries in order and so reaches the same state.
+//!
+//! - [`types`]: the Raft type configuration, the replicated message and the entry payload.
+//! - [`log_store`]: the Raft log, vote and commit index in redb (durable before acknowledged).
+//! - [`state_machine`]: the queue machine as an openraft state machine, with snapshots.
+//! - [`network`]: an in-process network for deterministic tests of a group in one process.
+
+pub mod log_store;
+pub mod network;
+pub mod state_machine;
+pub mod types;

@@ -1,0 +1,68 @@
+//! The Raft type configuration of a replicated queue.
+
+use std::io::Cursor;
+
+use openraft::{BasicNode, Entry, TokioRuntime};
+use serde::{Deserialize, Serialize};
+use warren_broker::queue::machine::{Command, MachineError, MessageRef, Reply};
+
+/// A message as a replicated queue holds it. The body travels in the log entry that enqueues
+/// it, so every replica has it once the entry commits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicatedMessage {
+    /// The body (properties and payload as the broker stores them).
+    pub body: Vec<u8>,
+    /// The `priority` property.
+    pub priority: u8,
+    /// The message's own TTL (`expiration` property), in milliseconds.
+    pub expiration_ms: Option<u64>,
+}
+
+impl MessageRef for ReplicatedMessage {
+    fn size(&self) -> u64 {
+        self.body.len() as u64
+    }
+
+    fn priority(&self) -> u8 {
+        self.priority
+    }
+
+    fn expiration_ms(&self) -> Option<u64> {
+        self.expiration_ms
+    }
+}
+
+/// One log entry's payload: queue machine commands, applied in order at time `at` (the
+/// leader's wall clock in milliseconds when it proposed them; replicas never read their own
+/// clock, so they all compute the same expiries).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct QueueRequest {
+    /// Milliseconds since the epoch, stamped by the leader.
+    pub at: u64,
+    /// Commands, applied one after the other (many publishes batch into one entry).
+    pub commands: Vec<Command<ReplicatedMessage>>,
+}
+
+/// The replies to one entry's commands, in order.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct QueueResponse {
+    /// One per command.
+    pub replies: Vec<Result<Reply<ReplicatedMessage>, MachineError>>,
+}
+
+openraft::declare_raft_types!(
+    /// The openraft types of a replicated queue.
+    pub QueueRaft:
+        D = QueueRequest,
+        R = QueueResponse,
+        NodeId = u64,
+        Node = BasicNode,
+        Entry = Entry<QueueRaft>,
+        SnapshotData = Cursor<Vec<u8>>,
+        AsyncRuntime = TokioRuntime,
+);
+
+/// The node id type.
+pub type NodeId = u64;
+/// The storage error of this configuration.
+pub type StorageError = openraft::StorageError<NodeId>;
