@@ -1,6 +1,9 @@
-//! An in-process network between the Raft instances of one process: for deterministic tests
-//! of a replicated queue, with faults injected by cutting nodes off (their RPCs, both ways,
-//! fail as unreachable, as a partition or a dead peer looks to openraft).
+//! An in-process network between the Raft instances of one process, for tests of a replicated
+//! queue under faults:
+//! - cutting nodes off: their RPCs, both ways, fail as unreachable, as a partition or a dead
+//!   peer looks to openraft;
+//! - [`Faults`] from a seed: RPCs dropped before delivery, replies lost after the target acted
+//!   (the sender cannot tell which), and random delays, which reorder concurrent RPCs.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -23,6 +26,60 @@ struct Table {
     nodes: BTreeMap<NodeId, Raft<QueueRaft>>,
     /// Nodes cut off from every other.
     isolated: BTreeSet<NodeId>,
+    faults: Option<Faults>,
+}
+
+/// Random message faults, reproducible from a seed (the order in which concurrent RPCs draw
+/// from it still depends on scheduling).
+#[derive(Debug, Clone)]
+pub struct Faults {
+    /// Chance in 1000 that an RPC is dropped before it reaches the target.
+    pub drop_per_mille: u64,
+    /// Chance in 1000 that the reply is lost after the target handled the RPC.
+    pub lose_reply_per_mille: u64,
+    /// Largest delay before delivery, in milliseconds.
+    pub max_delay_ms: u64,
+    state: u64,
+}
+
+impl Faults {
+    /// Faults drawn from `seed`.
+    #[must_use]
+    pub fn new(
+        seed: u64,
+        drop_per_mille: u64,
+        lose_reply_per_mille: u64,
+        max_delay_ms: u64,
+    ) -> Self {
+        Self {
+            drop_per_mille,
+            lose_reply_per_mille,
+            max_delay_ms,
+            state: seed,
+        }
+    }
+
+    /// The next number of the seeded sequence (tests also draw their own choices from it).
+    pub fn pick(&mut self) -> u64 {
+        self.next()
+    }
+
+    /// splitmix64: small, fast and good enough to spread faults.
+    fn next(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+}
+
+/// What the faults decided for one RPC.
+#[derive(Debug, Clone, Copy, Default)]
+struct Fate {
+    drop: bool,
+    lose_reply: bool,
+    delay_ms: u64,
 }
 
 /// The nodes of one in-process group. Clones share it.
@@ -68,6 +125,23 @@ impl Router {
     /// Reconnect `id`.
     pub fn heal(&self, id: NodeId) {
         self.lock().isolated.remove(&id);
+    }
+
+    /// Inject `faults` into every RPC from now on (None: a perfect network).
+    pub fn set_faults(&self, faults: Option<Faults>) {
+        self.lock().faults = faults;
+    }
+
+    fn fate(&self) -> Fate {
+        let mut t = self.lock();
+        let Some(f) = t.faults.as_mut() else {
+            return Fate::default();
+        };
+        Fate {
+            drop: f.next() % 1000 < f.drop_per_mille,
+            lose_reply: f.next() % 1000 < f.lose_reply_per_mille,
+            delay_ms: f.next() % (f.max_delay_ms + 1),
+        }
     }
 
     /// The network handle of node `from` (what its Raft instance sends through).
@@ -120,8 +194,29 @@ impl RaftNetworkFactory<QueueRaft> for NodeNetwork {
 }
 
 impl Connection {
-    fn target(&self) -> Result<Raft<QueueRaft>, Unreachable> {
-        self.router.route(self.from, self.to)
+    /// Deliver `call` to the target through the faults: maybe delayed, maybe dropped before,
+    /// maybe its reply lost after.
+    async fn deliver<T, E, F>(&self, call: impl FnOnce(Raft<QueueRaft>) -> F) -> Rpc<T, E>
+    where
+        E: std::error::Error,
+        F: std::future::Future<Output = Result<T, RaftError<NodeId, E>>>,
+    {
+        let fate = self.router.fate();
+        if fate.delay_ms > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(fate.delay_ms)).await;
+        }
+        if fate.drop {
+            return Err(Unreachable::new(&Cut(self.to)).into());
+        }
+        // Checked after the delay: a partition that began meanwhile stops the message too.
+        let raft = self.router.route(self.from, self.to)?;
+        let reply = call(raft)
+            .await
+            .map_err(|e| RPCError::RemoteError(RemoteError::new(self.to, e)));
+        if fate.lose_reply {
+            return Err(Unreachable::new(&Cut(self.to)).into());
+        }
+        reply
     }
 }
 
@@ -131,10 +226,8 @@ impl RaftNetwork<QueueRaft> for Connection {
         rpc: AppendEntriesRequest<QueueRaft>,
         _option: RPCOption,
     ) -> Rpc<AppendEntriesResponse<NodeId>> {
-        let raft = self.target()?;
-        raft.append_entries(rpc)
+        self.deliver(|raft| async move { raft.append_entries(rpc).await })
             .await
-            .map_err(|e| RPCError::RemoteError(RemoteError::new(self.to, e)))
     }
 
     async fn install_snapshot(
@@ -142,10 +235,8 @@ impl RaftNetwork<QueueRaft> for Connection {
         rpc: InstallSnapshotRequest<QueueRaft>,
         _option: RPCOption,
     ) -> Rpc<InstallSnapshotResponse<NodeId>, InstallSnapshotError> {
-        let raft = self.target()?;
-        raft.install_snapshot(rpc)
+        self.deliver(|raft| async move { raft.install_snapshot(rpc).await })
             .await
-            .map_err(|e| RPCError::RemoteError(RemoteError::new(self.to, e)))
     }
 
     async fn vote(
@@ -153,9 +244,7 @@ impl RaftNetwork<QueueRaft> for Connection {
         rpc: VoteRequest<NodeId>,
         _option: RPCOption,
     ) -> Rpc<VoteResponse<NodeId>> {
-        let raft = self.target()?;
-        raft.vote(rpc)
+        self.deliver(|raft| async move { raft.vote(rpc).await })
             .await
-            .map_err(|e| RPCError::RemoteError(RemoteError::new(self.to, e)))
     }
 }
