@@ -6,7 +6,8 @@
 
 mod common;
 
-use common::{Cluster, got_id, msg};
+use common::{Cluster, WAIT, got_id, msg};
+use openraft::{Config, SnapshotPolicy};
 use warren_broker::queue::machine::{Command, Reply};
 use warren_cluster::types::NodeId;
 
@@ -71,6 +72,50 @@ async fn three_replicas_agree_and_survive_the_loss_of_the_leader() {
     c.write(leader, 3_000, vec![msg(12)]).await;
     let after = c.converged(leader, &all).await;
     assert_ne!(after, digest, "the new message is in every replica");
+    for id in all {
+        c.stop(id).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_behind_the_purged_log_catches_up_from_a_snapshot() {
+    // Snapshot every 20 entries and keep no log behind a snapshot: the log stays bounded by
+    // the live queue, and a replica that missed purged entries can only catch up by snapshot.
+    let config = Config {
+        snapshot_policy: SnapshotPolicy::LogsSinceLast(20),
+        max_in_snapshot_log_to_keep: 0,
+        purge_batch_size: 1,
+        ..Cluster::config()
+    };
+    let all = [1, 2, 3];
+    let mut c = Cluster::start_with(&all, config).await;
+    let leader = c.leader(&all, None).await;
+    let behind = all.into_iter().find(|&i| i != leader).expect("a follower");
+    c.router.isolate(behind);
+    for i in 0..60u8 {
+        c.write(leader, 1_000 + u64::from(i), vec![msg(i)]).await;
+    }
+    c.nodes[&leader]
+        .raft
+        .wait(Some(WAIT))
+        .metrics(
+            |m| m.purged.is_some_and(|p| p.index >= 40),
+            "the leader snapshots and purges its log",
+        )
+        .await
+        .expect("the log is purged behind a snapshot");
+    c.router.heal(behind);
+    c.nodes[&behind]
+        .raft
+        .wait(Some(WAIT))
+        .metrics(
+            |m| m.snapshot.is_some(),
+            "the lagging replica installs a snapshot",
+        )
+        .await
+        .expect("the lagging replica catches up from a snapshot");
+    c.converged(leader, &all).await;
+    assert_eq!(c.nodes[&behind].sm.with_machine(|m| m.ready_len()), 60);
     for id in all {
         c.stop(id).await;
     }

@@ -29,13 +29,21 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    pub async fn start(ids: &[NodeId]) -> Self {
-        let config = Config {
+    /// Timings for tests: elections within a few hundred milliseconds.
+    pub fn config() -> Config {
+        Config {
             heartbeat_interval: 50,
             election_timeout_min: 200,
             election_timeout_max: 400,
             ..Config::default()
-        };
+        }
+    }
+
+    pub async fn start(ids: &[NodeId]) -> Self {
+        Self::start_with(ids, Self::config()).await
+    }
+
+    pub async fn start_with(ids: &[NodeId], config: Config) -> Self {
         let mut c = Self {
             dir: tempfile::tempdir().expect("a temporary directory"),
             router: Router::default(),
