@@ -6,9 +6,12 @@
 //! - [`types`]: the Raft type configuration, the replicated message and the entry payload.
 //! - [`log_store`]: the Raft log, vote and commit index in redb (durable before acknowledged).
 //! - [`state_machine`]: the queue machine as an openraft state machine, with snapshots.
-//! - [`network`]: an in-process network for deterministic tests of a group in one process.
+//! - [`network`]: an in-process network, with injected faults, for tests of a group in one
+//!   process.
+//! - [`tcp`]: Raft RPCs between nodes over TCP, authenticated with the cluster's shared secret.
 
 pub mod log_store;
 pub mod network;
 pub mod state_machine;
+pub mod tcp;
 pub mod types;

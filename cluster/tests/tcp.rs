@@ -1,0 +1,166 @@
+//! Three replicas talking over real TCP on loopback through the authenticated transport: they
+//! elect a leader, replicate, fail over when the leader stops, and a peer without the secret is
+//! refused.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::VoteRequest;
+use openraft::{BasicNode, Config, Raft, Vote};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use warren_broker::queue::machine::{Command, QueueConfig};
+use warren_cluster::log_store::LogStore;
+use warren_cluster::state_machine::QueueStateMachine;
+use warren_cluster::tcp::{Secret, TcpNetwork, serve};
+use warren_cluster::types::{NodeId, QueueRaft, QueueRequest, ReplicatedMessage};
+
+const WAIT: Duration = Duration::from_secs(10);
+const SECRET: &[u8] = b"the cluster secret";
+
+struct Node {
+    raft: Raft<QueueRaft>,
+    sm: QueueStateMachine,
+    server: JoinHandle<std::io::Result<()>>,
+}
+
+fn enqueue(n: u8) -> Command<ReplicatedMessage> {
+    Command::Enqueue(ReplicatedMessage {
+        body: vec![n; 32],
+        priority: 0,
+        expiration_ms: None,
+    })
+}
+
+async fn leader_among(nodes: &BTreeMap<NodeId, Node>, not: Option<NodeId>) -> NodeId {
+    let any = nodes.values().next().expect("a node");
+    let m = any
+        .raft
+        .wait(Some(WAIT))
+        .metrics(
+            |m| m.current_leader.is_some() && m.current_leader != not,
+            "a leader",
+        )
+        .await
+        .expect("a leader is elected");
+    let leader = m.current_leader.expect("checked");
+    // The leader itself must know (the others follow once it heartbeats).
+    nodes[&leader]
+        .raft
+        .wait(Some(WAIT))
+        .current_leader(leader, "the leader knows it leads")
+        .await
+        .expect("the leader settles");
+    leader
+}
+
+async fn converge(nodes: &BTreeMap<NodeId, Node>, leader: NodeId) {
+    let index = nodes[&leader].sm.last_applied().map(|l| l.index);
+    for n in nodes.values() {
+        n.raft
+            .wait(Some(WAIT))
+            .applied_index_at_least(index, "replicated")
+            .await
+            .expect("every replica applies the entries");
+    }
+    let digest = nodes[&leader].sm.state_digest();
+    for (id, n) in nodes {
+        assert_eq!(
+            n.sm.state_digest(),
+            digest,
+            "node {id} holds the same state"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_over_tcp_replicate_fail_over_and_refuse_strangers() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = Arc::new(
+        Config {
+            heartbeat_interval: 50,
+            election_timeout_min: 200,
+            election_timeout_max: 400,
+            ..Config::default()
+        }
+        .validate()
+        .expect("a valid config"),
+    );
+    let secret = Secret::new(SECRET);
+    let mut listeners = BTreeMap::new();
+    let mut members = BTreeMap::new();
+    for id in 1..=3u64 {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+        members.insert(
+            id,
+            BasicNode::new(l.local_addr().expect("bound").to_string()),
+        );
+        listeners.insert(id, l);
+    }
+    let mut nodes = BTreeMap::new();
+    for (id, listener) in listeners {
+        let log = LogStore::open(&dir.path().join(format!("n{id}.redb"))).expect("a log");
+        let sm = QueueStateMachine::new(QueueConfig::default());
+        let raft = Raft::new(
+            id,
+            Arc::clone(&config),
+            TcpNetwork::new(id, secret.clone()),
+            log,
+            sm.clone(),
+        )
+        .await
+        .expect("the node starts");
+        let server = tokio::spawn(serve(listener, id, raft.clone(), secret.clone()));
+        nodes.insert(id, Node { raft, sm, server });
+    }
+    nodes[&1]
+        .raft
+        .initialize(members.clone())
+        .await
+        .expect("the group initialises");
+
+    let leader = leader_among(&nodes, None).await;
+    nodes[&leader]
+        .raft
+        .client_write(QueueRequest {
+            at: 1_000,
+            commands: (0..20).map(enqueue).collect(),
+        })
+        .await
+        .expect("committed over TCP");
+    converge(&nodes, leader).await;
+
+    // A peer with another secret is refused before any RPC is served.
+    let follower = *members.keys().find(|&&i| i != leader).expect("a follower");
+    let mut stranger = TcpNetwork::new(99, Secret::new(b"not the secret"));
+    let mut conn = stranger.new_client(follower, &members[&follower]).await;
+    let refused = conn
+        .vote(
+            VoteRequest::new(Vote::new(1_000, 99), None),
+            RPCOption::new(Duration::from_secs(1)),
+        )
+        .await;
+    assert!(refused.is_err(), "a wrong secret is refused: {refused:?}");
+
+    // The leader stops: the other two elect a new one over TCP and go on.
+    let old = nodes.remove(&leader).expect("the leader");
+    old.server.abort();
+    old.raft.shutdown().await.expect("the leader stops");
+    let new_leader = leader_among(&nodes, Some(leader)).await;
+    nodes[&new_leader]
+        .raft
+        .client_write(QueueRequest {
+            at: 2_000,
+            commands: vec![enqueue(20)],
+        })
+        .await
+        .expect("a majority of two commits");
+    converge(&nodes, new_leader).await;
+    assert_eq!(nodes[&new_leader].sm.with_machine(|m| m.ready_len()), 21);
+    for n in nodes.values() {
+        n.server.abort();
+        n.raft.shutdown().await.expect("stops");
+    }
+}
