@@ -2,15 +2,23 @@
 //!
 //! Wire format: frames of a 4-byte big-endian length and a JSON body, at most
 //! [`FRAME_MAX`] bytes (checked before allocating). A connection opens with a challenge: the
-//! client names itself and its target, the server answers with a random nonce, the client
-//! proves it holds the secret with HMAC-SHA256(secret, nonce ‖ from ‖ to), and only then are
-//! RPCs served. The secret never crosses the wire, and a recorded proof is useless against a
-//! new nonce. (TLS for this port comes later; the secret authenticates, it does not encrypt.)
+//! client names itself, its target and the group (queue and incarnation), the server answers
+//! with a random nonce, the client proves it holds the secret with
+//! HMAC-SHA256(secret, nonce ‖ hello), and only then are RPCs served, to that group only. The
+//! secret never crosses the wire, and a recorded proof is useless against a new nonce. (TLS
+//! for this port comes later; the secret authenticates, it does not encrypt.)
+//!
+//! A node serves many groups on one port ([`Groups`]). A group is named by its queue and an
+//! incarnation id, fixed when the queue is declared: a replica of a deleted queue that comes
+//! back asks for the old incarnation and is refused, so it can never replay its entries into
+//! a re-created queue of the same name (RabbitMQ issue 12366).
 //!
 //! One connection carries one RPC at a time: openraft opens a client per replication stream,
 //! so streams do not queue behind each other.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::{Arc, PoisonError, RwLock};
 
 use openraft::error::{
     InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable,
@@ -45,6 +53,70 @@ pub enum TransportError {
     /// The peer failed the challenge (wrong secret, or it is not who the frame said).
     #[error("authentication failed")]
     Auth,
+    /// The target does not host that group (or that incarnation of it).
+    #[error("no group {0} on the target")]
+    NoSuchGroup(GroupId),
+}
+
+/// A replicated queue's identity: its name (vhost-qualified by the caller) and the incarnation
+/// it was declared with.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct GroupId {
+    /// The queue.
+    pub name: String,
+    /// Chosen when the queue is declared; a re-declared queue gets a new one.
+    pub incarnation: u64,
+}
+
+impl std::fmt::Display for GroupId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}#{}", self.name, self.incarnation)
+    }
+}
+
+/// The groups a node hosts, by id. Clones share the table.
+#[derive(Clone, Default)]
+pub struct Groups {
+    by_id: Arc<RwLock<HashMap<GroupId, Raft<QueueRaft>>>>,
+}
+
+impl std::fmt::Debug for Groups {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ids: Vec<String> = self
+            .by_id
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .map(ToString::to_string)
+            .collect();
+        f.debug_tuple("Groups").field(&ids).finish()
+    }
+}
+
+impl Groups {
+    /// Serve `raft` as `id`.
+    pub fn insert(&self, id: GroupId, raft: Raft<QueueRaft>) {
+        self.by_id
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id, raft);
+    }
+
+    /// Stop serving `id` (its queue was deleted, or the replica moved).
+    pub fn remove(&self, id: &GroupId) -> Option<Raft<QueueRaft>> {
+        self.by_id
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(id)
+    }
+
+    fn get(&self, id: &GroupId) -> Option<Raft<QueueRaft>> {
+        self.by_id
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id)
+            .cloned()
+    }
 }
 
 async fn write_frame<T: Serialize>(s: &mut TcpStream, value: &T) -> Result<(), TransportError> {
@@ -72,6 +144,7 @@ async fn read_frame<T: DeserializeOwned>(s: &mut TcpStream) -> Result<T, Transpo
 struct Hello {
     from: NodeId,
     to: NodeId,
+    group: GroupId,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -88,12 +161,17 @@ struct Proof {
 enum Verdict {
     Welcome,
     Refused,
+    NoSuchGroup,
 }
 
+/// What the proof covers: the nonce and the whole hello (so a proof for one group or one pair
+/// of nodes is no proof for another).
 fn proof_input(nonce: &[u8], hello: &Hello) -> Vec<u8> {
     let mut m = nonce.to_vec();
     m.extend_from_slice(&hello.from.to_be_bytes());
     m.extend_from_slice(&hello.to.to_be_bytes());
+    m.extend_from_slice(&hello.group.incarnation.to_be_bytes());
+    m.extend_from_slice(hello.group.name.as_bytes());
     m
 }
 
@@ -131,22 +209,22 @@ impl std::fmt::Debug for Secret {
     }
 }
 
-/// Serve Raft RPCs for node `me` (its instance `raft`) on `listener` until the task is dropped.
+/// Serve Raft RPCs for node `me`'s `groups` on `listener` until the task is dropped.
 ///
 /// # Errors
 /// When the listener fails.
 pub async fn serve(
     listener: TcpListener,
     me: NodeId,
-    raft: Raft<QueueRaft>,
+    groups: Groups,
     secret: Secret,
 ) -> std::io::Result<()> {
     loop {
         let (stream, peer) = listener.accept().await?;
-        let raft = raft.clone();
+        let groups = groups.clone();
         let secret = secret.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_connection(stream, me, raft, secret).await {
+            if let Err(e) = serve_connection(stream, me, groups, secret).await {
                 tracing::debug!(%peer, error = %e, "cluster connection ended");
             }
         });
@@ -156,7 +234,7 @@ pub async fn serve(
 async fn serve_connection(
     mut s: TcpStream,
     me: NodeId,
-    raft: Raft<QueueRaft>,
+    groups: Groups,
     secret: Secret,
 ) -> Result<(), TransportError> {
     s.set_nodelay(true)?;
@@ -179,6 +257,10 @@ async fn serve_connection(
         write_frame(&mut s, &Verdict::Refused).await?;
         return Err(TransportError::Auth);
     }
+    let Some(raft) = groups.get(&hello.group) else {
+        write_frame(&mut s, &Verdict::NoSuchGroup).await?;
+        return Err(TransportError::NoSuchGroup(hello.group));
+    };
     write_frame(&mut s, &Verdict::Welcome).await?;
     loop {
         let request: Request = match read_frame(&mut s).await {
@@ -200,18 +282,23 @@ async fn serve_connection(
     }
 }
 
-/// Node `from`'s client side: openraft's network factory over TCP.
+/// Node `from`'s client side for one group: openraft's network factory over TCP.
 #[derive(Debug, Clone)]
 pub struct TcpNetwork {
     from: NodeId,
+    group: GroupId,
     secret: Secret,
 }
 
 impl TcpNetwork {
-    /// The network of node `from` in a cluster sharing `secret`.
+    /// The network of node `from`'s replica of `group`, in a cluster sharing `secret`.
     #[must_use]
-    pub fn new(from: NodeId, secret: Secret) -> Self {
-        Self { from, secret }
+    pub fn new(from: NodeId, group: GroupId, secret: Secret) -> Self {
+        Self {
+            from,
+            group,
+            secret,
+        }
     }
 }
 
@@ -220,6 +307,7 @@ impl TcpNetwork {
 pub struct TcpConnection {
     from: NodeId,
     to: NodeId,
+    group: GroupId,
     addr: String,
     secret: Secret,
     stream: Option<TcpStream>,
@@ -232,6 +320,7 @@ impl RaftNetworkFactory<QueueRaft> for TcpNetwork {
         TcpConnection {
             from: self.from,
             to: target,
+            group: self.group.clone(),
             addr: node.addr.clone(),
             secret: self.secret.clone(),
             stream: None,
@@ -253,6 +342,7 @@ impl TcpConnection {
         let hello = Hello {
             from: self.from,
             to: self.to,
+            group: self.group.clone(),
         };
         write_frame(&mut s, &hello).await?;
         let challenge: Challenge = read_frame(&mut s).await?;
@@ -267,6 +357,7 @@ impl TcpConnection {
         match read_frame(&mut s).await? {
             Verdict::Welcome => Ok(s),
             Verdict::Refused => Err(TransportError::Auth),
+            Verdict::NoSuchGroup => Err(TransportError::NoSuchGroup(self.group.clone())),
         }
     }
 
@@ -367,18 +458,43 @@ mod tests {
     #[tokio::test]
     async fn frames_round_trip_and_proofs_bind_both_ends() {
         let (mut client, mut server) = pair().await;
-        write_frame(&mut client, &Hello { from: 1, to: 2 })
-            .await
-            .expect("writes");
+        let group = GroupId {
+            name: "q".into(),
+            incarnation: 1,
+        };
+        write_frame(
+            &mut client,
+            &Hello {
+                from: 1,
+                to: 2,
+                group: group.clone(),
+            },
+        )
+        .await
+        .expect("writes");
         let hello: Hello = read_frame(&mut server).await.expect("reads");
-        assert_eq!((hello.from, hello.to), (1, 2));
+        assert_eq!((hello.from, hello.to, &hello.group), (1, 2, &group));
         let key = Secret::new(b"s");
         let nonce = [7u8; 32];
         let mac = hmac::sign(&key.0, &proof_input(&nonce, &hello));
         assert!(hmac::verify(&key.0, &proof_input(&nonce, &hello), mac.as_ref()).is_ok());
-        // The same proof does not pass for another pair of nodes or another nonce.
-        let other = Hello { from: 3, to: 2 };
+        // The same proof does not pass for another pair of nodes, another incarnation of the
+        // group, or another nonce.
+        let other = Hello {
+            from: 3,
+            to: 2,
+            group: group.clone(),
+        };
         assert!(hmac::verify(&key.0, &proof_input(&nonce, &other), mac.as_ref()).is_err());
+        let reborn = Hello {
+            from: 1,
+            to: 2,
+            group: GroupId {
+                name: "q".into(),
+                incarnation: 2,
+            },
+        };
+        assert!(hmac::verify(&key.0, &proof_input(&nonce, &reborn), mac.as_ref()).is_err());
         assert!(hmac::verify(&key.0, &proof_input(&[8u8; 32], &hello), mac.as_ref()).is_err());
     }
 }

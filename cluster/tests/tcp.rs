@@ -1,6 +1,6 @@
 //! Three replicas talking over real TCP on loopback through the authenticated transport: they
-//! elect a leader, replicate, fail over when the leader stops, and a peer without the secret is
-//! refused.
+//! elect a leader, replicate, fail over when the leader stops; a peer without the secret is
+//! refused, and so is a replica of an earlier incarnation of the queue.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 use warren_broker::queue::machine::{Command, QueueConfig};
 use warren_cluster::log_store::LogStore;
 use warren_cluster::state_machine::QueueStateMachine;
-use warren_cluster::tcp::{Secret, TcpNetwork, serve};
+use warren_cluster::tcp::{GroupId, Groups, Secret, TcpNetwork, serve};
 use warren_cluster::types::{NodeId, QueueRaft, QueueRequest, ReplicatedMessage};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -89,6 +89,10 @@ async fn replicas_over_tcp_replicate_fail_over_and_refuse_strangers() {
         .expect("a valid config"),
     );
     let secret = Secret::new(SECRET);
+    let group = GroupId {
+        name: "/orders".into(),
+        incarnation: 7,
+    };
     let mut listeners = BTreeMap::new();
     let mut members = BTreeMap::new();
     for id in 1..=3u64 {
@@ -106,13 +110,15 @@ async fn replicas_over_tcp_replicate_fail_over_and_refuse_strangers() {
         let raft = Raft::new(
             id,
             Arc::clone(&config),
-            TcpNetwork::new(id, secret.clone()),
+            TcpNetwork::new(id, group.clone(), secret.clone()),
             log,
             sm.clone(),
         )
         .await
         .expect("the node starts");
-        let server = tokio::spawn(serve(listener, id, raft.clone(), secret.clone()));
+        let groups = Groups::default();
+        groups.insert(group.clone(), raft.clone());
+        let server = tokio::spawn(serve(listener, id, groups, secret.clone()));
         nodes.insert(id, Node { raft, sm, server });
     }
     nodes[&1]
@@ -132,17 +138,35 @@ async fn replicas_over_tcp_replicate_fail_over_and_refuse_strangers() {
         .expect("committed over TCP");
     converge(&nodes, leader).await;
 
-    // A peer with another secret is refused before any RPC is served.
+    // A peer with another secret is refused before any RPC is served, and so is a replica of
+    // an earlier incarnation of the queue (it must not vote, nor send entries, into this one).
     let follower = *members.keys().find(|&&i| i != leader).expect("a follower");
-    let mut stranger = TcpNetwork::new(99, Secret::new(b"not the secret"));
-    let mut conn = stranger.new_client(follower, &members[&follower]).await;
-    let refused = conn
-        .vote(
-            VoteRequest::new(Vote::new(1_000, 99), None),
-            RPCOption::new(Duration::from_secs(1)),
-        )
-        .await;
-    assert!(refused.is_err(), "a wrong secret is refused: {refused:?}");
+    let old_incarnation = GroupId {
+        incarnation: 6,
+        ..group.clone()
+    };
+    for (mut peer, what) in [
+        (
+            TcpNetwork::new(99, group.clone(), Secret::new(b"not the secret")),
+            "a wrong secret",
+        ),
+        (
+            TcpNetwork::new(99, old_incarnation, secret.clone()),
+            "an old incarnation",
+        ),
+    ] {
+        let mut conn = peer.new_client(follower, &members[&follower]).await;
+        let refused = conn
+            .vote(
+                VoteRequest::new(Vote::new(1_000, 99), None),
+                RPCOption::new(Duration::from_secs(1)),
+            )
+            .await;
+        assert!(refused.is_err(), "{what} is refused: {refused:?}");
+    }
+    // The refused vote of term 1000 did not reach the group: its term did not move.
+    let term = nodes[&follower].raft.metrics().borrow().current_term;
+    assert!(term < 1_000, "term {term}");
 
     // The leader stops: the other two elect a new one over TCP and go on.
     let old = nodes.remove(&leader).expect("the leader");
