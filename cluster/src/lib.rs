@@ -4,12 +4,14 @@
 //! time; each replica applies the committed entries in order and so reaches the same state.
 //!
 //! - [`types`]: the Raft type configuration, the replicated message and the entry payload.
+//! - [`codec`]: the binary encoding of entries, snapshots and frames.
 //! - [`log_store`]: the Raft log, vote and commit index in redb (durable before acknowledged).
 //! - [`state_machine`]: the queue machine as an openraft state machine, with snapshots.
 //! - [`network`]: an in-process network, with injected faults, for tests of a group in one
 //!   process.
 //! - [`tcp`]: Raft RPCs between nodes over TCP, authenticated with the cluster's shared secret.
 
+pub mod codec;
 pub mod log_store;
 pub mod network;
 pub mod state_machine;

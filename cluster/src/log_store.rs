@@ -3,8 +3,8 @@
 //! `Durability::Immediate` (fsync) before openraft is told it is done, so an entry counted
 //! towards a majority is on disk, and a vote given is never forgotten across a crash.
 //!
-//! Entries are JSON for now (openraft's types derive serde); the layout keeps each entry a
-//! separate value, so a binary codec can replace it without changing the structure.
+//! Entries are stored in the binary [`codec`](crate::codec), one redb value each; the small
+//! metadata values are JSON.
 
 // The error type is openraft's `StorageError`, which its storage traits return; the helpers
 // here return it too rather than boxing and unboxing it at every trait method.
@@ -131,7 +131,7 @@ impl LogStore {
         let Some((_, v)) = log.last().map_err(read_logs_error)? else {
             return Ok(None);
         };
-        let entry: Entry = serde_json::from_slice(v.value()).map_err(read_logs_error)?;
+        let entry: Entry = crate::codec::decode(v.value()).map_err(read_logs_error)?;
         Ok(Some(entry.log_id))
     }
 }
@@ -148,7 +148,7 @@ impl RaftLogReader<QueueRaft> for LogStore {
         let mut out = Vec::new();
         for row in log.range(bounds).map_err(read_logs_error)? {
             let (_, v) = row.map_err(read_logs_error)?;
-            out.push(serde_json::from_slice(v.value()).map_err(read_logs_error)?);
+            out.push(crate::codec::decode(v.value()).map_err(read_logs_error)?);
         }
         Ok(out)
     }
@@ -200,7 +200,7 @@ impl RaftLogStorage<QueueRaft> for LogStore {
     {
         let encoded: Vec<(u64, Vec<u8>)> = entries
             .into_iter()
-            .map(|e| serde_json::to_vec(&e).map(|b| (e.log_id.index, b)))
+            .map(|e| crate::codec::encode(&e).map(|b| (e.log_id.index, b)))
             .collect::<Result<_, _>>()
             .map_err(write_logs_error)?;
         // The commit fsyncs: off the async workers, which must keep serving heartbeats.

@@ -1,7 +1,7 @@
 //! The queue machine as openraft's state machine. Committed entries are applied in log order;
 //! each entry's commands run at the entry's time (the leader's clock, kept monotonic here so a
 //! new leader with a slower clock cannot move time backwards). Snapshots are the machine's
-//! whole state with the last applied id and membership.
+//! whole state with the last applied id and membership, in the binary codec.
 //!
 //! The effects the machine produces (deliveries, removals) are the same on every replica; the
 //! driver on the leader acts on them ([`QueueStateMachine::take_effects`]), followers drop them.
@@ -112,7 +112,7 @@ impl QueueStateMachine {
 impl RaftSnapshotBuilder<QueueRaft> for QueueStateMachine {
     async fn build_snapshot(&mut self) -> Result<Snapshot<QueueRaft>, StorageError> {
         let mut inner = self.lock();
-        let bytes = serde_json::to_vec(&inner.state).map_err(|e| sm_error(ErrorVerb::Read, e))?;
+        let bytes = crate::codec::encode(&inner.state).map_err(|e| sm_error(ErrorVerb::Read, e))?;
         inner.snapshots_built += 1;
         let last = inner.state.last_applied;
         let meta = SnapshotMeta {
@@ -188,7 +188,7 @@ impl RaftStateMachine<QueueRaft> for QueueStateMachine {
     ) -> Result<(), StorageError> {
         let bytes = snapshot.into_inner();
         let state: State =
-            serde_json::from_slice(&bytes).map_err(|e| sm_error(ErrorVerb::Write, e))?;
+            crate::codec::decode(&bytes).map_err(|e| sm_error(ErrorVerb::Write, e))?;
         let mut inner = self.lock();
         inner.state = state;
         // Effects of the replaced state no longer describe anything.

@@ -1,6 +1,6 @@
 //! Raft RPCs between nodes over TCP, authenticated with the cluster's shared secret.
 //!
-//! Wire format: frames of a 4-byte big-endian length and a JSON body, at most
+//! Wire format: frames of a 4-byte big-endian length and a [`codec`](crate::codec) body, at most
 //! [`FRAME_MAX`] bytes (checked before allocating). A connection opens with a challenge: the
 //! client names itself, its target and the group (queue and incarnation), the server answers
 //! with a random nonce, the client proves it holds the secret with
@@ -120,7 +120,7 @@ impl Groups {
 }
 
 async fn write_frame<T: Serialize>(s: &mut TcpStream, value: &T) -> Result<(), TransportError> {
-    let body = serde_json::to_vec(value).map_err(|e| TransportError::Frame(e.to_string()))?;
+    let body = crate::codec::encode(value).map_err(|e| TransportError::Frame(e.to_string()))?;
     let len = u32::try_from(body.len())
         .ok()
         .filter(|l| *l <= FRAME_MAX)
@@ -137,7 +137,7 @@ async fn read_frame<T: DeserializeOwned>(s: &mut TcpStream) -> Result<T, Transpo
     }
     let mut body = vec![0; len as usize];
     s.read_exact(&mut body).await?;
-    serde_json::from_slice(&body).map_err(|e| TransportError::Frame(e.to_string()))
+    crate::codec::decode(&body).map_err(|e| TransportError::Frame(e.to_string()))
 }
 
 #[derive(Debug, Serialize, Deserialize)]
