@@ -7,6 +7,7 @@
 //! - [`codec`]: the binary encoding of entries, snapshots and frames.
 //! - [`log_store`]: the Raft log, vote and commit index in redb (durable before acknowledged).
 //! - [`state_machine`]: the queue machine as an openraft state machine, with snapshots.
+//! - [`proposer`]: the leader's batching of commands into entries, with a reply per command.
 //! - [`network`]: an in-process network, with injected faults, for tests of a group in one
 //!   process.
 //! - [`tcp`]: Raft RPCs between nodes over TCP, authenticated with the cluster's shared secret.
@@ -14,6 +15,7 @@
 pub mod codec;
 pub mod log_store;
 pub mod network;
+pub mod proposer;
 pub mod state_machine;
 pub mod tcp;
 pub mod types;

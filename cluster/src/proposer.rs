@@ -1,0 +1,177 @@
+//! The leader's side of a replicated queue: commands from many publishers and consumers are
+//! batched into log entries, and each caller gets its own reply once its entry commits (a
+//! publisher's confirm). Batching is triggered the way the store's group commit is: whatever
+//! queued while the previous entries were in flight goes into the next entry, up to
+//! [`BATCH_MAX`] commands, so entries grow with load and no timer is involved.
+//!
+//! At most [`IN_FLIGHT`] entries are proposed at once, and the queue of waiting commands is
+//! bounded ([`QUEUE_MAX`]): callers wait for room instead of growing memory without limit.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use openraft::Raft;
+use openraft::error::ClientWriteError;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use warren_broker::queue::machine::{Command, MachineError, Reply};
+
+use crate::types::{NodeId, QueueRaft, QueueRequest, ReplicatedMessage};
+
+/// Most commands in one entry.
+pub const BATCH_MAX: usize = 256;
+/// Most entries proposed and not yet committed.
+pub const IN_FLIGHT: usize = 4;
+/// Most commands waiting for an entry.
+pub const QUEUE_MAX: usize = 16 * 1024;
+
+/// Why a command has no reply.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum ProposeError {
+    /// This node is not the leader (the leader's id, when known): nothing was appended.
+    #[error("not the leader (leader: {0:?})")]
+    NotLeader(Option<NodeId>),
+    /// The entry may or may not have committed (leadership lost, replica stopped). A publisher
+    /// must treat the message as unconfirmed (nack), as RabbitMQ does.
+    #[error("outcome unknown: {0}")]
+    Unknown(String),
+    /// The machine refused the command (e.g. a duplicate consumer).
+    #[error("refused: {0}")]
+    Refused(MachineError),
+    /// The proposer stopped.
+    #[error("proposer stopped")]
+    Stopped,
+}
+
+type Waiter = oneshot::Sender<Result<Reply<ReplicatedMessage>, ProposeError>>;
+
+/// A handle to propose commands through one replica's Raft instance. Clones share it.
+#[derive(Debug, Clone)]
+pub struct Proposer {
+    tx: mpsc::Sender<(Command<ReplicatedMessage>, Waiter)>,
+}
+
+/// Wall-clock milliseconds: the leader stamps entries with its time (replicas never read
+/// theirs).
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Proposer {
+    /// Start proposing through `raft` (a task on the current runtime; it ends when every
+    /// handle is dropped).
+    #[must_use]
+    pub fn start(raft: Raft<QueueRaft>) -> Self {
+        let (tx, rx) = mpsc::channel(QUEUE_MAX);
+        tokio::spawn(run(raft, rx));
+        Self { tx }
+    }
+
+    /// Queue `command` for the next entry, in call order (one publisher's commands keep their
+    /// order), and return the pending reply, which resolves once the entry has committed on a
+    /// majority and been applied.
+    ///
+    /// # Errors
+    /// [`ProposeError::Stopped`] when the proposer is gone.
+    pub async fn submit(
+        &self,
+        command: Command<ReplicatedMessage>,
+    ) -> Result<Pending, ProposeError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send((command, tx))
+            .await
+            .map_err(|_| ProposeError::Stopped)?;
+        Ok(Pending(rx))
+    }
+
+    /// [`Proposer::submit`] and wait for the reply.
+    ///
+    /// # Errors
+    /// See [`ProposeError`].
+    pub async fn propose(
+        &self,
+        command: Command<ReplicatedMessage>,
+    ) -> Result<Reply<ReplicatedMessage>, ProposeError> {
+        self.submit(command).await?.reply().await
+    }
+}
+
+/// A submitted command's reply, to come.
+#[derive(Debug)]
+pub struct Pending(oneshot::Receiver<Result<Reply<ReplicatedMessage>, ProposeError>>);
+
+impl Pending {
+    /// Wait for the reply.
+    ///
+    /// # Errors
+    /// See [`ProposeError`].
+    pub async fn reply(self) -> Result<Reply<ReplicatedMessage>, ProposeError> {
+        self.0.await.map_err(|_| ProposeError::Stopped)?
+    }
+}
+
+async fn run(raft: Raft<QueueRaft>, mut rx: mpsc::Receiver<(Command<ReplicatedMessage>, Waiter)>) {
+    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+    loop {
+        // Wait for an entry slot first: while all are taken, commands keep queueing and the
+        // next entry takes them all.
+        let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
+            return;
+        };
+        let Some(first) = rx.recv().await else {
+            return;
+        };
+        let mut batch = vec![first];
+        while batch.len() < BATCH_MAX {
+            match rx.try_recv() {
+                Ok(item) => batch.push(item),
+                Err(_) => break,
+            }
+        }
+        let (commands, waiters): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+        // Submitted here, in order (entries are appended in submission order, so one
+        // publisher's messages keep their order across entries); awaited in a task.
+        let submitted = raft
+            .client_write_ff(QueueRequest {
+                at: now_ms(),
+                commands,
+            })
+            .await;
+        let rx = match submitted {
+            Ok(rx) => rx,
+            Err(fatal) => {
+                let err = ProposeError::Unknown(fatal.to_string());
+                for waiter in waiters {
+                    let _ = waiter.send(Err(err.clone()));
+                }
+                return;
+            }
+        };
+        tokio::spawn(async move {
+            let result = rx.await;
+            drop(permit);
+            let replies = match result {
+                Ok(Ok(resp)) => Ok(resp.data.replies),
+                Ok(Err(ClientWriteError::ForwardToLeader(f))) => {
+                    Err(ProposeError::NotLeader(f.leader_id))
+                }
+                Ok(Err(other)) => Err(ProposeError::Unknown(other.to_string())),
+                Err(e) => Err(ProposeError::Unknown(e.to_string())),
+            };
+            match replies {
+                Ok(replies) => {
+                    for (waiter, reply) in waiters.into_iter().zip(replies) {
+                        let _ = waiter.send(reply.map_err(ProposeError::Refused));
+                    }
+                }
+                Err(err) => {
+                    for waiter in waiters {
+                        let _ = waiter.send(Err(err.clone()));
+                    }
+                }
+            }
+        });
+    }
+}
