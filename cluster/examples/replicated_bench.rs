@@ -22,6 +22,24 @@ use warren_cluster::state_machine::QueueStateMachine;
 use warren_cluster::tcp::{GroupId, Groups, Secret, TcpNetwork, serve};
 use warren_cluster::types::{QueueRequest, ReplicatedMessage};
 
+/// Every task's latencies, sorted, and a percentile function over them (milliseconds).
+async fn latencies(
+    tasks: Vec<tokio::task::JoinHandle<Vec<Duration>>>,
+) -> anyhow::Result<(Vec<Duration>, impl Fn(f64) -> f64)> {
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await?);
+    }
+    all.sort();
+    let sorted = all.clone();
+    let pct = move |p: f64| {
+        sorted
+            .get(((sorted.len() as f64 - 1.0) * p) as usize)
+            .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
+    };
+    Ok((all, pct))
+}
+
 fn arg(i: usize, default: u64) -> u64 {
     std::env::args()
         .nth(i)
@@ -105,15 +123,7 @@ async fn main() -> anyhow::Result<()> {
                 latencies
             }));
         }
-        let mut all = Vec::new();
-        for t in tasks {
-            all.extend(t.await?);
-        }
-        all.sort();
-        let pct = |p: f64| {
-            all.get(((all.len() as f64 - 1.0) * p) as usize)
-                .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
-        };
+        let (all, pct) = latencies(tasks).await?;
         let entries = leader
             .metrics()
             .borrow()
@@ -161,16 +171,8 @@ async fn main() -> anyhow::Result<()> {
             latencies
         }));
     }
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await?);
-    }
-    all.sort();
+    let (all, pct) = latencies(tasks).await?;
     let entries = all.len() as u64;
-    let pct = |p: f64| {
-        all.get(((all.len() as f64 - 1.0) * p) as usize)
-            .map_or(0.0, |d| d.as_secs_f64() * 1000.0)
-    };
     println!(
         "replicated queue, 3 replicas over TCP loopback, 1 KB messages: {} msg/s ({} entries of {batch}, {writers} writers, {seconds} s); entry commit p50 {:.2} ms, p99 {:.2} ms",
         entries * batch / seconds.max(1),
