@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use openraft::storage::RaftLogStorage;
 use openraft::{BasicNode, Config, Raft};
 use tempfile::TempDir;
 use warren_broker::queue::machine::{Command, QueueConfig, Reply};
@@ -44,31 +45,46 @@ impl Cluster {
     }
 
     pub async fn start_with(ids: &[NodeId], config: Config) -> Self {
-        let mut c = Self {
+        let mut c = Self::empty(config);
+        for &id in ids {
+            c.boot(id).await;
+        }
+        c.initialize(ids).await;
+        c
+    }
+
+    /// A cluster with no node yet.
+    pub fn empty(config: Config) -> Self {
+        Self {
             dir: tempfile::tempdir().expect("a temporary directory"),
             router: Router::default(),
             config: Arc::new(config.validate().expect("a valid config")),
             nodes: BTreeMap::new(),
-        };
-        for &id in ids {
-            c.boot(id).await;
         }
+    }
+
+    /// Make `ids` (booted) the group's members.
+    pub async fn initialize(&self, ids: &[NodeId]) {
         let members: BTreeMap<NodeId, BasicNode> = ids
             .iter()
             .map(|&id| (id, BasicNode::new(format!("node-{id}"))))
             .collect();
-        c.nodes[&ids[0]]
+        self.nodes[&ids[0]]
             .raft
             .initialize(members)
             .await
             .expect("the group initialises");
-        c
+    }
+
+    /// The path of node `id`'s log.
+    pub fn log_path(&self, id: NodeId) -> std::path::PathBuf {
+        self.dir.path().join(format!("node-{id}.redb"))
     }
 
     /// Start node `id` on its log (new or kept from an earlier run) with an empty state
     /// machine: it recovers by replaying its log and from the leader.
     pub async fn boot(&mut self, id: NodeId) {
-        let path = self.dir.path().join(format!("node-{id}.redb"));
+        let path = self.log_path(id);
         // A restarted node's file may still be held for a moment by the stopped instance's
         // replication tasks, which end on their own after shutdown; nothing signals it.
         let mut tries = 0;
@@ -82,6 +98,11 @@ impl Cluster {
                 Err(e) => panic!("the node's log opens: {e}"),
             }
         };
+        self.boot_with(id, log).await;
+    }
+
+    /// Start node `id` on `log` (any log storage, e.g. one that fails on demand).
+    pub async fn boot_with<LS: RaftLogStorage<QueueRaft>>(&mut self, id: NodeId, log: LS) {
         let sm = QueueStateMachine::new(QueueConfig::default());
         let raft = Raft::new(
             id,
