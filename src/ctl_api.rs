@@ -467,15 +467,24 @@ fn list_grants(api: &Api<'_>, (kind, cols): Grants, by: By<'_>) -> anyhow::Resul
     })
 }
 
-/// rabbitmqctl refuses a queue type it does not know with its usage code.
-fn queue_type_fail(reply: &Value, fallback: u8) -> u8 {
+/// PUT the vhost with `queue_type` as its default (None: none); a queue type rabbitmqctl does
+/// not know is its usage code.
+fn put_vhost(api: &Api<'_>, name: &str, queue_type: Option<&str>) -> anyhow::Result<u8> {
+    let (status, reply) = api.call(
+        "PUT",
+        &format!("/api/vhosts/{}", seg(name)),
+        Some(json!({"default_queue_type": queue_type})),
+    )?;
+    if status < 300 {
+        return Ok(0);
+    }
     let reason = reply["reason"].as_str().unwrap_or("failed");
     let code = if reason.contains("default queue type") {
         EX_USAGE
     } else {
-        fallback
+        EX_DATAERR
     };
-    fail(reason, code)
+    Ok(fail(reason, code))
 }
 
 fn add_vhost(api: &Api<'_>, name: &str, queue_type: Option<&str>) -> anyhow::Result<u8> {
@@ -483,16 +492,7 @@ fn add_vhost(api: &Api<'_>, name: &str, queue_type: Option<&str>) -> anyhow::Res
     if api.vhost_exists(name)? {
         return Ok(0);
     }
-    let (status, reply) = api.call(
-        "PUT",
-        &format!("/api/vhosts/{}", seg(name)),
-        Some(json!({"default_queue_type": queue_type})),
-    )?;
-    Ok(if status < 300 {
-        0
-    } else {
-        queue_type_fail(&reply, EX_DATAERR)
-    })
+    put_vhost(api, name, queue_type)
 }
 
 fn update_vhost(api: &Api<'_>, name: &str, queue_type: Option<&str>) -> anyhow::Result<u8> {
@@ -500,17 +500,10 @@ fn update_vhost(api: &Api<'_>, name: &str, queue_type: Option<&str>) -> anyhow::
         return Ok(no_vhost(name));
     }
     // Keys not given are left as they are, as in rabbitmqctl.
-    let Some(t) = queue_type else { return Ok(0) };
-    let (status, reply) = api.call(
-        "PUT",
-        &format!("/api/vhosts/{}", seg(name)),
-        Some(json!({"default_queue_type": t})),
-    )?;
-    Ok(if status < 300 {
-        0
-    } else {
-        queue_type_fail(&reply, EX_DATAERR)
-    })
+    match queue_type {
+        Some(t) => put_vhost(api, name, Some(t)),
+        None => Ok(0),
+    }
 }
 
 fn list_vhosts(api: &Api<'_>, columns: &[String]) -> anyhow::Result<u8> {
