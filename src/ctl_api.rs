@@ -149,6 +149,23 @@ fn replace_limits(
     Ok(0)
 }
 
+/// Make `vhost`'s limits exactly `wanted`.
+fn set_vhost_limits(
+    api: &Api<'_>,
+    vhost: &str,
+    wanted: &serde_json::Map<String, Value>,
+) -> anyhow::Result<u8> {
+    if !api.vhost_exists(vhost)? {
+        return Ok(no_vhost(vhost));
+    }
+    replace_limits(
+        api,
+        &format!("/api/vhost-limits/{}", seg(vhost)),
+        VHOST_LIMITS,
+        wanted,
+    )
+}
+
 /// The limits of a `/api/*-limits/{owner}` answer, `{}` when none are set.
 fn limits_value(list: &Value) -> Value {
     list.as_array()
@@ -236,29 +253,13 @@ pub fn run(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
                 s => done(s, &body, EX_DATAERR),
             }),
         CtlCommand::ListVhosts { columns } => list_vhosts(&api, columns),
-        CtlCommand::SetVhostLimits { definition, vhost } => (|| {
-            let wanted = json_object(definition, "limits (max-connections, max-queues)")?;
-            if !api.vhost_exists(vhost)? {
-                return Ok(no_vhost(vhost));
-            }
-            replace_limits(
-                &api,
-                &format!("/api/vhost-limits/{}", seg(vhost)),
-                VHOST_LIMITS,
-                &wanted,
-            )
-        })(),
-        CtlCommand::ClearVhostLimits { vhost } => (|| {
-            if !api.vhost_exists(vhost)? {
-                return Ok(no_vhost(vhost));
-            }
-            replace_limits(
-                &api,
-                &format!("/api/vhost-limits/{}", seg(vhost)),
-                VHOST_LIMITS,
-                &serde_json::Map::new(),
-            )
-        })(),
+        CtlCommand::SetVhostLimits { definition, vhost } => {
+            json_object(definition, "limits (max-connections, max-queues)")
+                .and_then(|wanted| set_vhost_limits(&api, vhost, &wanted))
+        }
+        CtlCommand::ClearVhostLimits { vhost } => {
+            set_vhost_limits(&api, vhost, &serde_json::Map::new())
+        }
         CtlCommand::ListVhostLimits { vhost } => api
             .get(&format!("/api/vhost-limits/{}", seg(vhost)))
             .map(|(status, list)| match status {

@@ -50,6 +50,12 @@ def test_vhost_connection_limit(ctl, params, vhost):
         first.close()
     # The slot is free again once the first connection closed.
     connect(params, vhost).close()
+    # Cleared, the vhost has no limits and takes two connections.
+    assert ctl("clear_vhost_limits", "-p", vhost)[0] == 0
+    assert limits_listed(ctl("list_vhost_limits", "-p", vhost)[1]) == {}
+    two = [connect(params, vhost), connect(params, vhost)]
+    for c in two:
+        c.close()
 
 
 def test_vhost_queue_limit(ctl, params, vhost):

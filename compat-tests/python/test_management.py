@@ -874,3 +874,23 @@ def test_creating_in_a_missing_vhost_is_vhost_not_found(api):
 def uuid_hex():
     import uuid
     return uuid.uuid4().hex
+
+
+@pytest.mark.warren_only
+def test_ready_to_serve_clients_fails_at_the_connection_limit(tmp_path):
+    """Warren's ready-to-serve-clients is 503 while `connection_max` is reached."""
+    from conftest import warren_process
+    config = tmp_path / "warren.toml"
+    config.write_text("connection_max = 1\n")
+    with warren_process("--config", str(config)) as w:
+        base = f"http://127.0.0.1:{w['management_port']}"
+        path = base + "/api/health/checks/ready-to-serve-clients"
+        assert http("GET", path)[:2] == (200, {"status": "ok"})
+        conn = pika.BlockingConnection(pika.ConnectionParameters(host="127.0.0.1", port=w["port"]))
+        try:
+            status, body, _ = http("GET", path)
+            assert (status, body["status"]) == (503, "failed"), body
+            assert "connection limit (1)" in body["reason"]
+        finally:
+            conn.close()
+        assert eventually(lambda: http("GET", path), lambda r: r[0] == 200)[0] == 200
