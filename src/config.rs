@@ -68,6 +68,19 @@ pub struct ServerArgs {
     /// Size at which the store starts a new message segment file [default: 64 MiB].
     #[arg(long)]
     pub store_segment_bytes: Option<u64>,
+    /// This node's name in its cluster (one of --peers).
+    #[arg(long)]
+    pub node_name: Option<String>,
+    /// Address of the inter-node (Raft) port [default: 0.0.0.0:25672].
+    #[arg(long)]
+    pub cluster_listen: Option<SocketAddr>,
+    /// Every node of the cluster, this one included: `name@host:port,...` (their cluster
+    /// ports). Without it the node runs alone.
+    #[arg(long)]
+    pub peers: Option<String>,
+    /// The cluster's shared secret (also WARREN_CLUSTER_SECRET); the same on every node.
+    #[arg(long, env = "WARREN_CLUSTER_SECRET", hide_env_values = true)]
+    pub cluster_secret: Option<String>,
 }
 
 /// The file format; every key optional.
@@ -97,6 +110,10 @@ struct FileConfig {
     channel_max: Option<u16>,
     message_size_max: Option<u64>,
     store_segment_bytes: Option<u64>,
+    node_name: Option<String>,
+    cluster_listen: Option<SocketAddr>,
+    peers: Option<String>,
+    cluster_secret: Option<String>,
 }
 
 /// Effective configuration.
@@ -121,6 +138,42 @@ pub struct ServerConfig {
     pub prometheus_listen: Option<SocketAddr>,
     /// How log lines are written.
     pub log_format: LogFormat,
+    /// The cluster this node joins (None: it runs alone).
+    pub cluster: Option<ClusterConfig>,
+}
+
+/// `--node-name`, `--cluster-listen`, `--peers`, `--cluster-secret`.
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// This node's name.
+    pub node_name: String,
+    /// The inter-node port.
+    pub listen: SocketAddr,
+    /// Every node, this one included.
+    pub peers: Vec<warren_cluster::node::Peer>,
+    /// The shared secret.
+    pub secret: String,
+}
+
+/// Parse `name@host:port,...`.
+fn parse_peers(list: &str) -> anyhow::Result<Vec<warren_cluster::node::Peer>> {
+    list.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (name, addr) = p
+                .split_once('@')
+                .with_context(|| format!("peer '{p}' is not name@host:port"))?;
+            anyhow::ensure!(
+                !name.is_empty() && addr.parse::<SocketAddr>().is_ok(),
+                "peer '{p}' is not name@host:port (an IP address and port)"
+            );
+            Ok(warren_cluster::node::Peer {
+                name: name.to_string(),
+                addr: addr.to_string(),
+            })
+        })
+        .collect()
 }
 
 /// How log lines are written.
@@ -216,7 +269,35 @@ impl ServerConfig {
                 .or(file.prometheus_listen.as_ref()),
             15692,
         )?;
+        let cluster = match args.peers.or(file.peers) {
+            None => None,
+            Some(list) => {
+                let peers = parse_peers(&list)?;
+                let node_name = args
+                    .node_name
+                    .or(file.node_name)
+                    .context("--peers needs --node-name")?;
+                anyhow::ensure!(
+                    peers.iter().any(|p| p.name == node_name),
+                    "--peers must name this node ({node_name})"
+                );
+                Some(ClusterConfig {
+                    node_name,
+                    listen: args
+                        .cluster_listen
+                        .or(file.cluster_listen)
+                        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 25672))),
+                    peers,
+                    secret: args
+                        .cluster_secret
+                        .or(file.cluster_secret)
+                        .filter(|s| !s.is_empty())
+                        .context("a cluster needs --cluster-secret (or WARREN_CLUSTER_SECRET)")?,
+                })
+            }
+        };
         Ok(Self {
+            cluster,
             log_format: args.log_format.or(file.log_format).unwrap_or_default(),
             management_listen,
             prometheus_listen,
@@ -343,6 +424,10 @@ mod tests {
             data_dir: None,
             log_level: None,
             store_segment_bytes: None,
+            node_name: None,
+            cluster_listen: None,
+            peers: None,
+            cluster_secret: None,
         }
     }
 

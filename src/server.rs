@@ -84,6 +84,25 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         "recovered durable state"
     );
 
+    // Before clients connect: quorum queues of a cluster are served once their groups run.
+    let _cluster = match &cfg.cluster {
+        Some(c) => Some(
+            warren_cluster::node::ClusterNode::start(
+                warren_cluster::node::NodeConfig {
+                    name: c.node_name.clone(),
+                    listen: c.listen,
+                    peers: c.peers.clone(),
+                    secret: c.secret.as_bytes().to_vec(),
+                    data_dir: cfg.data_dir.join("cluster"),
+                },
+                Arc::clone(&broker),
+            )
+            .await
+            .context("starting the cluster node")?,
+        ),
+        None => None,
+    };
+
     broker.alarms().set_memory_watermark(cfg.watermarks.memory);
     broker
         .alarms()

@@ -69,6 +69,8 @@ pub struct Broker {
     connections: crate::connections::Connections,
     /// Message counters since start.
     stats: Arc<crate::stats::GlobalStats>,
+    /// The cluster this node is in (set once at start-up; every vhost gets it).
+    cluster: std::sync::OnceLock<Arc<dyn crate::replication::ClusterHooks>>,
 }
 
 impl Broker {
@@ -120,6 +122,7 @@ impl Broker {
             delayed_slot_next: std::sync::atomic::AtomicU32::new(1),
             connections: crate::connections::Connections::default(),
             stats: Arc::default(),
+            cluster: std::sync::OnceLock::new(),
         };
         b.vhosts.write().insert(
             "/".into(),
@@ -149,6 +152,31 @@ impl Broker {
 
     pub(crate) fn next_id_counter(&self) -> &AtomicU64 {
         &self.next_id
+    }
+
+    /// Join a cluster: every vhost, now and later, creates quorum queues through it, and
+    /// consumer ids from now on carry the node's number in their top bits (so they never
+    /// collide with another node's, nor with this node's before a restart: the low bits
+    /// start from the clock).
+    pub fn set_cluster(&self, cluster: Arc<dyn crate::replication::ClusterHooks>) {
+        let node = cluster.node_number();
+        assert!(
+            node > 0 && node < 1 << (64 - crate::queue::machine::CONSUMER_NODE_SHIFT),
+            "node numbers fit the consumer id's top bits"
+        );
+        let boot_s = crate::timers::wall_ms() / 1000;
+        let base = (node << crate::queue::machine::CONSUMER_NODE_SHIFT) | (boot_s << 24);
+        self.next_id.fetch_max(base, Ordering::Relaxed);
+        for vh in self.vhosts.read().values() {
+            vh.set_cluster(Arc::clone(&cluster));
+        }
+        let _ = self.cluster.set(cluster);
+    }
+
+    /// The cluster this node is in.
+    #[must_use]
+    pub fn cluster(&self) -> Option<&Arc<dyn crate::replication::ClusterHooks>> {
+        self.cluster.get()
     }
 
     /// A fresh id (connections, consumers), unique in this process.
@@ -387,6 +415,9 @@ impl Broker {
             Arc::clone(&self.stats),
         );
         *vh.default_queue_type.write() = default_queue_type.map(str::to_string);
+        if let Some(c) = self.cluster() {
+            vh.set_cluster(Arc::clone(c));
+        }
         let slot_op = self.take_delayed_slot(&vh);
         self.submit_meta(vec![slot_op, Self::vhost_put_op(&vh)], on_commit);
         vhosts.insert(name.to_string(), vh);
@@ -700,6 +731,9 @@ impl Broker {
                     Arc::clone(&self.stats),
                 )
             });
+            if let Some(c) = self.cluster.get() {
+                vh.set_cluster(Arc::clone(c));
+            }
             *vh.limits.write() = record.limits.clone();
             *vh.default_queue_type.write() = record.default_queue_type.clone();
             vh.delayed.set_slot(record.delayed_slot);

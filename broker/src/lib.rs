@@ -34,6 +34,7 @@ pub mod outbox;
 pub mod policy;
 pub mod queue;
 pub mod recovery;
+pub mod replication;
 pub mod reply_to;
 pub mod session;
 pub mod stats;

@@ -73,6 +73,9 @@ pub enum Outbound {
         seq: u64,
         /// Whether the store committed it.
         ok: bool,
+        /// Not committed, and safe to say so (a replicated write that failed or whose leader
+        /// was lost): the publisher gets basic.nack instead of waiting.
+        nack: bool,
     },
 }
 

@@ -580,8 +580,19 @@ impl Session {
                 epoch,
                 seq,
                 ok,
+                nack,
             } => {
-                if !ok {
+                if nack {
+                    if let Some(chan) = self.channels.get_mut(&channel)
+                        && chan.epoch == epoch
+                        && let Mode::Confirm {
+                            unconfirmed, nacks, ..
+                        } = &mut chan.mode
+                    {
+                        unconfirmed.remove(&seq);
+                        nacks.insert(seq);
+                    }
+                } else if !ok {
                     // Never confirmed: the seq stays waiting, so no ack passes it.
                     self.store_failed = true;
                 } else if let Some(chan) = self.channels.get_mut(&channel)
@@ -1978,6 +1989,7 @@ fn durable_completion(
                     epoch,
                     seq,
                     ok: r.is_ok(),
+                    nack: matches!(&r, Err(e) if matches!(**e, warren_store::StoreError::Replication(_))),
                 });
             })
         }

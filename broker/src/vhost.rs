@@ -60,6 +60,8 @@ pub struct VHost {
     down_notify: tokio::sync::Notify,
     /// The node's counters (queue lifecycle events are counted here).
     stats: Arc<crate::stats::GlobalStats>,
+    /// The node's cluster, when it is in one (quorum queues are created through it).
+    cluster: std::sync::OnceLock<Arc<dyn crate::replication::ClusterHooks>>,
 }
 
 /// An exchange as the management API lists it.
@@ -205,7 +207,43 @@ impl VHost {
             down: std::sync::atomic::AtomicBool::new(false),
             down_notify: tokio::sync::Notify::new(),
             stats,
+            cluster: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Join the node's cluster: quorum queues declared from now on are replicated.
+    pub fn set_cluster(&self, cluster: Arc<dyn crate::replication::ClusterHooks>) {
+        let _ = self.cluster.set(cluster);
+    }
+
+    /// The node's cluster, if any.
+    #[must_use]
+    pub fn cluster(&self) -> Option<&Arc<dyn crate::replication::ClusterHooks>> {
+        self.cluster.get()
+    }
+
+    /// A replicated queue's replica on this node: durable, without the store (its log is its
+    /// durability).
+    #[must_use]
+    pub fn replicated_queue(&self, id: u64, name: &str, arguments: FieldTable) -> Arc<Queue> {
+        let env = crate::queue::QueueEnv {
+            store: None,
+            ..self.queue_env()
+        };
+        let q = Queue::new(id, name, &self.name, true, false, None, arguments, env);
+        self.apply_policies(&q);
+        q
+    }
+
+    /// Insert a replicated queue the cluster created (false: one of that name exists).
+    pub fn insert_replicated(&self, queue: Arc<Queue>) -> bool {
+        let mut t = self.topology.write();
+        if t.queues.contains_key(&queue.name) {
+            return false;
+        }
+        t.queues.insert(queue.name.clone(), queue);
+        self.stats.event(Lifecycle::QueueCreated);
+        true
     }
 
     /// Queues in the vhost now.
@@ -876,6 +914,17 @@ impl VHost {
         on_commit: OnCommit<'_>,
     ) -> (Arc<Queue>, bool) {
         let candidate = make();
+        if candidate.is_quorum
+            && let Some(cluster) = self.cluster()
+        {
+            if let Some(q) = self.queue(&candidate.name) {
+                return (q, false);
+            }
+            // The cluster agrees on it first; every node (this one too) then inserts its
+            // replica, and the declare-ok waits for that.
+            cluster.declare_quorum(Arc::clone(&candidate), on_commit());
+            return (candidate, true);
+        }
         // Applied before the queue is visible (and with no vhost lock held).
         self.apply_policies(&candidate);
         let mut t = self.topology.write();
@@ -912,6 +961,18 @@ impl VHost {
         still: impl FnOnce(&Queue) -> bool,
         on_commit: OnCommit<'_>,
     ) -> Option<u32> {
+        if queue.is_replicated()
+            && let Some(cluster) = self.cluster()
+        {
+            // Every node drops its replica when the deletion commits
+            // ([`VHost::drop_replicated`]).
+            if !still(queue) {
+                return None;
+            }
+            let ready = queue.counts().messages;
+            cluster.delete_quorum(queue, on_commit());
+            return Some(ready);
+        }
         let mut t = self.topology.write();
         match t.queues.get(&queue.name) {
             Some(q) if Arc::ptr_eq(q, queue) && still(queue) => {
@@ -945,6 +1006,29 @@ impl VHost {
             drop(t);
             Some(queue.delete(Vec::new(), &mut || Box::new(|_| {})))
         }
+    }
+
+    /// Remove a replicated queue whose deletion the cluster committed: its bindings go, its
+    /// consumers here get basic.cancel.
+    pub fn drop_replicated(&self, queue: &Arc<Queue>) {
+        let mut t = self.topology.write();
+        match t.queues.get(&queue.name) {
+            Some(q) if Arc::ptr_eq(q, queue) => {
+                t.queues.remove(&queue.name);
+                self.stats.event(Lifecycle::QueueDeleted);
+            }
+            _ => return,
+        }
+        let mut ops = Vec::new();
+        self.remove_destination(
+            &mut t,
+            &Destination::Queue(queue.name.clone()),
+            false,
+            &mut ops,
+        );
+        self.submit(ops, &mut || Box::new(|_| {}));
+        drop(t);
+        queue.delete(Vec::new(), &mut || Box::new(|_| {}));
     }
 
     /// Route a message: the queues it reaches, each once. Follows exchange-to-exchange bindings

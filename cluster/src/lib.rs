@@ -13,8 +13,10 @@
 //! - [`tcp`]: Raft RPCs between nodes over TCP, authenticated with the cluster's shared secret.
 
 pub mod codec;
+pub mod group;
 pub mod log_store;
 pub mod network;
+pub mod node;
 pub mod proposer;
 pub mod state_machine;
 pub mod tcp;

@@ -25,7 +25,7 @@ pub const IN_FLIGHT: usize = 4;
 pub const QUEUE_MAX: usize = 16 * 1024;
 
 /// Why a command has no reply.
-#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ProposeError {
     /// This node is not the leader (the leader's id, when known): nothing was appended.
     #[error("not the leader (leader: {0:?})")]
@@ -52,7 +52,7 @@ pub struct Proposer {
 
 /// Wall-clock milliseconds: the leader stamps entries with its time (replicas never read
 /// theirs).
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
@@ -137,6 +137,7 @@ async fn run(raft: Raft<QueueRaft>, mut rx: mpsc::Receiver<(Command<ReplicatedMe
             .client_write_ff(QueueRequest {
                 at: now_ms(),
                 commands,
+                meta: Vec::new(),
             })
             .await;
         let rx = match submitted {

@@ -36,7 +36,33 @@ use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use crate::types::{NodeId, QueueRaft};
+use warren_broker::queue::machine::{Command, Reply};
+
+use crate::proposer::{ProposeError, Proposer};
+use crate::types::{MetaChange, NodeId, QueueRaft, QueueRequest, ReplicatedMessage};
+
+/// When each peer was last heard from (an RPC it answered or sent), process-wide: a node
+/// runs one transport, and every group's traffic shows the peer is alive.
+static HEARD: std::sync::LazyLock<std::sync::Mutex<HashMap<NodeId, std::time::Instant>>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn heard_from(peer: NodeId) {
+    HEARD
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(peer, std::time::Instant::now());
+}
+
+/// How long ago `peer` was last heard from over the cluster port (None: never, in this
+/// process's life).
+#[must_use]
+pub fn silent_for(peer: NodeId) -> Option<std::time::Duration> {
+    HEARD
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&peer)
+        .map(std::time::Instant::elapsed)
+}
 
 /// Largest frame accepted (an append of many entries, or a snapshot chunk).
 pub const FRAME_MAX: u32 = 64 * 1024 * 1024;
@@ -74,10 +100,18 @@ impl std::fmt::Display for GroupId {
     }
 }
 
+/// One group as a node serves it: its Raft instance and its leader-side batcher (used when
+/// another node forwards commands here).
+#[derive(Clone)]
+struct Served {
+    raft: Raft<QueueRaft>,
+    proposer: Proposer,
+}
+
 /// The groups a node hosts, by id. Clones share the table.
 #[derive(Clone, Default)]
 pub struct Groups {
-    by_id: Arc<RwLock<HashMap<GroupId, Raft<QueueRaft>>>>,
+    by_id: Arc<RwLock<HashMap<GroupId, Served>>>,
 }
 
 impl std::fmt::Debug for Groups {
@@ -94,12 +128,20 @@ impl std::fmt::Debug for Groups {
 }
 
 impl Groups {
-    /// Serve `raft` as `id`.
-    pub fn insert(&self, id: GroupId, raft: Raft<QueueRaft>) {
+    /// Serve `raft` as `id` (with a proposer for forwarded commands; call on a runtime).
+    pub fn insert(&self, id: GroupId, raft: Raft<QueueRaft>) -> Proposer {
+        let proposer = Proposer::start(raft.clone());
         self.by_id
             .write()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(id, raft);
+            .insert(
+                id,
+                Served {
+                    raft,
+                    proposer: proposer.clone(),
+                },
+            );
+        proposer
     }
 
     /// Stop serving `id` (its queue was deleted, or the replica moved).
@@ -108,9 +150,10 @@ impl Groups {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(id)
+            .map(|s| s.raft)
     }
 
-    fn get(&self, id: &GroupId) -> Option<Raft<QueueRaft>> {
+    fn get(&self, id: &GroupId) -> Option<Served> {
         self.by_id
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -180,6 +223,9 @@ enum Request {
     AppendEntries(AppendEntriesRequest<QueueRaft>),
     Vote(VoteRequest<NodeId>),
     InstallSnapshot(InstallSnapshotRequest<QueueRaft>),
+    /// Commands (or metadata changes) from a node that is not the leader, to be proposed by
+    /// the one that is.
+    Forward(Forwarded),
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -189,6 +235,63 @@ enum Response {
     InstallSnapshot(
         Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>,
     ),
+    Forward(Result<ForwardReplies, ProposeError>),
+}
+
+/// What a node forwards to a group's leader.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Forwarded {
+    /// Queue machine commands, proposed in order through the leader's batcher.
+    pub commands: Vec<Command<ReplicatedMessage>>,
+    /// Metadata changes (the metadata group), proposed as one entry.
+    pub meta: Vec<MetaChange>,
+}
+
+/// The leader's replies to forwarded commands, one per command, in order.
+pub type ForwardReplies = Vec<Result<Reply<ReplicatedMessage>, ProposeError>>;
+
+/// Propose `f` through this node's replica of a group: commands through its batcher, each
+/// with its own reply; metadata as one entry. Used for forwarded requests and for a node's
+/// own, so both take the same path.
+///
+/// # Errors
+/// [`ProposeError::NotLeader`] when this replica does not lead (nothing was appended), or
+/// [`ProposeError::Unknown`] when the entry may or may not have committed.
+pub async fn propose_here(
+    raft: &Raft<QueueRaft>,
+    proposer: &Proposer,
+    f: Forwarded,
+) -> Result<ForwardReplies, ProposeError> {
+    if !f.meta.is_empty() {
+        return match raft
+            .client_write(QueueRequest {
+                at: crate::proposer::now_ms(),
+                commands: Vec::new(),
+                meta: f.meta,
+            })
+            .await
+        {
+            Ok(_) => Ok(Vec::new()),
+            Err(openraft::error::RaftError::APIError(
+                openraft::error::ClientWriteError::ForwardToLeader(l),
+            )) => Err(ProposeError::NotLeader(l.leader_id)),
+            Err(e) => Err(ProposeError::Unknown(e.to_string())),
+        };
+    }
+    let mut pending = Vec::with_capacity(f.commands.len());
+    for c in f.commands {
+        pending.push(proposer.submit(c).await?);
+    }
+    let mut replies = Vec::with_capacity(pending.len());
+    for p in pending {
+        match p.reply().await {
+            Err(ProposeError::NotLeader(l)) if replies.is_empty() => {
+                return Err(ProposeError::NotLeader(l));
+            }
+            r => replies.push(r),
+        }
+    }
+    Ok(replies)
 }
 
 /// The shared secret of a cluster, as an HMAC key.
@@ -257,11 +360,12 @@ async fn serve_connection(
         write_frame(&mut s, &Verdict::Refused).await?;
         return Err(TransportError::Auth);
     }
-    let Some(raft) = groups.get(&hello.group) else {
+    let Some(Served { raft, proposer }) = groups.get(&hello.group) else {
         write_frame(&mut s, &Verdict::NoSuchGroup).await?;
         return Err(TransportError::NoSuchGroup(hello.group));
     };
     write_frame(&mut s, &Verdict::Welcome).await?;
+    heard_from(hello.from);
     loop {
         let request: Request = match read_frame(&mut s).await {
             Ok(r) => r,
@@ -271,12 +375,14 @@ async fn serve_connection(
             }
             Err(e) => return Err(e),
         };
+        heard_from(hello.from);
         let response = match request {
             Request::AppendEntries(r) => Response::AppendEntries(raft.append_entries(r).await),
             Request::Vote(r) => Response::Vote(raft.vote(r).await),
             Request::InstallSnapshot(r) => {
                 Response::InstallSnapshot(raft.install_snapshot(r).await)
             }
+            Request::Forward(f) => Response::Forward(propose_here(&raft, &proposer, f).await),
         };
         write_frame(&mut s, &response).await?;
     }
@@ -370,8 +476,23 @@ impl TcpConnection {
         };
         write_frame(&mut s, &request).await?;
         let response = read_frame(&mut s).await?;
+        heard_from(self.to);
         self.stream = Some(s);
         Ok(response)
+    }
+
+    /// Forward `f` to this peer (the group's leader, as far as the sender knows).
+    ///
+    /// # Errors
+    /// The connection failed: the outcome is unknown if the request may have been sent.
+    pub async fn forward(
+        &mut self,
+        f: Forwarded,
+    ) -> Result<Result<ForwardReplies, ProposeError>, TransportError> {
+        match self.call(Request::Forward(f)).await? {
+            Response::Forward(r) => Ok(r),
+            _ => Err(TransportError::Frame("a response of another kind".into())),
+        }
     }
 
     fn failed<E: std::error::Error>(

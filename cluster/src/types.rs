@@ -41,6 +41,32 @@ pub struct QueueRequest {
     pub at: u64,
     /// Commands, applied one after the other (many publishes batch into one entry).
     pub commands: Vec<Command<ReplicatedMessage>>,
+    /// Metadata changes (entries of the cluster's metadata group; queue groups carry none).
+    pub meta: Vec<MetaChange>,
+}
+
+/// A change to the cluster's metadata, an entry of the metadata group that every node
+/// applies to its local copy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MetaChange {
+    /// A quorum queue exists, with its group's members.
+    DeclareQueue {
+        /// The broker's queue record key (vhost and name).
+        key: Vec<u8>,
+        /// The broker's queue record (arguments).
+        value: Vec<u8>,
+        /// The group's incarnation: a re-declared queue is a new group.
+        incarnation: u64,
+        /// Member node ids.
+        members: Vec<NodeId>,
+    },
+    /// A quorum queue was deleted.
+    DeleteQueue {
+        /// Its record key.
+        key: Vec<u8>,
+        /// The incarnation deleted (a later one of the same name stays).
+        incarnation: u64,
+    },
 }
 
 /// The replies to one entry's commands, in order.

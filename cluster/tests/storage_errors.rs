@@ -119,6 +119,7 @@ async fn a_replica_whose_disk_fails_stops_and_the_others_go_on() {
             .client_write(warren_cluster::types::QueueRequest {
                 at: 2_000,
                 commands: vec![msg(5)],
+                meta: Vec::new(),
             })
             .await;
         c.leader(&rest, Some(1)).await

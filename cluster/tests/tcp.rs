@@ -133,6 +133,7 @@ async fn replicas_over_tcp_replicate_fail_over_and_refuse_strangers() {
         .client_write(QueueRequest {
             at: 1_000,
             commands: (0..20).map(enqueue).collect(),
+            meta: Vec::new(),
         })
         .await
         .expect("committed over TCP");
@@ -178,6 +179,7 @@ async fn replicas_over_tcp_replicate_fail_over_and_refuse_strangers() {
         .client_write(QueueRequest {
             at: 2_000,
             commands: vec![enqueue(20)],
+            meta: Vec::new(),
         })
         .await
         .expect("a majority of two commits");

@@ -63,7 +63,7 @@ async fn try_write(
     };
     match tokio::time::timeout(
         WRITE_TIMEOUT,
-        n.raft.client_write(QueueRequest { at, commands }),
+        n.raft.client_write(QueueRequest { at, commands, meta: Vec::new() }),
     )
     .await
     {

@@ -29,8 +29,20 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 /// Message id within one queue, assigned at enqueue, increasing.
 pub type MsgId = u64;
-/// Consumer id, unique per broker.
+/// Consumer id, unique per broker. In a cluster its top bits name the node the consumer is
+/// attached to (see [`consumer_node`]), so ids of different nodes never collide and a node's
+/// consumers can be dropped together when it goes down ([`Command::Down`]).
 pub type ConsumerId = u64;
+
+/// Where a consumer id's node number starts: ids below `1 << CONSUMER_NODE_SHIFT` belong to
+/// node 0 (a broker outside a cluster).
+pub const CONSUMER_NODE_SHIFT: u32 = 56;
+
+/// The node number a consumer id carries (0 outside a cluster).
+#[must_use]
+pub const fn consumer_node(id: ConsumerId) -> u64 {
+    id >> CONSUMER_NODE_SHIFT
+}
 
 /// What the machine needs to know about a message reference.
 pub trait MessageRef: Clone {
@@ -171,6 +183,72 @@ pub enum Command<M> {
     },
     /// Put a consumer under a shared limit or release it; an unused grant is dropped.
     SetLimited(ConsumerId, bool),
+    /// Node `node` (see [`consumer_node`]) is down or restarted: its consumers with ids below
+    /// `before` (all of them, or those of its previous run) are detached and every message
+    /// delivered to them and not settled is returned (redelivered), as rabbit_fifo does on a
+    /// consumer's `down`.
+    Down {
+        /// The node number.
+        node: u64,
+        /// Only consumer ids below this.
+        before: ConsumerId,
+    },
+}
+
+impl<M> Command<M> {
+    /// The same command over another message reference (a replicated queue's log carries
+    /// messages encoded; its replicas hold them decoded).
+    ///
+    /// # Errors
+    /// The first error of `f`.
+    pub fn try_map<N, E>(self, mut f: impl FnMut(M) -> Result<N, E>) -> Result<Command<N>, E> {
+        Ok(match self {
+            Self::Enqueue(m) => Command::Enqueue(f(m)?),
+            Self::Restore {
+                id,
+                msg,
+                redelivered,
+                expires_at,
+            } => Command::Restore {
+                id,
+                msg: f(msg)?,
+                redelivered,
+                expires_at,
+            },
+            Self::Swap { id, msg } => Command::Swap { id, msg: f(msg)? },
+            Self::Checkout(c, spec) => Command::Checkout(c, spec),
+            Self::Cancel(c) => Command::Cancel(c),
+            Self::Written(c, n, b) => Command::Written(c, n, b),
+            Self::Settle(ids) => Command::Settle(ids),
+            Self::Return(ids) => Command::Return(ids),
+            Self::Discard(ids) => Command::Discard(ids),
+            Self::Get { no_ack } => Command::Get { no_ack },
+            Self::Purge => Command::Purge,
+            Self::Expire => Command::Expire,
+            Self::Configure(c) => Command::Configure(c),
+            Self::Grant(c) => Command::Grant(c),
+            Self::SetLimited(c, l) => Command::SetLimited(c, l),
+            Self::Down { node, before } => Command::Down { node, before },
+        })
+    }
+}
+
+impl<M> Reply<M> {
+    /// The same reply over another message reference (see [`Command::try_map`]).
+    ///
+    /// # Errors
+    /// The first error of `f`.
+    pub fn try_map<N, E>(self, mut f: impl FnMut(M) -> Result<N, E>) -> Result<Reply<N>, E> {
+        Ok(match self {
+            Self::Ok => Reply::Ok,
+            Self::Rejected(m) => Reply::Rejected(f(m)?),
+            Self::Got(None) => Reply::Got(None),
+            Self::Got(Some((id, m, redelivered, left, count))) => {
+                Reply::Got(Some((id, f(m)?, redelivered, left, count)))
+            }
+            Self::Purged(n) => Reply::Purged(n),
+        })
+    }
 }
 
 /// Effects for the driver to carry out.
@@ -250,6 +328,9 @@ struct Ready<M> {
 struct Unacked<M> {
     msg: M,
     consumer: Option<ConsumerId>,
+    /// The consumer it was delivered to, kept after that consumer is cancelled (its node
+    /// still holds the delivery until it settles or returns it; [`Command::Down`]).
+    owner: Option<ConsumerId>,
     /// Kept for a requeue: a returned message keeps its original expiry.
     expires_at: Option<u64>,
     /// Times it was returned before this delivery.
@@ -539,6 +620,12 @@ impl<M: MessageRef> QueueMachine<M> {
         self.consumers.len()
     }
 
+    /// Whether an exclusive consumer holds the queue.
+    #[must_use]
+    pub fn has_exclusive_consumer(&self) -> bool {
+        self.exclusive_consumer.is_some()
+    }
+
     /// Consumers under a shared limit that would receive a message now if granted one (no
     /// unused grant, other credit left, messages ready): the driver obtains limiter slots for
     /// them and sends [`Command::Grant`]. Empty unless some consumer is limited.
@@ -728,6 +815,24 @@ impl<M: MessageRef> QueueMachine<M> {
                 }
                 Reply::Ok
             }
+            Command::Down { node, before } => {
+                let of_node = |c: ConsumerId| consumer_node(c) == node && c < before;
+                let mut gone: Vec<ConsumerId> =
+                    self.consumers.keys().copied().filter(|c| of_node(*c)).collect();
+                gone.sort_unstable();
+                for c in gone {
+                    let _ = self.apply(now_ms, Command::Cancel(c), effects);
+                }
+                let mut held: Vec<MsgId> = self
+                    .unacked
+                    .iter()
+                    .filter(|(_, u)| u.owner.is_some_and(of_node))
+                    .map(|(id, _)| *id)
+                    .collect();
+                // Replicas must produce the same effects in the same order.
+                held.sort_unstable();
+                return self.apply(now_ms, Command::Return(held), effects);
+            }
             Command::Return(ids) => {
                 for id in ids {
                     if let Some(Unacked {
@@ -784,6 +889,7 @@ impl<M: MessageRef> QueueMachine<M> {
                             Unacked {
                                 msg: r.msg.clone(),
                                 consumer: None,
+                                owner: None,
                                 expires_at: r.expires_at,
                                 delivery_count: r.delivery_count,
                                 enqueued_at: r.enqueued_at,
@@ -1079,6 +1185,7 @@ impl<M: MessageRef> QueueMachine<M> {
                     Unacked {
                         msg: r.msg.clone(),
                         consumer: Some(cid),
+                        owner: Some(cid),
                         expires_at: r.expires_at,
                         delivery_count: r.delivery_count,
                         enqueued_at: r.enqueued_at,

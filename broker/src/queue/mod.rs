@@ -27,6 +27,7 @@ use crate::exchange::RoutingHeaders;
 use crate::limiter::{Limiter, Wake};
 use crate::message::{Entry, Message, Outgoing};
 use crate::outbox::{Delivery, Outbound, Outbox};
+use crate::replication::{Replicator, Replies, ReplicationError};
 use crate::vhost::OnCommit;
 use machine::{
     Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, Overflow, QueueMachine,
@@ -93,6 +94,9 @@ struct State {
     /// Messages to dead-letter once the lock is released (pinned: their store records stay
     /// readable after the settles submitted under the lock commit).
     dead_letters: Vec<(Outgoing, Removal)>,
+    /// Whether this node dead-letters what the machine removes: always, but for a replicated
+    /// queue's followers (its leader does, once).
+    dead_letters_here: bool,
 }
 
 /// What a queue is connected to in its broker.
@@ -142,6 +146,10 @@ pub struct Queue {
     pub is_quorum: bool,
     /// `x-consumer-timeout` in milliseconds (overrides the broker's default).
     pub consumer_timeout: Option<u64>,
+    /// A quorum queue of a cluster: its Raft group, set once when the cluster starts this
+    /// node's replica. From then on channel commands go to the group and the machine changes
+    /// only by [`Queue::apply_committed`].
+    replica: std::sync::OnceLock<Arc<dyn Replicator>>,
     state: Mutex<State>,
 }
 
@@ -183,6 +191,7 @@ impl Queue {
             ready_len_hint: AtomicU64::new(0),
             last_delivery_ms: AtomicU64::new(0),
             flow_drained: tokio::sync::Notify::new(),
+            replica: std::sync::OnceLock::new(),
             state: Mutex::new(State {
                 machine: QueueMachine::with_config(settings.config),
                 dead_letter: settings.dead_letter,
@@ -195,8 +204,100 @@ impl Queue {
                 store_ops: Vec::new(),
                 timer_at: None,
                 dead_letters: Vec::new(),
+                dead_letters_here: true,
             }),
         })
+    }
+
+    /// Make this queue a replica of its Raft group (once; false if it already is one).
+    pub fn attach_replica(&self, replica: Arc<dyn Replicator>) -> bool {
+        self.replica.set(replica).is_ok()
+    }
+
+    /// The queue's Raft group, when it is a replicated queue of a cluster.
+    #[must_use]
+    pub fn replica(&self) -> Option<&Arc<dyn Replicator>> {
+        self.replica.get()
+    }
+
+    /// Whether channel commands go through a Raft group.
+    #[must_use]
+    pub fn is_replicated(&self) -> bool {
+        self.replica.get().is_some()
+    }
+
+    /// Apply commands the queue's Raft group committed, at the entry's time `at` (a replica
+    /// never reads its own clock for them, so every replica reaches the same state). This
+    /// node delivers to the consumers attached here; the others' deliveries are theirs.
+    pub fn apply_committed(self: &Arc<Self>, at: u64, commands: Vec<Command<Entry>>) -> Replies {
+        let leader = self.replica().is_some_and(|r| r.is_leader());
+        let here = self.replica().map_or(0, |r| r.local_node());
+        let replies = {
+            let mut st = self.state.lock();
+            st.dead_letters_here = leader;
+            for c in &commands {
+                if let Command::Down { node, before } = *c
+                    && node == here
+                {
+                    // The cluster took this node's consumers for gone (it was silent): their
+                    // clients hear it, as when a queue goes away.
+                    let gone: Vec<ConsumerId> =
+                        st.sinks.keys().copied().filter(|id| *id < before).collect();
+                    for id in gone {
+                        if let Some(sink) = st.sinks.remove(&id) {
+                            sink.outbox.push(Outbound::Cancel {
+                                channel: sink.channel,
+                                consumer: id,
+                            });
+                        }
+                    }
+                }
+            }
+            commands
+                .into_iter()
+                .map(|c| self.apply_at(&mut st, c, at))
+                .collect()
+        };
+        self.dead_letter_pending();
+        replies
+    }
+
+    /// Read the machine (a replicated queue's snapshot).
+    pub fn with_machine<T>(&self, f: impl FnOnce(&QueueMachine<Entry>) -> T) -> T {
+        f(&self.state.lock().machine)
+    }
+
+    /// Replace the machine by a snapshot's (a replica that fell behind the group's log). The
+    /// consumers attached here keep their sinks; those the snapshot no longer knows receive
+    /// nothing more.
+    pub fn install_machine(&self, machine: QueueMachine<Entry>) {
+        let mut st = self.state.lock();
+        st.machine = machine;
+        self.update_hints(&st);
+    }
+
+    /// Submit to the group, fire and forget: the outcome shows in the applied state (a lost
+    /// submission is like a client whose command never arrived).
+    fn submit_quietly(&self, replica: &Arc<dyn Replicator>, commands: Vec<Command<Entry>>) {
+        replica.submit(commands, Box::new(|_| {}));
+    }
+
+    /// A replicated command whose caller waits for it (purge-ok, tx.commit-ok): `on_commit`'s
+    /// completion runs once the group committed it.
+    fn submit_then(
+        replica: &Arc<dyn Replicator>,
+        commands: Vec<Command<Entry>>,
+        on_commit: Option<OnCommit<'_>>,
+    ) {
+        let done = on_commit.map(|f| f());
+        replica.submit(
+            commands,
+            Box::new(move |r| {
+                if let Some(done) = done {
+                    done(replicated_outcome(r).map(|_| Vec::new()));
+                }
+            }),
+        );
     }
 
     /// The machine's time: wall-clock milliseconds (absolute, so expiry times can be stored).
@@ -244,7 +345,12 @@ impl Queue {
             let mut st = self.state.lock();
             st.dead_letter = settings.dead_letter;
             st.expires = settings.expires;
-            let _ = self.run(&mut st, Command::Configure(settings.config));
+            match self.replica() {
+                Some(replica) => self.submit_quietly(replica, vec![Command::Configure(settings.config)]),
+                None => {
+                    let _ = self.run(&mut st, Command::Configure(settings.config));
+                }
+            }
         }
         self.dead_letter_pending();
     }
@@ -270,6 +376,14 @@ impl Queue {
     /// Called by the timer thread: expire messages that are due, delete the queue if it has
     /// been unused for its `x-expires`, then re-arm.
     pub fn on_timer(self: &Arc<Self>) {
+        if let Some(replica) = self.replica() {
+            // Expiry is a command like any other: the leader proposes it, at its time.
+            self.state.lock().timer_at = None;
+            if replica.is_leader() {
+                self.submit_quietly(replica, vec![Command::Expire]);
+            }
+            return;
+        }
         let unused = {
             let mut st = self.state.lock();
             st.timer_at = None;
@@ -290,6 +404,9 @@ impl Queue {
     }
 
     fn hold_dead_letter(&self, st: &mut State, msg: &Entry, reason: Removal) {
+        if !st.dead_letters_here {
+            return;
+        }
         st.dead_letters
             .push((msg.pin(self.store.as_deref()), reason));
         self.dead_letters_pending.store(true, Ordering::Release);
@@ -552,7 +669,15 @@ impl Queue {
                         st.store_ops.push(Op::Settle { queue: self.id, id });
                     }
                     let Some(sink) = st.sinks.get(&consumer) else {
-                        debug_assert!(false, "delivery to a consumer without a sink");
+                        if let Some(replica) = self.replica() {
+                            // Another node's consumer (its node delivers), or one of ours
+                            // cancelled before its checkout committed: give that one back.
+                            if machine::consumer_node(consumer) == replica.local_node() {
+                                self.submit_quietly(replica, vec![Command::Return(vec![id])]);
+                            }
+                        } else {
+                            debug_assert!(false, "delivery to a consumer without a sink");
+                        }
                         continue;
                     };
                     sink.outbox.push(Outbound::Deliver(Delivery {
@@ -572,6 +697,9 @@ impl Queue {
 
     /// A limiter has room again: offer its waiting consumers here a slot.
     pub fn regrant(self: &Arc<Self>) {
+        if self.is_replicated() {
+            return;
+        }
         {
             let mut st = self.state.lock();
             let mut effects = std::mem::take(&mut st.effects);
@@ -584,6 +712,10 @@ impl Queue {
 
     /// Put a consumer under its channel's shared limit or release it from it.
     pub fn set_limited(self: &Arc<Self>, consumer: ConsumerId, limited: bool) {
+        if self.is_replicated() {
+            // Quorum queues take no consumers under a channel-wide limit.
+            return;
+        }
         let wake = {
             let mut st = self.state.lock();
             let wake = Self::release_grant(&st, consumer);
@@ -608,6 +740,11 @@ impl Queue {
     /// Enqueue a routed message that needs no store write (transient, or this queue has no
     /// store).
     pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> Enqueued {
+        if let Some(replica) = self.replica() {
+            // Unconfirmed (a dead-lettered message, a publisher without confirms).
+            self.submit_quietly(replica, vec![Command::Enqueue(Entry::Mem(message))]);
+            return Enqueued::Accepted;
+        }
         let outcome = {
             let mut st = self.state.lock();
             if st.deleted {
@@ -697,6 +834,9 @@ impl Queue {
         spec: ConsumerSpec,
         sink: ConsumerSink,
     ) -> Result<(), MachineError> {
+        if let Some(replica) = self.replica() {
+            return self.consume_replicated(replica, id, spec, sink);
+        }
         {
             let mut st = self.state.lock();
             st.sinks.insert(id, sink);
@@ -711,9 +851,60 @@ impl Queue {
         Ok(())
     }
 
+    /// [`Queue::consume`] of a replicated queue: the checkout is proposed, and deliveries
+    /// start when it commits. A refusal found at commit (another node's exclusive consumer
+    /// got there first) cancels the consumer with basic.cancel.
+    fn consume_replicated(
+        self: &Arc<Self>,
+        replica: &Arc<dyn Replicator>,
+        id: ConsumerId,
+        spec: ConsumerSpec,
+        sink: ConsumerSink,
+    ) -> Result<(), MachineError> {
+        {
+            let mut st = self.state.lock();
+            // The local replica may lag by an entry or two; a conflict it already sees is
+            // certain, the commit decides the rest.
+            if st.machine.has_exclusive_consumer() || (spec.exclusive && st.machine.consumer_count() > 0) {
+                return Err(MachineError::ExclusiveInUse);
+            }
+            st.sinks.insert(id, sink.clone());
+            st.had_consumer = true;
+        }
+        // Prefetch bounds what a consumer holds; a socket window would cost a log entry per
+        // write, so replicated consumers have none.
+        let spec = ConsumerSpec {
+            window: u32::MAX,
+            window_bytes: u64::MAX,
+            limited: false,
+            ..spec
+        };
+        let weak = Arc::downgrade(self);
+        replica.submit(
+            vec![Command::Checkout(id, spec)],
+            Box::new(move |r| {
+                let refused = !matches!(r.as_deref(), Ok([Ok(_)]));
+                if refused && let Some(q) = weak.upgrade() {
+                    q.state.lock().sinks.remove(&id);
+                    sink.outbox.push(Outbound::Cancel {
+                        channel: sink.channel,
+                        consumer: id,
+                    });
+                }
+            }),
+        );
+        Ok(())
+    }
+
     /// Detach a consumer. Returns true when the queue is auto-delete and this was its last
     /// consumer (the caller deletes it).
     pub fn cancel(self: &Arc<Self>, id: ConsumerId) -> bool {
+        if let Some(replica) = self.replica() {
+            if self.state.lock().sinks.remove(&id).is_some() {
+                self.submit_quietly(replica, vec![Command::Cancel(id)]);
+            }
+            return false;
+        }
         let (last, wake) = {
             let mut st = self.state.lock();
             let wake = Self::release_grant(&st, id);
@@ -735,6 +926,10 @@ impl Queue {
 
     /// Deliveries to `consumer` were written to its socket: restore its window.
     pub fn written(self: &Arc<Self>, consumer: ConsumerId, n: u32, bytes: u64) {
+        if self.is_replicated() {
+            // Replicated consumers have no socket window (see `consume_replicated`).
+            return;
+        }
         {
             let mut st = self.state.lock();
             let _ = self.run(&mut st, Command::Written(consumer, n, bytes));
@@ -744,6 +939,10 @@ impl Queue {
 
     /// Acknowledge.
     pub fn settle(self: &Arc<Self>, ids: Vec<MsgId>, on_commit: Option<OnCommit<'_>>) {
+        if let Some(replica) = self.replica() {
+            Self::submit_then(replica, vec![Command::Settle(ids)], on_commit);
+            return;
+        }
         {
             let mut st = self.state.lock();
             let _ = self.apply(&mut st, Command::Settle(ids));
@@ -754,6 +953,10 @@ impl Queue {
 
     /// Requeue (nack/reject with requeue, recover, channel close).
     pub fn requeue(self: &Arc<Self>, ids: Vec<MsgId>) {
+        if let Some(replica) = self.replica() {
+            self.submit_quietly(replica, vec![Command::Return(ids)]);
+            return;
+        }
         {
             let mut st = self.state.lock();
             let _ = self.run(&mut st, Command::Return(ids));
@@ -763,6 +966,10 @@ impl Queue {
 
     /// Drop (nack/reject without requeue).
     pub fn discard(self: &Arc<Self>, ids: Vec<MsgId>, on_commit: Option<OnCommit<'_>>) {
+        if let Some(replica) = self.replica() {
+            Self::submit_then(replica, vec![Command::Discard(ids)], on_commit);
+            return;
+        }
         {
             let mut st = self.state.lock();
             let _ = self.apply(&mut st, Command::Discard(ids));
@@ -774,6 +981,11 @@ impl Queue {
     /// basic.get: the head message, its redelivered flag, the ready count after it and its
     /// delivery count.
     pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Outgoing, bool, u32, u32)> {
+        if self.is_replicated() {
+            // A replicated get is a log entry whose reply comes later: not served yet
+            // (documented), and never taken from this replica alone.
+            return None;
+        }
         let got = {
             let mut st = self.state.lock();
             st.last_used = self.now_ms();
@@ -799,6 +1011,12 @@ impl Queue {
     /// The removals of stored messages are submitted with `on_commit`'s completion, so the
     /// caller can hold purge-ok until they are durable.
     pub fn purge(self: &Arc<Self>, on_commit: OnCommit<'_>) -> u32 {
+        if let Some(replica) = self.replica() {
+            // purge-ok waits for the commit; its count is this replica's view just before.
+            let n = u32::try_from(self.state.lock().machine.ready_len()).unwrap_or(u32::MAX);
+            Self::submit_then(replica, vec![Command::Purge], Some(on_commit));
+            return n;
+        }
         let mut st = self.state.lock();
         let reply = self.apply(&mut st, Command::Purge);
         self.submit_store_ops(&mut st, Some(on_commit));
@@ -883,6 +1101,12 @@ impl Queue {
     }
 }
 
+/// A replicated submission's outcome as the store's completions see it: a refusal or a lost
+/// leader is a failed write, so its publisher is nacked.
+fn replicated_outcome(r: Result<Replies, ReplicationError>) -> Result<Replies, Arc<warren_store::StoreError>> {
+    r.map_err(|e| Arc::new(warren_store::StoreError::Replication(e.to_string())))
+}
+
 /// Whether a queue this short releases publishers paused on it.
 fn below_flow_release(len: u64, bytes: u64) -> bool {
     len < crate::limits::FLOW_READY_HIGH / 2 && bytes < crate::limits::FLOW_READY_BYTES_HIGH / 2
@@ -895,6 +1119,93 @@ fn below_flow_release(len: u64, bytes: u64) -> bool {
 /// queues that will refuse it (reject-publish) are not written. Returns the combined outcome
 /// and whether `done` was submitted (when nothing was written, `done` is not called).
 pub fn publish_routed(
+    targets: &[Arc<Queue>],
+    message: &Arc<Message>,
+    done: impl FnOnce() -> Completion,
+) -> (Enqueued, bool) {
+    if !targets.iter().any(|q| q.is_replicated()) {
+        return publish_local(targets, message, done);
+    }
+    // Replicated queues take every message through their log (persistent or not, as
+    // RabbitMQ's quorum queues do): the completion waits for all of them and the store.
+    let join = Join::new(done());
+    let mut outcome = Enqueued::Gone;
+    for q in targets {
+        let Some(replica) = q.replica() else {
+            continue;
+        };
+        let part = join.part();
+        replica.submit(
+            vec![Command::Enqueue(Entry::Mem(Arc::clone(message)))],
+            Box::new(move |r| {
+                let r = replicated_outcome(r).and_then(|replies| match replies.first() {
+                    Some(Ok(Reply::Rejected(_))) => Err(Arc::new(
+                        warren_store::StoreError::Replication("rejected: queue full".into()),
+                    )),
+                    _ => Ok(Vec::new()),
+                });
+                part(r);
+            }),
+        );
+        outcome = outcome.and(Enqueued::Accepted);
+    }
+    let local: Vec<Arc<Queue>> = targets
+        .iter()
+        .filter(|q| !q.is_replicated())
+        .cloned()
+        .collect();
+    let (local_outcome, _) = publish_local(&local, message, || join.part());
+    join.seal();
+    (outcome.and(local_outcome), true)
+}
+
+/// One completion for several writes (replicated queues and the store): it runs once all of
+/// them finished, with the first failure if any.
+struct Join {
+    /// The caller's completion, the parts still running (plus one until sealed), the first
+    /// failure.
+    inner: parking_lot::Mutex<(Option<Completion>, usize, Option<Arc<warren_store::StoreError>>)>,
+}
+
+impl Join {
+    fn new(done: Completion) -> Arc<Self> {
+        Arc::new(Self {
+            inner: parking_lot::Mutex::new((Some(done), 1, None)),
+        })
+    }
+
+    fn part(self: &Arc<Self>) -> Completion {
+        self.inner.lock().1 += 1;
+        let me = Arc::clone(self);
+        Box::new(move |r| me.finish(r.err()))
+    }
+
+    /// No more parts will be added.
+    fn seal(&self) {
+        self.finish(None);
+    }
+
+    fn finish(&self, err: Option<Arc<warren_store::StoreError>>) {
+        let ready = {
+            let mut g = self.inner.lock();
+            if g.2.is_none() {
+                g.2 = err;
+            }
+            g.1 -= 1;
+            if g.1 == 0 {
+                g.0.take().map(|done| (done, g.2.take()))
+            } else {
+                None
+            }
+        };
+        if let Some((done, err)) = ready {
+            done(err.map_or(Ok(Vec::new()), Err));
+        }
+    }
+}
+
+/// [`publish_routed`] into queues that are not replicated.
+fn publish_local(
     targets: &[Arc<Queue>],
     message: &Arc<Message>,
     done: impl FnOnce() -> Completion,

@@ -108,6 +108,38 @@ fn returned_messages_go_back_in_original_order_marked_redelivered() {
     );
 }
 
+/// A node that went down takes its consumers with it: what they held, including what a
+/// consumer cancelled before the node died still held, is returned redelivered, and the
+/// consumers of other nodes keep theirs.
+#[test]
+fn down_returns_what_the_nodes_consumers_held_and_detaches_them() {
+    let node1 = 1 << CONSUMER_NODE_SHIFT;
+    let node2 = 2 << CONSUMER_NODE_SHIFT;
+    let mut q = QueueMachine::new();
+    let mut fx = Vec::new();
+    for i in 0..6 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    q.apply(0, Command::Checkout(node1 + 1, spec(2)), &mut fx).unwrap();
+    q.apply(0, Command::Checkout(node1 + 2, spec(1)), &mut fx).unwrap();
+    q.apply(0, Command::Checkout(node2 + 1, spec(1)), &mut fx).unwrap();
+    assert_eq!(q.unacked_len(), 4);
+    // One of node 1's consumers was cancelled; its delivery is still out.
+    q.apply(0, Command::Cancel(node1 + 2), &mut fx).unwrap();
+    fx.clear();
+    // A Down for node 1's previous run (ids below node1 + 1) takes nothing of this one.
+    q.apply(0, Command::Down { node: 1, before: node1 + 1 }, &mut fx).unwrap();
+    assert_eq!(q.consumer_count(), 3);
+    q.apply(0, Command::Down { node: 1, before: u64::MAX }, &mut fx).unwrap();
+    assert_eq!(q.consumer_count(), 1, "only node 2's consumer is left");
+    assert_eq!(q.unacked_len(), 1);
+    assert_eq!(q.ready_len(), 5);
+    // Node 2's consumer takes the returned messages first, in order, once it has credit.
+    q.apply(0, Command::Settle(vec![4]), &mut fx).unwrap();
+    assert_eq!(delivered(&fx), vec![(node2 + 1, 1, true)]);
+    q.check_invariants();
+}
+
 #[test]
 fn exclusive_consumers_exclude() {
     let mut q: QueueMachine<M> = QueueMachine::new();

@@ -1,0 +1,196 @@
+//! What the broker needs from replication: the seam between a quorum queue's driver
+//! ([`crate::queue::Queue`]) and the Raft group that orders its commands (implemented by
+//! `warren-cluster`).
+//!
+//! A replicated queue never applies a channel's command directly. It submits the command to its
+//! [`Replicator`]; the group commits it on a majority and every replica applies it, in log
+//! order and at the entry's time, through [`crate::queue::Queue::apply_committed`]. The
+//! machine's effects are the same on every replica; each node carries out the deliveries to the
+//! consumers attached on that node and ignores the others, so no delivery crosses the cluster
+//! twice and a consumer on any node receives from any queue.
+//!
+//! ```text
+//!  channel ──command──► Replicator ──(forward to leader)──► Raft log ──commit──┐
+//!                                                                              ▼
+//!      consumers on this node ◄──deliver── Queue::apply_committed ◄── every replica
+//! ```
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use warren_amqp::properties::Properties;
+use warren_store::StoredMessage;
+use warren_store::writer::Completion;
+
+use crate::message::{Entry, Message};
+use crate::queue::Queue;
+use crate::queue::machine::{Command, MachineError, Reply};
+
+/// The replies to one submission's commands, in order.
+pub type Replies = Vec<Result<Reply<Entry>, MachineError>>;
+
+/// Why a submission has no replies.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum ReplicationError {
+    /// No leader could be reached; nothing was appended.
+    #[error("no leader for the queue is reachable")]
+    Unavailable,
+    /// It may or may not have committed (the leader was lost meanwhile): a publisher is
+    /// nacked, as RabbitMQ does.
+    #[error("outcome unknown: {0}")]
+    Unknown(String),
+}
+
+/// Called once with the outcome of a submission.
+pub type ReplicaDone = Box<dyn FnOnce(Result<Replies, ReplicationError>) + Send>;
+
+/// Who holds a replicated queue, for the management API.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// The leader's node name (None during an election).
+    pub leader: Option<String>,
+    /// The members' node names.
+    pub members: Vec<String>,
+}
+
+/// One replicated queue's side of its Raft group.
+pub trait Replicator: Send + Sync + std::fmt::Debug {
+    /// Submit commands, applied in submission order (one publisher's messages keep theirs).
+    /// `done` gets the replies once the entry committed and was applied on this node, or the
+    /// reason there are none. Never blocks.
+    fn submit(&self, commands: Vec<Command<Entry>>, done: ReplicaDone);
+    /// Whether this node's replica leads the group now (it alone dead-letters and proposes
+    /// expiries, so each happens once).
+    fn is_leader(&self) -> bool;
+    /// This node's number, as consumer ids carry it
+    /// ([`crate::queue::machine::consumer_node`]).
+    fn local_node(&self) -> u64;
+    /// Leader and members.
+    fn placement(&self) -> Placement;
+}
+
+/// What a cluster does for the broker's metadata changes.
+pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
+    /// This node's name.
+    fn node_name(&self) -> &str;
+    /// This node's number, the top bits of the consumer ids it issues.
+    fn node_number(&self) -> u64;
+    /// Create the replicated queue `queue` on its members: `done` runs once the cluster's
+    /// metadata group committed it and this node serves it (inserted in its vhost).
+    fn declare_quorum(&self, queue: Arc<Queue>, done: Completion);
+    /// Delete a replicated queue everywhere; `done` runs once that committed.
+    fn delete_quorum(&self, queue: &Arc<Queue>, done: Completion);
+}
+
+/// A queued message as a replicated log carries it: the store's record encoding (exchange,
+/// routing key, raw properties, body, with a checksum).
+///
+/// # Panics
+/// Never for a message that passed the protocol's checks (short strings, bounded size).
+#[must_use]
+pub fn encode_message(message: &Message) -> Vec<u8> {
+    let record = crate::durable::stored(message);
+    let mut out = Vec::with_capacity(8 + record.payload_len());
+    record.encode(&mut out);
+    out
+}
+
+/// Why a replicated message does not decode.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("undecodable replicated message: {0}")]
+pub struct DecodeError(pub String);
+
+/// The message [`encode_message`] encoded, checksum verified.
+///
+/// # Errors
+/// A damaged or truncated record.
+pub fn decode_message(bytes: &[u8]) -> Result<Message, DecodeError> {
+    const HEADER: usize = 8;
+    let (Some(len), Some(crc), Some(payload)) = (
+        bytes.get(0..4),
+        bytes.get(4..8),
+        bytes.get(HEADER..),
+    ) else {
+        return Err(DecodeError("truncated".into()));
+    };
+    let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+    let crc = u32::from_be_bytes([crc[0], crc[1], crc[2], crc[3]]);
+    if len != payload.len() || crc32c::crc32c(payload) != crc {
+        return Err(DecodeError("checksum or length mismatch".into()));
+    }
+    let record = StoredMessage::decode(&Bytes::copy_from_slice(payload))
+        .map_err(|e| DecodeError(e.0.into()))?;
+    let text = |b: &Bytes| {
+        String::from_utf8(b.to_vec()).map_err(|_| DecodeError("a name that is not UTF-8".into()))
+    };
+    Ok(Message {
+        exchange: text(&record.exchange)?,
+        routing_key: text(&record.routing_key)?,
+        properties: Properties::parse(record.properties, warren_amqp::limits::TABLE_DEPTH_MAX)
+            .map_err(|e| DecodeError(e.to_string()))?,
+        body: record.body,
+    })
+}
+
+/// The message of a replicated queue's entry (always in memory: the log holds its body).
+///
+/// # Errors
+/// See [`decode_message`].
+pub fn decode_entry(bytes: &[u8]) -> Result<Entry, DecodeError> {
+    decode_message(bytes).map(|m| Entry::Mem(Arc::new(m)))
+}
+
+/// [`encode_message`] of an entry; a replicated queue's entries are always in memory.
+///
+/// # Errors
+/// A stored entry (only store-backed queues hold them).
+pub fn encode_entry(entry: &Entry) -> Result<Vec<u8>, DecodeError> {
+    match entry {
+        Entry::Mem(m) => Ok(encode_message(m)),
+        Entry::Stored { .. } => Err(DecodeError("a stored entry in a replicated queue".into())),
+    }
+}
+
+/// A replicated queue's snapshot holds its messages in the log's encoding.
+impl serde::Serialize for Entry {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let bytes = encode_entry(self).map_err(serde::ser::Error::custom)?;
+        s.serialize_bytes(&bytes)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Entry {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let bytes = <Vec<u8>>::deserialize(d)?;
+        decode_entry(&bytes).map_err(serde::de::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
+
+    use super::*;
+
+    #[test]
+    fn messages_round_trip_and_damage_is_detected() {
+        let raw = Bytes::from_static(&[0x10, 0x00, 0x02]); // delivery-mode 2
+        let m = Message {
+            exchange: "ex".into(),
+            routing_key: "rk".into(),
+            properties: Properties::parse(raw, 4).unwrap(),
+            body: Bytes::from_static(b"hello"),
+        };
+        let mut bytes = encode_message(&m);
+        let back = decode_message(&bytes).unwrap();
+        assert_eq!(
+            (back.exchange.as_str(), back.routing_key.as_str(), &back.body[..]),
+            ("ex", "rk", &b"hello"[..])
+        );
+        assert!(back.properties.persistent());
+        let last = bytes.len() - 1;
+        bytes[last] ^= 1;
+        assert!(decode_message(&bytes).is_err());
+        assert!(decode_message(&bytes[..5]).is_err());
+    }
+}

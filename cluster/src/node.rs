@@ -1,0 +1,1000 @@
+//! A cluster node: the cluster port, the metadata group, and one replica per quorum queue,
+//! wired into the node's broker.
+//!
+//! - **Membership** is static, from `--peers` (every node, this one included). A node's Raft id
+//!   is a hash of its name (stable across restarts and peer orderings); its *number* (1..=63,
+//!   its place among the sorted names) is what consumer ids carry in their top bits.
+//! - **Metadata group** (every node): quorum queue records and their placement
+//!   ([`MetaChange`]). A declare is acknowledged once it committed and this node serves the
+//!   queue. The node with the lowest id initialises the group on first start.
+//! - **Queue groups**: one per quorum queue incarnation, members chosen by rendezvous hashing
+//!   (`x-quorum-initial-group-size`, default 3). Each replica applies committed entries into
+//!   the broker's [`Queue`] (see [`warren_broker::replication`]).
+//! - **Forwarding**: a node submits commands to its replica's [`Forwarder`], which proposes them
+//!   here when this replica leads, or sends them to the leader over the cluster port.
+//! - **Down nodes**: the leader of each queue returns what consumers on a node held once that
+//!   node has been silent for [`DOWN_AFTER`]; a node that starts returns what its previous run
+//!   held.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::time::Duration;
+
+use openraft::{BasicNode, Config, Raft, RaftNetworkFactory};
+use tokio::sync::mpsc;
+use warren_broker::Broker;
+use warren_broker::durable::QueueRecord;
+use warren_broker::message::Entry;
+use warren_broker::queue::Queue;
+use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
+use warren_broker::replication::{
+    ClusterHooks, Placement, ReplicaDone, Replicator, Replies, ReplicationError, decode_entry,
+    encode_entry,
+};
+use warren_store::writer::Completion;
+
+use crate::group::{Applied, GroupStateMachine};
+use crate::log_store::LogStore;
+use crate::proposer::{ProposeError, Proposer};
+use crate::tcp::{Forwarded, GroupId, Groups, Secret, TcpConnection, TcpNetwork};
+use crate::types::{MetaChange, NodeId, QueueRaft, QueueRequest, QueueResponse, ReplicatedMessage};
+
+/// A peer is down once it has been silent this long (several election timeouts).
+pub const DOWN_AFTER: Duration = Duration::from_secs(5);
+/// Most commands forwarded in one request.
+pub const FORWARD_BATCH_MAX: usize = 256;
+/// Most submissions waiting to be forwarded, per queue (beyond it they fail at once).
+pub const FORWARD_QUEUE_MAX: usize = 16 * 1024;
+/// Replicas of a quorum queue unless `x-quorum-initial-group-size` says otherwise.
+pub const GROUP_SIZE_DEFAULT: usize = 3;
+/// How long a forward waits for a group to have a leader.
+const LEADER_WAIT: Duration = Duration::from_secs(10);
+/// The metadata group's name.
+const META_GROUP: &str = "$meta";
+
+/// One member of the cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    /// Its node name (`--node-name`).
+    pub name: String,
+    /// Its cluster port address.
+    pub addr: String,
+}
+
+/// How a node joins its cluster.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// This node's name (one of `peers`).
+    pub name: String,
+    /// The cluster port to listen on.
+    pub listen: SocketAddr,
+    /// Every node of the cluster, this one included.
+    pub peers: Vec<Peer>,
+    /// The cluster's shared secret.
+    pub secret: Vec<u8>,
+    /// Where the Raft logs go.
+    pub data_dir: PathBuf,
+}
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The configuration is inconsistent.
+    #[error("cluster configuration: {0}")]
+    Config(String),
+    /// A log could not be opened.
+    #[error("raft log {0}: {1}")]
+    Log(PathBuf, redb::Error),
+    /// The port or a Raft instance failed.
+    #[error("cluster: {0}")]
+    Io(String),
+}
+
+/// A node's Raft id: FNV-1a of its name (never 0).
+#[must_use]
+pub fn node_id(name: &str) -> NodeId {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h.max(1)
+}
+
+/// Timings for real nodes: heartbeats every 200 ms, an election after 1 to 2 s of silence.
+#[must_use]
+pub fn raft_config() -> Config {
+    Config {
+        heartbeat_interval: 200,
+        election_timeout_min: 1000,
+        election_timeout_max: 2000,
+        ..Config::default()
+    }
+}
+
+/// A running cluster node. Clones of the `Arc` share it.
+pub struct ClusterNode {
+    config: NodeConfig,
+    me: NodeId,
+    number: u64,
+    raft_config: Arc<Config>,
+    secret: Secret,
+    broker: Arc<Broker>,
+    groups: Groups,
+    meta: OnceLock<Raft<QueueRaft>>,
+    meta_forwarder: OnceLock<Forwarder>,
+    /// Queue groups served here, by incarnation.
+    queues: Mutex<HashMap<u64, Arc<QueueReplica>>>,
+    /// Declares made here, waiting for their commit: the queue to serve and the completion.
+    declaring: Mutex<HashMap<u64, Completion>>,
+    /// Deletes made here, waiting for their commit.
+    deleting: Mutex<HashMap<u64, Completion>>,
+    /// When this node started (a peer not heard from since is silent only after a while).
+    started: std::time::Instant,
+}
+
+impl std::fmt::Debug for ClusterNode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterNode")
+            .field("name", &self.config.name)
+            .field("id", &self.me)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClusterNode {
+    /// Start this node: the cluster port, the metadata group (replaying its log), and the
+    /// replicas of every quorum queue it hosts; then join `broker` to the cluster.
+    ///
+    /// # Errors
+    /// See [`NodeError`].
+    pub async fn start(config: NodeConfig, broker: Arc<Broker>) -> Result<Arc<Self>, NodeError> {
+        let mut names: Vec<&str> = config.peers.iter().map(|p| p.name.as_str()).collect();
+        names.sort_unstable();
+        names.dedup();
+        if names.len() != config.peers.len() {
+            return Err(NodeError::Config("a node name appears twice in --peers".into()));
+        }
+        let Some(index) = names.iter().position(|n| *n == config.name) else {
+            return Err(NodeError::Config(format!(
+                "--peers does not name this node ({})",
+                config.name
+            )));
+        };
+        if names.len() > 63 {
+            return Err(NodeError::Config("at most 63 nodes".into()));
+        }
+        let raft_config = Arc::new(
+            raft_config()
+                .validate()
+                .map_err(|e| NodeError::Config(e.to_string()))?,
+        );
+        std::fs::create_dir_all(config.data_dir.join("queues"))
+            .map_err(|e| NodeError::Io(e.to_string()))?;
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| NodeError::Io(format!("cluster port {}: {e}", config.listen)))?;
+        let me = node_id(&config.name);
+        let node = Arc::new(Self {
+            me,
+            number: index as u64 + 1,
+            raft_config,
+            secret: Secret::new(&config.secret),
+            broker,
+            groups: Groups::default(),
+            meta: OnceLock::new(),
+            meta_forwarder: OnceLock::new(),
+            queues: Mutex::new(HashMap::new()),
+            declaring: Mutex::new(HashMap::new()),
+            deleting: Mutex::new(HashMap::new()),
+            started: std::time::Instant::now(),
+            config,
+        });
+        tokio::spawn(crate::tcp::serve(
+            listener,
+            me,
+            node.groups.clone(),
+            node.secret.clone(),
+        ));
+        node.broker
+            .set_cluster(Arc::clone(&node) as Arc<dyn ClusterHooks>);
+        let meta_id = GroupId {
+            name: META_GROUP.into(),
+            incarnation: 0,
+        };
+        let path = node.config.data_dir.join("meta.redb");
+        let log = LogStore::open(&path).map_err(|e| NodeError::Log(path.clone(), e))?;
+        let state = Arc::new(MetaState {
+            records: Mutex::new(BTreeMap::new()),
+            node: Arc::downgrade(&node),
+        });
+        let raft = Raft::new(
+            me,
+            Arc::clone(&node.raft_config),
+            TcpNetwork::new(me, meta_id.clone(), node.secret.clone()),
+            log,
+            GroupStateMachine::new(state),
+        )
+        .await
+        .map_err(|e| NodeError::Io(e.to_string()))?;
+        let proposer = node.groups.insert(meta_id.clone(), raft.clone());
+        let _ = node.meta_forwarder.set(Forwarder::start(
+            Arc::downgrade(&node),
+            meta_id,
+            raft.clone(),
+            proposer,
+        ));
+        let _ = node.meta.set(raft.clone());
+        let lowest = node
+            .config
+            .peers
+            .iter()
+            .map(|p| node_id(&p.name))
+            .min()
+            .unwrap_or(me);
+        if lowest == me {
+            // The first start of the cluster; afterwards the log says it is initialised.
+            if let Err(e) = raft.initialize(node.all_members()).await {
+                tracing::debug!(error = %e, "metadata group already initialised");
+            }
+        }
+        tokio::spawn(watch_peers(Arc::downgrade(&node)));
+        tracing::info!(
+            node = %node.config.name,
+            listen = %node.config.listen,
+            peers = node.config.peers.len(),
+            "cluster node started"
+        );
+        Ok(node)
+    }
+
+    fn all_members(&self) -> BTreeMap<NodeId, BasicNode> {
+        self.config
+            .peers
+            .iter()
+            .map(|p| (node_id(&p.name), BasicNode::new(p.addr.clone())))
+            .collect()
+    }
+
+    fn peer_name(&self, id: NodeId) -> Option<String> {
+        self.config
+            .peers
+            .iter()
+            .find(|p| node_id(&p.name) == id)
+            .map(|p| p.name.clone())
+    }
+
+    fn peer_number(&self, id: NodeId) -> Option<u64> {
+        let mut names: Vec<&str> = self.config.peers.iter().map(|p| p.name.as_str()).collect();
+        names.sort_unstable();
+        names
+            .iter()
+            .position(|n| node_id(n) == id)
+            .map(|i| i as u64 + 1)
+    }
+
+    /// The members of a new group of `size`: the nodes ranking highest for this incarnation
+    /// (rendezvous hashing spreads groups, and so leaders, over the nodes).
+    fn place(&self, incarnation: u64, size: usize) -> Vec<NodeId> {
+        let mut ranked: Vec<(u64, NodeId)> = self
+            .config
+            .peers
+            .iter()
+            .map(|p| {
+                let id = node_id(&p.name);
+                (node_id(&format!("{incarnation}/{id}")), id)
+            })
+            .collect();
+        ranked.sort_unstable();
+        ranked.into_iter().take(size.max(1)).map(|(_, id)| id).collect()
+    }
+
+    /// A metadata change committed: serve or drop the queue here.
+    fn on_meta(self: &Arc<Self>, change: &MetaChange) {
+        match change {
+            MetaChange::DeclareQueue {
+                key,
+                value,
+                incarnation,
+                members,
+            } => {
+                let node = Arc::clone(self);
+                let (key, value, incarnation, members) =
+                    (key.clone(), value.clone(), *incarnation, members.clone());
+                tokio::spawn(async move {
+                    let done = node
+                        .declaring
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .remove(&incarnation);
+                    let r = node.serve_queue(&key, &value, incarnation, &members).await;
+                    if let Err(e) = &r {
+                        tracing::error!(incarnation, error = %e, "cannot serve a quorum queue");
+                    }
+                    if let Some(done) = done {
+                        done(r.map(|()| Vec::new()).map_err(|e| {
+                            Arc::new(warren_store::StoreError::Replication(e.to_string()))
+                        }));
+                    }
+                });
+            }
+            MetaChange::DeleteQueue { incarnation, .. } => {
+                let replica = self
+                    .queues
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(incarnation);
+                if let Some(replica) = replica {
+                    if let Some(vh) = self.broker.vhost(&replica.queue.vhost) {
+                        vh.drop_replicated(&replica.queue);
+                    }
+                    let gid = replica.group.clone();
+                    self.groups.remove(&gid);
+                    let raft = replica.raft.clone();
+                    let path = self.queue_log_path(*incarnation);
+                    tokio::spawn(async move {
+                        let _ = raft.shutdown().await;
+                        // The log of a deleted incarnation is never read again.
+                        let _ = std::fs::remove_file(path);
+                    });
+                }
+                let done = self
+                    .deleting
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(incarnation);
+                if let Some(done) = done {
+                    done(Ok(Vec::new()));
+                }
+            }
+        }
+    }
+
+    fn queue_log_path(&self, incarnation: u64) -> PathBuf {
+        self.config
+            .data_dir
+            .join("queues")
+            .join(format!("{incarnation:016x}.redb"))
+    }
+
+    /// Start this node's replica of a queue group and insert its queue in the vhost.
+    async fn serve_queue(
+        self: &Arc<Self>,
+        key: &[u8],
+        value: &[u8],
+        incarnation: u64,
+        members: &[NodeId],
+    ) -> Result<(), NodeError> {
+        if self
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(&incarnation)
+        {
+            return Ok(());
+        }
+        let record =
+            QueueRecord::decode(key, value).map_err(|e| NodeError::Config(e.to_string()))?;
+        let Some(vhost) = self.broker.vhost(&record.vhost) else {
+            return Err(NodeError::Config(format!("no vhost {}", record.vhost)));
+        };
+        if !members.contains(&self.me) {
+            // Not a member: this node neither stores nor serves it (documented).
+            return Ok(());
+        }
+        let queue = vhost.replicated_queue(self.broker.next_id(), &record.name, record.arguments);
+        let group = GroupId {
+            name: format!("{}/{}", record.vhost, record.name),
+            incarnation,
+        };
+        let path = self.queue_log_path(incarnation);
+        let log = LogStore::open(&path).map_err(|e| NodeError::Log(path.clone(), e))?;
+        let raft = Raft::new(
+            self.me,
+            Arc::clone(&self.raft_config),
+            TcpNetwork::new(self.me, group.clone(), self.secret.clone()),
+            log,
+            GroupStateMachine::new(Arc::new(QueueApplied {
+                queue: Arc::clone(&queue),
+            })),
+        )
+        .await
+        .map_err(|e| NodeError::Io(e.to_string()))?;
+        let proposer = self.groups.insert(group.clone(), raft.clone());
+        let forwarder = Forwarder::start(
+            Arc::downgrade(self),
+            group.clone(),
+            raft.clone(),
+            proposer,
+        );
+        let replica = Arc::new(QueueReplica {
+            node: Arc::downgrade(self),
+            group,
+            raft: raft.clone(),
+            forwarder,
+            queue: Arc::clone(&queue),
+            members: members.to_vec(),
+            downed: Mutex::new(Vec::new()),
+        });
+        queue.attach_replica(Arc::clone(&replica) as Arc<dyn Replicator>);
+        self.queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(incarnation, Arc::clone(&replica));
+        if !vhost.insert_replicated(Arc::clone(&queue)) {
+            tracing::warn!(queue = %queue.name, "a queue of that name exists here already");
+        }
+        if members.iter().min() == Some(&self.me) {
+            let voters: BTreeMap<NodeId, BasicNode> = self
+                .all_members()
+                .into_iter()
+                .filter(|(id, _)| members.contains(id))
+                .collect();
+            if let Err(e) = raft.initialize(voters).await {
+                tracing::debug!(error = %e, "queue group already initialised");
+            }
+        }
+        // What this node's previous run held goes back (its consumers are gone with it).
+        let before = self.broker.next_id();
+        replica.submit(
+            vec![Command::Down {
+                node: self.number,
+                before,
+            }],
+            Box::new(|_| {}),
+        );
+        Ok(())
+    }
+}
+
+impl ClusterHooks for ClusterNode {
+    fn node_name(&self) -> &str {
+        &self.config.name
+    }
+
+    fn node_number(&self) -> u64 {
+        self.number
+    }
+
+    fn declare_quorum(&self, queue: Arc<Queue>, done: Completion) {
+        let incarnation = self.broker.next_id() ^ node_id(&format!(
+            "{}/{}/{}",
+            queue.vhost,
+            queue.name,
+            warren_broker::timers::wall_ms()
+        ));
+        let size = queue
+            .arguments
+            .inner()
+            .get("x-quorum-initial-group-size")
+            .and_then(warren_broker::args::int_value)
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(GROUP_SIZE_DEFAULT);
+        let record = QueueRecord {
+            vhost: queue.vhost.clone(),
+            name: queue.name.clone(),
+            id: 0,
+            auto_delete: false,
+            arguments: queue.arguments.clone(),
+        };
+        let warren_store::Op::Put { key, value, .. } = record.put() else {
+            unreachable!("a record put is a put");
+        };
+        let change = MetaChange::DeclareQueue {
+            key,
+            value,
+            incarnation,
+            members: self.place(incarnation, size),
+        };
+        self.declaring
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(incarnation, done);
+        self.propose_meta(change, incarnation, true);
+    }
+
+    fn delete_quorum(&self, queue: &Arc<Queue>, done: Completion) {
+        let found = self
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|(_, r)| Arc::ptr_eq(&r.queue, queue))
+            .map(|(i, _)| *i);
+        let Some(incarnation) = found else {
+            done(Ok(Vec::new()));
+            return;
+        };
+        self.deleting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(incarnation, done);
+        let change = MetaChange::DeleteQueue {
+            key: QueueRecord::key(&queue.vhost, &queue.name),
+            incarnation,
+        };
+        self.propose_meta(change, incarnation, false);
+    }
+}
+
+impl ClusterNode {
+    /// Propose a metadata change; a failure fails the waiting declare or delete.
+    fn propose_meta(&self, change: MetaChange, incarnation: u64, declare: bool) {
+        let Some(forwarder) = self.meta_forwarder.get() else {
+            return;
+        };
+        // Completions wait until the change applies here; only a failed proposal takes one
+        // out early.
+        let node = self.weak_self();
+        forwarder.send(
+            Forwarded {
+                commands: Vec::new(),
+                meta: vec![change],
+            },
+            Box::new(move |r| {
+                if let Err(e) = r
+                    && let Some(node) = node.upgrade()
+                {
+                    let map = if declare {
+                        &node.declaring
+                    } else {
+                        &node.deleting
+                    };
+                    let done = map
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .remove(&incarnation);
+                    if let Some(done) = done {
+                        done(Err(Arc::new(warren_store::StoreError::Replication(
+                            e.to_string(),
+                        ))));
+                    }
+                }
+            }),
+        );
+    }
+
+    fn weak_self(&self) -> Weak<Self> {
+        self.meta_forwarder
+            .get()
+            .map(|f| f.node.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// The metadata group's state: the quorum queue records.
+struct MetaState {
+    records: Mutex<BTreeMap<Vec<u8>, MetaChange>>,
+    node: Weak<ClusterNode>,
+}
+
+impl Applied for MetaState {
+    fn apply(&self, _at: u64, request: QueueRequest) -> QueueResponse {
+        let node = self.node.upgrade();
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        for change in request.meta {
+            match &change {
+                MetaChange::DeclareQueue { key, .. } => {
+                    if records.contains_key(key) {
+                        // Declared twice concurrently: the first commit wins, and the
+                        // second declare waits for nothing.
+                        continue;
+                    }
+                    records.insert(key.clone(), change.clone());
+                }
+                MetaChange::DeleteQueue { key, incarnation } => {
+                    let current = matches!(
+                        records.get(key),
+                        Some(MetaChange::DeclareQueue { incarnation: i, .. }) if i == incarnation
+                    );
+                    if current {
+                        records.remove(key);
+                    }
+                }
+            }
+            if let Some(node) = &node {
+                node.on_meta(&change);
+            }
+        }
+        QueueResponse::default()
+    }
+
+    fn snapshot(&self) -> Result<Vec<u8>, String> {
+        let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        let list: Vec<&MetaChange> = records.values().collect();
+        crate::codec::encode(&list).map_err(|e| e.to_string())
+    }
+
+    fn install(&self, bytes: &[u8]) -> Result<(), String> {
+        let list: Vec<MetaChange> = crate::codec::decode(bytes).map_err(|e| e.to_string())?;
+        let node = self.node.upgrade();
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        records.clear();
+        for change in list {
+            if let MetaChange::DeclareQueue { key, .. } = &change {
+                records.insert(key.clone(), change.clone());
+                if let Some(node) = &node {
+                    node.on_meta(&change);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A quorum queue's state on one replica: the broker's queue, driven by committed entries.
+struct QueueApplied {
+    queue: Arc<Queue>,
+}
+
+impl Applied for QueueApplied {
+    fn apply(&self, at: u64, request: QueueRequest) -> QueueResponse {
+        let commands: Vec<Command<Entry>> = request
+            .commands
+            .into_iter()
+            .filter_map(|c| {
+                c.try_map(|m| decode_entry(&m.body))
+                    .map_err(|e| {
+                        // Checksummed and identical on every replica: all skip it alike.
+                        tracing::error!(queue = %self.queue.name, error = %e, "undecodable entry");
+                    })
+                    .ok()
+            })
+            .collect();
+        let replies = self.queue.apply_committed(at, commands);
+        QueueResponse {
+            replies: replies
+                .into_iter()
+                .map(|r| r.map(|reply| reply.try_map(|e| wire(&e)).unwrap_or(Reply::Ok)))
+                .collect(),
+        }
+    }
+
+    fn snapshot(&self) -> Result<Vec<u8>, String> {
+        self.queue
+            .with_machine(crate::codec::encode)
+            .map_err(|e| e.to_string())
+    }
+
+    fn install(&self, bytes: &[u8]) -> Result<(), String> {
+        let machine: QueueMachine<Entry> =
+            crate::codec::decode(bytes).map_err(|e| e.to_string())?;
+        self.queue.install_machine(machine);
+        Ok(())
+    }
+}
+
+/// An entry's message as the log carries it.
+fn wire(entry: &Entry) -> Result<ReplicatedMessage, warren_broker::replication::DecodeError> {
+    use warren_broker::queue::machine::MessageRef;
+    Ok(ReplicatedMessage {
+        body: encode_entry(entry)?,
+        priority: entry.priority(),
+        expiration_ms: entry.expiration_ms(),
+    })
+}
+
+/// One quorum queue's replica on this node: the broker's [`Replicator`].
+struct QueueReplica {
+    node: Weak<ClusterNode>,
+    group: GroupId,
+    raft: Raft<QueueRaft>,
+    forwarder: Forwarder,
+    queue: Arc<Queue>,
+    members: Vec<NodeId>,
+    /// Nodes whose consumers this replica (as leader) already returned, until heard again.
+    downed: Mutex<Vec<NodeId>>,
+}
+
+impl std::fmt::Debug for QueueReplica {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueReplica")
+            .field("group", &self.group)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Replicator for QueueReplica {
+    fn submit(&self, commands: Vec<Command<Entry>>, done: ReplicaDone) {
+        let mut wired = Vec::with_capacity(commands.len());
+        for c in commands {
+            match c.try_map(|e| wire(&e)) {
+                Ok(c) => wired.push(c),
+                Err(e) => {
+                    done(Err(ReplicationError::Unknown(e.to_string())));
+                    return;
+                }
+            }
+        }
+        self.forwarder.send(
+            Forwarded {
+                commands: wired,
+                meta: Vec::new(),
+            },
+            Box::new(move |r| {
+                done(r.map(|replies| {
+                    replies
+                        .into_iter()
+                        .map(|r| match r {
+                            Ok(reply) => Ok(reply
+                                .try_map(|m| decode_entry(&m.body))
+                                .unwrap_or(Reply::Ok)),
+                            Err(ProposeError::Refused(e)) => Err(e),
+                            // Another command of the batch failed: a refusal to the caller.
+                            Err(_) => Err(MachineError::DuplicateConsumer),
+                        })
+                        .collect::<Replies>()
+                }))
+            }),
+        );
+    }
+
+    fn is_leader(&self) -> bool {
+        self.node
+            .upgrade()
+            .is_some_and(|n| self.raft.metrics().borrow().current_leader == Some(n.me))
+    }
+
+    fn local_node(&self) -> u64 {
+        self.node.upgrade().map_or(0, |n| n.number)
+    }
+
+    fn placement(&self) -> Placement {
+        let Some(node) = self.node.upgrade() else {
+            return Placement::default();
+        };
+        let leader = self.raft.metrics().borrow().current_leader;
+        Placement {
+            leader: leader.and_then(|l| node.peer_name(l)),
+            members: self
+                .members
+                .iter()
+                .filter_map(|m| node.peer_name(*m))
+                .collect(),
+        }
+    }
+}
+
+/// Called once with the leader's replies to a forwarded request.
+type ForwardDone =
+    Box<dyn FnOnce(Result<crate::tcp::ForwardReplies, ReplicationError>) + Send>;
+
+/// Sends a group's submissions to its leader, in submission order: proposed here when this
+/// replica leads, else batched into forward requests to the leader (one in flight).
+#[derive(Clone)]
+struct Forwarder {
+    tx: mpsc::Sender<(Forwarded, ForwardDone)>,
+    node: Weak<ClusterNode>,
+}
+
+impl Forwarder {
+    fn start(
+        node: Weak<ClusterNode>,
+        group: GroupId,
+        raft: Raft<QueueRaft>,
+        proposer: Proposer,
+    ) -> Self {
+        let (tx, rx) = mpsc::channel(FORWARD_QUEUE_MAX);
+        tokio::spawn(forward_loop(node.clone(), group, raft, proposer, rx));
+        Self { tx, node }
+    }
+
+    /// Queue `f`; a full queue fails it at once (the caller nacks), never blocks.
+    fn send(&self, f: Forwarded, done: ForwardDone) {
+        if let Err(e) = self.tx.try_send((f, done)) {
+            let (_, done) = e.into_inner();
+            done(Err(ReplicationError::Unavailable));
+        }
+    }
+}
+
+async fn forward_loop(
+    node: Weak<ClusterNode>,
+    group: GroupId,
+    raft: Raft<QueueRaft>,
+    proposer: Proposer,
+    mut rx: mpsc::Receiver<(Forwarded, ForwardDone)>,
+) {
+    let mut conns: HashMap<NodeId, TcpConnection> = HashMap::new();
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        let mut count = batch[0].0.commands.len();
+        // Metadata changes go one at a time; commands batch up to the limit.
+        while batch[0].0.meta.is_empty() && count < FORWARD_BATCH_MAX {
+            match rx.try_recv() {
+                Ok(item) if item.0.meta.is_empty() => {
+                    count += item.0.commands.len();
+                    batch.push(item);
+                }
+                Ok(item) => {
+                    // Sent on its own right after this batch.
+                    send_batch(&node, &group, &raft, &proposer, &mut conns, batch).await;
+                    batch = vec![item];
+                    break;
+                }
+                Err(_) => break,
+            }
+        }
+        send_batch(&node, &group, &raft, &proposer, &mut conns, batch).await;
+    }
+}
+
+async fn send_batch(
+    node: &Weak<ClusterNode>,
+    group: &GroupId,
+    raft: &Raft<QueueRaft>,
+    proposer: &Proposer,
+    conns: &mut HashMap<NodeId, TcpConnection>,
+    batch: Vec<(Forwarded, ForwardDone)>,
+) {
+    let Some(me) = node.upgrade().map(|n| n.me) else {
+        return;
+    };
+    let mut lengths = Vec::with_capacity(batch.len());
+    let mut request = Forwarded {
+        commands: Vec::new(),
+        meta: Vec::new(),
+    };
+    let mut dones = Vec::with_capacity(batch.len());
+    for (f, done) in batch {
+        lengths.push(f.commands.len());
+        request.commands.extend(f.commands);
+        request.meta.extend(f.meta);
+        dones.push(done);
+    }
+    let mut hint: Option<NodeId> = None;
+    let mut outcome = Err(ReplicationError::Unavailable);
+    for _attempt in 0..3 {
+        let leader = match hint.take() {
+            Some(l) => Some(l),
+            None => wait_for_leader(raft).await,
+        };
+        let Some(leader) = leader else {
+            break;
+        };
+        if leader == me {
+            outcome = match crate::tcp::propose_here(raft, proposer, request.clone()).await {
+                Ok(r) => Ok(r),
+                Err(ProposeError::NotLeader(l)) => {
+                    hint = l.filter(|l| *l != me);
+                    continue;
+                }
+                Err(e) => Err(ReplicationError::Unknown(e.to_string())),
+            };
+            break;
+        }
+        let conn = match conns.entry(leader) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let addr = raft
+                    .metrics()
+                    .borrow()
+                    .membership_config
+                    .membership()
+                    .get_node(&leader)
+                    .cloned();
+                let Some(addr) = addr else {
+                    break;
+                };
+                let mut net = TcpNetwork::new(me, group.clone(), node_secret(node));
+                v.insert(net.new_client(leader, &addr).await)
+            }
+        };
+        match conn.forward(request.clone()).await {
+            Ok(Ok(r)) => {
+                outcome = Ok(r);
+                break;
+            }
+            Ok(Err(ProposeError::NotLeader(l))) => {
+                hint = l;
+                continue;
+            }
+            Ok(Err(e)) => {
+                outcome = Err(ReplicationError::Unknown(e.to_string()));
+                break;
+            }
+            Err(e) => {
+                conns.remove(&leader);
+                outcome = Err(ReplicationError::Unknown(e.to_string()));
+                break;
+            }
+        }
+    }
+    match outcome {
+        Ok(replies) if request.meta.is_empty() => {
+            let mut replies = replies.into_iter();
+            for (done, n) in dones.into_iter().zip(lengths) {
+                done(Ok(replies.by_ref().take(n).collect()));
+            }
+        }
+        Ok(_) => {
+            for done in dones {
+                done(Ok(Vec::new()));
+            }
+        }
+        Err(e) => {
+            for done in dones {
+                done(Err(e.clone()));
+            }
+        }
+    }
+}
+
+fn node_secret(node: &Weak<ClusterNode>) -> Secret {
+    node.upgrade()
+        .map_or_else(|| Secret::new(b""), |n| n.secret.clone())
+}
+
+/// The group's leader, waiting up to [`LEADER_WAIT`] for one to be elected.
+async fn wait_for_leader(raft: &Raft<QueueRaft>) -> Option<NodeId> {
+    if let Some(l) = raft.metrics().borrow().current_leader {
+        return Some(l);
+    }
+    let mut metrics = raft.metrics();
+    tokio::time::timeout(LEADER_WAIT, async {
+        loop {
+            if let Some(l) = metrics.borrow().current_leader {
+                return Some(l);
+            }
+            if metrics.changed().await.is_err() {
+                return None;
+            }
+        }
+    })
+    .await
+    .ok()
+    .flatten()
+}
+
+/// Every second: for each queue this node leads, return what consumers on silent peers held.
+async fn watch_peers(node: Weak<ClusterNode>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let Some(node) = node.upgrade() else {
+            return;
+        };
+        let replicas: Vec<Arc<QueueReplica>> = node
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect();
+        for replica in replicas {
+            if !replica.is_leader() {
+                continue;
+            }
+            for peer in &node.config.peers {
+                let id = node_id(&peer.name);
+                if id == node.me {
+                    continue;
+                }
+                // A peer never heard from since this node started is silent after a while.
+                let silent = crate::tcp::silent_for(id)
+                    .unwrap_or_else(|| node.started.elapsed())
+                    > DOWN_AFTER;
+                let mut downed = replica.downed.lock().unwrap_or_else(PoisonError::into_inner);
+                match (silent, downed.contains(&id)) {
+                    (true, false) => {
+                        if let Some(number) = node.peer_number(id) {
+                            downed.push(id);
+                            tracing::info!(queue = %replica.queue.name, peer = %peer.name, "peer silent: returning what its consumers held");
+                            replica.submit(
+                                vec![Command::Down {
+                                    node: number,
+                                    before: u64::MAX,
+                                }],
+                                Box::new(|_| {}),
+                            );
+                        }
+                    }
+                    (false, true) => downed.retain(|d| *d != id),
+                    _ => {}
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,1194 @@
+"""Multi-process harness for Warren clusters, and a Jepsen-style total-queue checker.
+
+`Cluster` starts N real `warren server` processes on loopback (free ports, one temp dir per
+node holding its data dir and its log) and injects process faults: kill -9, SIGTERM, SIGSTOP /
+SIGCONT, restart on the same ports and data dir. It finds a queue's leader through the
+management API of the nodes that are up.
+
+The checker (`run_total_queue_check`) drives one quorum queue with publishers and a consumer
+(real pika clients over TCP) while a fault thread kills and pauses nodes, then drains the queue
+and checks the history kept by `History`:
+  * lost        = confirmed ids never delivered                        (must be 0)
+  * unexpected  = delivered ids never published                        (must be 0)
+  * duplicates  = ids delivered more than once; allowed only for ids that were delivered with
+                  redelivered=True at least once or were republished after an unknown outcome
+                  (a nack, a connection or channel error before the confirm).
+
+Used by test_cluster.py (pytest fixtures `cluster_factory`, `cluster3`, `cluster5`) and by
+scripts/cluster_soak.py (long runs from the command line). Nothing here sleeps to synchronise:
+waits poll an observable event (a port accepting, the management API naming a leader, a
+delivery arriving) with a deadline. The only sleeps are fault durations and poll intervals.
+"""
+
+import base64
+import collections
+import contextlib
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pika
+import pika.exceptions
+import pytest
+
+# Reuse the single-node suite's helpers (binary lookup, waiting for a port).
+from conftest import STARTUP_DEADLINE_S, _wait_for_port, warren_binary
+
+QUORUM = {"x-queue-type": "quorum"}
+USER, PASSWORD = "guest", "guest"
+# Errors a client must expect from pika while nodes die, pause and come back.
+CLIENT_ERRORS = (pika.exceptions.AMQPError, OSError, EOFError)
+
+
+def log(msg):
+    """Progress line with a timestamp (shown by pytest on failure, or live with -s)."""
+    print(f"[{time.strftime('%H:%M:%S')}.{int(time.time() * 1000) % 1000:03d}] {msg}",
+          flush=True)
+
+
+def cluster_supported(binary=None):
+    """(True, "") when `warren server --help` lists --peers; else (False, reason)."""
+    try:
+        binary = binary or warren_binary()
+    except RuntimeError as e:
+        return False, str(e)
+    try:
+        out = subprocess.run([binary, "server", "--help"], capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"`{binary} server --help` failed: {e}"
+    if "--peers" not in out.stdout + out.stderr:
+        return False, f"{binary} has no clustering yet (`server --help` lists no --peers)"
+    return True, ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Ports
+# ---------------------------------------------------------------------------------------------
+
+_TAKEN_PORTS = set()
+_PORT_LOCK = threading.Lock()
+
+
+def _ephemeral_range():
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def pick_port():
+    """A free loopback port *below* the kernel's ephemeral range. A node restarted on its old
+    port must find it free: ports from bind(0) come from the ephemeral range, where any client
+    connection made in the meantime (pika's own) may have taken it as its local port."""
+    eph_lo, _ = _ephemeral_range()
+    lo, hi = 10000, max(10001, eph_lo - 1)
+    with _PORT_LOCK:
+        for _ in range(1000):
+            port = random.randint(lo, hi)
+            if port in _TAKEN_PORTS:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _TAKEN_PORTS.add(port)
+            return port
+    raise RuntimeError("no free port found below the ephemeral range")
+
+
+# ---------------------------------------------------------------------------------------------
+# The cluster
+# ---------------------------------------------------------------------------------------------
+
+class Node:
+    """One `warren server` process: its name, ports, directory and current process."""
+
+    def __init__(self, index, root):
+        self.index = index
+        self.name = f"n{index + 1}"
+        self.amqp_port = pick_port()
+        self.mgmt_port = pick_port()
+        self.prom_port = pick_port()
+        self.cluster_port = pick_port()
+        self.dir = Path(root) / self.name
+        self.data_dir = self.dir / "data"
+        self.log_path = self.dir / "warren.log"
+        self.data_dir.mkdir(parents=True)
+        self.proc = None
+        self.paused = False
+        self.starts = 0
+        # Exits the harness caused (kill -9, SIGTERM); any other exit is a crash.
+        self.expected_exit = True
+
+    @property
+    def running(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def up(self):
+        """Running and not paused: should answer clients."""
+        return self.running and not self.paused
+
+    def state(self):
+        if self.proc is None:
+            return "never started"
+        rc = self.proc.poll()
+        if rc is not None:
+            return f"exited rc={rc}" + ("" if self.expected_exit else " (UNEXPECTED)")
+        return "paused" if self.paused else "up"
+
+
+class Cluster:
+    """N Warren nodes on loopback. Indices are 0-based; node i is named n{i+1}.
+
+    clustered=False starts the same processes without the cluster flags (independent
+    single nodes): the fault and management plumbing can then be exercised on a binary that
+    has no clustering yet, and the checker can run against one node (n=1)."""
+
+    def __init__(self, n=3, binary=None, secret=None, log_level=None, extra_args=(),
+                 clustered=True, root=None, keep=None):
+        self.binary = binary or warren_binary()
+        self.clustered = clustered
+        self.secret = secret or uuid.uuid4().hex
+        self.log_level = log_level or os.environ.get("WARREN_CLUSTER_LOG_LEVEL", "info")
+        self.extra_args = list(extra_args)
+        self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="warren-cluster-"))
+        self.keep = (os.environ.get("WARREN_CLUSTER_KEEP") == "1") if keep is None else keep
+        self.nodes = [Node(i, self.root) for i in range(n)]
+        self.peers = ",".join(f"{x.name}@127.0.0.1:{x.cluster_port}" for x in self.nodes)
+        self.events = []   # (monotonic time, text): what the harness did, for failure reports
+
+    def __len__(self):
+        return len(self.nodes)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _event(self, text):
+        self.events.append((time.monotonic(), text))
+
+    # -- processes -------------------------------------------------------------------------
+
+    def command(self, i):
+        node = self.nodes[i]
+        cmd = [self.binary, "server",
+               "--amqp-listen", f"127.0.0.1:{node.amqp_port}",
+               "--management-listen", f"127.0.0.1:{node.mgmt_port}",
+               "--prometheus-listen", f"127.0.0.1:{node.prom_port}",
+               "--data-dir", str(node.data_dir),
+               "--log-level", self.log_level]
+        if self.clustered:
+            cmd += ["--node-name", node.name,
+                    "--cluster-listen", f"127.0.0.1:{node.cluster_port}",
+                    "--peers", self.peers,
+                    "--cluster-secret", self.secret]
+        return cmd + self.extra_args
+
+    def start_all(self, wait=True):
+        """Start every node (all processes first, so the cluster can form), then wait until
+        each accepts AMQP and management connections."""
+        for i in range(len(self.nodes)):
+            self.start_node(i, wait=False)
+        if wait:
+            for i in range(len(self.nodes)):
+                self.wait_listening(i)
+        return self
+
+    def start_node(self, i, wait=True):
+        """Start node i on its ports and data dir (its log file is appended to)."""
+        node = self.nodes[i]
+        assert not node.running, f"{node.name} is already running"
+        node.starts += 1
+        with open(node.log_path, "ab") as logf:
+            logf.write(f"\n===== harness: start #{node.starts} of {node.name} at "
+                       f"{time.strftime('%H:%M:%S')} =====\n".encode())
+            logf.flush()
+            node.proc = subprocess.Popen(
+                self.command(i), stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, "NO_COLOR": "1", "RUST_BACKTRACE": "1"})
+        node.paused = False
+        node.expected_exit = False
+        self._event(f"start {node.name} pid={node.proc.pid}")
+        if wait:
+            self.wait_listening(i)
+
+    def wait_listening(self, i, deadline_s=STARTUP_DEADLINE_S):
+        """Wait until node i accepts TCP on its AMQP and management ports (raises with its log
+        if it exits first)."""
+        node = self.nodes[i]
+        _wait_for_port(node.amqp_port, node.proc, deadline_s, node.log_path)
+        _wait_for_port(node.mgmt_port, node.proc, deadline_s, node.log_path)
+
+    def kill9(self, i):
+        """SIGKILL node i (works on a paused node too) and reap it."""
+        node = self.nodes[i]
+        if not node.running:
+            return
+        node.expected_exit = True
+        node.proc.kill()
+        node.proc.wait()
+        node.paused = False
+        self._event(f"kill -9 {node.name}")
+
+    def stop(self, i, timeout=15.0):
+        """SIGTERM node i (SIGCONT first if paused) and wait; SIGKILL after `timeout`.
+        Returns the exit code (None if it had to be killed)."""
+        node = self.nodes[i]
+        if not node.running:
+            return node.proc.returncode if node.proc else None
+        node.expected_exit = True
+        if node.paused:
+            self.resume(i)
+        node.proc.send_signal(signal.SIGTERM)
+        self._event(f"SIGTERM {node.name}")
+        try:
+            return node.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._event(f"{node.name} ignored SIGTERM for {timeout}s: kill -9")
+            node.proc.kill()
+            node.proc.wait()
+            return None
+
+    def restart(self, i, wait=True):
+        """Start node i again on the same ports and data dir (stopping it with SIGTERM first
+        if it is still running)."""
+        if self.nodes[i].running:
+            self.stop(i)
+        self.start_node(i, wait=wait)
+
+    def pause(self, i):
+        """SIGSTOP node i: its sockets stay open and nothing answers."""
+        node = self.nodes[i]
+        assert node.running, f"{node.name} is not running"
+        node.proc.send_signal(signal.SIGSTOP)
+        node.paused = True
+        self._event(f"SIGSTOP {node.name}")
+
+    def resume(self, i):
+        """SIGCONT node i."""
+        node = self.nodes[i]
+        if node.running:
+            node.proc.send_signal(signal.SIGCONT)
+        node.paused = False
+        self._event(f"SIGCONT {node.name}")
+
+    def heal(self):
+        """Resume paused nodes and restart dead ones (waiting until they listen)."""
+        for i, node in enumerate(self.nodes):
+            if node.paused:
+                self.resume(i)
+        for i, node in enumerate(self.nodes):
+            if not node.running:
+                self.start_node(i)
+
+    def is_up(self, i):
+        return self.nodes[i].up
+
+    def up_nodes(self, exclude=()):
+        exclude = set(exclude or ())
+        return [i for i, x in enumerate(self.nodes) if x.up and i not in exclude]
+
+    def crashed(self):
+        """Nodes that exited without the harness stopping them: [(index, return code)]."""
+        return [(i, x.proc.returncode) for i, x in enumerate(self.nodes)
+                if x.proc is not None and x.proc.poll() is not None and not x.expected_exit]
+
+    def close(self, remove=None):
+        """Kill every node; remove the directory unless keep (WARREN_CLUSTER_KEEP=1) or
+        remove=False."""
+        for i, node in enumerate(self.nodes):
+            if node.proc is not None and node.proc.poll() is None:
+                node.expected_exit = True
+                try:
+                    node.proc.send_signal(signal.SIGCONT)
+                    node.proc.kill()
+                except ProcessLookupError:
+                    pass
+                node.proc.wait()
+        if remove is None:
+            remove = not self.keep
+        if remove:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- clients ---------------------------------------------------------------------------
+
+    def amqp_params(self, i, **overrides):
+        """pika parameters for node i. Short connect and handshake timeouts (a paused node
+        accepts TCP but never answers) and a short heartbeat, so a silent node is noticed."""
+        kw = dict(host="127.0.0.1", port=self.nodes[i].amqp_port,
+                  credentials=pika.PlainCredentials(USER, PASSWORD),
+                  connection_attempts=1, socket_timeout=3, stack_timeout=6, heartbeat=2,
+                  blocked_connection_timeout=30,
+                  client_properties={"connection_name": f"cluster-test->{self.nodes[i].name}"})
+        kw.update(overrides)
+        return pika.ConnectionParameters(**kw)
+
+    def connect(self, i, **overrides):
+        """A BlockingConnection to node i (the caller closes it)."""
+        return pika.BlockingConnection(self.amqp_params(i, **overrides))
+
+    def mgmt_url(self, i):
+        return f"http://127.0.0.1:{self.nodes[i].mgmt_port}"
+
+    def mgmt_get(self, i, path, timeout=3.0):
+        """GET `path` on node i's management API as guest: (status, parsed JSON or text).
+        Raises OSError if the node does not answer within `timeout`."""
+        req = urllib.request.Request(self.mgmt_url(i) + path)
+        token = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+        req.add_header("Authorization", f"Basic {token}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                status, raw = r.status, r.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        text = raw.decode(errors="replace")
+        try:
+            return status, (json.loads(text) if text else None)
+        except json.JSONDecodeError:
+            return status, text
+
+    def queue_info(self, i, queue, vhost="/", timeout=3.0):
+        """Node i's management record of `queue` (dict), or None if it answers 404."""
+        path = f"/api/queues/{urllib.parse.quote(vhost, safe='')}/" \
+               f"{urllib.parse.quote(queue, safe='')}"
+        status, body = self.mgmt_get(i, path, timeout=timeout)
+        if status == 404:
+            return None
+        if status != 200 or not isinstance(body, dict):
+            raise OSError(f"{self.nodes[i].name}: GET {path} -> {status} {body!r}"[:300])
+        return body
+
+    def node_index(self, name):
+        """Index of the node called `name` ("n2", or "n2@host..."), or None."""
+        if not name:
+            return None
+        for i, node in enumerate(self.nodes):
+            if name == node.name or str(name).split("@", 1)[0] == node.name:
+                return i
+        return None
+
+    def reported_leader(self, i, queue):
+        """The leader of `queue` as node i reports it (index), or None (no answer, no queue,
+        no leader known). A non-clustered node is its own queue's leader."""
+        try:
+            info = self.queue_info(i, queue, timeout=2.0)
+        except OSError:
+            return None
+        if info is None:
+            return None
+        if not self.clustered:
+            return i
+        return self.node_index(info.get("leader"))
+
+    def leader_of(self, queue, exclude=()):
+        """The index of `queue`'s leader according to the first node that is up (and not
+        excluded) and names a leader that is up (and not excluded); None if none does."""
+        exclude = set(exclude or ())
+        for i in self.up_nodes(exclude):
+            leader = self.reported_leader(i, queue)
+            if leader is not None and leader not in exclude and self.nodes[leader].up:
+                return leader
+        return None
+
+    def wait_for_leader(self, queue, exclude=(), deadline=30.0):
+        """Poll until a node that is up (not in `exclude`) names a leader that is up, not in
+        `exclude`, and names itself too; returns its index. Raises AssertionError after
+        `deadline` seconds."""
+        exclude = set(exclude or ())
+        end = time.monotonic() + deadline
+        while True:
+            leader = self.leader_of(queue, exclude)
+            if leader is not None and self.reported_leader(leader, queue) == leader:
+                return leader
+            if time.monotonic() > end:
+                raise AssertionError(
+                    f"no leader for {queue} (excluding {sorted(exclude)}) within {deadline}s; "
+                    f"{self.describe(queue)}")
+            time.sleep(0.1)
+
+    # -- reports ---------------------------------------------------------------------------
+
+    def describe(self, queue=None):
+        """One line per node: state, pid, ports and (if up) what it says about `queue`."""
+        lines = [f"cluster at {self.root}:"]
+        for i, node in enumerate(self.nodes):
+            pid = node.proc.pid if node.proc else None
+            line = (f"  {node.name} [{node.state()}] pid={pid} amqp={node.amqp_port} "
+                    f"mgmt={node.mgmt_port} raft={node.cluster_port}")
+            if queue and node.up:
+                try:
+                    info = self.queue_info(i, queue, timeout=2.0)
+                    if info is None:
+                        line += " queue: 404"
+                    else:
+                        line += (f" queue: type={info.get('type')} leader={info.get('leader')} "
+                                 f"members={info.get('members')} messages={info.get('messages')}")
+                except OSError as e:
+                    line += f" queue: no answer ({e})"
+            lines.append(line)
+        return "\n".join(lines)
+
+    def log_tail(self, i, lines=60):
+        try:
+            text = self.nodes[i].log_path.read_text(errors="replace")
+        except OSError as e:
+            return f"(no log: {e})"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def report(self, lines=60, queue=None):
+        """describe(), the harness's own event list, and each node's log tail."""
+        t0 = self.events[0][0] if self.events else 0.0
+        out = [self.describe(queue), "harness events:"]
+        out += [f"  +{t - t0:7.2f}s {text}" for t, text in self.events[-80:]]
+        for i, node in enumerate(self.nodes):
+            out.append(f"----- {node.name} log tail ({node.log_path}) -----")
+            out.append(self.log_tail(i, lines))
+        return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# pytest fixtures
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cluster_factory(request):
+    """make(n=3, **Cluster kwargs) -> a started Cluster. At teardown every cluster is killed;
+    if the test failed (or a node crashed on its own) each node's log tail is printed and the
+    directory is kept."""
+    made = []
+    failed_before = request.session.testsfailed
+    # pika logs every refused connection and closed channel, which faults make routine.
+    pika_logger = logging.getLogger("pika")
+    pika_level = pika_logger.level
+    pika_logger.setLevel(logging.CRITICAL)
+
+    def make(n=3, start=True, **kw):
+        c = Cluster(n, **kw)
+        made.append(c)
+        if start:
+            c.start_all()
+        return c
+
+    try:
+        yield make
+    finally:
+        pika_logger.setLevel(pika_level)
+    # The call phase's report is logged before teardown runs, so testsfailed already counts
+    # a failure of this test.
+    failed = request.session.testsfailed > failed_before
+    crashed = []
+    for c in made:
+        crashed += [(c, i, rc) for i, rc in c.crashed()]
+        if failed or crashed:
+            print(f"\n===== cluster report (test failed={failed}, crashed="
+                  f"{[c.nodes[i].name for _, i, _ in crashed]}) =====")
+            print(c.report())
+            print(f"(directory kept: {c.root})")
+        c.close(remove=False if (failed or crashed) else None)
+    if crashed and not failed:
+        pytest.fail("nodes exited on their own: " + ", ".join(
+            f"{c.nodes[i].name} rc={rc}" for c, i, rc in crashed), pytrace=False)
+
+
+@pytest.fixture
+def cluster3(cluster_factory):
+    """A started 3-node cluster."""
+    return cluster_factory(3)
+
+
+@pytest.fixture
+def cluster5(cluster_factory):
+    """A started 5-node cluster."""
+    return cluster_factory(5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Client helpers
+# ---------------------------------------------------------------------------------------------
+
+def safe_close(conn):
+    """Close a pika connection that may already be broken."""
+    if conn is None:
+        return
+    try:
+        if conn.is_open:
+            conn.close()
+    except Exception:   # noqa: BLE001 - a dead connection can fail to close in many ways
+        pass
+
+
+def abort_connection(conn):
+    """Shut down a pika connection's socket from another thread: a client-side operation
+    timeout. The blocked pika call then fails with a connection error (never close() the fd
+    from another thread: it could be reused)."""
+    try:
+        conn._impl._transport._sock.shutdown(socket.SHUT_RDWR)
+    except Exception:   # noqa: BLE001 - already closed, or pika internals changed
+        pass
+
+
+class Watchdog:
+    """Client-side deadlines for blocking pika calls. pika's BlockingConnection waits for a
+    publisher confirm or an RPC reply forever; with `guard(conn, seconds)` around the call the
+    socket is shut down when it overruns, so the call fails and the outcome is "unknown"."""
+
+    def __init__(self, period=0.2):
+        self._lock = threading.Lock()
+        self._armed = {}
+        self._next = 0
+        self.timeouts = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._period = period
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def guard(self, conn, seconds, label):
+        with self._lock:
+            token = self._next
+            self._next += 1
+            self._armed[token] = (time.monotonic() + seconds, conn, label)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._armed.pop(token, None)
+
+    def _run(self):
+        while not self._stop.wait(self._period):
+            now = time.monotonic()
+            with self._lock:
+                expired = [(t, c, lbl) for t, (d, c, lbl) in self._armed.items() if d < now]
+                for token, _, _ in expired:
+                    del self._armed[token]
+            for _, conn, label in expired:
+                self.timeouts[label] += 1
+                abort_connection(conn)
+
+    def close(self):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def declare_quorum(cluster, i, queue, deadline=30.0, arguments=None):
+    """Declare durable quorum `queue` through node i, retrying connection and channel errors
+    until `deadline` (a cluster that has just started may still be electing)."""
+    end = time.monotonic() + deadline
+    while True:
+        conn = None
+        try:
+            conn = cluster.connect(i)
+            conn.channel().queue_declare(queue, durable=True,
+                                         arguments={**QUORUM, **(arguments or {})})
+            return
+        except CLIENT_ERRORS as e:
+            if time.monotonic() > end:
+                raise AssertionError(f"declare of {queue} on {cluster.nodes[i].name} kept "
+                                     f"failing for {deadline}s: {e!r}\n"
+                                     f"{cluster.describe(queue)}") from e
+            time.sleep(0.2)
+        finally:
+            safe_close(conn)
+
+
+def wait_visible(cluster, queue, nodes, deadline=10.0):
+    """Poll a passive declare of `queue` on each of `nodes` until it succeeds. Returns
+    {node: message_count}."""
+    counts = {}
+    for i in nodes:
+        end = time.monotonic() + deadline
+        while True:
+            conn = None
+            try:
+                conn = cluster.connect(i)
+                ok = conn.channel().queue_declare(queue, passive=True)
+                counts[i] = ok.method.message_count
+                break
+            except CLIENT_ERRORS as e:
+                if time.monotonic() > end:
+                    raise AssertionError(f"{queue} not visible on {cluster.nodes[i].name} "
+                                         f"within {deadline}s: {e!r}") from e
+                time.sleep(0.1)
+            finally:
+                safe_close(conn)
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------
+# History and check
+# ---------------------------------------------------------------------------------------------
+
+class History:
+    """What the clients did and saw. Thread-safe. Message ids are strings ("p0-17")."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.t0 = time.monotonic()
+        self.attempts = collections.Counter()         # id -> publishes tried
+        self.confirmed = set()
+        self.confirm_order = []                       # ids in confirm order
+        self.retried = collections.defaultdict(list)  # id -> reasons it was republished
+        self.deliveries = collections.defaultdict(list)  # id -> [(t, node, redelivered, via)]
+        self.delivery_order = []
+        self.last_delivery = time.monotonic()
+
+    def _t(self):
+        return round(time.monotonic() - self.t0, 3)
+
+    def attempt(self, mid):
+        with self.lock:
+            self.attempts[mid] += 1
+
+    def confirm(self, mid):
+        with self.lock:
+            if mid not in self.confirmed:
+                self.confirmed.add(mid)
+                self.confirm_order.append(mid)
+
+    def retry(self, mid, reason):
+        with self.lock:
+            self.retried[mid].append(f"{self._t()}s {reason}")
+
+    def deliver(self, mid, redelivered, node, via):
+        with self.lock:
+            self.deliveries[mid].append((self._t(), node, bool(redelivered), via))
+            self.delivery_order.append(mid)
+            self.last_delivery = time.monotonic()
+
+    def missing(self):
+        """Confirmed ids not delivered yet."""
+        with self.lock:
+            return self.confirmed - self.deliveries.keys()
+
+    def check(self):
+        with self.lock:
+            return CheckResult(self)
+
+    def dump(self, path):
+        with self.lock:
+            Path(path).write_text(json.dumps({
+                "attempts": self.attempts, "confirmed": self.confirm_order,
+                "retried": self.retried, "deliveries": self.deliveries}, indent=1))
+
+
+class CheckResult:
+    """The checker's verdict on a History (computed under its lock)."""
+
+    def __init__(self, h):
+        delivered = set(h.deliveries)
+        self.attempted = len(h.attempts)
+        self.confirmed = len(h.confirmed)
+        self.delivered = len(delivered)
+        self.retried = len(h.retried)
+        self.lost = sorted(h.confirmed - delivered)
+        self.unexpected = sorted(delivered - set(h.attempts))
+        dups = sorted(m for m, d in h.deliveries.items() if len(d) > 1)
+        self.duplicates = dups
+        self.bad_duplicates = [m for m in dups if m not in h.retried
+                               and not any(red for (_, _, red, _) in h.deliveries[m])]
+        # Delivered although never confirmed: published with an unknown outcome that committed.
+        self.unconfirmed_delivered = len(delivered - h.confirmed - set(self.unexpected))
+        self._detail = {m: {"attempts": h.attempts.get(m, 0), "confirmed": m in h.confirmed,
+                            "retried": list(h.retried.get(m, [])),
+                            "deliveries": list(h.deliveries.get(m, []))}
+                        for m in self.lost[:20] + self.unexpected[:20] + self.bad_duplicates[:20]}
+
+    @property
+    def ok(self):
+        return not (self.lost or self.unexpected or self.bad_duplicates)
+
+    def summary(self):
+        return (f"attempted={self.attempted} confirmed={self.confirmed} "
+                f"delivered={self.delivered} lost={len(self.lost)} "
+                f"unexpected={len(self.unexpected)} duplicates={len(self.duplicates)} "
+                f"(not allowed: {len(self.bad_duplicates)}) retried={self.retried} "
+                f"unconfirmed-but-delivered={self.unconfirmed_delivered}")
+
+    def describe(self):
+        lines = [self.summary()]
+        for label, ids in (("lost", self.lost), ("unexpected", self.unexpected),
+                           ("duplicates without redelivered or retry", self.bad_duplicates)):
+            if ids:
+                lines.append(f"{label} ({len(ids)}), first ones:")
+                lines += [f"  {m}: {self._detail[m]}" for m in ids[:20]]
+        return "\n".join(lines)
+
+
+def body_id(body):
+    try:
+        return body.decode()
+    except (AttributeError, UnicodeDecodeError):
+        return repr(body)
+
+
+# ---------------------------------------------------------------------------------------------
+# Simple (fault-tolerant) publish and drain helpers for the scenario tests
+# ---------------------------------------------------------------------------------------------
+
+def publish_with_retry(cluster, nodes, queue, ids, history, deadline=60.0, confirm_timeout=20.0,
+                       watchdog=None):
+    """Publish each id (persistent, confirmed, mandatory) through `nodes` in turn: a nack, a
+    return or a connection/channel error records the id as retried and republishes it through
+    the next node. Raises AssertionError if not all are confirmed by `deadline`."""
+    own_watchdog = watchdog is None
+    watchdog = watchdog or Watchdog()
+    end = time.monotonic() + deadline
+    k, conn, ch = 0, None, None
+    pending = list(ids)
+    try:
+        while pending:
+            if time.monotonic() > end:
+                raise AssertionError(f"{len(pending)} of {len(ids)} publishes not confirmed "
+                                     f"within {deadline}s\n{cluster.describe(queue)}")
+            node = nodes[k % len(nodes)]
+            if ch is None:
+                try:
+                    conn = cluster.connect(node)
+                    ch = conn.channel()
+                    with watchdog.guard(conn, confirm_timeout, "confirm.select"):
+                        ch.confirm_delivery()
+                except CLIENT_ERRORS:
+                    safe_close(conn)
+                    conn, ch, k = None, None, k + 1
+                    time.sleep(0.2)
+                    continue
+            mid = pending[0]
+            history.attempt(mid)
+            try:
+                with watchdog.guard(conn, confirm_timeout, "confirm"):
+                    ch.basic_publish("", queue, mid.encode(),
+                                     pika.BasicProperties(delivery_mode=2, message_id=mid),
+                                     mandatory=True)
+                history.confirm(mid)
+                pending.pop(0)
+            except (pika.exceptions.NackError, pika.exceptions.UnroutableError) as e:
+                history.retry(mid, f"{type(e).__name__} via {cluster.nodes[node].name}")
+                k += 1
+            except CLIENT_ERRORS as e:
+                history.retry(mid, f"{type(e).__name__} via {cluster.nodes[node].name}")
+                safe_close(conn)
+                conn, ch, k = None, None, k + 1
+    finally:
+        safe_close(conn)
+        if own_watchdog:
+            watchdog.close()
+
+
+def drain_until(cluster, nodes, queue, history, want, deadline=30.0, via="drain",
+                prefetch=50):
+    """Consume `queue` through `nodes` (rotating on errors), recording and acking every
+    delivery, until every id in `want` has been delivered at least once. Raises
+    AssertionError with the missing ids after `deadline`."""
+    want = set(want)
+    end = time.monotonic() + deadline
+    k = 0
+    while True:
+        if want <= history.deliveries.keys():
+            return
+        if time.monotonic() > end:
+            missing = sorted(want - history.deliveries.keys())
+            raise AssertionError(f"{len(missing)} ids not delivered within {deadline}s via "
+                                 f"{[cluster.nodes[i].name for i in nodes]}: {missing[:20]}\n"
+                                 f"{cluster.describe(queue)}")
+        node = nodes[k % len(nodes)]
+        conn = None
+        try:
+            conn = cluster.connect(node)
+            ch = conn.channel()
+            ch.basic_qos(prefetch_count=prefetch)
+
+            def on_message(c, method, props, body, node=node):
+                history.deliver(body_id(body), method.redelivered, cluster.nodes[node].name, via)
+                c.basic_ack(method.delivery_tag)
+
+            ch.basic_consume(queue, on_message)
+            while not want <= history.deliveries.keys() and time.monotonic() < end:
+                conn.process_data_events(time_limit=0.2)
+        except CLIENT_ERRORS:
+            k += 1
+            time.sleep(0.2)
+        finally:
+            safe_close(conn)
+
+
+def sweep(cluster, nodes, queue, history, deadline=30.0, via="sweep"):
+    """basic.get everything left in `queue` (recording and acking) until a get finds nothing
+    and the leader's management API reports 0 messages. Returns the number fetched."""
+    end = time.monotonic() + deadline
+    got, k = 0, 0
+    while True:
+        if time.monotonic() > end:
+            raise AssertionError(f"sweep of {queue} did not empty it within {deadline}s\n"
+                                 f"{cluster.describe(queue)}")
+        node = nodes[k % len(nodes)]
+        conn = None
+        try:
+            conn = cluster.connect(node)
+            ch = conn.channel()
+            while True:
+                method, _props, body = ch.basic_get(queue, auto_ack=False)
+                if method is None:
+                    break
+                history.deliver(body_id(body), method.redelivered, cluster.nodes[node].name, via)
+                ch.basic_ack(method.delivery_tag)
+                got += 1
+            leader = cluster.leader_of(queue)
+            info = cluster.queue_info(leader if leader is not None else node, queue)
+            if info is not None and info.get("messages") == 0:
+                return got
+        except CLIENT_ERRORS:
+            k += 1
+        finally:
+            safe_close(conn)
+        time.sleep(0.2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The total-queue checker's workers
+# ---------------------------------------------------------------------------------------------
+
+class Worker(threading.Thread):
+    """A daemon thread that records an unexpected exception (a bug in the harness or an
+    exception type nobody expected) instead of dying silently."""
+
+    def __init__(self, name):
+        super().__init__(name=name, daemon=True)
+        self.crash = None
+
+    def run(self):
+        try:
+            self.work()
+        except Exception:   # noqa: BLE001 - reported by the checker
+            self.crash = traceback.format_exc()
+
+
+class Publisher(Worker):
+    """Publishes ids f"p{n}-{k}" with confirms until stopped, one at a time. A nack, a return
+    or an error before the confirm republishes the same id (recorded as retried); connection
+    errors move to the next node."""
+
+    def __init__(self, cluster, queue, history, number, stop, watchdog, stats,
+                 confirm_timeout=20.0):
+        super().__init__(f"publisher-{number}")
+        self.c, self.queue, self.h, self.n = cluster, queue, history, number
+        self.stop, self.watchdog, self.stats = stop, watchdog, stats
+        self.confirm_timeout = confirm_timeout
+        self.node = number % len(cluster)
+
+    def work(self):
+        conn = ch = None
+        k, pending = 0, None
+        while not self.stop.is_set():
+            if ch is None:
+                try:
+                    conn = self.c.connect(self.node)
+                    ch = conn.channel()
+                    with self.watchdog.guard(conn, self.confirm_timeout, "confirm.select"):
+                        ch.confirm_delivery()
+                    self.stats["publisher connects"] += 1
+                except CLIENT_ERRORS as e:
+                    self.stats[f"publisher connect error {type(e).__name__}"] += 1
+                    safe_close(conn)
+                    conn = ch = None
+                    self.node = (self.node + 1) % len(self.c)
+                    self.stop.wait(0.2)
+                    continue
+            if pending is None:
+                pending = f"p{self.n}-{k}"
+                k += 1
+            mid = pending
+            self.h.attempt(mid)
+            try:
+                with self.watchdog.guard(conn, self.confirm_timeout, "confirm"):
+                    ch.basic_publish("", self.queue, mid.encode(),
+                                     pika.BasicProperties(delivery_mode=2, message_id=mid),
+                                     mandatory=True)
+                self.h.confirm(mid)
+                pending = None
+            except (pika.exceptions.NackError, pika.exceptions.UnroutableError) as e:
+                self.h.retry(mid, f"{type(e).__name__} via {self.c.nodes[self.node].name}")
+                self.stats[f"publish {type(e).__name__}"] += 1
+            except CLIENT_ERRORS as e:
+                self.h.retry(mid, f"{type(e).__name__} via {self.c.nodes[self.node].name}")
+                self.stats[f"publish {type(e).__name__}"] += 1
+                safe_close(conn)
+                conn = ch = None
+                self.node = (self.node + 1) % len(self.c)
+        safe_close(conn)
+
+
+class Consumer(Worker):
+    """Consumes with manual acks, recording each delivery before acking it. Reconnects to the
+    next node on any error, on a broker-sent basic.cancel, or when asked (`reconnect`)."""
+
+    def __init__(self, cluster, queue, history, stop, watchdog, stats, prefetch=100, node=0):
+        super().__init__("consumer")
+        self.c, self.queue, self.h = cluster, queue, history
+        self.stop, self.watchdog, self.stats = stop, watchdog, stats
+        self.prefetch, self.node = prefetch, node
+        self.reconnect = threading.Event()
+
+    def work(self):
+        while not self.stop.is_set():
+            conn = None
+            cancelled = []
+            node = self.node
+            try:
+                conn = self.c.connect(node)
+                ch = conn.channel()
+                name = self.c.nodes[node].name
+
+                def on_message(c, method, props, body):
+                    self.h.deliver(body_id(body), method.redelivered, name, "consumer")
+                    c.basic_ack(method.delivery_tag)
+
+                with self.watchdog.guard(conn, 20.0, "consume"):
+                    ch.basic_qos(prefetch_count=self.prefetch)
+                    ch.add_on_cancel_callback(lambda frame: cancelled.append(frame))
+                    ch.basic_consume(self.queue, on_message)
+                self.stats["consumer connects"] += 1
+                while not (self.stop.is_set() or cancelled or self.reconnect.is_set()):
+                    conn.process_data_events(time_limit=0.2)
+                if cancelled:
+                    self.stats["consumer cancelled by broker"] += 1
+                if self.reconnect.is_set():
+                    self.reconnect.clear()
+                    self.stats["consumer stall reconnects"] += 1
+                    self.node = (self.node + 1) % len(self.c)
+            except CLIENT_ERRORS as e:
+                self.stats[f"consumer {type(e).__name__}"] += 1
+                self.node = (self.node + 1) % len(self.c)
+                self.stop.wait(0.2)
+            finally:
+                safe_close(conn)
+
+
+class FaultInjector(Worker):
+    """Applies faults one at a time until stopped: kill -9 then restart, SIGSTOP then SIGCONT
+    (held beyond the election timeout), optionally SIGTERM then restart. Half the faults hit the
+    queue's current leader. After healing each fault it waits for a leader that the healed
+    node also names, so at most one node is ever impaired."""
+
+    def __init__(self, cluster, queue, stop, rng, kinds=("kill9", "pause"), leader_bias=0.5,
+                 recover_deadline=30.0):
+        super().__init__("faults")
+        self.c, self.queue, self.stop, self.rng = cluster, queue, stop, rng
+        self.kinds, self.leader_bias = list(kinds), leader_bias
+        self.recover_deadline = recover_deadline
+        self.applied = collections.Counter()
+        self.log = []       # (t, kind, node, was_leader, held_s, recovered_s)
+        self.errors = []
+
+    def work(self):
+        t0 = time.monotonic()
+        while not self.stop.wait(self.rng.uniform(1.0, 2.5)):
+            leader = self.c.leader_of(self.queue)
+            if leader is not None and self.rng.random() < self.leader_bias:
+                victim = leader
+            else:
+                victim = self.rng.randrange(len(self.c))
+            kind = self.rng.choice(self.kinds)
+            t = time.monotonic() - t0
+            name = self.c.nodes[victim].name
+            # The fault's duration is the fault itself, not synchronisation.
+            try:
+                if kind == "kill9":
+                    self.c.kill9(victim)
+                    held = self.rng.uniform(0.5, 3.0)
+                    time.sleep(held)
+                    self.c.restart(victim)
+                elif kind == "pause":
+                    self.c.pause(victim)
+                    held = self.rng.uniform(3.0, 5.0)
+                    time.sleep(held)
+                    self.c.resume(victim)
+                elif kind == "term":
+                    held = 0.0
+                    self.c.stop(victim)
+                    self.c.restart(victim)
+                else:
+                    raise ValueError(f"unknown fault kind {kind}")
+            except Exception as e:   # noqa: BLE001 - e.g. a node that fails to restart
+                self.errors.append(f"+{t:.1f}s {kind} {name}: {e}")
+                try:
+                    self.c.heal()
+                except Exception as e2:   # noqa: BLE001
+                    self.errors.append(f"heal after the failed fault: {e2}")
+                return
+            self.applied[kind] += 1
+            recovered = self._recover(victim)
+            self.log.append((round(t, 2), kind, name, victim == leader, round(held, 2),
+                             recovered))
+            if recovered is None:
+                return
+
+    def _recover(self, healed):
+        """Seconds until a leader is confirmed and the healed node names it too; None (and an
+        error) if that does not happen within the deadline."""
+        start = time.monotonic()
+        end = start + self.recover_deadline
+        try:
+            leader = self.c.wait_for_leader(self.queue, deadline=self.recover_deadline)
+        except AssertionError as e:
+            self.errors.append(str(e))
+            return None
+        while time.monotonic() < end:
+            if self.c.reported_leader(healed, self.queue) == leader:
+                return round(time.monotonic() - start, 2)
+            time.sleep(0.1)
+        self.errors.append(f"{self.c.nodes[healed].name} did not rejoin (name leader "
+                           f"{self.c.nodes[leader].name}) within {self.recover_deadline}s\n"
+                           f"{self.c.describe(self.queue)}")
+        return None
+
+
+def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
+                          kinds=("kill9", "pause"), queue=None, drain_deadline=90.0):
+    """One run of the total-queue checker on a started cluster. Returns a dict with the
+    CheckResult ("result"), fault counts, client statistics and any errors ("errors": faults
+    that did not recover, workers that crashed); the caller asserts."""
+    seed = random.randrange(1 << 30) if seed is None else seed
+    rng = random.Random(seed)
+    queue = queue or f"cluster.check.{uuid.uuid4().hex[:10]}"
+    history = History()
+    stats = collections.Counter()
+    watchdog = Watchdog()
+    pub_stop, fault_stop, cons_stop = threading.Event(), threading.Event(), threading.Event()
+    errors = []
+    log(f"checker: seed={seed} seconds={seconds} queue={queue} nodes={len(cluster)} "
+        f"faults={list(kinds)}")
+
+    declare_quorum(cluster, 0, queue)
+    wait_visible(cluster, queue, range(len(cluster)))
+    cluster.wait_for_leader(queue)
+
+    consumer = Consumer(cluster, queue, history, cons_stop, watchdog, stats,
+                        node=rng.randrange(len(cluster)))
+    pubs = [Publisher(cluster, queue, history, n, pub_stop, watchdog, stats)
+            for n in range(publishers)]
+    faults = FaultInjector(cluster, queue, fault_stop, rng, kinds=kinds)
+    workers = [consumer, *pubs, faults]
+    try:
+        for w in workers:
+            w.start()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and not any(w.crash for w in workers):
+            time.sleep(0.2)     # the run's duration; workers report through `history`
+        # Stop publishing, then let the fault in progress heal.
+        pub_stop.set()
+        for p in pubs:
+            p.join(timeout=60)
+        fault_stop.set()
+        faults.join(timeout=90)
+        errors += faults.errors
+        try:
+            cluster.heal()
+        except RuntimeError as e:
+            errors.append(f"heal failed: {e}")
+        log(f"checker: faults healed ({dict(faults.applied)}); draining "
+            f"{len(history.missing())} confirmed ids not yet delivered")
+        try:
+            cluster.wait_for_leader(queue)
+        except AssertionError as e:
+            errors.append(str(e))
+        # Drain: the consumer keeps going until every confirmed id was delivered. If it makes
+        # no progress for 10 s it is moved to another node (counted in stats).
+        drain_end = time.monotonic() + drain_deadline
+        while history.missing() and time.monotonic() < drain_end and consumer.is_alive():
+            if time.monotonic() - history.last_delivery > 10.0:
+                history.last_delivery = time.monotonic()
+                consumer.reconnect.set()
+            time.sleep(0.1)
+        cons_stop.set()
+        consumer.join(timeout=30)
+        # Whatever is left (unconfirmed publishes that committed, returns of messages the
+        # consumer held when it stopped) is fetched with basic.get.
+        try:
+            stats["swept after drain"] += sweep(cluster, cluster.up_nodes(), queue, history)
+        except AssertionError as e:
+            errors.append(str(e))
+    finally:
+        pub_stop.set()
+        fault_stop.set()
+        cons_stop.set()
+        for w in workers:
+            w.join(timeout=30)
+        watchdog.close()
+    for w in workers:
+        if w.crash:
+            errors.append(f"worker {w.name} crashed:\n{w.crash}")
+        elif w.is_alive():
+            errors.append(f"worker {w.name} did not stop")
+    for i, rc in cluster.crashed():
+        errors.append(f"{cluster.nodes[i].name} exited on its own (rc={rc})")
+    stats.update({f"client timeout {k}": v for k, v in watchdog.timeouts.items()})
+    leader = cluster.leader_of(queue)
+    result = history.check()
+    if not result.ok or errors:
+        path = cluster.root / f"history-{queue}.json"
+        history.dump(path)
+        errors.append(f"history written to {path}")
+        cluster.keep = True
+    return {"seed": seed, "queue": queue, "result": result, "faults": faults.applied,
+            "fault_log": faults.log, "stats": stats, "errors": errors,
+            "final_leader": leader}
+
+
+def summarize(runs):
+    """One line over several checker runs."""
+    faults = collections.Counter()
+    for r in runs:
+        faults.update(r["faults"])
+
+    def total(attr):
+        values = [getattr(r["result"], attr) for r in runs]
+        return sum(len(v) if isinstance(v, list) else v for v in values)
+
+    return (f"cluster total-queue check: runs={len(runs)} "
+            f"faults={dict(sorted(faults.items()))} confirmed={total('confirmed')} "
+            f"lost={total('lost')} unexpected={total('unexpected')} "
+            f"duplicates={total('duplicates')} (not allowed: {total('bad_duplicates')}) "
+            f"retried={total('retried')} seeds={[r['seed'] for r in runs]}")
+
+
+def env_number(name, default, kind=float):
+    try:
+        return kind(os.environ.get(name, default))
+    except ValueError:
+        return kind(default)
+
+
+def check_env():
+    """(seconds, runs, seed or None, fault kinds) from WARREN_CLUSTER_CHECK_SECONDS,
+    WARREN_CLUSTER_CHECK_RUNS, WARREN_CLUSTER_CHECK_SEED, WARREN_CLUSTER_FAULTS."""
+    seed = os.environ.get("WARREN_CLUSTER_CHECK_SEED")
+    kinds = tuple(k for k in os.environ.get("WARREN_CLUSTER_FAULTS", "kill9,pause").split(",")
+                  if k)
+    return (env_number("WARREN_CLUSTER_CHECK_SECONDS", 30.0),
+            env_number("WARREN_CLUSTER_CHECK_RUNS", 1, int),
+            int(seed) if seed else None, kinds)
+
+
+if __name__ == "__main__":
+    sys.exit("use test_cluster.py (pytest) or scripts/cluster_soak.py")

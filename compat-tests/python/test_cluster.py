@@ -1,0 +1,356 @@
+"""Clustering: quorum queues replicated across several real `warren server` processes.
+
+Every test starts its own cluster (cluster_harness.Cluster: 3 or 5 nodes on loopback, each with
+its own data dir and log) and talks to it with real pika clients over TCP. Faults are real
+process faults: kill -9, SIGSTOP/SIGCONT, restarts on the same data dir. On failure the
+harness prints each node's log tail and keeps the directory.
+
+The last test is the Jepsen-style total-queue checker (see cluster_harness): its length is
+WARREN_CLUSTER_CHECK_SECONDS (default 30), repeated WARREN_CLUSTER_CHECK_RUNS times (default 1)
+on a fresh cluster each, with WARREN_CLUSTER_CHECK_SEED, WARREN_CLUSTER_CHECK_NODES (3) and
+WARREN_CLUSTER_FAULTS (kill9,pause[,term]). scripts/cluster_soak.py runs it for longer.
+
+The module is skipped while the binary has no clustering (`warren server --help` lists no
+--peers) and against an external broker (WARREN_TEST_AMQP_URL).
+"""
+
+import os
+import time
+import uuid
+
+import pika
+import pytest
+
+from cluster_harness import (History, check_env, cluster_supported, declare_quorum,
+                             drain_until, env_number, log, publish_with_retry,
+                             run_total_queue_check, safe_close, summarize, sweep,
+                             wait_visible)
+
+if os.environ.get("WARREN_TEST_AMQP_URL"):
+    pytest.skip("cluster tests start their own Warren nodes", allow_module_level=True)
+_SUPPORTED, _WHY = cluster_supported()
+if not _SUPPORTED:
+    pytest.skip(_WHY, allow_module_level=True)
+
+from cluster_harness import cluster3, cluster5, cluster_factory  # noqa: E402,F401 (fixtures)
+
+# A new leader should serve within ~10 s of losing the old one; deadlines are generous and
+# every wait polls for the event.
+LEADER_DEADLINE = 30.0
+PAUSE_BEYOND_ELECTION_S = 5.0
+CHECK_SECONDS, CHECK_RUNS, CHECK_SEED, CHECK_FAULTS = check_env()
+CHECK_NODES = env_number("WARREN_CLUSTER_CHECK_NODES", 3, int)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+def eventually(fetch, check, deadline=10.0, what="condition"):
+    """Poll fetch() until check(value) holds; AssertionError with the last value after
+    `deadline` seconds."""
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            value = fetch()
+        except OSError as e:
+            value = e
+        if not isinstance(value, OSError) and check(value):
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} not reached within {deadline}s; last: {value!r}")
+        time.sleep(0.1)
+
+
+def new_quorum_queue(cluster, via=0):
+    """Declare a fresh quorum queue through node `via`, wait until every node sees it and a
+    leader is confirmed. Returns (queue, leader index)."""
+    queue = f"cluster.{uuid.uuid4().hex[:12]}"
+    declare_quorum(cluster, via, queue)
+    wait_visible(cluster, queue, range(len(cluster)), deadline=5.0)
+    return queue, cluster.wait_for_leader(queue, deadline=LEADER_DEADLINE)
+
+
+def member_names(cluster, info):
+    """The queue's members as node names (normalising "n1@host" forms); None if absent."""
+    members = info.get("members")
+    if members is None:
+        return None
+    return sorted(cluster.nodes[cluster.node_index(m)].name
+                  if cluster.node_index(m) is not None else str(m) for m in members)
+
+
+def hold_deliveries(conn, ch, queue, n, deadline=10.0):
+    """Consume without acking until n deliveries are held (prefetch n); returns
+    [(method, body)]."""
+    held = []
+    ch.basic_qos(prefetch_count=n)
+    ch.basic_consume(queue, lambda c, m, p, b: held.append((m, b)), auto_ack=False)
+    end = time.monotonic() + deadline
+    while len(held) < n:
+        assert time.monotonic() < end, f"only {len(held)} of {n} deliveries within {deadline}s"
+        conn.process_data_events(time_limit=0.1)
+    return held
+
+
+def assert_check(history, cluster, queue, expect_ids):
+    """lost = 0, unexpected = 0, duplicates only with redelivered or retry, and every id in
+    expect_ids delivered."""
+    res = history.check()
+    log(f"{queue}: {res.summary()}")
+    assert res.ok, f"{res.describe()}\n{cluster.describe(queue)}"
+    missing = set(expect_ids) - history.deliveries.keys()
+    assert not missing, f"never delivered: {sorted(missing)[:20]}"
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# scenario tests
+# ---------------------------------------------------------------------------------------------
+
+def test_quorum_queue_declared_on_one_node_is_visible_on_all(cluster3):
+    """A quorum queue declared through node 0 is visible on nodes 1 and 2, whose management
+    APIs all report type quorum, the same leader and the three nodes as members."""
+    c = cluster3
+    queue = f"cluster.{uuid.uuid4().hex[:12]}"
+    declare_quorum(c, 0, queue)
+    wait_visible(c, queue, [1, 2], deadline=5.0)
+    infos = [eventually(lambda i=i: c.queue_info(i, queue),
+                        lambda info: info is not None and info.get("leader"),
+                        what=f"{c.nodes[i].name} naming a leader of {queue}")
+             for i in range(3)]
+    for i, info in enumerate(infos):
+        assert info["type"] == "quorum", (c.nodes[i].name, info)
+        assert info["durable"] is True, (c.nodes[i].name, info)
+        assert member_names(c, info) == ["n1", "n2", "n3"], (c.nodes[i].name, info)
+    leaders = {info["leader"] for info in infos}
+    assert len(leaders) == 1, f"the nodes disagree on the leader: {leaders}"
+    assert c.node_index(leaders.pop()) is not None
+
+
+def test_publish_through_follower_consume_through_other_follower_in_order(cluster3):
+    """100 confirmed persistent messages published through a non-leader node are consumed
+    in publish order, none redelivered, through a third node, and the acks empty the queue
+    on every node."""
+    c = cluster3
+    queue, leader = new_quorum_queue(c)
+    pub_node, con_node = [i for i in range(3) if i != leader]
+    bodies = [f"m-{k}".encode() for k in range(100)]
+
+    conn = c.connect(pub_node)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    for body in bodies:
+        # Raises NackError / UnroutableError if the cluster refuses a message.
+        ch.basic_publish("", queue, body, pika.BasicProperties(delivery_mode=2), mandatory=True)
+    conn.close()
+
+    conn = c.connect(con_node)
+    ch = conn.channel()
+    got = []
+
+    def on_message(chan, method, props, body):
+        got.append((body, method.redelivered))
+        chan.basic_ack(method.delivery_tag)
+
+    ch.basic_qos(prefetch_count=10)
+    ch.basic_consume(queue, on_message)
+    end = time.monotonic() + 30
+    while len(got) < 100 and time.monotonic() < end:
+        conn.process_data_events(time_limit=0.1)
+    conn.close()
+    assert [b for b, _ in got] == bodies, f"{len(got)} delivered; first: {got[:5]}"
+    assert not any(red for _, red in got)
+    for i in range(3):
+        eventually(lambda i=i: c.queue_info(i, queue), lambda info: info["messages"] == 0,
+                   what=f"{c.nodes[i].name} reporting 0 messages")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("consumer_on", ["follower", "leader"])
+def test_leader_kill9_loses_no_confirmed_message(cluster3, consumer_on):
+    """After kill -9 of the leader, another node leads within the deadline, all 200
+    confirmed messages are consumed from survivors (lost = 0), and deliveries a consumer
+    held unacked come back with redelivered set (consumer on a surviving follower, or on the
+    killed leader itself)."""
+    c = cluster3
+    queue, leader = new_quorum_queue(c)
+    f1, f2 = [i for i in range(3) if i != leader]
+    history = History()
+    ids = [f"m-{k}" for k in range(200)]
+    publish_with_retry(c, [f1], queue, ids, history)
+    assert not history.retried, f"fault-free publishes were retried: {dict(history.retried)}"
+
+    holder = f2 if consumer_on == "follower" else leader
+    # No heartbeats: this connection sits idle (nobody pumps it) while the leader is replaced,
+    # and must stay open through that unless the broker or the node's death closes it.
+    hconn = c.connect(holder, heartbeat=0)
+    hch = hconn.channel()
+    held = hold_deliveries(hconn, hch, queue, 20)
+    for method, body in held:
+        history.deliver(body.decode(), method.redelivered, c.nodes[holder].name, "held")
+    held_ids = [body.decode() for _, body in held]
+
+    t_kill = time.monotonic()
+    c.kill9(leader)
+    new_leader = c.wait_for_leader(queue, exclude={leader}, deadline=LEADER_DEADLINE)
+    log(f"{consumer_on}: {c.nodes[new_leader].name} leads {time.monotonic() - t_kill:.1f}s "
+        f"after kill -9 of {c.nodes[leader].name}")
+    assert new_leader != leader
+
+    unacked = set(held_ids)
+    if consumer_on == "follower":
+        # The holder's node survived: ack half of the held deliveries after the leader
+        # change (the other half is returned when the connection closes). If the broker
+        # closed the channel meanwhile, none was acked and all must come back.
+        try:
+            for method, body in held[:10]:
+                hch.basic_ack(method.delivery_tag)
+            hconn.process_data_events(time_limit=0)
+            unacked -= set(held_ids[:10])
+        except pika.exceptions.AMQPError as e:
+            log(f"acks after the leader change failed: {e!r}")
+    safe_close(hconn)
+
+    survivors = [f1, f2]
+    drain_until(c, survivors, queue, history, ids, deadline=45.0)
+    sweep(c, survivors, queue, history)
+    assert_check(history, c, queue, ids)
+    for mid in unacked:
+        again = history.deliveries[mid][1:]
+        assert again and all(red for (_, _, red, _) in again), \
+            f"held unacked {mid}: deliveries after the first {history.deliveries[mid]}"
+
+
+@pytest.mark.timeout(150)
+def test_restarted_follower_catches_up_and_makes_the_majority(cluster3):
+    """A follower killed with -9 while 100 messages are published catches up after restart,
+    and with another node then killed (so the restarted one is needed for a majority) every
+    message is drained through it."""
+    c = cluster3
+    queue, leader = new_quorum_queue(c)
+    f1, f2 = [i for i in range(3) if i != leader]
+    history = History()
+    ids = [f"m-{k}" for k in range(150)]
+    publish_with_retry(c, [f2], queue, ids[:50], history)
+
+    c.kill9(f1)
+    publish_with_retry(c, [f2, leader], queue, ids[50:], history)
+    c.restart(f1)
+    # The restarted node has rejoined when it names a live leader and reports every message.
+    eventually(lambda: c.queue_info(f1, queue),
+               lambda info: (info is not None and c.node_index(info.get("leader")) is not None
+                             and c.node_index(info.get("leader")) != f1
+                             and info.get("messages") == 150),
+               deadline=LEADER_DEADLINE, what=f"restarted {c.nodes[f1].name} caught up")
+
+    current = c.wait_for_leader(queue)
+    victim = current if current != f1 else f2
+    c.kill9(victim)
+    new_leader = c.wait_for_leader(queue, exclude={victim}, deadline=LEADER_DEADLINE)
+    log(f"killed {c.nodes[victim].name}; {c.nodes[new_leader].name} leads with "
+        f"{c.nodes[f1].name} (restarted) in the majority")
+    drain_until(c, [f1], queue, history, ids, deadline=45.0)
+    sweep(c, [f1], queue, history)
+    assert_check(history, c, queue, ids)
+
+
+@pytest.mark.timeout(150)
+def test_paused_leader_is_replaced_and_rejoins_as_follower(cluster3):
+    """A leader stopped with SIGSTOP beyond the election timeout is replaced by a new
+    leader that takes publishes; after SIGCONT the old leader rejoins as a follower, serves
+    clients, and nothing is lost."""
+    c = cluster3
+    queue, leader = new_quorum_queue(c)
+    f1, f2 = [i for i in range(3) if i != leader]
+    history = History()
+    ids = [f"m-{k}" for k in range(100)]
+    publish_with_retry(c, [f1], queue, ids[:50], history)
+
+    t_pause = time.monotonic()
+    c.pause(leader)
+    new_leader = c.wait_for_leader(queue, exclude={leader}, deadline=LEADER_DEADLINE)
+    log(f"{c.nodes[new_leader].name} leads {time.monotonic() - t_pause:.1f}s after SIGSTOP "
+        f"of {c.nodes[leader].name}")
+    publish_with_retry(c, [f1, f2], queue, ids[50:], history)
+    # The fault lasts at least PAUSE_BEYOND_ELECTION_S (a fault's length, not a wait).
+    time.sleep(max(0.0, PAUSE_BEYOND_ELECTION_S - (time.monotonic() - t_pause)))
+    c.resume(leader)
+
+    def views():
+        return [c.reported_leader(i, queue) for i in range(3)]
+
+    final = eventually(views, lambda v: v[0] is not None and len(set(v)) == 1,
+                       deadline=LEADER_DEADLINE, what="all nodes naming the same leader")
+    assert final[0] != leader, f"the old leader {c.nodes[leader].name} leads again: {final}"
+    drain_until(c, [leader], queue, history, ids, deadline=45.0)
+    sweep(c, [leader], queue, history)
+    assert_check(history, c, queue, ids)
+
+
+@pytest.mark.timeout(150)
+def test_five_nodes_three_members_serve_through_non_members(cluster5):
+    """On five nodes a quorum queue has three members, all nodes agree on them and on the
+    leader, non-member nodes publish and consume, and kill -9 of the leader loses nothing."""
+    c = cluster5
+    queue, leader = new_quorum_queue(c)
+    infos = [eventually(lambda i=i: c.queue_info(i, queue),
+                        lambda info: info is not None and info.get("leader"),
+                        what=f"{c.nodes[i].name} naming a leader") for i in range(5)]
+    members = {tuple(member_names(c, info) or ()) for info in infos}
+    assert len(members) == 1, f"the nodes disagree on the members: {members}"
+    members = list(members.pop())
+    assert len(members) == 3 and len(set(members)) == 3, members
+    assert c.nodes[leader].name in members
+    outsiders = [i for i in range(5) if c.nodes[i].name not in members]
+    assert len(outsiders) == 2
+
+    history = History()
+    ids = [f"m-{k}" for k in range(100)]
+    publish_with_retry(c, [outsiders[0]], queue, ids[:50], history)
+    c.kill9(leader)
+    new_leader = c.wait_for_leader(queue, exclude={leader}, deadline=LEADER_DEADLINE)
+    assert c.nodes[new_leader].name in members and new_leader != leader
+    publish_with_retry(c, [outsiders[0]], queue, ids[50:], history)
+    drain_until(c, [outsiders[1]], queue, history, ids, deadline=45.0)
+    sweep(c, [outsiders[1]], queue, history)
+    assert_check(history, c, queue, ids)
+
+
+# ---------------------------------------------------------------------------------------------
+# the total-queue checker
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(int(CHECK_RUNS * (CHECK_SECONDS + 240)))
+def test_total_queue_checker_under_kills_and_pauses(cluster_factory, capsys):
+    """Under random kill -9/restart and SIGSTOP/SIGCONT faults, with two confirmed
+    publishers and an acking consumer on rotating nodes, no confirmed message is lost, none
+    appears that was never published, and duplicates occur only for redelivered or
+    republished ids."""
+    runs, failures = [], []
+    for run in range(CHECK_RUNS):
+        cluster = cluster_factory(CHECK_NODES)
+        seed = None if CHECK_SEED is None else CHECK_SEED + run
+        r = run_total_queue_check(cluster, seconds=CHECK_SECONDS, seed=seed,
+                                  kinds=CHECK_FAULTS)
+        runs.append(r)
+        res = r["result"]
+        log(f"run {run}: seed={r['seed']} faults={dict(r['faults'])} {res.summary()} "
+            f"stats={dict(r['stats'])}")
+        log(f"run {run}: fault log (t, kind, node, was leader, held s, recovered s): "
+            f"{r['fault_log']}")
+        problems = list(r["errors"])
+        if not res.ok:
+            problems.append(res.describe())
+        if res.confirmed < 50:
+            problems.append(f"only {res.confirmed} messages confirmed: no real workload")
+        if sum(r["faults"].values()) == 0:
+            problems.append("no fault was applied")
+        if problems:
+            cluster.keep = True
+            failures.append(f"run {run} (seed {r['seed']}, {cluster.root}):\n" +
+                            "\n".join(problems))
+        cluster.close()    # keeps the directory of a failed run (history and logs)
+    with capsys.disabled():
+        print("\n" + summarize(runs))
+    assert not failures, "\n\n".join(failures)
