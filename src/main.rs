@@ -82,8 +82,17 @@ fn main() -> ExitCode {
 /// A filter that does not parse is refused (exit 2) rather than replaced: an operator who asked
 /// for `warren_store=debug` must not silently get `info`.
 fn init_logging(level: &str, format: config::LogFormat) -> Result<(), String> {
-    let filter = tracing_subscriber::EnvFilter::try_new(level)
+    let mut filter = tracing_subscriber::EnvFilter::try_new(level)
         .map_err(|e| format!("invalid --log-level '{level}': {e}"))?;
+    if !level.contains("openraft") {
+        // openraft narrates every election and replication step at info: its warnings are
+        // what an operator needs, unless asked for more (`--log-level info,openraft=info`).
+        filter = filter.add_directive(
+            "openraft=warn"
+                .parse()
+                .map_err(|e| format!("openraft filter: {e}"))?,
+        );
+    }
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -157,7 +157,11 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     }
     let node = warren_management::NodeInfo {
         message_size_max: cfg.limits.message_size_max,
-        node: format!("warren@{}", hostname()),
+        // A cluster node is known by its cluster name (queue leaders and members name it).
+        node: cfg
+            .cluster
+            .as_ref()
+            .map_or_else(|| format!("warren@{}", hostname()), |c| c.node_name.clone()),
         cluster_name: "warren".into(),
         listeners: std::iter::once(("amqp".to_string(), local))
             .chain(

@@ -106,11 +106,9 @@ pub struct DecodeError(pub String);
 /// A damaged or truncated record.
 pub fn decode_message(bytes: &[u8]) -> Result<Message, DecodeError> {
     const HEADER: usize = 8;
-    let (Some(len), Some(crc), Some(payload)) = (
-        bytes.get(0..4),
-        bytes.get(4..8),
-        bytes.get(HEADER..),
-    ) else {
+    let (Some(len), Some(crc), Some(payload)) =
+        (bytes.get(0..4), bytes.get(4..8), bytes.get(HEADER..))
+    else {
         return Err(DecodeError("truncated".into()));
     };
     let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
@@ -184,7 +182,11 @@ mod tests {
         let mut bytes = encode_message(&m);
         let back = decode_message(&bytes).unwrap();
         assert_eq!(
-            (back.exchange.as_str(), back.routing_key.as_str(), &back.body[..]),
+            (
+                back.exchange.as_str(),
+                back.routing_key.as_str(),
+                &back.body[..]
+            ),
             ("ex", "rk", &b"hello"[..])
         );
         assert!(back.properties.persistent());

@@ -160,7 +160,11 @@ async fn main() -> anyhow::Result<()> {
                     .collect();
                 let t = Instant::now();
                 if leader
-                    .client_write(QueueRequest { at, commands, meta: Vec::new() })
+                    .client_write(QueueRequest {
+                        at,
+                        commands,
+                        meta: Vec::new(),
+                    })
                     .await
                     .is_err()
                 {

@@ -30,7 +30,7 @@ use warren_broker::message::Entry;
 use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 use warren_broker::replication::{
-    ClusterHooks, Placement, ReplicaDone, Replicator, Replies, ReplicationError, decode_entry,
+    ClusterHooks, Placement, ReplicaDone, ReplicationError, Replicator, Replies, decode_entry,
     encode_entry,
 };
 use warren_store::writer::Completion;
@@ -155,7 +155,9 @@ impl ClusterNode {
         names.sort_unstable();
         names.dedup();
         if names.len() != config.peers.len() {
-            return Err(NodeError::Config("a node name appears twice in --peers".into()));
+            return Err(NodeError::Config(
+                "a node name appears twice in --peers".into(),
+            ));
         }
         let Some(index) = names.iter().position(|n| *n == config.name) else {
             return Err(NodeError::Config(format!(
@@ -288,7 +290,11 @@ impl ClusterNode {
             })
             .collect();
         ranked.sort_unstable();
-        ranked.into_iter().take(size.max(1)).map(|(_, id)| id).collect()
+        ranked
+            .into_iter()
+            .take(size.max(1))
+            .map(|(_, id)| id)
+            .collect()
     }
 
     /// A metadata change committed: serve or drop the queue here.
@@ -332,10 +338,12 @@ impl ClusterNode {
                     }
                     let gid = replica.group.clone();
                     self.groups.remove(&gid);
-                    let raft = replica.raft.clone();
+                    let raft = replica.raft.get().cloned();
                     let path = self.queue_log_path(*incarnation);
                     tokio::spawn(async move {
-                        let _ = raft.shutdown().await;
+                        if let Some(raft) = raft {
+                            let _ = raft.shutdown().await;
+                        }
                         // The log of a deleted incarnation is never read again.
                         let _ = std::fs::remove_file(path);
                     });
@@ -389,6 +397,18 @@ impl ClusterNode {
             name: format!("{}/{}", record.vhost, record.name),
             incarnation,
         };
+        // The queue is a replica before its log replays into it (Raft::new applies what
+        // was committed), so replayed deliveries to consumers of elsewhere are left alone.
+        let replica = Arc::new(QueueReplica {
+            node: Arc::downgrade(self),
+            group: group.clone(),
+            raft: OnceLock::new(),
+            forwarder: OnceLock::new(),
+            queue: Arc::clone(&queue),
+            members: members.to_vec(),
+            downed: Mutex::new(Vec::new()),
+        });
+        queue.attach_replica(Arc::clone(&replica) as Arc<dyn Replicator>);
         let path = self.queue_log_path(incarnation);
         let log = LogStore::open(&path).map_err(|e| NodeError::Log(path.clone(), e))?;
         let raft = Raft::new(
@@ -403,22 +423,9 @@ impl ClusterNode {
         .await
         .map_err(|e| NodeError::Io(e.to_string()))?;
         let proposer = self.groups.insert(group.clone(), raft.clone());
-        let forwarder = Forwarder::start(
-            Arc::downgrade(self),
-            group.clone(),
-            raft.clone(),
-            proposer,
-        );
-        let replica = Arc::new(QueueReplica {
-            node: Arc::downgrade(self),
-            group,
-            raft: raft.clone(),
-            forwarder,
-            queue: Arc::clone(&queue),
-            members: members.to_vec(),
-            downed: Mutex::new(Vec::new()),
-        });
-        queue.attach_replica(Arc::clone(&replica) as Arc<dyn Replicator>);
+        let forwarder = Forwarder::start(Arc::downgrade(self), group, raft.clone(), proposer);
+        let _ = replica.raft.set(raft.clone());
+        let _ = replica.forwarder.set(forwarder);
         self.queues
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -459,12 +466,13 @@ impl ClusterHooks for ClusterNode {
     }
 
     fn declare_quorum(&self, queue: Arc<Queue>, done: Completion) {
-        let incarnation = self.broker.next_id() ^ node_id(&format!(
-            "{}/{}/{}",
-            queue.vhost,
-            queue.name,
-            warren_broker::timers::wall_ms()
-        ));
+        let incarnation = self.broker.next_id()
+            ^ node_id(&format!(
+                "{}/{}/{}",
+                queue.vhost,
+                queue.name,
+                warren_broker::timers::wall_ms()
+            ));
         let size = queue
             .arguments
             .inner()
@@ -680,8 +688,10 @@ fn wire(entry: &Entry) -> Result<ReplicatedMessage, warren_broker::replication::
 struct QueueReplica {
     node: Weak<ClusterNode>,
     group: GroupId,
-    raft: Raft<QueueRaft>,
-    forwarder: Forwarder,
+    /// Set once the group's Raft instance is up (after its log replayed into the queue).
+    raft: OnceLock<Raft<QueueRaft>>,
+    /// Set with `raft`; submissions before it fail as unavailable.
+    forwarder: OnceLock<Forwarder>,
     queue: Arc<Queue>,
     members: Vec<NodeId>,
     /// Nodes whose consumers this replica (as leader) already returned, until heard again.
@@ -708,7 +718,11 @@ impl Replicator for QueueReplica {
                 }
             }
         }
-        self.forwarder.send(
+        let Some(forwarder) = self.forwarder.get() else {
+            done(Err(ReplicationError::Unavailable));
+            return;
+        };
+        forwarder.send(
             Forwarded {
                 commands: wired,
                 meta: Vec::new(),
@@ -732,9 +746,10 @@ impl Replicator for QueueReplica {
     }
 
     fn is_leader(&self) -> bool {
-        self.node
-            .upgrade()
-            .is_some_and(|n| self.raft.metrics().borrow().current_leader == Some(n.me))
+        let (Some(node), Some(raft)) = (self.node.upgrade(), self.raft.get()) else {
+            return false;
+        };
+        raft.metrics().borrow().current_leader == Some(node.me)
     }
 
     fn local_node(&self) -> u64 {
@@ -745,7 +760,10 @@ impl Replicator for QueueReplica {
         let Some(node) = self.node.upgrade() else {
             return Placement::default();
         };
-        let leader = self.raft.metrics().borrow().current_leader;
+        let leader = self
+            .raft
+            .get()
+            .and_then(|r| r.metrics().borrow().current_leader);
         Placement {
             leader: leader.and_then(|l| node.peer_name(l)),
             members: self
@@ -758,8 +776,7 @@ impl Replicator for QueueReplica {
 }
 
 /// Called once with the leader's replies to a forwarded request.
-type ForwardDone =
-    Box<dyn FnOnce(Result<crate::tcp::ForwardReplies, ReplicationError>) + Send>;
+type ForwardDone = Box<dyn FnOnce(Result<crate::tcp::ForwardReplies, ReplicationError>) + Send>;
 
 /// Sends a group's submissions to its leader, in submission order: proposed here when this
 /// replica leads, else batched into forward requests to the leader (one in flight).
@@ -973,10 +990,12 @@ async fn watch_peers(node: Weak<ClusterNode>) {
                     continue;
                 }
                 // A peer never heard from since this node started is silent after a while.
-                let silent = crate::tcp::silent_for(id)
-                    .unwrap_or_else(|| node.started.elapsed())
+                let silent = crate::tcp::silent_for(id).unwrap_or_else(|| node.started.elapsed())
                     > DOWN_AFTER;
-                let mut downed = replica.downed.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut downed = replica
+                    .downed
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
                 match (silent, downed.contains(&id)) {
                     (true, false) => {
                         if let Some(number) = node.peer_number(id) {

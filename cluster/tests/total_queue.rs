@@ -63,7 +63,11 @@ async fn try_write(
     };
     match tokio::time::timeout(
         WRITE_TIMEOUT,
-        n.raft.client_write(QueueRequest { at, commands, meta: Vec::new() }),
+        n.raft.client_write(QueueRequest {
+            at,
+            commands,
+            meta: Vec::new(),
+        }),
     )
     .await
     {

@@ -168,13 +168,16 @@ class Cluster:
         self.binary = binary or warren_binary()
         self.clustered = clustered
         self.secret = secret or uuid.uuid4().hex
-        self.log_level = log_level or os.environ.get("WARREN_CLUSTER_LOG_LEVEL", "info")
+        # openraft logs every vote and append at info: keep it to warnings unless asked.
+        self.log_level = log_level or os.environ.get("WARREN_CLUSTER_LOG_LEVEL",
+                                                     "info,openraft=warn")
         self.extra_args = list(extra_args)
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="warren-cluster-"))
         self.keep = (os.environ.get("WARREN_CLUSTER_KEEP") == "1") if keep is None else keep
         self.nodes = [Node(i, self.root) for i in range(n)]
         self.peers = ",".join(f"{x.name}@127.0.0.1:{x.cluster_port}" for x in self.nodes)
         self.events = []   # (monotonic time, text): what the harness did, for failure reports
+        self.past_crashes = []   # (index, return code) of crashes since restarted
 
     def __len__(self):
         return len(self.nodes)
@@ -219,6 +222,10 @@ class Cluster:
         """Start node i on its ports and data dir (its log file is appended to)."""
         node = self.nodes[i]
         assert not node.running, f"{node.name} is already running"
+        if node.proc is not None and not node.expected_exit:
+            # It died on its own; remember that before a restart hides it.
+            self.past_crashes.append((i, node.proc.returncode))
+            self._event(f"{node.name} had exited on its own rc={node.proc.returncode}")
         node.starts += 1
         with open(node.log_path, "ab") as logf:
             logf.write(f"\n===== harness: start #{node.starts} of {node.name} at "
@@ -310,9 +317,11 @@ class Cluster:
         return [i for i, x in enumerate(self.nodes) if x.up and i not in exclude]
 
     def crashed(self):
-        """Nodes that exited without the harness stopping them: [(index, return code)]."""
-        return [(i, x.proc.returncode) for i, x in enumerate(self.nodes)
-                if x.proc is not None and x.proc.poll() is not None and not x.expected_exit]
+        """Nodes that exited without the harness stopping them, including those restarted
+        since: [(index, return code)]."""
+        return self.past_crashes + [
+            (i, x.proc.returncode) for i, x in enumerate(self.nodes)
+            if x.proc is not None and x.proc.poll() is not None and not x.expected_exit]
 
     def close(self, remove=None):
         """Kill every node; remove the directory unless keep (WARREN_CLUSTER_KEEP=1) or

@@ -856,7 +856,7 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
     let s = q.stats();
     let policy = vh.policy_for(PolicyKind::User, &q.name, q.policy_kind());
     let operator = vh.policy_for(PolicyKind::Operator, &q.name, q.policy_kind());
-    json!({
+    let mut v = json!({
         "name": q.name,
         "vhost": vh.name,
         "policy": policy.as_ref().map(|p| &p.def.name),
@@ -882,7 +882,16 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
         "message_stats": message_stats_json(&queue_message_stats(&s.counters), rates, false),
         // Warren's own: how long the head of the queue has waited (null when nothing is ready).
         "oldest_ready_message_age_ms": s.oldest_ready_age_ms,
-    })
+    });
+    if let (Some(replica), Some(obj)) = (q.replica(), v.as_object_mut()) {
+        // rabbit_quorum_queue's fields: the queue's node is its leader.
+        let p = replica.placement();
+        obj.insert("leader".into(), json!(p.leader));
+        obj.insert("node".into(), json!(p.leader));
+        obj.insert("online".into(), json!(p.members));
+        obj.insert("members".into(), json!(p.members));
+    }
+    v
 }
 
 /// The per-queue rates, read once for a whole listing.

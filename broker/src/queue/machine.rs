@@ -817,8 +817,12 @@ impl<M: MessageRef> QueueMachine<M> {
             }
             Command::Down { node, before } => {
                 let of_node = |c: ConsumerId| consumer_node(c) == node && c < before;
-                let mut gone: Vec<ConsumerId> =
-                    self.consumers.keys().copied().filter(|c| of_node(*c)).collect();
+                let mut gone: Vec<ConsumerId> = self
+                    .consumers
+                    .keys()
+                    .copied()
+                    .filter(|c| of_node(*c))
+                    .collect();
                 gone.sort_unstable();
                 for c in gone {
                     let _ = self.apply(now_ms, Command::Cancel(c), effects);

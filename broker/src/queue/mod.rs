@@ -27,7 +27,7 @@ use crate::exchange::RoutingHeaders;
 use crate::limiter::{Limiter, Wake};
 use crate::message::{Entry, Message, Outgoing};
 use crate::outbox::{Delivery, Outbound, Outbox};
-use crate::replication::{Replicator, Replies, ReplicationError};
+use crate::replication::{ReplicationError, Replicator, Replies};
 use crate::vhost::OnCommit;
 use machine::{
     Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, Overflow, QueueMachine,
@@ -346,7 +346,9 @@ impl Queue {
             st.dead_letter = settings.dead_letter;
             st.expires = settings.expires;
             match self.replica() {
-                Some(replica) => self.submit_quietly(replica, vec![Command::Configure(settings.config)]),
+                Some(replica) => {
+                    self.submit_quietly(replica, vec![Command::Configure(settings.config)])
+                }
                 None => {
                     let _ = self.run(&mut st, Command::Configure(settings.config));
                 }
@@ -865,7 +867,9 @@ impl Queue {
             let mut st = self.state.lock();
             // The local replica may lag by an entry or two; a conflict it already sees is
             // certain, the commit decides the rest.
-            if st.machine.has_exclusive_consumer() || (spec.exclusive && st.machine.consumer_count() > 0) {
+            if st.machine.has_exclusive_consumer()
+                || (spec.exclusive && st.machine.consumer_count() > 0)
+            {
                 return Err(MachineError::ExclusiveInUse);
             }
             st.sinks.insert(id, sink.clone());
@@ -1103,7 +1107,9 @@ impl Queue {
 
 /// A replicated submission's outcome as the store's completions see it: a refusal or a lost
 /// leader is a failed write, so its publisher is nacked.
-fn replicated_outcome(r: Result<Replies, ReplicationError>) -> Result<Replies, Arc<warren_store::StoreError>> {
+fn replicated_outcome(
+    r: Result<Replies, ReplicationError>,
+) -> Result<Replies, Arc<warren_store::StoreError>> {
     r.map_err(|e| Arc::new(warren_store::StoreError::Replication(e.to_string())))
 }
 
@@ -1164,7 +1170,11 @@ pub fn publish_routed(
 struct Join {
     /// The caller's completion, the parts still running (plus one until sealed), the first
     /// failure.
-    inner: parking_lot::Mutex<(Option<Completion>, usize, Option<Arc<warren_store::StoreError>>)>,
+    inner: parking_lot::Mutex<(
+        Option<Completion>,
+        usize,
+        Option<Arc<warren_store::StoreError>>,
+    )>,
 }
 
 impl Join {

@@ -120,17 +120,36 @@ fn down_returns_what_the_nodes_consumers_held_and_detaches_them() {
     for i in 0..6 {
         q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
     }
-    q.apply(0, Command::Checkout(node1 + 1, spec(2)), &mut fx).unwrap();
-    q.apply(0, Command::Checkout(node1 + 2, spec(1)), &mut fx).unwrap();
-    q.apply(0, Command::Checkout(node2 + 1, spec(1)), &mut fx).unwrap();
+    q.apply(0, Command::Checkout(node1 + 1, spec(2)), &mut fx)
+        .unwrap();
+    q.apply(0, Command::Checkout(node1 + 2, spec(1)), &mut fx)
+        .unwrap();
+    q.apply(0, Command::Checkout(node2 + 1, spec(1)), &mut fx)
+        .unwrap();
     assert_eq!(q.unacked_len(), 4);
     // One of node 1's consumers was cancelled; its delivery is still out.
     q.apply(0, Command::Cancel(node1 + 2), &mut fx).unwrap();
     fx.clear();
     // A Down for node 1's previous run (ids below node1 + 1) takes nothing of this one.
-    q.apply(0, Command::Down { node: 1, before: node1 + 1 }, &mut fx).unwrap();
+    q.apply(
+        0,
+        Command::Down {
+            node: 1,
+            before: node1 + 1,
+        },
+        &mut fx,
+    )
+    .unwrap();
     assert_eq!(q.consumer_count(), 3);
-    q.apply(0, Command::Down { node: 1, before: u64::MAX }, &mut fx).unwrap();
+    q.apply(
+        0,
+        Command::Down {
+            node: 1,
+            before: u64::MAX,
+        },
+        &mut fx,
+    )
+    .unwrap();
     assert_eq!(q.consumer_count(), 1, "only node 2's consumer is left");
     assert_eq!(q.unacked_len(), 1);
     assert_eq!(q.ready_len(), 5);
