@@ -22,7 +22,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// Run the broker.
-    Server(config::ServerArgs),
+    Server(Box<config::ServerArgs>),
     /// Manage a running broker (rabbitmqctl-style subcommands).
     Ctl {
         /// The broker's data directory (its admin socket lives there).
@@ -44,7 +44,7 @@ fn main() -> ExitCode {
             }
         },
         Cmd::Server(args) => {
-            let cfg = match config::ServerConfig::load(args) {
+            let cfg = match config::ServerConfig::load(*args) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("warren: {e:#}");

@@ -58,6 +58,20 @@ pub enum Outbound {
         /// The reply.
         message: Arc<crate::message::Message>,
     },
+    /// The reply to a basic.get on a replicated queue (it commits before it is known).
+    Got {
+        /// Channel of the get.
+        channel: u16,
+        /// That channel's incarnation.
+        epoch: u64,
+        /// The queue.
+        queue: Arc<crate::queue::Queue>,
+        /// basic.get no-ack.
+        no_ack: bool,
+        /// The message, its redelivered flag, the ready count after it and its delivery
+        /// count; None: the queue was empty.
+        got: Option<crate::queue::Got>,
+    },
     /// A metadata change (or tx commit) this connection waits for is durable (`ok`) or failed.
     Committed {
         /// Whether the store committed it.

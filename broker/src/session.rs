@@ -437,9 +437,7 @@ impl Session {
         // Deliveries that raced with the close go back to their queues.
         self.ctx.outbox.drain(&mut self.drained);
         for item in self.drained.drain(..) {
-            if let Outbound::Deliver(d) = item {
-                d.queue.requeue(vec![d.id]);
-            }
+            requeue_undelivered(item);
         }
         self.ctx.vhost.delete_exclusive_queues(self.ctx.conn_id);
         if self.ctx.counted {
@@ -536,6 +534,29 @@ impl Session {
                 done @ (Outbound::Committed { .. } | Outbound::Confirmed { .. }) => {
                     self.store_completion(&done);
                 }
+                Outbound::Got {
+                    channel,
+                    epoch,
+                    queue,
+                    no_ack,
+                    got,
+                } => match self.channels.get_mut(&channel) {
+                    Some(chan) if chan.epoch == epoch => {
+                        if let Err(e) =
+                            write_get(&self.ctx, chan, channel, &queue, no_ack, got, out)
+                        {
+                            tracing::error!(queue = %queue.name, error = %e.text, "basic.get reply");
+                            self.store_failed = true;
+                        }
+                    }
+                    _ => requeue_undelivered(Outbound::Got {
+                        channel,
+                        epoch,
+                        queue,
+                        no_ack,
+                        got,
+                    }),
+                },
             }
         }
         self.drained = items;
@@ -613,9 +634,10 @@ impl Session {
         let mut items = std::mem::take(&mut self.drained);
         for item in items.drain(..) {
             match item {
-                Outbound::Deliver(d) => d.queue.requeue(vec![d.id]),
-                Outbound::Cancel { .. } => {}
-                done => self.store_completion(&done),
+                done @ (Outbound::Committed { .. } | Outbound::Confirmed { .. }) => {
+                    self.store_completion(&done);
+                }
+                other => requeue_undelivered(other),
             }
         }
         self.drained = items;
@@ -1808,61 +1830,26 @@ fn handle_basic(
             let name = expand_queue_name(chan, g.queue.as_str())?;
             ctx.allow(Perm::Read, Resource::Queue, &name)?;
             let q = usable_queue(ctx, &name)?;
-            match q.get(g.no_ack) {
-                None => {
-                    ctx.count(|s| s.get_empty += 1);
-                    reply(
-                        out,
-                        ch,
-                        AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
-                    )
-                }
-                Some((id, msg, redelivered, remaining, delivery_count)) => {
-                    let tag = chan.next_tag;
-                    chan.next_tag += 1;
-                    ctx.count(|s| {
-                        s.got += 1;
-                        s.got_no_ack += u64::from(g.no_ack);
-                        s.redelivered += u64::from(redelivered);
-                    });
-                    if !g.no_ack {
-                        let deadline = consumer_deadline(ctx, &q);
-                        chan.track(
-                            tag,
-                            Unacked {
-                                queue: Arc::clone(&q),
-                                id,
-                                counted: false,
-                                deadline,
-                            },
-                        );
-                    }
-                    let msg = msg.load().map_err(|e| {
-                        tracing::error!(queue = %q.name, error = %e, "cannot read a stored message");
-                        AmqpError::connection(ReplyCode::InternalError, "cannot read a stored message")
-                    })?;
-                    out.method_with(ch, |b| {
-                        put_basic_get_ok(
-                            b,
-                            tag,
-                            redelivered,
-                            msg.exchange(),
-                            msg.routing_key(),
-                            remaining,
-                        );
-                    });
-                    if delivery_count > 0 && q.is_quorum {
-                        let props = crate::deadletter::with_delivery_count(
-                            msg.properties(),
-                            delivery_count,
-                        );
-                        out.content(ch, &props, msg.body());
-                    } else {
-                        out.content(ch, msg.properties(), msg.body());
-                    }
-                }
+            if q.is_replicated() {
+                // Its reply comes with the commit (see `Outbound::Got`).
+                let (outbox, epoch, no_ack) = (Arc::clone(&ctx.outbox), chan.epoch, g.no_ack);
+                let queue = Arc::clone(&q);
+                q.get_replicated(
+                    no_ack,
+                    Box::new(move |got| {
+                        outbox.push(Outbound::Got {
+                            channel: ch,
+                            epoch,
+                            queue,
+                            no_ack,
+                            got,
+                        });
+                    }),
+                );
+                return Ok(());
             }
-            Ok(())
+            let got = q.get(g.no_ack);
+            write_get(ctx, chan, ch, &q, g.no_ack, got, out)
         }
         basic::AMQPMethod::Recover(r) => {
             recover(chan, r.requeue)?;
@@ -1878,6 +1865,86 @@ fn handle_basic(
             ReplyCode::CommandInvalid,
             "unimplemented method",
         )),
+    }
+}
+
+/// Write basic.get-ok (tracking the delivery unless no-ack) or basic.get-empty.
+fn write_get(
+    ctx: &Ctx,
+    chan: &mut Channel,
+    ch: u16,
+    q: &Arc<Queue>,
+    no_ack: bool,
+    got: Option<crate::queue::Got>,
+    out: &mut FrameWriter,
+) -> Result<(), AmqpError> {
+    match got {
+        None => {
+            ctx.count(|s| s.get_empty += 1);
+            reply(
+                out,
+                ch,
+                AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
+            )
+        }
+        Some((id, msg, redelivered, remaining, delivery_count)) => {
+            let tag = chan.next_tag;
+            chan.next_tag += 1;
+            ctx.count(|s| {
+                s.got += 1;
+                s.got_no_ack += u64::from(no_ack);
+                s.redelivered += u64::from(redelivered);
+            });
+            if !no_ack {
+                let deadline = consumer_deadline(ctx, q);
+                chan.track(
+                    tag,
+                    Unacked {
+                        queue: Arc::clone(q),
+                        id,
+                        counted: false,
+                        deadline,
+                    },
+                );
+            }
+            let msg = msg.load().map_err(|e| {
+                tracing::error!(queue = %q.name, error = %e, "cannot read a stored message");
+                AmqpError::connection(ReplyCode::InternalError, "cannot read a stored message")
+            })?;
+            out.method_with(ch, |b| {
+                put_basic_get_ok(
+                    b,
+                    tag,
+                    redelivered,
+                    msg.exchange(),
+                    msg.routing_key(),
+                    remaining,
+                );
+            });
+            if delivery_count > 0 && q.is_quorum {
+                let props =
+                    crate::deadletter::with_delivery_count(msg.properties(), delivery_count);
+                out.content(ch, &props, msg.body());
+            } else {
+                out.content(ch, msg.properties(), msg.body());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// An outbox item the connection will not write (it is closing, or the channel is gone): a
+/// message it holds goes back to its queue.
+fn requeue_undelivered(item: Outbound) {
+    match item {
+        Outbound::Deliver(d) => d.queue.requeue(vec![d.id]),
+        Outbound::Got {
+            queue,
+            no_ack: false,
+            got: Some((id, ..)),
+            ..
+        } => queue.requeue(vec![id]),
+        _ => {}
     }
 }
 

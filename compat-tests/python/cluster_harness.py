@@ -452,7 +452,10 @@ class Cluster:
                         line += " queue: 404"
                     else:
                         line += (f" queue: type={info.get('type')} leader={info.get('leader')} "
-                                 f"members={info.get('members')} messages={info.get('messages')}")
+                                 f"members={info.get('members')} messages={info.get('messages')}"
+                                 f" (ready {info.get('messages_ready')}, unacked "
+                                 f"{info.get('messages_unacknowledged')}) consumers="
+                                 f"{info.get('consumers')}")
                 except OSError as e:
                     line += f" queue: no answer ({e})"
             lines.append(line)
@@ -794,6 +797,7 @@ def publish_with_retry(cluster, nodes, queue, ids, history, deadline=60.0, confi
             except (pika.exceptions.NackError, pika.exceptions.UnroutableError) as e:
                 history.retry(mid, f"{type(e).__name__} via {cluster.nodes[node].name}")
                 k += 1
+                time.sleep(0.05)   # an election: do not spin on nacks
             except CLIENT_ERRORS as e:
                 history.retry(mid, f"{type(e).__name__} via {cluster.nodes[node].name}")
                 safe_close(conn)
@@ -841,36 +845,52 @@ def drain_until(cluster, nodes, queue, history, want, deadline=30.0, via="drain"
             safe_close(conn)
 
 
-def sweep(cluster, nodes, queue, history, deadline=30.0, via="sweep"):
-    """basic.get everything left in `queue` (recording and acking) until a get finds nothing
-    and the leader's management API reports 0 messages. Returns the number fetched."""
+def queue_depth(cluster, queue, fallback_node):
+    """`messages` (ready + unacked) as the leader's management API reports it (or
+    fallback_node's, when no leader is known); raises OSError if it does not answer."""
+    leader = cluster.leader_of(queue)
+    info = cluster.queue_info(leader if leader is not None else fallback_node, queue)
+    return None if info is None else info.get("messages")
+
+
+def sweep(cluster, nodes, queue, history, deadline=30.0, via="sweep", prefetch=50):
+    """Consume whatever is left in `queue` through `nodes` (recording and acking every
+    delivery) until the leader's management API reports 0 messages. Returns the number
+    delivered. (A consumer, not basic.get: it also receives messages that come back from a
+    dead node's consumers while it runs.)"""
     end = time.monotonic() + deadline
-    got, k = 0, 0
+    fetched, k = [], 0
     while True:
-        if time.monotonic() > end:
-            raise AssertionError(f"sweep of {queue} did not empty it within {deadline}s\n"
-                                 f"{cluster.describe(queue)}")
         node = nodes[k % len(nodes)]
         conn = None
         try:
             conn = cluster.connect(node)
             ch = conn.channel()
-            while True:
-                method, _props, body = ch.basic_get(queue, auto_ack=False)
-                if method is None:
-                    break
+            ch.basic_qos(prefetch_count=prefetch)
+
+            def on_message(c, method, props, body, node=node):
                 history.deliver(body_id(body), method.redelivered, cluster.nodes[node].name, via)
-                ch.basic_ack(method.delivery_tag)
-                got += 1
-            leader = cluster.leader_of(queue)
-            info = cluster.queue_info(leader if leader is not None else node, queue)
-            if info is not None and info.get("messages") == 0:
-                return got
+                c.basic_ack(method.delivery_tag)
+                fetched.append(1)
+
+            ch.basic_consume(queue, on_message)
+            while time.monotonic() < end:
+                conn.process_data_events(time_limit=0.3)
+                if queue_depth(cluster, queue, node) == 0:
+                    # Acks were sent before the depth was read; pump once more in case a
+                    # delivery raced the read, then it is empty.
+                    conn.process_data_events(time_limit=0)
+                    return len(fetched)
         except CLIENT_ERRORS:
             k += 1
+            time.sleep(0.2)
         finally:
             safe_close(conn)
-        time.sleep(0.2)
+        if time.monotonic() > end:
+            raise AssertionError(f"sweep of {queue} (consuming via "
+                                 f"{[cluster.nodes[i].name for i in nodes]}) did not empty it "
+                                 f"within {deadline}s; {len(fetched)} delivered meanwhile\n"
+                                 f"{cluster.describe(queue)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -938,6 +958,8 @@ class Publisher(Worker):
             except (pika.exceptions.NackError, pika.exceptions.UnroutableError) as e:
                 self.h.retry(mid, f"{type(e).__name__} via {self.c.nodes[self.node].name}")
                 self.stats[f"publish {type(e).__name__}"] += 1
+                # No leader (an election): back off a little instead of spinning on nacks.
+                self.stop.wait(0.05)
             except CLIENT_ERRORS as e:
                 self.h.retry(mid, f"{type(e).__name__} via {self.c.nodes[self.node].name}")
                 self.stats[f"publish {type(e).__name__}"] += 1
@@ -1132,7 +1154,7 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
         cons_stop.set()
         consumer.join(timeout=30)
         # Whatever is left (unconfirmed publishes that committed, returns of messages the
-        # consumer held when it stopped) is fetched with basic.get.
+        # consumer held when it stopped) is consumed by a last sweep.
         try:
             stats["swept after drain"] += sweep(cluster, cluster.up_nodes(), queue, history)
         except AssertionError as e:

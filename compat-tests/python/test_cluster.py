@@ -166,6 +166,32 @@ def test_publish_through_follower_consume_through_other_follower_in_order(cluste
                    what=f"{c.nodes[i].name} reporting 0 messages")
 
 
+def test_basic_get_through_every_node(cluster3):
+    """basic.get fetches a replicated queue's messages, in order, through the leader and
+    through each follower, and basic.ack of a got message settles it."""
+    c = cluster3
+    queue, leader = new_quorum_queue(c)
+    history = History()
+    ids = [f"m-{k}" for k in range(6)]
+    publish_with_retry(c, [leader], queue, ids, history)
+    got = []
+    for node in [leader] + [i for i in range(3) if i != leader]:
+        conn = c.connect(node)
+        ch = conn.channel()
+        for _ in range(2):
+            method, _props, body = eventually(
+                lambda ch=ch: ch.basic_get(queue, auto_ack=False),
+                lambda m: m[0] is not None, deadline=5.0,
+                what=f"basic.get via {c.nodes[node].name} returning a message "
+                     f"({c.describe(queue)})")
+            got.append(body.decode())
+            ch.basic_ack(method.delivery_tag)
+        conn.close()
+    assert got == ids
+    eventually(lambda: c.queue_info(leader, queue), lambda info: info["messages"] == 0,
+               what="0 messages after the acks")
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("consumer_on", ["follower", "leader"])
 def test_leader_kill9_loses_no_confirmed_message(cluster3, consumer_on):

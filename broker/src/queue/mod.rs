@@ -34,6 +34,10 @@ use machine::{
     Removal, Reply,
 };
 
+/// What basic.get took: the message id, the message, its redelivered flag, the ready count
+/// after it and its delivery count.
+pub type Got = (MsgId, Outgoing, bool, u32, u32);
+
 /// Where a consumer's deliveries go.
 #[derive(Debug, Clone)]
 pub struct ConsumerSink {
@@ -982,9 +986,30 @@ impl Queue {
         self.dead_letter_pending();
     }
 
+    /// basic.get on a replicated queue: proposed like any command, `done` gets what the
+    /// committed get took (None: empty, or no leader could be reached).
+    pub fn get_replicated(&self, no_ack: bool, done: Box<dyn FnOnce(Option<Got>) + Send>) {
+        let Some(replica) = self.replica() else {
+            done(None);
+            return;
+        };
+        replica.submit(
+            vec![Command::Get { no_ack }],
+            Box::new(move |r| {
+                let got = match r.as_deref() {
+                    Ok([Ok(Reply::Got(Some((id, entry, redelivered, left, count))))]) => {
+                        Some((*id, entry.pin(None), *redelivered, *left, *count))
+                    }
+                    _ => None,
+                };
+                done(got);
+            }),
+        );
+    }
+
     /// basic.get: the head message, its redelivered flag, the ready count after it and its
     /// delivery count.
-    pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<(MsgId, Outgoing, bool, u32, u32)> {
+    pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<Got> {
         if self.is_replicated() {
             // A replicated get is a log entry whose reply comes later: not served yet
             // (documented), and never taken from this replica alone.

@@ -170,7 +170,11 @@ impl Cluster {
     ) -> Vec<Reply<ReplicatedMessage>> {
         let resp = self.nodes[&leader]
             .raft
-            .client_write(QueueRequest { at, commands })
+            .client_write(QueueRequest {
+                at,
+                commands,
+                meta: Vec::new(),
+            })
             .await
             .expect("the write commits on a majority");
         resp.data
