@@ -140,7 +140,7 @@ fn down_returns_what_the_nodes_consumers_held_and_detaches_them() {
         &mut fx,
     )
     .unwrap();
-    assert_eq!(q.consumer_count(), 3);
+    assert_eq!((q.consumer_count(), q.unacked_len()), (2, 4));
     q.apply(
         0,
         Command::Down {
