@@ -69,6 +69,10 @@ def main():
         res = r["result"]
         log(f"run {run}: seed={r['seed']} faults={dict(r['faults'])} {res.summary()}")
         log(f"run {run}: stats={dict(r['stats'])}")
+        log(f"run {run}: fault log (t, kind, node, was leader, held s, recovered s): "
+            f"{r['fault_log']}")
+        if r["consumer_cancels"]:
+            log(f"run {run}: basic.cancel from the broker (t, node): {r['consumer_cancels']}")
         if r["errors"] or not res.ok:
             failed.append(run)
             log(f"run {run} FAILED (directory kept: {cluster.root})")

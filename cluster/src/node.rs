@@ -22,7 +22,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
-use openraft::{BasicNode, Config, Raft, RaftNetworkFactory};
+use openraft::{BasicNode, Config, Raft};
 use tokio::sync::mpsc;
 use warren_broker::Broker;
 use warren_broker::durable::QueueRecord;
@@ -38,7 +38,9 @@ use warren_store::writer::Completion;
 use crate::group::{Applied, GroupStateMachine};
 use crate::log_store::LogStore;
 use crate::proposer::{ProposeError, Proposer};
-use crate::tcp::{Forwarded, GroupId, Groups, Secret, TcpConnection, TcpNetwork};
+use crate::tcp::{
+    FORWARDS_IN_FLIGHT_MAX, ForwardLink, Forwarded, GroupId, Groups, Secret, TcpNetwork,
+};
 use crate::types::{MetaChange, NodeId, QueueRaft, QueueRequest, QueueResponse, ReplicatedMessage};
 
 /// A peer is down once it has been silent this long (several election timeouts).
@@ -388,10 +390,9 @@ impl ClusterNode {
         let Some(vhost) = self.broker.vhost(&record.vhost) else {
             return Err(NodeError::Config(format!("no vhost {}", record.vhost)));
         };
-        if !members.contains(&self.me) {
-            // Not a member: this node neither stores nor serves it (documented).
-            return Ok(());
-        }
+        // A node that is not a member holds a learner: it applies the log (so it delivers
+        // to its own consumers and routes to the queue) but does not vote or count towards
+        // the majority. The leader adds it ([`add_learners`]).
         let queue = vhost.replicated_queue(self.broker.next_id(), &record.name, record.arguments);
         let group = GroupId {
             name: format!("{}/{}", record.vhost, record.name),
@@ -433,7 +434,9 @@ impl ClusterNode {
         if !vhost.insert_replicated(Arc::clone(&queue)) {
             tracing::warn!(queue = %queue.name, "a queue of that name exists here already");
         }
-        if members.iter().min() == Some(&self.me) {
+        // The top-ranked member starts the group and so usually leads it first: leaders
+        // spread over the nodes as placement does.
+        if members.first() == Some(&self.me) {
             let voters: BTreeMap<NodeId, BasicNode> = self
                 .all_members()
                 .into_iter()
@@ -722,11 +725,28 @@ impl Replicator for QueueReplica {
             done(Err(ReplicationError::Unavailable));
             return;
         };
-        forwarder.send(
+        // Acks, returns, cancels and the like change nothing when applied twice, so they are
+        // retried even when an attempt's outcome is unknown; anything is retried when
+        // nothing was appended. A consumer whose ack was lost would otherwise hold the
+        // message until its node goes down.
+        let idempotent = wired.iter().all(|c| {
+            !matches!(
+                c,
+                Command::Enqueue(_)
+                    | Command::Get { .. }
+                    | Command::Purge
+                    | Command::Restore { .. }
+            )
+        });
+        send_retrying(
+            forwarder.clone(),
             Forwarded {
                 commands: wired,
                 meta: Vec::new(),
             },
+            idempotent,
+            std::time::Instant::now() + RETRY_FOR,
+            0,
             Box::new(move |r| {
                 done(r.map(|replies| {
                     replies
@@ -775,6 +795,60 @@ impl Replicator for QueueReplica {
     }
 }
 
+/// How long a submission is retried across an election before it fails.
+pub const RETRY_FOR: Duration = Duration::from_secs(15);
+/// The pause between attempts.
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
+
+/// Send `f`, again after a pause while it failed and may be retried (see
+/// [`QueueReplica::submit`]), until `deadline`.
+fn send_retrying(
+    forwarder: Forwarder,
+    f: Forwarded,
+    idempotent: bool,
+    deadline: std::time::Instant,
+    attempt: u32,
+    done: ForwardDone,
+) {
+    let again = f.clone();
+    let next = forwarder.clone();
+    forwarder.send(
+        f,
+        Box::new(move |r| {
+            let retry = match &r {
+                Err(ReplicationError::Unavailable) => true,
+                Err(ReplicationError::Unknown(_)) => idempotent,
+                Ok(_) => false,
+            };
+            if retry && std::time::Instant::now() < deadline {
+                // On the node's runtime: a submission may come from the timer thread.
+                let runtime = next.runtime.clone();
+                runtime.spawn(async move {
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                    send_retrying(next, again, idempotent, deadline, attempt + 1, done);
+                });
+                return;
+            }
+            let r = r.map(|replies| {
+                if attempt == 0 {
+                    return replies;
+                }
+                // A retried checkout that had in fact committed before finds itself there.
+                replies
+                    .into_iter()
+                    .map(|reply| match reply {
+                        Err(ProposeError::Refused(MachineError::DuplicateConsumer)) => {
+                            Ok(Reply::Ok)
+                        }
+                        other => other,
+                    })
+                    .collect()
+            });
+            done(r);
+        }),
+    );
+}
+
 /// Called once with the leader's replies to a forwarded request.
 type ForwardDone = Box<dyn FnOnce(Result<crate::tcp::ForwardReplies, ReplicationError>) + Send>;
 
@@ -784,6 +858,7 @@ type ForwardDone = Box<dyn FnOnce(Result<crate::tcp::ForwardReplies, Replication
 struct Forwarder {
     tx: mpsc::Sender<(Forwarded, ForwardDone)>,
     node: Weak<ClusterNode>,
+    runtime: tokio::runtime::Handle,
 }
 
 impl Forwarder {
@@ -795,7 +870,11 @@ impl Forwarder {
     ) -> Self {
         let (tx, rx) = mpsc::channel(FORWARD_QUEUE_MAX);
         tokio::spawn(forward_loop(node.clone(), group, raft, proposer, rx));
-        Self { tx, node }
+        Self {
+            tx,
+            node,
+            runtime: tokio::runtime::Handle::current(),
+        }
     }
 
     /// Queue `f`; a full queue fails it at once (the caller nacks), never blocks.
@@ -814,8 +893,17 @@ async fn forward_loop(
     proposer: Proposer,
     mut rx: mpsc::Receiver<(Forwarded, ForwardDone)>,
 ) {
-    let mut conns: HashMap<NodeId, TcpConnection> = HashMap::new();
-    while let Some(first) = rx.recv().await {
+    let mut links: HashMap<NodeId, ForwardLink> = HashMap::new();
+    let slots = Arc::new(tokio::sync::Semaphore::new(FORWARDS_IN_FLIGHT_MAX));
+    let mut held: Option<(Forwarded, ForwardDone)> = None;
+    loop {
+        let first = match held.take() {
+            Some(item) => item,
+            None => match rx.recv().await {
+                Some(item) => item,
+                None => return,
+            },
+        };
         let mut batch = vec![first];
         let mut count = batch[0].0.commands.len();
         // Metadata changes go one at a time; commands batch up to the limit.
@@ -826,25 +914,30 @@ async fn forward_loop(
                     batch.push(item);
                 }
                 Ok(item) => {
-                    // Sent on its own right after this batch.
-                    send_batch(&node, &group, &raft, &proposer, &mut conns, batch).await;
-                    batch = vec![item];
+                    held = Some(item);
                     break;
                 }
                 Err(_) => break,
             }
         }
-        send_batch(&node, &group, &raft, &proposer, &mut conns, batch).await;
+        let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
+            return;
+        };
+        send_batch(&node, &group, &raft, &proposer, &mut links, batch, permit).await;
     }
 }
 
+/// Send one batch to the leader (this replica, or a peer over a pipelined link) and hand the
+/// replies out in a task of their own, so the next batch goes while this one commits.
+/// Batches are staged in order, so their commands are applied in submission order.
 async fn send_batch(
     node: &Weak<ClusterNode>,
     group: &GroupId,
     raft: &Raft<QueueRaft>,
     proposer: &Proposer,
-    conns: &mut HashMap<NodeId, TcpConnection>,
+    links: &mut HashMap<NodeId, ForwardLink>,
     batch: Vec<(Forwarded, ForwardDone)>,
+    permit: tokio::sync::OwnedSemaphorePermit,
 ) {
     let Some(me) = node.upgrade().map(|n| n.me) else {
         return;
@@ -861,81 +954,86 @@ async fn send_batch(
         request.meta.extend(f.meta);
         dones.push(done);
     }
-    let mut hint: Option<NodeId> = None;
-    let mut outcome = Err(ReplicationError::Unavailable);
-    for _attempt in 0..3 {
-        let leader = match hint.take() {
-            Some(l) => Some(l),
-            None => wait_for_leader(raft).await,
-        };
-        let Some(leader) = leader else {
-            break;
-        };
-        if leader == me {
-            outcome = match crate::tcp::propose_here(raft, proposer, request.clone()).await {
-                Ok(r) => Ok(r),
-                Err(ProposeError::NotLeader(l)) => {
-                    hint = l.filter(|l| *l != me);
-                    continue;
+    let meta = !request.meta.is_empty();
+    let finish = move |outcome: Result<crate::tcp::ForwardReplies, ReplicationError>| {
+        drop(permit);
+        match outcome {
+            Ok(replies) if !meta => {
+                let mut replies = replies.into_iter();
+                for (done, n) in dones.into_iter().zip(lengths) {
+                    done(Ok(replies.by_ref().take(n).collect()));
                 }
-                Err(e) => Err(ReplicationError::Unknown(e.to_string())),
-            };
-            break;
-        }
-        let conn = match conns.entry(leader) {
-            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::hash_map::Entry::Vacant(v) => {
-                let addr = raft
-                    .metrics()
-                    .borrow()
-                    .membership_config
-                    .membership()
-                    .get_node(&leader)
-                    .cloned();
-                let Some(addr) = addr else {
-                    break;
-                };
-                let mut net = TcpNetwork::new(me, group.clone(), node_secret(node));
-                v.insert(net.new_client(leader, &addr).await)
             }
-        };
-        match conn.forward(request.clone()).await {
-            Ok(Ok(r)) => {
-                outcome = Ok(r);
-                break;
-            }
-            Ok(Err(ProposeError::NotLeader(l))) => {
-                hint = l;
-                continue;
-            }
-            Ok(Err(e)) => {
-                outcome = Err(ReplicationError::Unknown(e.to_string()));
-                break;
+            Ok(_) => {
+                for done in dones {
+                    done(Ok(Vec::new()));
+                }
             }
             Err(e) => {
-                conns.remove(&leader);
-                outcome = Err(ReplicationError::Unknown(e.to_string()));
-                break;
+                for done in dones {
+                    done(Err(e.clone()));
+                }
+            }
+        }
+    };
+    let Some(leader) = wait_for_leader(raft).await else {
+        finish(Err(ReplicationError::Unavailable));
+        return;
+    };
+    if leader == me {
+        let staged = crate::tcp::stage_here(raft, proposer, request).await;
+        tokio::spawn(async move {
+            finish(staged.replies().await.map_err(unknown));
+        });
+        return;
+    }
+    if links.get(&leader).is_some_and(ForwardLink::is_broken) {
+        links.remove(&leader);
+    }
+    if !links.contains_key(&leader) {
+        let addr = raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .get_node(&leader)
+            .map(|n| n.addr.clone());
+        let Some(addr) = addr else {
+            finish(Err(ReplicationError::Unavailable));
+            return;
+        };
+        match ForwardLink::open(me, leader, group.clone(), addr, node_secret(node)).await {
+            Ok(link) => {
+                links.insert(leader, link);
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot reach the leader");
+                // Nothing was sent.
+                finish(Err(ReplicationError::Unavailable));
+                return;
             }
         }
     }
-    match outcome {
-        Ok(replies) if request.meta.is_empty() => {
-            let mut replies = replies.into_iter();
-            for (done, n) in dones.into_iter().zip(lengths) {
-                done(Ok(replies.by_ref().take(n).collect()));
-            }
-        }
-        Ok(_) => {
-            for done in dones {
-                done(Ok(Vec::new()));
-            }
-        }
-        Err(e) => {
-            for done in dones {
-                done(Err(e.clone()));
-            }
-        }
+    let Some(link) = links.get_mut(&leader) else {
+        finish(Err(ReplicationError::Unavailable));
+        return;
+    };
+    let rx = link.send(request).await;
+    tokio::spawn(async move {
+        let outcome = match rx.await {
+            Ok(Ok(r)) => r.map_err(unknown),
+            Ok(Err(e)) => Err(ReplicationError::Unknown(e)),
+            Err(e) => Err(ReplicationError::Unknown(e.to_string())),
+        };
+        finish(outcome);
+    });
+}
+
+/// A leader's refusal as the broker sees it: nothing appended (NotLeader) or unknown.
+fn unknown(e: ProposeError) -> ReplicationError {
+    match e {
+        ProposeError::NotLeader(_) => ReplicationError::Unavailable,
+        other => ReplicationError::Unknown(other.to_string()),
     }
 }
 
@@ -965,6 +1063,32 @@ async fn wait_for_leader(raft: &Raft<QueueRaft>) -> Option<NodeId> {
     .flatten()
 }
 
+/// As a queue's leader: every node that is neither voter nor learner yet becomes a learner.
+fn add_learners(node: &ClusterNode, replica: &QueueReplica) {
+    let Some(raft) = replica.raft.get() else {
+        return;
+    };
+    let known: Vec<NodeId> = raft
+        .metrics()
+        .borrow()
+        .membership_config
+        .nodes()
+        .map(|(id, _)| *id)
+        .collect();
+    for peer in &node.config.peers {
+        let id = node_id(&peer.name);
+        if known.contains(&id) {
+            continue;
+        }
+        let (raft, addr) = (raft.clone(), peer.addr.clone());
+        tokio::spawn(async move {
+            if let Err(e) = raft.add_learner(id, BasicNode::new(addr), false).await {
+                tracing::debug!(error = %e, "adding a learner");
+            }
+        });
+    }
+}
+
 /// Every second: for each queue this node leads, return what consumers on silent peers held.
 async fn watch_peers(node: Weak<ClusterNode>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -984,6 +1108,7 @@ async fn watch_peers(node: Weak<ClusterNode>) {
             if !replica.is_leader() {
                 continue;
             }
+            add_learners(&node, &replica);
             for peer in &node.config.peers {
                 let id = node_id(&peer.name);
                 if id == node.me {

@@ -162,7 +162,10 @@ impl Groups {
     }
 }
 
-async fn write_frame<T: Serialize>(s: &mut TcpStream, value: &T) -> Result<(), TransportError> {
+async fn write_frame<T: Serialize, W: AsyncWriteExt + Unpin>(
+    s: &mut W,
+    value: &T,
+) -> Result<(), TransportError> {
     let body = crate::codec::encode(value).map_err(|e| TransportError::Frame(e.to_string()))?;
     let len = u32::try_from(body.len())
         .ok()
@@ -173,7 +176,9 @@ async fn write_frame<T: Serialize>(s: &mut TcpStream, value: &T) -> Result<(), T
     Ok(())
 }
 
-async fn read_frame<T: DeserializeOwned>(s: &mut TcpStream) -> Result<T, TransportError> {
+async fn read_frame<T: DeserializeOwned, R: AsyncReadExt + Unpin>(
+    s: &mut R,
+) -> Result<T, TransportError> {
     let len = s.read_u32().await?;
     if len > FRAME_MAX {
         return Err(TransportError::Frame(format!("{len} bytes announced")));
@@ -262,36 +267,236 @@ pub async fn propose_here(
     proposer: &Proposer,
     f: Forwarded,
 ) -> Result<ForwardReplies, ProposeError> {
+    stage_here(raft, proposer, f).await.replies().await
+}
+
+/// A request handed to this node's proposer, its replies still to come. Staging is quick
+/// (commands join the proposer's queue, in order), so many requests can be in flight while
+/// their entries commit.
+#[derive(Debug)]
+pub enum Staged {
+    /// One pending reply per command.
+    Commands(Vec<crate::proposer::Pending>),
+    /// A metadata entry being written.
+    Meta(tokio::task::JoinHandle<Result<ForwardReplies, ProposeError>>),
+    /// Failed before anything was proposed.
+    Failed(ProposeError),
+}
+
+impl Staged {
+    /// Wait for the replies.
+    ///
+    /// # Errors
+    /// As [`propose_here`].
+    pub async fn replies(self) -> Result<ForwardReplies, ProposeError> {
+        match self {
+            Self::Failed(e) => Err(e),
+            Self::Meta(h) => h
+                .await
+                .unwrap_or_else(|e| Err(ProposeError::Unknown(e.to_string()))),
+            Self::Commands(pending) => {
+                let mut replies = Vec::with_capacity(pending.len());
+                for p in pending {
+                    match p.reply().await {
+                        Err(ProposeError::NotLeader(l)) if replies.is_empty() => {
+                            return Err(ProposeError::NotLeader(l));
+                        }
+                        r => replies.push(r),
+                    }
+                }
+                Ok(replies)
+            }
+        }
+    }
+}
+
+/// Hand `f` to this node's replica: commands to its proposer (in order), metadata to a
+/// write of its own.
+pub async fn stage_here(raft: &Raft<QueueRaft>, proposer: &Proposer, f: Forwarded) -> Staged {
     if !f.meta.is_empty() {
-        return match raft
-            .client_write(QueueRequest {
-                at: crate::proposer::now_ms(),
-                commands: Vec::new(),
-                meta: f.meta,
-            })
-            .await
-        {
-            Ok(_) => Ok(Vec::new()),
-            Err(openraft::error::RaftError::APIError(
-                openraft::error::ClientWriteError::ForwardToLeader(l),
-            )) => Err(ProposeError::NotLeader(l.leader_id)),
-            Err(e) => Err(ProposeError::Unknown(e.to_string())),
-        };
+        let raft = raft.clone();
+        return Staged::Meta(tokio::spawn(async move {
+            match raft
+                .client_write(QueueRequest {
+                    at: crate::proposer::now_ms(),
+                    commands: Vec::new(),
+                    meta: f.meta,
+                })
+                .await
+            {
+                Ok(_) => Ok(Vec::new()),
+                Err(openraft::error::RaftError::APIError(
+                    openraft::error::ClientWriteError::ForwardToLeader(l),
+                )) => Err(ProposeError::NotLeader(l.leader_id)),
+                Err(e) => Err(ProposeError::Unknown(e.to_string())),
+            }
+        }));
     }
     let mut pending = Vec::with_capacity(f.commands.len());
     for c in f.commands {
-        pending.push(proposer.submit(c).await?);
-    }
-    let mut replies = Vec::with_capacity(pending.len());
-    for p in pending {
-        match p.reply().await {
-            Err(ProposeError::NotLeader(l)) if replies.is_empty() => {
-                return Err(ProposeError::NotLeader(l));
-            }
-            r => replies.push(r),
+        match proposer.submit(c).await {
+            Ok(p) => pending.push(p),
+            Err(e) => return Staged::Failed(e),
         }
     }
-    Ok(replies)
+    Staged::Commands(pending)
+}
+
+/// Most forwarded requests in flight on one connection.
+pub const FORWARDS_IN_FLIGHT_MAX: usize = 16;
+
+/// Serve a connection that forwards (after its first forward): requests are staged as they
+/// arrive and answered in arrival order as their entries commit, so a forwarding node keeps
+/// several batches in flight.
+async fn serve_forwards(
+    s: TcpStream,
+    raft: Raft<QueueRaft>,
+    proposer: Proposer,
+    first: Forwarded,
+) -> Result<(), TransportError> {
+    let (mut r, mut w) = s.into_split();
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Staged>(FORWARDS_IN_FLIGHT_MAX);
+    let writer = tokio::spawn(async move {
+        while let Some(staged) = rx.recv().await {
+            let response = Response::Forward(staged.replies().await);
+            if write_frame(&mut w, &response).await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut next = Some(first);
+    loop {
+        let f = match next.take() {
+            Some(f) => f,
+            None => match read_frame(&mut r).await {
+                Ok(Request::Forward(f)) => f,
+                Ok(_) => break,
+                Err(_) => break,
+            },
+        };
+        let staged = stage_here(&raft, &proposer, f).await;
+        if tx.send(staged).await.is_err() {
+            break;
+        }
+    }
+    drop(tx);
+    let _ = writer.await;
+    Ok(())
+}
+
+/// A pipelined forwarding link to a peer (see [`serve_forwards`]): requests go out as they
+/// come, and each gets its response in order.
+pub struct ForwardLink {
+    w: tokio::net::tcp::OwnedWriteHalf,
+    waiting: Arc<std::sync::Mutex<std::collections::VecDeque<ForwardWaiter>>>,
+    reader: tokio::task::JoinHandle<()>,
+}
+
+type ForwardWaiter =
+    tokio::sync::oneshot::Sender<Result<Result<ForwardReplies, ProposeError>, String>>;
+
+impl std::fmt::Debug for ForwardLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ForwardLink")
+    }
+}
+
+impl Drop for ForwardLink {
+    fn drop(&mut self) {
+        self.reader.abort();
+    }
+}
+
+impl ForwardLink {
+    /// Open and authenticate a link from `from` to peer `to` at `addr` for `group`.
+    ///
+    /// # Errors
+    /// The connection or the challenge failed.
+    pub async fn open(
+        from: NodeId,
+        to: NodeId,
+        group: GroupId,
+        addr: String,
+        secret: Secret,
+    ) -> Result<Self, TransportError> {
+        let conn = TcpConnection {
+            from,
+            to,
+            group,
+            addr,
+            secret,
+            stream: None,
+        };
+        let s = conn.connect().await?;
+        let (mut r, w) = s.into_split();
+        let waiting: Arc<std::sync::Mutex<std::collections::VecDeque<ForwardWaiter>>> =
+            Arc::default();
+        let queue = Arc::clone(&waiting);
+        let reader = tokio::spawn(async move {
+            loop {
+                let outcome = match read_frame::<Response, _>(&mut r).await {
+                    Ok(Response::Forward(x)) => Ok(x),
+                    Ok(_) => Err("a response of another kind".to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                let failed = outcome.is_err();
+                let waiter = queue
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .pop_front();
+                if let Some(waiter) = waiter {
+                    let _ = waiter.send(outcome.clone());
+                }
+                if failed {
+                    // Every request still waiting has an unknown outcome.
+                    let rest: Vec<ForwardWaiter> = queue
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .drain(..)
+                        .collect();
+                    for w in rest {
+                        let _ = w.send(outcome.clone());
+                    }
+                    return;
+                }
+                heard_from(to);
+            }
+        });
+        Ok(Self { w, waiting, reader })
+    }
+
+    /// Whether the link broke (open a new one).
+    #[must_use]
+    pub fn is_broken(&self) -> bool {
+        self.reader.is_finished()
+    }
+
+    /// Send `f`; the receiver resolves with the peer's response, or the reason there is none
+    /// (the outcome is then unknown).
+    pub async fn send(
+        &mut self,
+        f: Forwarded,
+    ) -> tokio::sync::oneshot::Receiver<Result<Result<ForwardReplies, ProposeError>, String>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push_back(tx);
+        if let Err(e) = write_frame(&mut self.w, &Request::Forward(f)).await {
+            // The reader fails what waits once the socket closes; make sure it does.
+            self.reader.abort();
+            let rest: Vec<ForwardWaiter> = self
+                .waiting
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .drain(..)
+                .collect();
+            for w in rest {
+                let _ = w.send(Err(e.to_string()));
+            }
+        }
+        rx
+    }
 }
 
 /// The shared secret of a cluster, as an HMAC key.
@@ -382,7 +587,7 @@ async fn serve_connection(
             Request::InstallSnapshot(r) => {
                 Response::InstallSnapshot(raft.install_snapshot(r).await)
             }
-            Request::Forward(f) => Response::Forward(propose_here(&raft, &proposer, f).await),
+            Request::Forward(f) => return serve_forwards(s, raft, proposer, f).await,
         };
         write_frame(&mut s, &response).await?;
     }

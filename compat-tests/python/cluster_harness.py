@@ -17,7 +17,8 @@ and checks the history kept by `History`:
 Used by test_cluster.py (pytest fixtures `cluster_factory`, `cluster3`, `cluster5`) and by
 scripts/cluster_soak.py (long runs from the command line). Nothing here sleeps to synchronise:
 waits poll an observable event (a port accepting, the management API naming a leader, a
-delivery arriving) with a deadline. The only sleeps are fault durations and poll intervals.
+delivery arriving) with a deadline. The only sleeps are fault durations, poll intervals and
+clients' back-off between retries.
 """
 
 import base64
@@ -410,29 +411,72 @@ class Cluster:
             return i
         return self.node_index(info.get("leader"))
 
-    def leader_of(self, queue, exclude=()):
-        """The index of `queue`'s leader according to the first node that is up (and not
-        excluded) and names a leader that is up (and not excluded); None if none does."""
-        exclude = set(exclude or ())
+    def leader_views(self, queue, exclude=()):
+        """{node: (the leader it names or None, how many members it lists)} from every node
+        that is up (not in `exclude`) and knows `queue`."""
+        views = {}
         for i in self.up_nodes(exclude):
-            leader = self.reported_leader(i, queue)
-            if leader is not None and leader not in exclude and self.nodes[leader].up:
-                return leader
+            try:
+                info = self.queue_info(i, queue, timeout=2.0)
+            except OSError:
+                continue
+            if info is None:
+                continue
+            if not self.clustered:
+                views[i] = (i, 1)
+            else:
+                members = info.get("members") or []
+                views[i] = (self.node_index(info.get("leader")), len(members) or len(self.nodes))
+        return views
+
+    def leader_of(self, queue, exclude=()):
+        """`queue`'s leader, if it is up, not in `exclude`, names itself, and a majority of
+        the queue's members (itself included) name it; else None. (A lone node that names
+        itself, e.g. an old leader just resumed from SIGSTOP, is not enough.)"""
+        exclude = set(exclude or ())
+        views = self.leader_views(queue, exclude)
+        if not self.clustered:
+            return next(iter(views), None)
+        votes = collections.Counter(v[0] for v in views.values() if v[0] is not None)
+        for candidate, count in votes.most_common():
+            if candidate in exclude or candidate not in views or views[candidate][0] != candidate:
+                continue
+            if count >= views[candidate][1] // 2 + 1:
+                return candidate
         return None
 
     def wait_for_leader(self, queue, exclude=(), deadline=30.0):
-        """Poll until a node that is up (not in `exclude`) names a leader that is up, not in
-        `exclude`, and names itself too; returns its index. Raises AssertionError after
-        `deadline` seconds."""
-        exclude = set(exclude or ())
+        """Poll leader_of(queue, exclude) until it names a node; returns its index. Raises
+        AssertionError after `deadline` seconds."""
         end = time.monotonic() + deadline
         while True:
             leader = self.leader_of(queue, exclude)
-            if leader is not None and self.reported_leader(leader, queue) == leader:
+            if leader is not None:
                 return leader
             if time.monotonic() > end:
                 raise AssertionError(
-                    f"no leader for {queue} (excluding {sorted(exclude)}) within {deadline}s; "
+                    f"no leader for {queue} (excluding {sorted(exclude or ())}) within "
+                    f"{deadline}s; {self.describe(queue)}")
+            time.sleep(0.1)
+
+    def wait_for_agreement(self, queue, include=(), deadline=30.0):
+        """Poll until every node that is up and knows `queue` names the same leader, which
+        leader_of confirms, and every node in `include` is among them (e.g. a node just
+        restarted or resumed); returns the leader's index."""
+        include = set(include or ())
+        end = time.monotonic() + deadline
+        while True:
+            views = self.leader_views(queue)
+            named = {v[0] for v in views.values()}
+            if include <= views.keys() and len(named) == 1:
+                leader = named.pop()
+                if leader is not None and self.leader_of(queue) == leader:
+                    return leader
+            if time.monotonic() > end:
+                raise AssertionError(
+                    f"the nodes {sorted(self.nodes[i].name for i in include)} and the others "
+                    f"did not agree on a leader of {queue} within {deadline}s; views "
+                    f"{ {self.nodes[i].name: v for i, v in views.items()} }\n"
                     f"{self.describe(queue)}")
             time.sleep(0.1)
 
@@ -459,6 +503,28 @@ class Cluster:
                 except OSError as e:
                     line += f" queue: no answer ({e})"
             lines.append(line)
+        return "\n".join(lines)
+
+    def diagnose(self, queue):
+        """describe(queue) plus, per node that is up, the queue's consumer_details and the
+        node's client connections (who holds what when a queue does not drain)."""
+        lines = [self.describe(queue)]
+        for i in self.up_nodes():
+            name = self.nodes[i].name
+            try:
+                info = self.queue_info(i, queue, timeout=2.0) or {}
+                details = [{k: d.get(k) for k in ("consumer_tag", "prefetch_count", "ack_required",
+                                                  "channel_details") if k in d}
+                           for d in info.get("consumer_details") or []]
+                lines.append(f"  {name} consumer_details: {details}")
+                status, conns = self.mgmt_get(i, "/api/connections", timeout=2.0)
+                if status == 200 and isinstance(conns, list):
+                    names = [(x.get("name"),
+                              (x.get("client_properties") or {}).get("connection_name"))
+                             for x in conns]
+                    lines.append(f"  {name} connections: {names}")
+            except OSError as e:
+                lines.append(f"  {name}: no answer ({e})")
         return "\n".join(lines)
 
     def log_tail(self, i, lines=60):
@@ -890,7 +956,7 @@ def sweep(cluster, nodes, queue, history, deadline=30.0, via="sweep", prefetch=5
             raise AssertionError(f"sweep of {queue} (consuming via "
                                  f"{[cluster.nodes[i].name for i in nodes]}) did not empty it "
                                  f"within {deadline}s; {len(fetched)} delivered meanwhile\n"
-                                 f"{cluster.describe(queue)}")
+                                 f"{cluster.diagnose(queue)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -979,6 +1045,7 @@ class Consumer(Worker):
         self.stop, self.watchdog, self.stats = stop, watchdog, stats
         self.prefetch, self.node = prefetch, node
         self.reconnect = threading.Event()
+        self.cancels = []   # (history time, node) of each basic.cancel the broker sent
 
     def work(self):
         while not self.stop.is_set():
@@ -1002,7 +1069,9 @@ class Consumer(Worker):
                 while not (self.stop.is_set() or cancelled or self.reconnect.is_set()):
                     conn.process_data_events(time_limit=0.2)
                 if cancelled:
-                    self.stats["consumer cancelled by broker"] += 1
+                    self.stats[f"consumer cancelled by broker on {name}"] += 1
+                    self.cancels.append((self.h._t(), name))
+                    self.node = (self.node + 1) % len(self.c)
                 if self.reconnect.is_set():
                     self.reconnect.clear()
                     self.stats["consumer stall reconnects"] += 1
@@ -1075,23 +1144,16 @@ class FaultInjector(Worker):
                 return
 
     def _recover(self, healed):
-        """Seconds until a leader is confirmed and the healed node names it too; None (and an
-        error) if that does not happen within the deadline."""
+        """Seconds until every node (the healed one included) names the same confirmed
+        leader; None (and an error) if that does not happen within the deadline."""
         start = time.monotonic()
-        end = start + self.recover_deadline
         try:
-            leader = self.c.wait_for_leader(self.queue, deadline=self.recover_deadline)
+            self.c.wait_for_agreement(self.queue, include={healed},
+                                      deadline=self.recover_deadline)
         except AssertionError as e:
-            self.errors.append(str(e))
+            self.errors.append(f"after healing {self.c.nodes[healed].name}: {e}")
             return None
-        while time.monotonic() < end:
-            if self.c.reported_leader(healed, self.queue) == leader:
-                return round(time.monotonic() - start, 2)
-            time.sleep(0.1)
-        self.errors.append(f"{self.c.nodes[healed].name} did not rejoin (name leader "
-                           f"{self.c.nodes[leader].name}) within {self.recover_deadline}s\n"
-                           f"{self.c.describe(self.queue)}")
-        return None
+        return round(time.monotonic() - start, 2)
 
 
 def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
@@ -1151,6 +1213,9 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
                 history.last_delivery = time.monotonic()
                 consumer.reconnect.set()
             time.sleep(0.1)
+        if history.missing():
+            errors.append(f"drain: {len(history.missing())} confirmed ids still undelivered "
+                          f"after {drain_deadline}s\n{cluster.diagnose(queue)}")
         cons_stop.set()
         consumer.join(timeout=30)
         # Whatever is left (unconfirmed publishes that committed, returns of messages the
@@ -1183,7 +1248,7 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
         cluster.keep = True
     return {"seed": seed, "queue": queue, "result": result, "faults": faults.applied,
             "fault_log": faults.log, "stats": stats, "errors": errors,
-            "final_leader": leader}
+            "final_leader": leader, "consumer_cancels": consumer.cancels}
 
 
 def summarize(runs):
