@@ -80,6 +80,118 @@ pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
     fn declare_quorum(&self, queue: Arc<Queue>, done: Completion);
     /// Delete a replicated queue everywhere; `done` runs once that committed.
     fn delete_quorum(&self, queue: &Arc<Queue>, done: Completion);
+    /// A change to exchanges or bindings made here: every other node makes it too (through
+    /// [`apply_topology`]); `done` runs once the cluster committed it.
+    fn replicate_topology(&self, change: TopologyChange, done: Completion);
+}
+
+/// An exchange or binding change, as the cluster's metadata log carries it (the store's record
+/// encodings).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum TopologyChange {
+    /// An exchange was declared (an `ExchangeRecord`'s key and value).
+    DeclareExchange {
+        /// Record key (vhost and name).
+        key: Vec<u8>,
+        /// Record value (type, flags, arguments).
+        value: Vec<u8>,
+    },
+    /// An exchange was deleted.
+    DeleteExchange {
+        /// Its vhost.
+        vhost: String,
+        /// Its name.
+        name: String,
+    },
+    /// A binding was added (a `BindingRecord`'s key and value).
+    Bind {
+        /// Record key.
+        key: Vec<u8>,
+        /// Record value.
+        value: Vec<u8>,
+    },
+    /// A binding was removed (its record, as for `Bind`).
+    Unbind {
+        /// Record key.
+        key: Vec<u8>,
+        /// Record value.
+        value: Vec<u8>,
+    },
+}
+
+impl TopologyChange {
+    /// The key under which the cluster's metadata keeps what this change leaves (None for a
+    /// removal), and the key it removes.
+    #[must_use]
+    pub fn record_key(&self) -> Vec<u8> {
+        match self {
+            Self::DeclareExchange { key, .. } => [b"x:".as_slice(), key].concat(),
+            Self::DeleteExchange { vhost, name } => [
+                b"x:".as_slice(),
+                &crate::durable::ExchangeRecord::key(vhost, name),
+            ]
+            .concat(),
+            Self::Bind { key, .. } | Self::Unbind { key, .. } => [b"b:".as_slice(), key].concat(),
+        }
+    }
+
+    /// Whether it adds (rather than removes) something.
+    #[must_use]
+    pub fn is_addition(&self) -> bool {
+        matches!(self, Self::DeclareExchange { .. } | Self::Bind { .. })
+    }
+}
+
+thread_local! {
+    /// Set while this thread applies a change that came from the cluster (not to be sent
+    /// back to it).
+    static APPLYING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the current change came from the cluster.
+#[must_use]
+pub fn applying() -> bool {
+    APPLYING.with(std::cell::Cell::get)
+}
+
+/// Make a change another node made (idempotent: this node may have made it itself).
+///
+/// # Errors
+/// It does not apply here (yet): a binding whose queue this node has not started serving, a
+/// vhost it does not have. The caller may try again later.
+pub fn apply_topology(broker: &crate::Broker, change: &TopologyChange) -> Result<(), String> {
+    APPLYING.with(|a| a.set(true));
+    let r = apply_topology_here(broker, change);
+    APPLYING.with(|a| a.set(false));
+    r
+}
+
+fn apply_topology_here(broker: &crate::Broker, change: &TopologyChange) -> Result<(), String> {
+    use crate::durable::{BindingRecord, ExchangeRecord};
+    let none = &mut || -> Completion { Box::new(|_| {}) };
+    match change {
+        TopologyChange::DeclareExchange { key, value } => {
+            let r = ExchangeRecord::decode(key, value).map_err(|e| e.to_string())?;
+            let vh = broker.vhost(&r.vhost).ok_or("no such vhost")?;
+            vh.declare_exchange(&r.name, r.decl, none)
+                .map_err(|e| e.text)?;
+        }
+        TopologyChange::DeleteExchange { vhost, name } => {
+            let vh = broker.vhost(vhost).ok_or("no such vhost")?;
+            vh.delete_exchange(name, false, none).map_err(|e| e.text)?;
+        }
+        TopologyChange::Bind { key, value } | TopologyChange::Unbind { key, value } => {
+            let r = BindingRecord::decode(key, value).map_err(|e| e.to_string())?;
+            let vh = broker.vhost(&r.vhost).ok_or("no such vhost")?;
+            if matches!(change, TopologyChange::Bind { .. }) {
+                vh.bind(&r.source, r.destination, &r.routing_key, r.arguments, none)
+            } else {
+                vh.unbind(&r.source, r.destination, &r.routing_key, r.arguments, none)
+            }
+            .map_err(|e| e.text)?;
+        }
+    }
+    Ok(())
 }
 
 /// A queued message as a replicated log carries it: the store's record encoding (exchange,

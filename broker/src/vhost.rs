@@ -485,6 +485,12 @@ impl VHost {
                 on_commit,
             );
         }
+        self.replicate(on_commit, || {
+            let Op::Put { key, value, .. } = ExchangeRecord::put(&self.name, name, &decl) else {
+                unreachable!("a record put is a put");
+            };
+            crate::replication::TopologyChange::DeclareExchange { key, value }
+        });
         let mut ex = decl.build(name);
         ex.policy_alternate = crate::policy::alternate_exchange(crate::policy::choose(
             &self.policies.read(),
@@ -734,7 +740,44 @@ impl VHost {
             &mut ops,
         );
         self.submit(ops, on_commit);
+        self.replicate(on_commit, || {
+            crate::replication::TopologyChange::DeleteExchange {
+                vhost: self.name.clone(),
+                name: name.to_string(),
+            }
+        });
         Ok(())
+    }
+
+    /// In a cluster, send a change made here to the other nodes (unless it came from them);
+    /// the client's reply waits for its commit too.
+    fn replicate(
+        &self,
+        on_commit: OnCommit<'_>,
+        change: impl FnOnce() -> crate::replication::TopologyChange,
+    ) {
+        if let Some(cluster) = self.cluster()
+            && !crate::replication::applying()
+        {
+            cluster.replicate_topology(change(), on_commit());
+        }
+    }
+
+    /// A binding's change as the cluster carries it.
+    fn binding_change(
+        &self,
+        source: &str,
+        binding: &Binding,
+        bind: bool,
+    ) -> crate::replication::TopologyChange {
+        let Op::Put { key, value, .. } = self.binding_record(source, binding).put() else {
+            unreachable!("a record put is a put");
+        };
+        if bind {
+            crate::replication::TopologyChange::Bind { key, value }
+        } else {
+            crate::replication::TopologyChange::Unbind { key, value }
+        }
     }
 
     /// Store ops for an exchange going away: its record and its stored bindings (as source).
@@ -814,6 +857,7 @@ impl VHost {
         if durable {
             self.submit(vec![self.binding_record(source, &binding).put()], on_commit);
         }
+        self.replicate(on_commit, || self.binding_change(source, &binding, true));
         if let Some(ex) = t.exchanges.get_mut(source) {
             ex.bind(binding);
         }
@@ -844,6 +888,7 @@ impl VHost {
         {
             ops.push(self.binding_record(source, &binding).delete());
         }
+        self.replicate(on_commit, || self.binding_change(source, &binding, false));
         let mut delete_source = false;
         if let Some(ex) = t.exchanges.get_mut(source) {
             delete_source = ex.unbind(&binding) && ex.auto_delete && ex.bindings().is_empty();

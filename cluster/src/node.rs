@@ -30,8 +30,8 @@ use warren_broker::message::Entry;
 use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 use warren_broker::replication::{
-    ClusterHooks, Placement, ReplicaDone, ReplicationError, Replicator, Replies, decode_entry,
-    encode_entry,
+    ClusterHooks, Placement, ReplicaDone, ReplicationError, Replicator, Replies, TopologyChange,
+    decode_entry, encode_entry,
 };
 use warren_store::writer::Completion;
 
@@ -135,6 +135,9 @@ pub struct ClusterNode {
     deleting: Mutex<HashMap<u64, Completion>>,
     /// When this node started (a peer not heard from since is silent only after a while).
     started: std::time::Instant,
+    /// Committed bindings whose ends this node does not serve yet (bounded by the bindings
+    /// the cluster has).
+    unbound: Mutex<Vec<TopologyChange>>,
 }
 
 impl std::fmt::Debug for ClusterNode {
@@ -194,6 +197,7 @@ impl ClusterNode {
             declaring: Mutex::new(HashMap::new()),
             deleting: Mutex::new(HashMap::new()),
             started: std::time::Instant::now(),
+            unbound: Mutex::new(Vec::new()),
             config,
         });
         tokio::spawn(crate::tcp::serve(
@@ -359,6 +363,22 @@ impl ClusterNode {
                     done(Ok(Vec::new()));
                 }
             }
+            MetaChange::Topology(change) => {
+                if warren_broker::replication::apply_topology(&self.broker, change).is_ok() {
+                    if matches!(change, TopologyChange::DeclareExchange { .. }) {
+                        self.retry_topology();
+                    }
+                } else if matches!(change, TopologyChange::Bind { .. }) {
+                    // Its queue or source may not be served here yet (replicas start in tasks
+                    // of their own): bound once it is.
+                    self.unbound
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(change.clone());
+                } else {
+                    tracing::debug!(?change, "a topology change that does not apply here");
+                }
+            }
         }
     }
 
@@ -434,6 +454,7 @@ impl ClusterNode {
         if !vhost.insert_replicated(Arc::clone(&queue)) {
             tracing::warn!(queue = %queue.name, "a queue of that name exists here already");
         }
+        self.retry_topology();
         // The top-ranked member starts the group and so usually leads it first: leaders
         // spread over the nodes as placement does.
         if members.first() == Some(&self.me) {
@@ -456,6 +477,22 @@ impl ClusterNode {
             Box::new(|_| {}),
         );
         Ok(())
+    }
+}
+
+impl ClusterNode {
+    /// Apply the bindings that waited for their ends; those still waiting stay.
+    fn retry_topology(&self) {
+        let waiting =
+            std::mem::take(&mut *self.unbound.lock().unwrap_or_else(PoisonError::into_inner));
+        let still: Vec<TopologyChange> = waiting
+            .into_iter()
+            .filter(|c| warren_broker::replication::apply_topology(&self.broker, c).is_err())
+            .collect();
+        self.unbound
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(still);
     }
 }
 
@@ -504,6 +541,34 @@ impl ClusterHooks for ClusterNode {
             .unwrap_or_else(PoisonError::into_inner)
             .insert(incarnation, done);
         self.propose_meta(change, incarnation, true);
+    }
+
+    fn replicate_topology(
+        &self,
+        change: warren_broker::replication::TopologyChange,
+        done: Completion,
+    ) {
+        let Some(forwarder) = self.meta_forwarder.get() else {
+            done(Ok(Vec::new()));
+            return;
+        };
+        send_retrying(
+            forwarder.clone(),
+            Forwarded {
+                commands: Vec::new(),
+                meta: vec![MetaChange::Topology(change)],
+            },
+            false,
+            std::time::Instant::now() + RETRY_FOR,
+            0,
+            Box::new(move |r| {
+                done(
+                    r.map(|_| Vec::new()).map_err(|e| {
+                        Arc::new(warren_store::StoreError::Replication(e.to_string()))
+                    }),
+                );
+            }),
+        );
     }
 
     fn delete_quorum(&self, queue: &Arc<Queue>, done: Completion) {
@@ -604,6 +669,14 @@ impl Applied for MetaState {
                         records.remove(key);
                     }
                 }
+                MetaChange::Topology(t) => {
+                    // What a snapshot must carry: the exchanges and bindings that stand.
+                    if t.is_addition() {
+                        records.insert(t.record_key(), change.clone());
+                    } else {
+                        records.remove(&t.record_key());
+                    }
+                }
             }
             if let Some(node) = &node {
                 node.on_meta(&change);
@@ -619,16 +692,21 @@ impl Applied for MetaState {
     }
 
     fn install(&self, bytes: &[u8]) -> Result<(), String> {
-        let list: Vec<MetaChange> = crate::codec::decode(bytes).map_err(|e| e.to_string())?;
+        let mut list: Vec<MetaChange> = crate::codec::decode(bytes).map_err(|e| e.to_string())?;
+        // Queues and exchanges before the bindings between them.
+        list.sort_by_key(|c| matches!(c, MetaChange::Topology(TopologyChange::Bind { .. })));
         let node = self.node.upgrade();
         let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
         records.clear();
         for change in list {
-            if let MetaChange::DeclareQueue { key, .. } = &change {
-                records.insert(key.clone(), change.clone());
-                if let Some(node) = &node {
-                    node.on_meta(&change);
-                }
+            let key = match &change {
+                MetaChange::DeclareQueue { key, .. } => key.clone(),
+                MetaChange::Topology(t) if t.is_addition() => t.record_key(),
+                _ => continue,
+            };
+            records.insert(key, change.clone());
+            if let Some(node) = &node {
+                node.on_meta(&change);
             }
         }
         Ok(())
@@ -990,33 +1068,30 @@ async fn send_batch(
     if links.get(&leader).is_some_and(ForwardLink::is_broken) {
         links.remove(&leader);
     }
-    if !links.contains_key(&leader) {
-        let addr = raft
-            .metrics()
-            .borrow()
-            .membership_config
-            .membership()
-            .get_node(&leader)
-            .map(|n| n.addr.clone());
-        let Some(addr) = addr else {
-            finish(Err(ReplicationError::Unavailable));
-            return;
-        };
-        match ForwardLink::open(me, leader, group.clone(), addr, node_secret(node)).await {
-            Ok(link) => {
-                links.insert(leader, link);
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, "cannot reach the leader");
-                // Nothing was sent.
+    let link = match links.entry(leader) {
+        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => {
+            let addr = raft
+                .metrics()
+                .borrow()
+                .membership_config
+                .membership()
+                .get_node(&leader)
+                .map(|n| n.addr.clone());
+            let Some(addr) = addr else {
                 finish(Err(ReplicationError::Unavailable));
                 return;
+            };
+            match ForwardLink::open(me, leader, group.clone(), addr, node_secret(node)).await {
+                Ok(link) => v.insert(link),
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot reach the leader");
+                    // Nothing was sent.
+                    finish(Err(ReplicationError::Unavailable));
+                    return;
+                }
             }
         }
-    }
-    let Some(link) = links.get_mut(&leader) else {
-        finish(Err(ReplicationError::Unavailable));
-        return;
     };
     let rx = link.send(request).await;
     tokio::spawn(async move {

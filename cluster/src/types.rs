@@ -67,6 +67,8 @@ pub enum MetaChange {
         /// The incarnation deleted (a later one of the same name stays).
         incarnation: u64,
     },
+    /// An exchange or binding changed on some node.
+    Topology(warren_broker::replication::TopologyChange),
 }
 
 /// The replies to one entry's commands, in order.

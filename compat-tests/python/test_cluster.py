@@ -168,6 +168,50 @@ def test_publish_through_follower_consume_through_other_follower_in_order(cluste
                    what=f"{c.nodes[i].name} reporting 0 messages")
 
 
+def test_exchanges_and_bindings_declared_on_one_node_route_on_every_node(cluster3):
+    """An exchange declared and bound to a quorum queue through node 0 routes on nodes 1 and
+    2 too (topology is replicated through the metadata group), and an unbind through node 2
+    stops routing everywhere."""
+    c = cluster3
+    queue, _ = new_quorum_queue(c)
+    exchange = f"cluster.x.{uuid.uuid4().hex[:8]}"
+    conn = c.connect(0)
+    ch = conn.channel()
+    ch.exchange_declare(exchange, "direct", durable=True)
+    ch.queue_bind(queue, exchange, routing_key="k")
+    safe_close(conn)
+
+    def publish_via(i, body):
+        pconn = c.connect(i)
+        pch = pconn.channel()
+        pch.confirm_delivery()
+        try:
+            pch.basic_publish(exchange, "k", body, pika.BasicProperties(delivery_mode=2),
+                              mandatory=True)
+            return True
+        except pika.exceptions.UnroutableError:
+            return False
+        finally:
+            safe_close(pconn)
+
+    for i in (1, 2):
+        # The declare-ok and bind-ok came after the cluster committed them; another node
+        # applies the committed change when it learns of the commit, a moment later.
+        eventually(lambda i=i: publish_via(i, f"via-{i}".encode()), bool, deadline=10.0,
+                   what=f"routing through node {i}")
+    got = eventually(lambda: queue_depth(c, queue, 0), lambda d: d is not None and d >= 2,
+                     deadline=10.0, what="both messages in the queue")
+    assert got >= 2
+
+    conn = c.connect(2)
+    ch = conn.channel()
+    ch.queue_unbind(queue, exchange, routing_key="k")
+    safe_close(conn)
+    for i in (0, 1):
+        eventually(lambda i=i: not publish_via(i, b"after-unbind"), bool, deadline=10.0,
+                   what=f"unroutable through node {i} after the unbind")
+
+
 def test_basic_get_through_every_node(cluster3):
     """basic.get fetches a replicated queue's messages, in order, through the leader and
     through each follower, and basic.ack of a got message settles it."""
