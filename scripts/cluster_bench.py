@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import random
+import resource
 import re
 import shutil
 import signal
@@ -409,7 +410,9 @@ class WarrenCluster:
                              capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
                                cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return f"Warren {rev}{' (uncommitted changes in the tree)' if dirty else ''}, release build"
+        built = datetime.datetime.fromtimestamp(WARREN.stat().st_mtime, datetime.timezone.utc)
+        return (f"Warren release build of {built:%Y-%m-%d %H:%M} UTC (tree at {rev}"
+                f"{', with uncommitted changes' if dirty else ''})")
 
 
 class RabbitCluster:
@@ -538,7 +541,12 @@ class RabbitCluster:
         for n in list(self.procs):
             kill_group(self.procs.pop(n))
         if not self.epmd_before:
-            subprocess.run(["epmd", "-kill"], capture_output=True, env=self.env())
+            # epmd refuses -kill while it still lists the nodes just killed: retry a little.
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and subprocess.run(
+                    ["pgrep", "-x", "epmd"], capture_output=True).returncode == 0:
+                subprocess.run(["epmd", "-kill"], capture_output=True, env=self.env())
+                time.sleep(0.3)
 
     def leaders(self, queues, exclude=()):
         out = {q: None for q in queues}
@@ -577,6 +585,31 @@ SCENARIOS = [
 ]
 
 
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_jiffies():
+    """(busy, total) jiffies of the whole machine, from /proc/stat."""
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return sum(f) - f[3] - f[4], sum(f)
+
+
+def group_cpu_s(pgids):
+    """CPU seconds (user + system, with reaped children) of every process in these groups."""
+    total = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            raw = open(f"/proc/{d}/stat").read()
+        except OSError:
+            continue
+        f = raw[raw.rindex(")") + 2:].split()
+        if int(f[2]) in pgids:  # field 5, pgrp
+            total += sum(int(x) for x in f[11:15])  # utime stime cutime cstime
+    return total / CLK
+
+
 def run_perf(cluster, key, prefix, extra, queues_of, duration, run):
     port = cluster.amqp[cluster.nodes[0]]
     out = OUT_DIR / f"{key}-{cluster.name}-{run}.json"
@@ -584,8 +617,20 @@ def run_perf(cluster, key, prefix, extra, queues_of, duration, run):
     cmd = [str(PERF), "--scenario", "quorum", "--uri", f"amqp://guest:guest@127.0.0.1:{port}/%2F",
            "--duration", str(duration), "--queue", prefix, "--json", str(out)] + extra
     log(f"{cluster.name} {key} run {run}: {' '.join(cmd[1:])}")
+    pgids = set(cluster.pids().values())
+    busy0, total0 = machine_jiffies()
+    nodes0 = group_cpu_s(pgids)
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=duration + 300)
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    nodes_s = group_cpu_s(pgids) - nodes0
+    busy1, total1 = machine_jiffies()
+    perf_s = (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
+    busy_s = (busy1 - busy0) / CLK
+    wall_cpu_s = (total1 - total0) / CLK  # elapsed time × cores
+    cpu = {"cluster_cpu_s": nodes_s, "perf_cpu_s": perf_s,
+           "other_cpu_share": max(0.0, busy_s - nodes_s - perf_s) / max(wall_cpu_s, 1e-9)}
     for line in r.stdout.splitlines():
         if line.startswith("|") or "fail" in line.lower() or "error" in line.lower():
             print("   ", line)
@@ -598,6 +643,9 @@ def run_perf(cluster, key, prefix, extra, queues_of, duration, run):
         return None
     j = json.loads(out.read_text())
     j["_leaders"] = leaders
+    j["_cpu"] = cpu
+    n = j.get("confirmed") or 0
+    j["_cluster_cpu_us_per_msg"] = nodes_s / n * 1e6 if n else None
     out.write_text(json.dumps(j, indent=1))
     return j
 
@@ -611,8 +659,10 @@ class Publisher(threading.Thread):
     On any error it reconnects, trying `ports()` round-robin. Records the monotonic time of
     every confirm and the errors it saw."""
 
-    def __init__(self, name, first_port, ports, queue, stop):
+    def __init__(self, name, first_port, ports, queue, stop, reopen_after_nacks):
         super().__init__(daemon=True, name=name)
+        self.reopen_after_nacks = reopen_after_nacks
+        self.reopens = 0
         self.first_port, self.ports, self.queue, self.stop_ev = first_port, ports, queue, stop
         self.acks = []          # (published at, confirmed at)
         self.events = []        # (time, text)
@@ -628,6 +678,7 @@ class Publisher(threading.Thread):
                 conn = Amqp(port, timeout=3, name=self.name)
                 conn.confirm_select()
                 self.events.append((time.monotonic(), f"connected to {port}"))
+                nacked_since = None
                 while not self.stop_ev.is_set():
                     t0 = time.monotonic()
                     tag = conn.publish(self.queue, self.body)
@@ -635,8 +686,15 @@ class Publisher(threading.Thread):
                     t1 = time.monotonic()
                     if res == "ack":
                         self.acks.append((t0, t1))
+                        nacked_since = None
                     elif res == "nack":
                         self.nacks += 1
+                        nacked_since = nacked_since or t0
+                        if t1 - nacked_since >= self.reopen_after_nacks:
+                            # RabbitMQ 3.10 nacks every publish of a channel that was opened
+                            # while the queue had no leader, even after one is elected.
+                            self.reopens += 1
+                            raise AmqpError(f"only nacks for {t1 - nacked_since:.2f} s: reopen")
                         time.sleep(0.01)  # back off a little, as a client would
                     else:
                         self.returns += 1
@@ -665,7 +723,7 @@ class Publisher(threading.Thread):
         return t_kill - before[-1] if before else None
 
 
-def failover(cluster, run, timeout):
+def failover(cluster, run, timeout, reopen):
     queue = f"cb-failover-{run}"
     port1 = cluster.amqp[cluster.nodes[0]]
     until_declared(port1, queue, 30)
@@ -685,8 +743,8 @@ def failover(cluster, run, timeout):
         return [cluster.amqp[n] for n in cluster.nodes if n not in killed]
 
     stop = threading.Event()
-    pubs = [Publisher("on-leader", cluster.amqp[leader], survivors, queue, stop),
-            Publisher("on-follower", cluster.amqp[follower], survivors, queue, stop)]
+    pubs = [Publisher("on-leader", cluster.amqp[leader], survivors, queue, stop, reopen),
+            Publisher("on-follower", cluster.amqp[follower], survivors, queue, stop, reopen)]
     for p in pubs:
         p.start()
     try:
@@ -723,7 +781,8 @@ def failover(cluster, run, timeout):
         log(f"  {p.name}: first confirm after the kill at "
             f"{'+%.2f s' % rec if rec is not None else 'NONE within %ds' % timeout}; "
             f"last confirm before it {gap * 1000:.0f} ms before; nacks {p.nacks}, "
-            f"returns {p.returns}; {'; '.join(errs) or 'no errors'}")
+            f"returns {p.returns}, reopened after nacks {p.reopens}; "
+            f"{'; '.join(errs) or 'no errors'}")
     log(f"  new leader: {new_leader}")
     return res
 
@@ -783,9 +842,11 @@ def report(results, fail, args, versions, background):
         f"{platform.release()}.{background}",
         "",
         "| Scenario | Warren msg/s | RabbitMQ msg/s | Warren / RabbitMQ | Warren confirm p50 / p99 ms "
-        "| RabbitMQ confirm p50 / p99 ms | Leaders (Warren; RabbitMQ) |",
-        "|---|---|---|---|---|---|---|",
+        "| RabbitMQ confirm p50 / p99 ms | CPU µs/msg, 3 nodes (Warren; RabbitMQ) "
+        "| Queue leaders (Warren; RabbitMQ) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    others = []
     for key, label, *_ in SCENARIOS:
         if key not in results:
             continue
@@ -795,21 +856,32 @@ def report(results, fail, args, versions, background):
             rate = median([j.get("confirm_rate") for j in js])
             p50 = median([j.get("confirm_latency_us", {}).get("p50") for j in js])
             p99 = median([j.get("confirm_latency_us", {}).get("p99") for j in js])
-            cell[b] = (rate, None if p50 is None else p50 / 1000, None if p99 is None else p99 / 1000,
-                       leader_spread(js))
+            cpu = median([j.get("_cluster_cpu_us_per_msg") for j in js])
+            others.extend(j["_cpu"]["other_cpu_share"] for j in js if "_cpu" in j)
+            cell[b] = (rate, None if p50 is None else p50 / 1000,
+                       None if p99 is None else p99 / 1000, leader_spread(js), cpu)
         w, r = cell["warren"], cell["rabbitmq"]
         ratio = f"{w[0] / r[0]:.2f}x" if w[0] and r[0] else "-"
         lines.append(f"| {label} | {fmt_rate(w[0])} | {fmt_rate(r[0])} | {ratio} | "
                      f"{fmt_ms(w[1])} / {fmt_ms(w[2])} | {fmt_ms(r[1])} / {fmt_ms(r[2])} | "
-                     f"{w[3] or '-'}; {r[3] or '-'} |")
+                     f"{fmt_ms(w[4])}; {fmt_ms(r[4])} | {w[3] or '-'}; {r[3] or '-'} |")
+    if others:
+        lines += ["", f"CPU µs/msg: user + system time of the three nodes' processes during the "
+                      f"run over the confirmed messages. Processes not started by the benchmark "
+                      f"used {statistics.median(others) * 100:.0f}% of the machine's CPU "
+                      f"during the runs (median; at most {max(others) * 100:.0f}%)."]
     if fail:
         lines += [
             "",
-            "Failover: two publishers with confirms (1 KB persistent, one message in flight each) "
-            "publish to one quorum queue, one connected to the queue's leader and one to a "
-            "follower; the leader node's processes get SIGKILL. A nacked message is republished after 10 ms. Seconds from the kill to the "
-            "first confirm of a message published after it (median, range over runs); the "
-            "leader's publisher reconnects to a surviving node (it retries every 50 ms).",
+            "Failover: two publishers with confirms (1 KB persistent, one message in flight "
+            "each) publish to one quorum queue, one connected to the queue's leader and one to "
+            "a follower; the leader node's processes get SIGKILL. Seconds from the kill to the "
+            "first confirm of a message published after it (median, and the range over runs). "
+            "The leader's publisher reconnects to a surviving node (50 ms after the error). "
+            "A nacked message is republished after 10 ms; after "
+            f"{args.reopen_after_nacks:g} s of nacks without a confirm a publisher reopens its "
+            "connection on the next surviving node (RabbitMQ 3.10 nacks every publish of a "
+            "channel opened while the queue had no leader, also after a leader is elected).",
             "",
             "| Failover, seconds | Warren | RabbitMQ | Warren / RabbitMQ |",
             "|---|---|---|---|",
@@ -859,6 +931,9 @@ def main():
     p.add_argument("--scenarios", default=",".join(s[0] for s in SCENARIOS))
     p.add_argument("--no-failover", action="store_true")
     p.add_argument("--failover-timeout", type=int, default=90)
+    p.add_argument("--reopen-after-nacks", type=float, default=0.25, metavar="S",
+                   help="failover publishers reopen their connection after S seconds of nacks "
+                        "without an ack (default 0.25)")
     p.add_argument("--keep", action="store_true", help="keep the clusters' directories")
     p.add_argument("--doc", action="store_true",
                    help=f"write the tables into docs/benchmarks.md under '{SECTION}'")
@@ -910,7 +985,8 @@ def main():
                             f"{j.get('_leaders')}")
                 if not a.no_failover:
                     try:
-                        fail.setdefault(b, []).append(failover(current, run, a.failover_timeout))
+                        fail.setdefault(b, []).append(failover(current, run, a.failover_timeout,
+                                                                a.reopen_after_nacks))
                     except RuntimeError as e:
                         log(f"  failover measurement failed: {e}")
                 current.stop()

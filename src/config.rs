@@ -437,6 +437,46 @@ mod tests {
         f
     }
 
+    /// Cluster flags: `--peers` makes a cluster node on 25672 by default; the peer list must
+    /// parse and name this node, and a secret is required.
+    #[test]
+    fn cluster_flags_are_checked() {
+        let with = |peers: &str, name: Option<&str>, secret: Option<&str>| {
+            let mut a = args(None);
+            a.peers = Some(peers.into());
+            a.node_name = name.map(str::to_string);
+            a.cluster_secret = secret.map(str::to_string);
+            ServerConfig::load(a)
+        };
+        let ok = "n1@127.0.0.1:25001, n2@127.0.0.1:25002,n3@127.0.0.1:25003";
+        let c = with(ok, Some("n2"), Some("s")).unwrap();
+        let cluster = c.cluster.unwrap();
+        assert_eq!(cluster.listen, SocketAddr::from(([0, 0, 0, 0], 25672)));
+        assert_eq!(cluster.peers.len(), 3);
+        assert_eq!(cluster.peers[1].addr, "127.0.0.1:25002");
+        assert!(args_cluster_none());
+        for (peers, name, secret, why) in [
+            (ok, Some("n9"), Some("s"), "must name this node"),
+            (ok, None, Some("s"), "needs --node-name"),
+            (ok, Some("n1"), None, "needs --cluster-secret"),
+            (ok, Some("n1"), Some(""), "needs --cluster-secret"),
+            (
+                "n1@localhost:1",
+                Some("n1"),
+                Some("s"),
+                "is not name@host:port",
+            ),
+            ("n1", Some("n1"), Some("s"), "is not name@host:port"),
+        ] {
+            let e = with(peers, name, secret).unwrap_err().to_string();
+            assert!(e.contains(why), "{peers} {name:?}: {e}");
+        }
+    }
+
+    fn args_cluster_none() -> bool {
+        ServerConfig::load(args(None)).unwrap().cluster.is_none()
+    }
+
     #[test]
     fn defaults_without_a_file() {
         let c = ServerConfig::load(args(None)).unwrap();
