@@ -342,6 +342,33 @@ pub async fn stage_here(raft: &Raft<QueueRaft>, proposer: &Proposer, f: Forwarde
     Staged::Commands(pending)
 }
 
+/// How long a leader whose connection closed may stay silent before its followers elect
+/// another (more than a heartbeat interval, so a leader that merely reconnects is not
+/// disturbed).
+pub const LEADER_SILENCE_MAX: std::time::Duration = std::time::Duration::from_millis(400);
+
+/// The connection from `peer` closed: if `peer` leads this group and then stays silent, it is
+/// gone (a killed process's sockets close at once), so stand for election now rather than
+/// after the election timeout. RabbitMQ reacts to a lost node the same way, on its
+/// distribution link closing.
+fn suspect_leader(raft: &Raft<QueueRaft>, peer: NodeId) {
+    if raft.metrics().borrow().current_leader != Some(peer) {
+        return;
+    }
+    let raft = raft.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(LEADER_SILENCE_MAX).await;
+        let silent = silent_for(peer).is_none_or(|d| d >= LEADER_SILENCE_MAX);
+        if silent && raft.metrics().borrow().current_leader == Some(peer) {
+            tracing::info!(
+                leader = peer,
+                "the leader's connection closed and it is silent: electing"
+            );
+            let _ = raft.trigger().elect().await;
+        }
+    });
+}
+
 /// Most forwarded requests in flight on one connection.
 pub const FORWARDS_IN_FLIGHT_MAX: usize = 16;
 
@@ -576,9 +603,13 @@ async fn serve_connection(
             Ok(r) => r,
             // The client closed the connection between RPCs.
             Err(TransportError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                suspect_leader(&raft, hello.from);
                 return Ok(());
             }
-            Err(e) => return Err(e),
+            Err(e) => {
+                suspect_leader(&raft, hello.from);
+                return Err(e);
+            }
         };
         heard_from(hello.from);
         let response = match request {
