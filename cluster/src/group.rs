@@ -81,7 +81,7 @@ fn sm_error(verb: ErrorVerb, e: impl std::fmt::Display) -> StorageError {
 
 impl<A: Applied> GroupStateMachine<A> {
     /// A state machine applying into `applied` (its state before the first entry).
-    pub fn new(applied: Arc<A>) -> Self {
+    pub fn over(applied: Arc<A>) -> Self {
         Self {
             inner: Arc::new(Mutex::new(Inner {
                 tracked: Tracked::default(),
@@ -94,6 +94,12 @@ impl<A: Applied> GroupStateMachine<A> {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The state entries are applied into.
+    #[must_use]
+    pub fn applied(&self) -> &A {
+        &self.applied
     }
 
     /// The last applied log id.

@@ -6,7 +6,10 @@
 //! - [`types`]: the Raft type configuration, the replicated message and the entry payload.
 //! - [`codec`]: the binary encoding of entries, snapshots and frames.
 //! - [`log_store`]: the Raft log, vote and commit index in redb (durable before acknowledged).
-//! - [`state_machine`]: the queue machine as an openraft state machine, with snapshots.
+//! - [`group`]: openraft's state machine over any replicated state, with snapshots.
+//! - [`state_machine`]: the queue machine alone as that state (tests, benchmarks).
+//! - [`node`]: a cluster node: the metadata group, a replica per quorum queue applying into
+//!   the broker's queue, forwarding to leaders, down nodes.
 //! - [`proposer`]: the leader's batching of commands into entries, with a reply per command.
 //! - [`network`]: an in-process network, with injected faults, for tests of a group in one
 //!   process.

@@ -105,13 +105,19 @@ pub fn node_id(name: &str) -> NodeId {
     h.max(1)
 }
 
-/// Timings for real nodes: heartbeats every 200 ms, an election after 1 to 2 s of silence.
+/// Timings for real nodes: heartbeats every 300 ms, an election after 1.5 to 3 s of silence
+/// (sooner when the leader's connection closes: `tcp::suspect_leader`). openraft also takes
+/// the heartbeat interval as the AppendEntries timeout, so it must cover a full append and
+/// its fsync under load; appends carry at most 8 entries (of up to 512 commands each), which
+/// bounds that. Measured: with 200 ms and 300 entries an append of ten busy queues timed out
+/// again and again and replication stalled.
 #[must_use]
 pub fn raft_config() -> Config {
     Config {
-        heartbeat_interval: 200,
-        election_timeout_min: 1000,
-        election_timeout_max: 2000,
+        heartbeat_interval: 300,
+        election_timeout_min: 1500,
+        election_timeout_max: 3000,
+        max_payload_entries: 8,
         ..Config::default()
     }
 }
@@ -223,7 +229,7 @@ impl ClusterNode {
             Arc::clone(&node.raft_config),
             TcpNetwork::new(me, meta_id.clone(), node.secret.clone()),
             log,
-            GroupStateMachine::new(state),
+            GroupStateMachine::over(state),
         )
         .await
         .map_err(|e| NodeError::Io(e.to_string()))?;
@@ -437,7 +443,7 @@ impl ClusterNode {
             Arc::clone(&self.raft_config),
             TcpNetwork::new(self.me, group.clone(), self.secret.clone()),
             log,
-            GroupStateMachine::new(Arc::new(QueueApplied {
+            GroupStateMachine::over(Arc::new(QueueApplied {
                 queue: Arc::clone(&queue),
             })),
         )

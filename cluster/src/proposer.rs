@@ -18,7 +18,7 @@ use warren_broker::queue::machine::{Command, MachineError, Reply};
 use crate::types::{NodeId, QueueRaft, QueueRequest, ReplicatedMessage};
 
 /// Most commands in one entry.
-pub const BATCH_MAX: usize = 1024;
+pub const BATCH_MAX: usize = 512;
 /// Most entries proposed and not yet committed.
 pub const IN_FLIGHT: usize = 16;
 /// Most commands waiting for an entry.
