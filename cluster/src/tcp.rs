@@ -255,21 +255,6 @@ pub struct Forwarded {
 /// The leader's replies to forwarded commands, one per command, in order.
 pub type ForwardReplies = Vec<Result<Reply<ReplicatedMessage>, ProposeError>>;
 
-/// Propose `f` through this node's replica of a group: commands through its batcher, each
-/// with its own reply; metadata as one entry. Used for forwarded requests and for a node's
-/// own, so both take the same path.
-///
-/// # Errors
-/// [`ProposeError::NotLeader`] when this replica does not lead (nothing was appended), or
-/// [`ProposeError::Unknown`] when the entry may or may not have committed.
-pub async fn propose_here(
-    raft: &Raft<QueueRaft>,
-    proposer: &Proposer,
-    f: Forwarded,
-) -> Result<ForwardReplies, ProposeError> {
-    stage_here(raft, proposer, f).await.replies().await
-}
-
 /// A request handed to this node's proposer, its replies still to come. Staging is quick
 /// (commands join the proposer's queue, in order), so many requests can be in flight while
 /// their entries commit.
@@ -287,7 +272,8 @@ impl Staged {
     /// Wait for the replies.
     ///
     /// # Errors
-    /// As [`propose_here`].
+    /// [`ProposeError::NotLeader`] when this replica does not lead (nothing was appended), or
+    /// [`ProposeError::Unknown`] when the entry may or may not have committed.
     pub async fn replies(self) -> Result<ForwardReplies, ProposeError> {
         match self {
             Self::Failed(e) => Err(e),
@@ -310,8 +296,9 @@ impl Staged {
     }
 }
 
-/// Hand `f` to this node's replica: commands to its proposer (in order), metadata to a
-/// write of its own.
+/// Hand `f` to this node's replica: commands to its proposer (in order), each with its own
+/// reply; metadata to a write of its own. A node's own submissions and those forwarded to it
+/// take this same path.
 pub async fn stage_here(raft: &Raft<QueueRaft>, proposer: &Proposer, f: Forwarded) -> Staged {
     if !f.meta.is_empty() {
         let raft = raft.clone();
@@ -715,20 +702,6 @@ impl TcpConnection {
         heard_from(self.to);
         self.stream = Some(s);
         Ok(response)
-    }
-
-    /// Forward `f` to this peer (the group's leader, as far as the sender knows).
-    ///
-    /// # Errors
-    /// The connection failed: the outcome is unknown if the request may have been sent.
-    pub async fn forward(
-        &mut self,
-        f: Forwarded,
-    ) -> Result<Result<ForwardReplies, ProposeError>, TransportError> {
-        match self.call(Request::Forward(f)).await? {
-            Response::Forward(r) => Ok(r),
-            _ => Err(TransportError::Frame("a response of another kind".into())),
-        }
     }
 
     fn failed<E: std::error::Error>(
