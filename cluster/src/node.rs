@@ -322,11 +322,7 @@ impl ClusterNode {
                 let (key, value, incarnation, members) =
                     (key.clone(), value.clone(), *incarnation, members.clone());
                 tokio::spawn(async move {
-                    let done = node
-                        .declaring
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .remove(&incarnation);
+                    let done = take_waiting(&node.declaring, incarnation);
                     let r = node.serve_queue(&key, &value, incarnation, &members).await;
                     if let Err(e) = &r {
                         tracing::error!(incarnation, error = %e, "cannot serve a quorum queue");
@@ -360,11 +356,7 @@ impl ClusterNode {
                         let _ = std::fs::remove_file(path);
                     });
                 }
-                let done = self
-                    .deleting
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .remove(incarnation);
+                let done = take_waiting(&self.deleting, *incarnation);
                 if let Some(done) = done {
                     done(Ok(Vec::new()));
                 }
@@ -608,13 +600,18 @@ impl ClusterNode {
             return;
         };
         // Completions wait until the change applies here; only a failed proposal takes one
-        // out early.
+        // out early. Retried across an election while nothing was appended, like topology
+        // changes (a declare is not repeated when its outcome is unknown).
         let node = self.weak_self();
-        forwarder.send(
+        send_retrying(
+            forwarder.clone(),
             Forwarded {
                 commands: Vec::new(),
                 meta: vec![change],
             },
+            false,
+            std::time::Instant::now() + RETRY_FOR,
+            0,
             Box::new(move |r| {
                 if let Err(e) = r
                     && let Some(node) = node.upgrade()
@@ -624,11 +621,7 @@ impl ClusterNode {
                     } else {
                         &node.deleting
                     };
-                    let done = map
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .remove(&incarnation);
-                    if let Some(done) = done {
+                    if let Some(done) = take_waiting(map, incarnation) {
                         done(Err(Arc::new(warren_store::StoreError::Replication(
                             e.to_string(),
                         ))));
@@ -644,6 +637,14 @@ impl ClusterNode {
             .map(|f| f.node.clone())
             .unwrap_or_default()
     }
+}
+
+/// The completion of a declare or delete made here, once (None: not made here, or already
+/// completed).
+fn take_waiting(map: &Mutex<HashMap<u64, Completion>>, incarnation: u64) -> Option<Completion> {
+    map.lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(&incarnation)
 }
 
 /// The metadata group's state: the quorum queue records.
