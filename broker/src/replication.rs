@@ -51,6 +51,25 @@ pub struct Placement {
     pub leader: Option<String>,
     /// The members' node names.
     pub members: Vec<String>,
+    /// The members heard from lately (this node counts itself).
+    pub online: Vec<String>,
+}
+
+/// One replica's view of its group: for operators, and for checking that the replicas of a
+/// queue hold the same state at the same applied index.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ReplicaState {
+    /// The index of the last log entry applied here (0 before the first).
+    pub applied_index: u64,
+    /// The term of the vote this replica holds.
+    pub term: u64,
+    /// `leader`, `follower`, `candidate`, `learner`, or `starting` (no Raft instance yet).
+    pub role: &'static str,
+    /// A hash of the queue machine's state as of `applied_index` (read under the lock that
+    /// applies entries): equal on every replica at the same index.
+    pub digest: String,
+    /// The nodes that replicate the log without voting.
+    pub learners: Vec<String>,
 }
 
 /// One replicated queue's side of its Raft group.
@@ -67,6 +86,9 @@ pub trait Replicator: Send + Sync + std::fmt::Debug {
     fn local_node(&self) -> u64;
     /// Leader and members.
     fn placement(&self) -> Placement;
+    /// This replica's applied index, term, role and state digest (hashes the whole state:
+    /// for a single queue's details, not for listings).
+    fn replica_state(&self) -> ReplicaState;
 }
 
 /// What a cluster does for the broker's metadata changes.
@@ -80,9 +102,51 @@ pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
     fn declare_quorum(&self, queue: Arc<Queue>, done: Completion);
     /// Delete a replicated queue everywhere; `done` runs once that committed.
     fn delete_quorum(&self, queue: &Arc<Queue>, done: Completion);
+    /// Add or remove a member of a replicated queue's group. Refused at once when the change
+    /// makes no sense; otherwise `done` runs once the cluster committed the new member list
+    /// (the group's leader then changes its voters, which takes a moment more: an added
+    /// member votes once it has caught up).
+    ///
+    /// # Errors
+    /// See [`MembershipError`].
+    fn change_members(
+        &self,
+        queue: &Arc<Queue>,
+        change: MemberChange,
+        done: Completion,
+    ) -> Result<(), MembershipError>;
     /// A change to exchanges or bindings made here: every other node makes it too (through
     /// [`apply_topology`]); `done` runs once the cluster committed it.
     fn replicate_topology(&self, change: TopologyChange, done: Completion);
+}
+
+/// A change to a quorum queue's members (`warren ctl queues add_member|delete_member`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MemberChange {
+    /// Make this node (by name) a member.
+    Add(String),
+    /// Make this node (by name) no longer a member.
+    Delete(String),
+}
+
+/// Why a membership change was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MembershipError {
+    /// No node of that name is in the cluster.
+    #[error("no node {0} in the cluster")]
+    UnknownNode(String),
+    /// Adding a member that is one.
+    #[error("{0} is already a member")]
+    AlreadyMember(String),
+    /// Removing a node that is not a member.
+    #[error("{0} is not a member")]
+    NotMember(String),
+    /// Removing the only member (the queue's state would have nowhere to live).
+    #[error("a quorum queue keeps at least one member")]
+    LastMember,
+    /// The queue is not replicated (a classic queue, or not served here yet).
+    #[error("not a replicated queue")]
+    NotReplicated,
 }
 
 /// An exchange or binding change, as the cluster's metadata log carries it (the store's record

@@ -107,6 +107,13 @@ impl<A: Applied> GroupStateMachine<A> {
     pub fn last_applied(&self) -> Option<LogId<NodeId>> {
         self.lock().tracked.last_applied
     }
+
+    /// `f` of the state with the id of the last entry applied into it, read under the apply
+    /// lock (no entry lands between the two).
+    pub fn read_applied<T>(&self, f: impl FnOnce(&A) -> T) -> (Option<LogId<NodeId>>, T) {
+        let inner = self.lock();
+        (inner.tracked.last_applied, f(&self.applied))
+    }
 }
 
 impl<A: Applied> RaftSnapshotBuilder<QueueRaft> for GroupStateMachine<A> {

@@ -30,8 +30,8 @@ use warren_broker::message::Entry;
 use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 use warren_broker::replication::{
-    ClusterHooks, Placement, ReplicaDone, ReplicationError, Replicator, Replies, TopologyChange,
-    decode_entry, encode_entry,
+    ClusterHooks, MemberChange, MembershipError, Placement, ReplicaDone, ReplicaState,
+    ReplicationError, Replicator, Replies, TopologyChange, decode_entry, encode_entry,
 };
 use warren_store::writer::Completion;
 
@@ -39,7 +39,7 @@ use crate::group::{Applied, GroupStateMachine};
 use crate::log_store::LogStore;
 use crate::proposer::{ProposeError, Proposer};
 use crate::tcp::{
-    FORWARDS_IN_FLIGHT_MAX, ForwardLink, Forwarded, GroupId, Groups, Secret, TcpNetwork,
+    Addresses, FORWARDS_IN_FLIGHT_MAX, ForwardLink, Forwarded, GroupId, Groups, Secret, TcpNetwork,
 };
 use crate::types::{MetaChange, NodeId, QueueRaft, QueueRequest, QueueResponse, ReplicatedMessage};
 
@@ -97,12 +97,16 @@ pub enum NodeError {
 /// A node's Raft id: FNV-1a of its name (never 0).
 #[must_use]
 pub fn node_id(name: &str) -> NodeId {
+    fnv1a(name.as_bytes()).max(1)
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in name.bytes() {
-        h ^= u64::from(b);
+    for b in bytes {
+        h ^= u64::from(*b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    h.max(1)
+    h
 }
 
 /// Timings for real nodes: heartbeats every 300 ms, an election after 1.5 to 3 s of silence
@@ -129,6 +133,8 @@ pub struct ClusterNode {
     number: u64,
     raft_config: Arc<Config>,
     secret: Secret,
+    /// Where this node dials each peer (its `--peers`).
+    addresses: Addresses,
     broker: Arc<Broker>,
     groups: Groups,
     meta: OnceLock<Raft<QueueRaft>>,
@@ -139,6 +145,9 @@ pub struct ClusterNode {
     declaring: Mutex<HashMap<u64, Completion>>,
     /// Deletes made here, waiting for their commit.
     deleting: Mutex<HashMap<u64, Completion>>,
+    /// Each quorum queue's members as the metadata group last set them, by incarnation:
+    /// what its leader makes the group's voters (see [`reconcile_members`]).
+    members: Mutex<HashMap<u64, Vec<NodeId>>>,
     /// When this node started (a peer not heard from since is silent only after a while).
     started: std::time::Instant,
     /// Committed bindings whose ends this node does not serve yet (bounded by the bindings
@@ -190,8 +199,13 @@ impl ClusterNode {
             .await
             .map_err(|e| NodeError::Io(format!("cluster port {}: {e}", config.listen)))?;
         let me = node_id(&config.name);
+        let addresses = Addresses::default();
+        for p in &config.peers {
+            addresses.insert(node_id(&p.name), p.addr.clone());
+        }
         let node = Arc::new(Self {
             me,
+            addresses,
             number: index as u64 + 1,
             raft_config,
             secret: Secret::new(&config.secret),
@@ -202,6 +216,7 @@ impl ClusterNode {
             queues: Mutex::new(HashMap::new()),
             declaring: Mutex::new(HashMap::new()),
             deleting: Mutex::new(HashMap::new()),
+            members: Mutex::new(HashMap::new()),
             started: std::time::Instant::now(),
             unbound: Mutex::new(Vec::new()),
             config,
@@ -227,7 +242,8 @@ impl ClusterNode {
         let raft = Raft::new(
             me,
             Arc::clone(&node.raft_config),
-            TcpNetwork::new(me, meta_id.clone(), node.secret.clone()),
+            TcpNetwork::new(me, meta_id.clone(), node.secret.clone())
+                .resolving(node.addresses.clone()),
             log,
             GroupStateMachine::over(state),
         )
@@ -280,6 +296,16 @@ impl ClusterNode {
             .map(|p| p.name.clone())
     }
 
+    /// A queue's members as the metadata group last set them.
+    fn members_of(&self, incarnation: u64) -> Vec<NodeId> {
+        self.members
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&incarnation)
+            .cloned()
+            .unwrap_or_default()
+    }
+
     fn peer_number(&self, id: NodeId) -> Option<u64> {
         let mut names: Vec<&str> = self.config.peers.iter().map(|p| p.name.as_str()).collect();
         names.sort_unstable();
@@ -318,6 +344,11 @@ impl ClusterNode {
                 incarnation,
                 members,
             } => {
+                self.members
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .entry(*incarnation)
+                    .or_insert_with(|| members.clone());
                 let node = Arc::clone(self);
                 let (key, value, incarnation, members) =
                     (key.clone(), value.clone(), *incarnation, members.clone());
@@ -335,6 +366,10 @@ impl ClusterNode {
                 });
             }
             MetaChange::DeleteQueue { incarnation, .. } => {
+                self.members
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(incarnation);
                 let replica = self
                     .queues
                     .lock()
@@ -359,6 +394,27 @@ impl ClusterNode {
                 let done = take_waiting(&self.deleting, *incarnation);
                 if let Some(done) = done {
                     done(Ok(Vec::new()));
+                }
+            }
+            MetaChange::SetMembers {
+                incarnation,
+                members,
+                ..
+            } => {
+                self.members
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(*incarnation, members.clone());
+                let replica = self
+                    .queues
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get(incarnation)
+                    .cloned();
+                if let Some(replica) = replica
+                    && replica.is_leader()
+                {
+                    reconcile_members(self, &replica);
                 }
             }
             MetaChange::Topology(change) => {
@@ -418,13 +474,17 @@ impl ClusterNode {
         };
         // The queue is a replica before its log replays into it (Raft::new applies what
         // was committed), so replayed deliveries to consumers of elsewhere are left alone.
+        let machine = GroupStateMachine::over(Arc::new(QueueApplied {
+            queue: Arc::clone(&queue),
+        }));
         let replica = Arc::new(QueueReplica {
             node: Arc::downgrade(self),
             group: group.clone(),
             raft: OnceLock::new(),
             forwarder: OnceLock::new(),
             queue: Arc::clone(&queue),
-            members: members.to_vec(),
+            machine: machine.clone(),
+            changing: std::sync::atomic::AtomicBool::new(false),
             downed: Mutex::new(Vec::new()),
         });
         queue.attach_replica(Arc::clone(&replica) as Arc<dyn Replicator>);
@@ -433,11 +493,10 @@ impl ClusterNode {
         let raft = Raft::new(
             self.me,
             Arc::clone(&self.raft_config),
-            TcpNetwork::new(self.me, group.clone(), self.secret.clone()),
+            TcpNetwork::new(self.me, group.clone(), self.secret.clone())
+                .resolving(self.addresses.clone()),
             log,
-            GroupStateMachine::over(Arc::new(QueueApplied {
-                queue: Arc::clone(&queue),
-            })),
+            machine,
         )
         .await
         .map_err(|e| NodeError::Io(e.to_string()))?;
@@ -569,6 +628,71 @@ impl ClusterHooks for ClusterNode {
         );
     }
 
+    fn change_members(
+        &self,
+        queue: &Arc<Queue>,
+        change: MemberChange,
+        done: Completion,
+    ) -> Result<(), MembershipError> {
+        let incarnation = self
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|(_, r)| Arc::ptr_eq(&r.queue, queue))
+            .map(|(i, _)| *i)
+            .ok_or(MembershipError::NotReplicated)?;
+        let mut members = self.members_of(incarnation);
+        let (MemberChange::Add(name) | MemberChange::Delete(name)) = &change;
+        let id = node_id(name);
+        if self.peer_name(id).as_deref() != Some(name.as_str()) {
+            return Err(MembershipError::UnknownNode(name.clone()));
+        }
+        match change {
+            MemberChange::Add(name) => {
+                if members.contains(&id) {
+                    return Err(MembershipError::AlreadyMember(name));
+                }
+                members.push(id);
+            }
+            MemberChange::Delete(name) => {
+                if !members.contains(&id) {
+                    return Err(MembershipError::NotMember(name));
+                }
+                if members.len() == 1 {
+                    return Err(MembershipError::LastMember);
+                }
+                members.retain(|m| *m != id);
+            }
+        }
+        let Some(forwarder) = self.meta_forwarder.get() else {
+            return Err(MembershipError::NotReplicated);
+        };
+        send_retrying(
+            forwarder.clone(),
+            Forwarded {
+                commands: Vec::new(),
+                meta: vec![MetaChange::SetMembers {
+                    key: QueueRecord::key(&queue.vhost, &queue.name),
+                    incarnation,
+                    members,
+                }],
+            },
+            // Setting the same list twice is setting it once.
+            true,
+            std::time::Instant::now() + RETRY_FOR,
+            0,
+            Box::new(move |r| {
+                done(
+                    r.map(|_| Vec::new()).map_err(|e| {
+                        Arc::new(warren_store::StoreError::Replication(e.to_string()))
+                    }),
+                );
+            }),
+        );
+        Ok(())
+    }
+
     fn delete_quorum(&self, queue: &Arc<Queue>, done: Completion) {
         let found = self
             .queues
@@ -647,6 +771,12 @@ fn take_waiting(map: &Mutex<HashMap<u64, Completion>>, incarnation: u64) -> Opti
         .remove(&incarnation)
 }
 
+/// Where the metadata state keeps a queue's later member list (beside its record, which keeps
+/// the members it was declared with: those initialise the group, once).
+fn members_key(queue_key: &[u8]) -> Vec<u8> {
+    [b"members:".as_slice(), queue_key].concat()
+}
+
 /// The metadata group's state: the quorum queue records.
 struct MetaState {
     records: Mutex<BTreeMap<Vec<u8>, MetaChange>>,
@@ -674,7 +804,21 @@ impl Applied for MetaState {
                     );
                     if current {
                         records.remove(key);
+                        records.remove(&members_key(key));
                     }
+                }
+                MetaChange::SetMembers {
+                    key, incarnation, ..
+                } => {
+                    let current = matches!(
+                        records.get(key),
+                        Some(MetaChange::DeclareQueue { incarnation: i, .. }) if i == incarnation
+                    );
+                    if !current {
+                        // The queue was deleted (or re-declared) meanwhile.
+                        continue;
+                    }
+                    records.insert(members_key(key), change.clone());
                 }
                 MetaChange::Topology(t) => {
                     // What a snapshot must carry: the exchanges and bindings that stand.
@@ -700,14 +844,19 @@ impl Applied for MetaState {
 
     fn install(&self, bytes: &[u8]) -> Result<(), String> {
         let mut list: Vec<MetaChange> = crate::codec::decode(bytes).map_err(|e| e.to_string())?;
-        // Queues and exchanges before the bindings between them.
-        list.sort_by_key(|c| matches!(c, MetaChange::Topology(TopologyChange::Bind { .. })));
+        // Queues and exchanges, then queues' later members, then the bindings between them.
+        list.sort_by_key(|c| match c {
+            MetaChange::SetMembers { .. } => 1,
+            MetaChange::Topology(TopologyChange::Bind { .. }) => 2,
+            _ => 0,
+        });
         let node = self.node.upgrade();
         let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
         records.clear();
         for change in list {
             let key = match &change {
                 MetaChange::DeclareQueue { key, .. } => key.clone(),
+                MetaChange::SetMembers { key, .. } => members_key(key),
                 MetaChange::Topology(t) if t.is_addition() => t.record_key(),
                 _ => continue,
             };
@@ -781,7 +930,11 @@ struct QueueReplica {
     /// Set with `raft`; submissions before it fail as unavailable.
     forwarder: OnceLock<Forwarder>,
     queue: Arc<Queue>,
-    members: Vec<NodeId>,
+    /// The state machine the group applies into (a clone sharing it), read for
+    /// [`Replicator::replica_state`].
+    machine: GroupStateMachine<QueueApplied>,
+    /// Set while this replica, as leader, is changing the group's voters.
+    changing: std::sync::atomic::AtomicBool,
     /// Nodes whose consumers this replica (as leader) already returned, until heard again.
     downed: Mutex<Vec<NodeId>>,
 }
@@ -865,19 +1018,73 @@ impl Replicator for QueueReplica {
         let Some(node) = self.node.upgrade() else {
             return Placement::default();
         };
-        let leader = self
-            .raft
-            .get()
-            .and_then(|r| r.metrics().borrow().current_leader);
+        let (leader, voters) = match self.raft.get() {
+            Some(raft) => {
+                let m = raft.metrics();
+                let m = m.borrow();
+                let voters: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
+                (m.current_leader, voters)
+            }
+            None => (None, node.members_of(self.group.incarnation)),
+        };
+        let online = voters
+            .iter()
+            .filter(|id| {
+                **id == node.me || crate::tcp::silent_for(**id).is_some_and(|s| s < DOWN_AFTER)
+            })
+            .filter_map(|id| node.peer_name(*id))
+            .collect();
         Placement {
             leader: leader.and_then(|l| node.peer_name(l)),
-            members: self
-                .members
-                .iter()
-                .filter_map(|m| node.peer_name(*m))
+            members: voters.iter().filter_map(|id| node.peer_name(*id)).collect(),
+            online,
+        }
+    }
+
+    fn replica_state(&self) -> ReplicaState {
+        let Some(node) = self.node.upgrade() else {
+            return ReplicaState::default();
+        };
+        let (applied, digest) = self.machine.read_applied(|a| a.queue.with_machine(digest));
+        let Some(raft) = self.raft.get() else {
+            return ReplicaState {
+                applied_index: applied.map_or(0, |l| l.index),
+                role: "starting",
+                digest,
+                ..ReplicaState::default()
+            };
+        };
+        let m = raft.metrics();
+        let m = m.borrow();
+        let role = match m.state {
+            openraft::ServerState::Leader => "leader",
+            openraft::ServerState::Follower => "follower",
+            openraft::ServerState::Candidate => "candidate",
+            openraft::ServerState::Learner => "learner",
+            openraft::ServerState::Shutdown => "shutdown",
+        };
+        ReplicaState {
+            applied_index: applied.map_or(0, |l| l.index),
+            term: m.current_term,
+            role,
+            digest,
+            learners: m
+                .membership_config
+                .membership()
+                .learner_ids()
+                .filter_map(|id| node.peer_name(id))
                 .collect(),
         }
     }
+}
+
+/// A hash of a queue machine's canonical rendering (maps in key order): replicas at the same
+/// applied index must have the same.
+fn digest<M: serde::Serialize>(machine: &M) -> String {
+    let text = serde_json::to_value(machine)
+        .map(|v| v.to_string())
+        .unwrap_or_default();
+    format!("{:016x}", fnv1a(text.as_bytes()))
 }
 
 /// How long a submission is retried across an election before it fails.
@@ -1078,13 +1285,17 @@ async fn send_batch(
     let link = match links.entry(leader) {
         std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
         std::collections::hash_map::Entry::Vacant(v) => {
-            let addr = raft
-                .metrics()
-                .borrow()
-                .membership_config
-                .membership()
-                .get_node(&leader)
-                .map(|n| n.addr.clone());
+            let addr = node
+                .upgrade()
+                .and_then(|n| n.addresses.get(leader))
+                .or_else(|| {
+                    raft.metrics()
+                        .borrow()
+                        .membership_config
+                        .membership()
+                        .get_node(&leader)
+                        .map(|n| n.addr.clone())
+                });
             let Some(addr) = addr else {
                 finish(Err(ReplicationError::Unavailable));
                 return;
@@ -1171,6 +1382,55 @@ fn add_learners(node: &ClusterNode, replica: &QueueReplica) {
     }
 }
 
+/// As a queue's leader: make the group's voters the members the metadata group set, when
+/// they differ (one change at a time). Nodes to add are made learners first, caught up
+/// (`add_learner` blocks until they are), so a new voter never stalls the majority; removed
+/// voters stay learners.
+fn reconcile_members(node: &ClusterNode, replica: &Arc<QueueReplica>) {
+    use std::sync::atomic::Ordering;
+    let Some(raft) = replica.raft.get() else {
+        return;
+    };
+    let desired: std::collections::BTreeSet<NodeId> = node
+        .members_of(replica.group.incarnation)
+        .into_iter()
+        .collect();
+    let (voters, known): (std::collections::BTreeSet<NodeId>, Vec<NodeId>) = {
+        let m = raft.metrics();
+        let m = m.borrow();
+        let membership = m.membership_config.membership();
+        (
+            membership.voter_ids().collect(),
+            membership.nodes().map(|(id, _)| *id).collect(),
+        )
+    };
+    if desired.is_empty() || desired == voters || replica.changing.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let learners: Vec<(NodeId, String)> = desired
+        .iter()
+        .filter(|id| !known.contains(id))
+        .filter_map(|id| node.addresses.get(*id).map(|a| (*id, a)))
+        .collect();
+    let (raft, replica) = (raft.clone(), Arc::clone(replica));
+    tokio::spawn(async move {
+        for (id, addr) in learners {
+            if let Err(e) = raft.add_learner(id, BasicNode::new(addr), true).await {
+                tracing::debug!(error = %e, "adding a learner before it votes");
+            }
+        }
+        match raft.change_membership(desired.clone(), true).await {
+            Ok(_) => {
+                tracing::info!(queue = %replica.queue.name, members = ?desired, "queue members changed")
+            }
+            Err(e) => {
+                tracing::warn!(queue = %replica.queue.name, error = %e, "changing queue members")
+            }
+        }
+        replica.changing.store(false, Ordering::Release);
+    });
+}
+
 /// Every second: for each queue this node leads, return what consumers on silent peers held.
 async fn watch_peers(node: Weak<ClusterNode>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -1191,6 +1451,7 @@ async fn watch_peers(node: Weak<ClusterNode>) {
                 continue;
             }
             add_learners(&node, &replica);
+            reconcile_members(&node, &replica);
             for peer in &node.config.peers {
                 let id = node_id(&peer.name);
                 if id == node.me {

@@ -611,23 +611,59 @@ async fn serve_connection(
     }
 }
 
+/// Where this node dials each peer: its own `--peers` list, not the addresses a group's
+/// membership recorded (those are the initialising node's view, which a proxy, a NAT or a
+/// renamed host can make wrong from here). Shared by every group of a node.
+#[derive(Debug, Clone, Default)]
+pub struct Addresses(Arc<RwLock<HashMap<NodeId, String>>>);
+
+impl Addresses {
+    /// Dial `id` at `addr` from now on.
+    pub fn insert(&self, id: NodeId, addr: String) {
+        self.0
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(id, addr);
+    }
+
+    /// Where to dial `id`, if this node knows.
+    #[must_use]
+    pub fn get(&self, id: NodeId) -> Option<String> {
+        self.0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&id)
+            .cloned()
+    }
+}
+
 /// Node `from`'s client side for one group: openraft's network factory over TCP.
 #[derive(Debug, Clone)]
 pub struct TcpNetwork {
     from: NodeId,
     group: GroupId,
     secret: Secret,
+    addresses: Addresses,
 }
 
 impl TcpNetwork {
-    /// The network of node `from`'s replica of `group`, in a cluster sharing `secret`.
+    /// The network of node `from`'s replica of `group`, in a cluster sharing `secret`. It
+    /// dials peers at the addresses their membership records.
     #[must_use]
     pub fn new(from: NodeId, group: GroupId, secret: Secret) -> Self {
         Self {
             from,
             group,
             secret,
+            addresses: Addresses::default(),
         }
+    }
+
+    /// Dial the peers `addresses` knows there rather than where the membership says.
+    #[must_use]
+    pub fn resolving(mut self, addresses: Addresses) -> Self {
+        self.addresses = addresses;
+        self
     }
 }
 
@@ -650,7 +686,10 @@ impl RaftNetworkFactory<QueueRaft> for TcpNetwork {
             from: self.from,
             to: target,
             group: self.group.clone(),
-            addr: node.addr.clone(),
+            addr: self
+                .addresses
+                .get(target)
+                .unwrap_or_else(|| node.addr.clone()),
             secret: self.secret.clone(),
             stream: None,
         }

@@ -69,6 +69,17 @@ pub enum MetaChange {
     },
     /// An exchange or binding changed on some node.
     Topology(warren_broker::replication::TopologyChange),
+    /// A quorum queue's members from now on: its group's leader makes them the voters
+    /// (an added member is a learner first and votes once it has caught up; a removed one
+    /// stays a learner, as every non-member is).
+    SetMembers {
+        /// The queue's record key.
+        key: Vec<u8>,
+        /// The incarnation concerned (a change to a deleted one is void).
+        incarnation: u64,
+        /// Member node ids, in placement order.
+        members: Vec<NodeId>,
+    },
 }
 
 /// The replies to one entry's commands, in order.

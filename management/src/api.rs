@@ -103,6 +103,14 @@ pub fn router(state: AppState) -> Router {
             axum::routing::post(get_messages),
         )
         .route(
+            "/api/queues/{vhost}/{queue}/members",
+            axum::routing::post(add_member),
+        )
+        .route(
+            "/api/queues/{vhost}/{queue}/members/{node}",
+            axum::routing::delete(delete_member),
+        )
+        .route(
             "/api/exchanges/{vhost}/{exchange}/publish",
             axum::routing::post(publish),
         )
@@ -888,7 +896,7 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
         let p = replica.placement();
         obj.insert("leader".into(), json!(p.leader));
         obj.insert("node".into(), json!(p.leader));
-        obj.insert("online".into(), json!(p.members));
+        obj.insert("online".into(), json!(p.online));
         obj.insert("members".into(), json!(p.members));
     }
     v
@@ -956,7 +964,102 @@ async fn get_queue(
         }
     };
     v["consumer_details"] = Value::Array(details);
+    if let Some(replica) = q.replica() {
+        // Warren's own: this node's replica, to compare replicas (same index, same digest).
+        let r = replica.replica_state();
+        v["raft"] = json!({
+            "applied_index": r.applied_index,
+            "term": r.term,
+            "role": r.role,
+            "digest": r.digest,
+            "learners": r.learners,
+        });
+    }
     ok_json(v)
+}
+
+#[derive(Debug, Deserialize)]
+struct MemberBody {
+    node: String,
+}
+
+/// Warren's own (rabbitmq-queues add_member has no HTTP form): make `node` a member of a
+/// quorum queue. Answers once the cluster committed the new member list; the queue's leader
+/// then makes it a voter once it has caught up.
+async fn add_member(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name)): Path<(String, String)>,
+    Json(body): Json<MemberBody>,
+) -> ApiResult {
+    change_members(
+        &state,
+        &caller,
+        &vhost,
+        &name,
+        warren_broker::replication::MemberChange::Add(body.node),
+    )
+    .await
+}
+
+/// Warren's own: `node` is no longer a member of a quorum queue (it stays a learner).
+async fn delete_member(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path((vhost, name, node)): Path<(String, String, String)>,
+) -> ApiResult {
+    change_members(
+        &state,
+        &caller,
+        &vhost,
+        &name,
+        warren_broker::replication::MemberChange::Delete(node),
+    )
+    .await
+}
+
+async fn change_members(
+    state: &AppState,
+    caller: &Caller,
+    vhost: &str,
+    name: &str,
+    change: warren_broker::replication::MemberChange,
+) -> ApiResult {
+    use warren_broker::replication::MembershipError;
+    caller.require_admin()?;
+    let (_, q) = queue_for(state, caller, vhost, name)?;
+    let Some(cluster) = state.broker.cluster() else {
+        return Err(ApiError::bad_request("this node is not clustered"));
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    cluster
+        .change_members(
+            &q,
+            change,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        )
+        .map_err(|e| match e {
+            MembershipError::UnknownNode(_) | MembershipError::NotReplicated => ApiError {
+                reason: e.to_string(),
+                ..ApiError::not_found()
+            },
+            other => ApiError::bad_request(other.to_string()),
+        })?;
+    match rx.await {
+        Ok(Ok(_)) => no_content(),
+        Ok(Err(e)) => Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            error: "unavailable",
+            reason: e.to_string(),
+        }),
+        Err(_) => Err(ApiError {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            error: "unavailable",
+            reason: "the cluster dropped the change".into(),
+        }),
+    }
 }
 
 #[derive(Debug, Deserialize)]
