@@ -518,6 +518,18 @@ pub enum CtlCommand {
         /// Source file.
         path: String,
     },
+    /// The cluster's name, its nodes, and which of them this node hears from.
+    ClusterStatus {
+        /// `json` for one JSON object.
+        #[arg(long)]
+        formatter: Option<String>,
+    },
+    /// Quorum queue membership (rabbitmq-queues): add_member, delete_member, grow, shrink.
+    Queues {
+        /// The verb.
+        #[command(subcommand)]
+        command: crate::ctl_cluster::QueuesCommand,
+    },
 }
 
 /// A listing through the management API: (banner, API path, default columns).
@@ -751,7 +763,7 @@ fn status(data_dir: &Path) -> anyhow::Result<u8> {
 }
 
 /// rabbitmqctl-like exit codes for API failures.
-fn api_failure(status: u16, body: &Value) -> u8 {
+pub(crate) fn api_failure(status: u16, body: &Value) -> u8 {
     let reason = body["reason"].as_str().unwrap_or("failed");
     eprintln!("Error:\n{reason}");
     match status {
@@ -818,6 +830,15 @@ fn api_ctl(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
             vec![("x-reason".to_string(), explanation.clone())],
         ),
         CtlCommand::Status => return Some(status(data_dir)),
+        CtlCommand::ClusterStatus { formatter } => {
+            return Some(crate::ctl_cluster::cluster_status(
+                data_dir,
+                formatter.as_deref() == Some("json"),
+            ));
+        }
+        CtlCommand::Queues { command } => {
+            return Some(crate::ctl_cluster::queues(data_dir, command));
+        }
         CtlCommand::ExportDefinitions { path } => {
             if path != "-" {
                 println!("Exporting definitions in JSON to a file at \"{path}\" ...");

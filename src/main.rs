@@ -3,6 +3,7 @@
 mod admin;
 mod config;
 mod ctl_api;
+mod ctl_cluster;
 mod resources;
 mod server;
 mod tls;

@@ -102,6 +102,8 @@ pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
     fn declare_quorum(&self, queue: Arc<Queue>, done: Completion);
     /// Delete a replicated queue everywhere; `done` runs once that committed.
     fn delete_quorum(&self, queue: &Arc<Queue>, done: Completion);
+    /// Every node of the cluster, and whether it was heard from lately (this one is).
+    fn nodes(&self) -> Vec<NodeStatus>;
     /// Add or remove a member of a replicated queue's group. Refused at once when the change
     /// makes no sense; otherwise `done` runs once the cluster committed the new member list
     /// (the group's leader then changes its voters, which takes a moment more: an added
@@ -118,6 +120,15 @@ pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
     /// A change to exchanges or bindings made here: every other node makes it too (through
     /// [`apply_topology`]); `done` runs once the cluster committed it.
     fn replicate_topology(&self, change: TopologyChange, done: Completion);
+}
+
+/// A cluster node as this node sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeStatus {
+    /// Its name.
+    pub name: String,
+    /// Heard from within the down-detection window (this node always is).
+    pub running: bool,
 }
 
 /// A change to a quorum queue's members (`warren ctl queues add_member|delete_member`).

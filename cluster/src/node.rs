@@ -30,7 +30,7 @@ use warren_broker::message::Entry;
 use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 use warren_broker::replication::{
-    ClusterHooks, MemberChange, MembershipError, Placement, ReplicaDone, ReplicaState,
+    ClusterHooks, MemberChange, MembershipError, NodeStatus, Placement, ReplicaDone, ReplicaState,
     ReplicationError, Replicator, Replies, TopologyChange, decode_entry, encode_entry,
 };
 use warren_store::writer::Completion;
@@ -626,6 +626,21 @@ impl ClusterHooks for ClusterNode {
                 );
             }),
         );
+    }
+
+    fn nodes(&self) -> Vec<NodeStatus> {
+        self.config
+            .peers
+            .iter()
+            .map(|p| {
+                let id = node_id(&p.name);
+                NodeStatus {
+                    name: p.name.clone(),
+                    running: id == self.me
+                        || crate::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
+                }
+            })
+            .collect()
     }
 
     fn change_members(

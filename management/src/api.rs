@@ -430,8 +430,18 @@ async fn cluster_name(State(state): State<AppState>, _caller: Caller) -> ApiResu
     ok_json(json!({"name": state.node.cluster_name}))
 }
 
+/// `GET /api/nodes`: this node's facts, and for a cluster each other node's name and whether
+/// it is running (as this node last heard; its own facts are on its own API).
 async fn nodes(State(state): State<AppState>, caller: Caller) -> ApiResult {
-    ok_json(Value::Array(vec![node_json(&state, &caller)?]))
+    let mut all = vec![node_json(&state, &caller)?];
+    if let Some(cluster) = state.broker.cluster() {
+        for n in cluster.nodes() {
+            if n.name != state.node.node {
+                all.push(json!({"name": n.name, "type": "disc", "running": n.running}));
+            }
+        }
+    }
+    ok_json(Value::Array(all))
 }
 
 /// `GET /api/nodes/{name}`: this node, or 404 for any other name.

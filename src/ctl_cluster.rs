@@ -1,0 +1,282 @@
+//! `warren ctl cluster_status` and `warren ctl queues ...` (rabbitmq-queues' membership verbs),
+//! over the node's management API like the other API-backed verbs.
+//!
+//! Membership changes answer once the cluster committed the new member list; these verbs
+//! then wait until the queue's leader reports the new voters, so a script that runs
+//! `add_member` and then relies on the new replica sees it in place.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::admin::{api_request, percent_segment};
+
+/// How long a membership verb waits for the leader to report the new voters.
+const MEMBERS_WAIT: Duration = Duration::from_secs(30);
+
+/// rabbitmq-queues' membership verbs.
+#[derive(Debug, clap::Subcommand)]
+#[command(rename_all = "snake_case")]
+pub enum QueuesCommand {
+    /// Make NODE a member (a voting replica) of quorum queue QUEUE.
+    AddMember {
+        /// Queue.
+        queue: String,
+        /// Node name.
+        node: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// Make NODE no longer a member of quorum queue QUEUE (it keeps a non-voting copy).
+    DeleteMember {
+        /// Queue.
+        queue: String,
+        /// Node name.
+        node: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
+    },
+    /// Add NODE to every matching quorum queue (`all`), or to those with an even number of
+    /// members (`even`).
+    Grow {
+        /// Node name.
+        node: String,
+        /// `all` or `even`.
+        #[arg(value_parser = ["all", "even"])]
+        selector: String,
+        /// Only vhosts matching this regular expression.
+        #[arg(long, default_value = ".*")]
+        vhost_pattern: String,
+        /// Only queues matching this regular expression.
+        #[arg(long, default_value = ".*")]
+        queue_pattern: String,
+    },
+    /// Remove NODE from every quorum queue it is a member of (never the last member).
+    Shrink {
+        /// Node name.
+        node: String,
+    },
+}
+
+/// `cluster_status`: the cluster's name, its nodes, and those running as this node sees it.
+pub fn cluster_status(data_dir: &Path, json_output: bool) -> anyhow::Result<u8> {
+    let (status, nodes) = api_request(data_dir, "GET", "/api/nodes", None, Vec::new())?;
+    if status != 200 {
+        return Ok(crate::admin::api_failure(status, &nodes));
+    }
+    let (_, name) = api_request(data_dir, "GET", "/api/cluster-name", None, Vec::new())?;
+    let nodes = nodes.as_array().cloned().unwrap_or_default();
+    let this = nodes
+        .first()
+        .and_then(|n| n["name"].as_str())
+        .unwrap_or_default()
+        .to_string();
+    let mut all: Vec<String> = nodes
+        .iter()
+        .filter_map(|n| n["name"].as_str().map(str::to_string))
+        .collect();
+    all.sort();
+    let mut running: Vec<String> = nodes
+        .iter()
+        .filter(|n| n["running"].as_bool() == Some(true))
+        .filter_map(|n| n["name"].as_str().map(str::to_string))
+        .collect();
+    running.sort();
+    let cluster_name = name["name"].as_str().unwrap_or_default();
+    if json_output {
+        println!(
+            "{}",
+            json!({
+                "cluster_name": cluster_name,
+                "disk_nodes": all,
+                "running_nodes": running,
+            })
+        );
+        return Ok(0);
+    }
+    println!("Cluster status of node {this} ...\nBasics\n\nCluster name: {cluster_name}\n");
+    println!("Disk Nodes\n");
+    for n in &all {
+        println!("{n}");
+    }
+    println!("\nRunning Nodes\n");
+    for n in &running {
+        println!("{n}");
+    }
+    Ok(0)
+}
+
+/// Run a `queues` verb.
+pub fn queues(data_dir: &Path, command: &QueuesCommand) -> anyhow::Result<u8> {
+    match command {
+        QueuesCommand::AddMember { queue, node, vhost } => {
+            println!("Adding a replica for queue {queue} on node {node}...");
+            let r = change(data_dir, vhost, queue, node, true)?;
+            Ok(report_one(&r))
+        }
+        QueuesCommand::DeleteMember { queue, node, vhost } => {
+            println!("Removing a replica of queue {queue} on node {node}...");
+            let r = change(data_dir, vhost, queue, node, false)?;
+            Ok(report_one(&r))
+        }
+        QueuesCommand::Grow {
+            node,
+            selector,
+            vhost_pattern,
+            queue_pattern,
+        } => {
+            println!("Growing {selector} quorum queues on {node}...");
+            let vhosts = regex_of(vhost_pattern)?;
+            let names = regex_of(queue_pattern)?;
+            let mut rows = Vec::new();
+            for q in quorum_queues(data_dir)? {
+                let size = q.members.len();
+                if q.members.iter().any(|m| m == node)
+                    || !vhosts.is_match(&q.vhost)
+                    || !names.is_match(&q.name)
+                    || (selector == "even" && size % 2 != 0)
+                {
+                    continue;
+                }
+                let r = change(data_dir, &q.vhost, &q.name, node, true)?;
+                rows.push((q, size + usize::from(r.is_ok()), r));
+            }
+            Ok(report_many(&rows))
+        }
+        QueuesCommand::Shrink { node } => {
+            println!("Shrinking quorum queues on {node}...");
+            let mut rows = Vec::new();
+            for q in quorum_queues(data_dir)? {
+                if !q.members.iter().any(|m| m == node) {
+                    continue;
+                }
+                let size = q.members.len();
+                let r = change(data_dir, &q.vhost, &q.name, node, false)?;
+                rows.push((q, size - usize::from(r.is_ok()), r));
+            }
+            Ok(report_many(&rows))
+        }
+    }
+}
+
+/// A quorum queue and its members, from the queue listing.
+struct QuorumQueue {
+    vhost: String,
+    name: String,
+    members: Vec<String>,
+}
+
+fn quorum_queues(data_dir: &Path) -> anyhow::Result<Vec<QuorumQueue>> {
+    let (status, body) = api_request(data_dir, "GET", "/api/queues", None, Vec::new())?;
+    if status != 200 {
+        anyhow::bail!(
+            "listing queues: {}",
+            body["reason"].as_str().unwrap_or("failed")
+        );
+    }
+    Ok(body
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|q| q["type"] == "quorum")
+        .map(|q| QuorumQueue {
+            vhost: q["vhost"].as_str().unwrap_or_default().to_string(),
+            name: q["name"].as_str().unwrap_or_default().to_string(),
+            members: names(&q["members"]),
+        })
+        .collect())
+}
+
+fn names(v: &Value) -> Vec<String> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n.as_str().map(str::to_string))
+        .collect()
+}
+
+fn regex_of(pattern: &str) -> anyhow::Result<regex::Regex> {
+    regex::Regex::new(pattern).map_err(|e| anyhow::anyhow!("pattern {pattern}: {e}"))
+}
+
+/// Why one change failed: the API's status and reason.
+type Failure = (u16, String);
+
+/// Add (`add`) or remove `node` as a member, then wait for the leader to report it.
+fn change(
+    data_dir: &Path,
+    vhost: &str,
+    queue: &str,
+    node: &str,
+    add: bool,
+) -> anyhow::Result<Result<(), Failure>> {
+    let base = format!(
+        "/api/queues/{}/{}",
+        percent_segment(vhost),
+        percent_segment(queue)
+    );
+    let (status, body) = if add {
+        api_request(
+            data_dir,
+            "POST",
+            &format!("{base}/members"),
+            Some(json!({ "node": node })),
+            Vec::new(),
+        )?
+    } else {
+        api_request(
+            data_dir,
+            "DELETE",
+            &format!("{base}/members/{}", percent_segment(node)),
+            None,
+            Vec::new(),
+        )?
+    };
+    if status >= 300 {
+        let reason = body["reason"].as_str().unwrap_or("failed").to_string();
+        return Ok(Err((status, reason)));
+    }
+    let deadline = Instant::now() + MEMBERS_WAIT;
+    loop {
+        let (status, q) = api_request(data_dir, "GET", &base, None, Vec::new())?;
+        if status == 200 && names(&q["members"]).iter().any(|m| m == node) == add {
+            return Ok(Ok(()));
+        }
+        if Instant::now() >= deadline {
+            return Ok(Err((
+                504,
+                "the change committed, but the queue's leader has not applied it yet".into(),
+            )));
+        }
+        // Polling the leader's view: the API has no membership event to wait on.
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn report_one(r: &Result<(), Failure>) -> u8 {
+    match r {
+        Ok(()) => 0,
+        Err((status, reason)) => crate::admin::api_failure(*status, &json!({ "reason": reason })),
+    }
+}
+
+fn report_many(rows: &[(QuorumQueue, usize, Result<(), Failure>)]) -> u8 {
+    if !rows.is_empty() {
+        println!("vhost\tname\tsize\tresult");
+    }
+    let mut failed = false;
+    for (q, size, r) in rows {
+        let result = match r {
+            Ok(()) => "ok".to_string(),
+            Err((_, reason)) => {
+                failed = true;
+                format!("error: {reason}")
+            }
+        };
+        println!("{}\t{}\t{size}\t{result}", q.vhost, q.name);
+    }
+    u8::from(failed) * 70
+}
