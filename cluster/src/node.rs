@@ -1038,7 +1038,12 @@ impl Replicator for QueueReplica {
                 let m = raft.metrics();
                 let m = m.borrow();
                 let voters: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
-                (m.current_leader, voters)
+                if voters.is_empty() {
+                    // A learner not added yet knows no membership: the committed members.
+                    (m.current_leader, node.members_of(self.group.incarnation))
+                } else {
+                    (m.current_leader, voters)
+                }
             }
             None => (None, node.members_of(self.group.incarnation)),
         };
