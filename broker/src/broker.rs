@@ -284,6 +284,33 @@ impl Broker {
         }
     }
 
+    /// In a cluster, send a definition change made here to the other nodes (unless it came
+    /// from them); the caller's reply waits for its commit too.
+    fn replicate_definition(
+        &self,
+        on_commit: OnCommit<'_>,
+        change: impl FnOnce() -> crate::replication::DefinitionChange,
+    ) {
+        if let Some(cluster) = self.cluster()
+            && !crate::replication::applying()
+        {
+            cluster.replicate_topology(
+                crate::replication::TopologyChange::Definition(change()),
+                on_commit(),
+            );
+        }
+    }
+
+    /// Store a user as it now is, and send it to the cluster.
+    fn persist_user(&self, user: &UserRecord, on_commit: OnCommit<'_>) {
+        self.submit_meta(vec![Self::put_user_op(user)], on_commit);
+        self.replicate_definition(on_commit, || {
+            crate::replication::DefinitionChange::PutUser(
+                serde_json::to_vec(user).unwrap_or_default(),
+            )
+        });
+    }
+
     fn put_user_op(user: &UserRecord) -> Op {
         Op::Put {
             table: MetaTable::Users,
@@ -315,7 +342,7 @@ impl Broker {
             return Err(UserError::Exists(name.to_string()));
         }
         let user = UserRecord::new(name, password, Vec::new());
-        self.submit_meta(vec![Self::put_user_op(&user)], on_commit);
+        self.persist_user(&user, on_commit);
         users.put(user);
         Ok(())
     }
@@ -343,6 +370,9 @@ impl Broker {
             key: Self::topic_key(p),
         }));
         self.submit_meta(ops, on_commit);
+        self.replicate_definition(on_commit, || {
+            crate::replication::DefinitionChange::DeleteUser(name.to_string())
+        });
         self.permissions_changed();
         Ok(())
     }
@@ -388,7 +418,7 @@ impl Broker {
             .cloned()
             .ok_or_else(|| UserError::NoSuchUser(name.to_string()))?;
         change(&mut user);
-        self.submit_meta(vec![Self::put_user_op(&user)], on_commit);
+        self.persist_user(&user, on_commit);
         users.put(user);
         Ok(())
     }
@@ -420,6 +450,7 @@ impl Broker {
         }
         let slot_op = self.take_delayed_slot(&vh);
         self.submit_meta(vec![slot_op, Self::vhost_put_op(&vh)], on_commit);
+        self.replicate_definition(on_commit, || Self::vhost_change(&vh));
         vhosts.insert(name.to_string(), vh);
         Ok(true)
     }
@@ -443,9 +474,19 @@ impl Broker {
         Ok(())
     }
 
-    /// Write the vhost's record (limits and metadata).
+    /// Write the vhost's record (limits and metadata), and send it to the cluster.
     fn persist_vhost(&self, vh: &VHost, on_commit: OnCommit<'_>) {
         self.submit_meta(vec![Self::vhost_put_op(vh)], on_commit);
+        self.replicate_definition(on_commit, || Self::vhost_change(vh));
+    }
+
+    /// A vhost's settings as the cluster carries them (its delayed slot is this node's own).
+    fn vhost_change(vh: &VHost) -> crate::replication::DefinitionChange {
+        crate::replication::DefinitionChange::PutVhost {
+            name: vh.name.clone(),
+            default_queue_type: vh.default_queue_type.read().clone(),
+            limits: serde_json::to_vec(&*vh.limits.read()).unwrap_or_default(),
+        }
     }
 
     fn vhost_put_op(vh: &VHost) -> Op {
@@ -508,6 +549,9 @@ impl Broker {
             key: name.as_bytes().to_vec(),
         });
         self.submit_meta(ops, on_commit);
+        self.replicate_definition(on_commit, || {
+            crate::replication::DefinitionChange::DeleteVhost(name.to_string())
+        });
         Ok(())
     }
 
@@ -539,7 +583,7 @@ impl Broker {
             return Err(UserError::Algorithm(user.hashing_algorithm));
         }
         let mut users = self.users.write();
-        self.submit_meta(vec![Self::put_user_op(&user)], on_commit);
+        self.persist_user(&user, on_commit);
         users.put(user);
         self.permissions_changed();
         Ok(())
@@ -622,6 +666,11 @@ impl Broker {
             }],
             on_commit,
         );
+        self.replicate_definition(on_commit, || {
+            crate::replication::DefinitionChange::SetTopicPermissions(
+                serde_json::to_vec(&p).unwrap_or_default(),
+            )
+        });
         users.set_topic_permission(p);
         self.permissions_changed();
         Ok(())
@@ -650,6 +699,13 @@ impl Broker {
                 .collect(),
             on_commit,
         );
+        self.replicate_definition(on_commit, || {
+            crate::replication::DefinitionChange::ClearTopicPermissions {
+                vhost: vhost.to_string(),
+                user: user.to_string(),
+                exchange: exchange.map(str::to_string),
+            }
+        });
         self.permissions_changed();
         Ok(())
     }
@@ -800,6 +856,11 @@ impl Broker {
         p.validate()?;
         let mut users = self.users_with(&p.user)?;
         self.submit_meta(vec![Self::put_permission_op(&p)], on_commit);
+        self.replicate_definition(on_commit, || {
+            crate::replication::DefinitionChange::SetPermissions(
+                serde_json::to_vec(&p).unwrap_or_default(),
+            )
+        });
         users.set_permission(p);
         self.permissions_changed();
         Ok(())
@@ -827,6 +888,12 @@ impl Broker {
                 on_commit,
             );
         }
+        self.replicate_definition(on_commit, || {
+            crate::replication::DefinitionChange::ClearPermissions {
+                vhost: vhost.to_string(),
+                user: user.to_string(),
+            }
+        });
         Ok(())
     }
 

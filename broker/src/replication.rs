@@ -192,14 +192,187 @@ pub enum TopologyChange {
         /// Record value.
         value: Vec<u8>,
     },
+    /// Users, vhosts, permissions, policies or limits changed.
+    Definition(DefinitionChange),
+}
+
+/// A change to users, vhosts, permissions, policies or limits, as the cluster's metadata log
+/// carries it. Records travel as the JSON the store keeps (RabbitMQ's definitions fields).
+/// Each is idempotent, and carries the whole new state of what it names, so nodes that apply
+/// the same log in the same order end with the same definitions.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum DefinitionChange {
+    /// A user as it now is (created, imported, password, tags or limits changed): a
+    /// `UserRecord` in JSON, with its password hash.
+    PutUser(Vec<u8>),
+    /// A user was deleted, with its permissions.
+    DeleteUser(String),
+    /// A vhost exists with these settings.
+    PutVhost {
+        /// Its name.
+        name: String,
+        /// `default_queue_type`.
+        default_queue_type: Option<String>,
+        /// Its limits (`VhostLimits` in JSON).
+        limits: Vec<u8>,
+    },
+    /// A vhost was deleted, with everything in it.
+    DeleteVhost(String),
+    /// A `PermissionRecord` (JSON) was set.
+    SetPermissions(Vec<u8>),
+    /// A user's permissions in a vhost were cleared.
+    ClearPermissions {
+        /// Vhost.
+        vhost: String,
+        /// User.
+        user: String,
+    },
+    /// A `TopicPermissionRecord` (JSON) was set.
+    SetTopicPermissions(Vec<u8>),
+    /// A user's topic permissions in a vhost were cleared (one exchange's, or all).
+    ClearTopicPermissions {
+        /// Vhost.
+        vhost: String,
+        /// User.
+        user: String,
+        /// One exchange's only.
+        exchange: Option<String>,
+    },
+    /// A policy (`PolicyDef` in JSON) was set.
+    SetPolicy {
+        /// An operator policy rather than a user one.
+        operator: bool,
+        /// The definition.
+        def: Vec<u8>,
+    },
+    /// A policy was cleared.
+    ClearPolicy {
+        /// An operator policy rather than a user one.
+        operator: bool,
+        /// Vhost.
+        vhost: String,
+        /// Policy name.
+        name: String,
+    },
+}
+
+/// A definition's key in the cluster's metadata: a tag and the JSON of its names.
+fn definition_key(tag: &[u8], names: &[&str]) -> Vec<u8> {
+    [tag, &serde_json::to_vec(names).unwrap_or_default()].concat()
+}
+
+/// The names in a definition key of `tag` (None: another kind of key).
+fn definition_names(tag: &[u8], key: &[u8]) -> Option<Vec<String>> {
+    key.strip_prefix(tag)
+        .and_then(|rest| serde_json::from_slice(rest).ok())
+}
+
+fn policy_tag(operator: bool) -> &'static str {
+    if operator { "operator" } else { "user" }
+}
+
+impl DefinitionChange {
+    fn record_key(&self) -> Vec<u8> {
+        use crate::users::{PermissionRecord, TopicPermissionRecord};
+        match self {
+            Self::PutUser(json) => {
+                let name = serde_json::from_slice::<crate::users::UserRecord>(json)
+                    .map(|u| u.name)
+                    .unwrap_or_default();
+                definition_key(b"u:", &[&name])
+            }
+            Self::DeleteUser(name) => definition_key(b"u:", &[name]),
+            Self::PutVhost { name, .. } | Self::DeleteVhost(name) => definition_key(b"v:", &[name]),
+            Self::SetPermissions(json) => match serde_json::from_slice::<PermissionRecord>(json) {
+                Ok(p) => definition_key(b"p:", &[&p.user, &p.vhost]),
+                Err(_) => b"p:".to_vec(),
+            },
+            Self::ClearPermissions { vhost, user } => definition_key(b"p:", &[user, vhost]),
+            Self::SetTopicPermissions(json) => {
+                match serde_json::from_slice::<TopicPermissionRecord>(json) {
+                    Ok(p) => definition_key(b"t:", &[&p.user, &p.vhost, &p.exchange]),
+                    Err(_) => b"t:".to_vec(),
+                }
+            }
+            Self::ClearTopicPermissions {
+                vhost,
+                user,
+                exchange,
+            } => match exchange {
+                Some(x) => definition_key(b"t:", &[user, vhost, x]),
+                None => definition_key(b"t:", &[user, vhost]),
+            },
+            Self::SetPolicy { operator, def } => {
+                match serde_json::from_slice::<crate::policy::PolicyDef>(def) {
+                    Ok(d) => definition_key(b"P:", &[policy_tag(*operator), &d.vhost, &d.name]),
+                    Err(_) => b"P:".to_vec(),
+                }
+            }
+            Self::ClearPolicy {
+                operator,
+                vhost,
+                name,
+            } => definition_key(b"P:", &[policy_tag(*operator), vhost, name]),
+        }
+    }
+
+    fn is_addition(&self) -> bool {
+        matches!(
+            self,
+            Self::PutUser(_)
+                | Self::PutVhost { .. }
+                | Self::SetPermissions(_)
+                | Self::SetTopicPermissions(_)
+                | Self::SetPolicy { .. }
+        )
+    }
+
+    /// Whether removing this also removes the record under `key` (a user's or a vhost's
+    /// permissions go with it).
+    fn supersedes(&self, key: &[u8]) -> bool {
+        let names = |tag: &[u8]| definition_names(tag, key).unwrap_or_default();
+        match self {
+            Self::DeleteUser(user) => {
+                key == self.record_key().as_slice()
+                    || names(b"p:").first() == Some(user)
+                    || names(b"t:").first() == Some(user)
+            }
+            Self::DeleteVhost(vhost) => {
+                key == self.record_key().as_slice()
+                    || names(b"p:").get(1) == Some(vhost)
+                    || names(b"t:").get(1) == Some(vhost)
+                    || names(b"P:").get(1) == Some(vhost)
+            }
+            Self::ClearTopicPermissions {
+                vhost,
+                user,
+                exchange: None,
+            } => {
+                let n = names(b"t:");
+                n.first() == Some(user) && n.get(1) == Some(vhost)
+            }
+            other => key == other.record_key().as_slice(),
+        }
+    }
+
+    /// Where a snapshot's records are re-applied: vhosts, then users, then what refers to
+    /// both.
+    fn rank(&self) -> u8 {
+        match self {
+            Self::PutVhost { .. } | Self::DeleteVhost(_) => 0,
+            Self::PutUser(_) | Self::DeleteUser(_) => 1,
+            _ => 2,
+        }
+    }
 }
 
 impl TopologyChange {
-    /// The key under which the cluster's metadata keeps what this change leaves (None for a
-    /// removal), and the key it removes.
+    /// The key under which the cluster's metadata keeps what this change leaves, or the key
+    /// it removes.
     #[must_use]
     pub fn record_key(&self) -> Vec<u8> {
         match self {
+            Self::Definition(d) => d.record_key(),
             Self::DeclareExchange { key, .. } => [b"x:".as_slice(), key].concat(),
             Self::DeleteExchange { vhost, name } => [
                 b"x:".as_slice(),
@@ -213,7 +386,30 @@ impl TopologyChange {
     /// Whether it adds (rather than removes) something.
     #[must_use]
     pub fn is_addition(&self) -> bool {
-        matches!(self, Self::DeclareExchange { .. } | Self::Bind { .. })
+        match self {
+            Self::Definition(d) => d.is_addition(),
+            other => matches!(other, Self::DeclareExchange { .. } | Self::Bind { .. }),
+        }
+    }
+
+    /// For a removal: whether the record kept under `key` goes with it.
+    #[must_use]
+    pub fn supersedes(&self, key: &[u8]) -> bool {
+        match self {
+            Self::Definition(d) => d.supersedes(key),
+            other => key == other.record_key().as_slice(),
+        }
+    }
+
+    /// The order in which a snapshot's records are re-applied (lower first): definitions,
+    /// then exchanges and queues (rank 3), then bindings.
+    #[must_use]
+    pub fn rank(&self) -> u8 {
+        match self {
+            Self::Definition(d) => d.rank(),
+            Self::Bind { .. } | Self::Unbind { .. } => 5,
+            _ => 3,
+        }
     }
 }
 
@@ -255,6 +451,7 @@ fn apply_topology_here(broker: &crate::Broker, change: &TopologyChange) -> Resul
             let vh = broker.vhost(vhost).ok_or("no such vhost")?;
             vh.delete_exchange(name, false, none).map_err(|e| e.text)?;
         }
+        TopologyChange::Definition(d) => apply_definition(broker, d)?,
         TopologyChange::Bind { key, value } | TopologyChange::Unbind { key, value } => {
             let r = BindingRecord::decode(key, value).map_err(|e| e.to_string())?;
             let vh = broker.vhost(&r.vhost).ok_or("no such vhost")?;
@@ -351,6 +548,78 @@ impl<'de> serde::Deserialize<'de> for Entry {
     }
 }
 
+/// Make a definition change another node made (or this one: every node applies the log in
+/// order, so concurrent changes end the same everywhere).
+fn apply_definition(broker: &crate::Broker, change: &DefinitionChange) -> Result<(), String> {
+    use crate::policy::{PolicyDef, PolicyKind};
+    use crate::users::UserError;
+    let none = &mut || -> Completion { Box::new(|_| {}) };
+    let json = |e: serde_json::Error| e.to_string();
+    let kind = |operator: bool| {
+        if operator {
+            PolicyKind::Operator
+        } else {
+            PolicyKind::User
+        }
+    };
+    // What was already undone here is no failure.
+    let gone = |r: Result<(), UserError>| match r {
+        Ok(()) | Err(UserError::NoSuchUser(_) | UserError::NoSuchVhost(_)) => Ok(()),
+        Err(e) => Err(e.to_string()),
+    };
+    match change {
+        DefinitionChange::PutUser(user) => broker
+            .import_user(serde_json::from_slice(user).map_err(json)?, none)
+            .map_err(|e| e.to_string()),
+        DefinitionChange::DeleteUser(name) => gone(broker.delete_user(name, none)),
+        DefinitionChange::PutVhost {
+            name,
+            default_queue_type,
+            limits,
+        } => {
+            let limits = serde_json::from_slice(limits).map_err(json)?;
+            broker
+                .add_vhost(name, default_queue_type.as_deref(), none)
+                .map_err(|e| e.to_string())?;
+            broker
+                .set_default_queue_type(name, default_queue_type.as_deref(), none)
+                .and_then(|()| broker.set_vhost_limits(name, limits, none))
+                .map_err(|e| e.to_string())
+        }
+        DefinitionChange::DeleteVhost(name) => gone(broker.delete_vhost(name, none)),
+        DefinitionChange::SetPermissions(p) => broker
+            .set_permissions(serde_json::from_slice(p).map_err(json)?, none)
+            .map_err(|e| e.to_string()),
+        DefinitionChange::ClearPermissions { vhost, user } => {
+            gone(broker.clear_permissions(vhost, user, none))
+        }
+        DefinitionChange::SetTopicPermissions(p) => broker
+            .set_topic_permissions(serde_json::from_slice(p).map_err(json)?, none)
+            .map_err(|e| e.to_string()),
+        DefinitionChange::ClearTopicPermissions {
+            vhost,
+            user,
+            exchange,
+        } => gone(broker.clear_topic_permissions(vhost, user, exchange.as_deref(), none)),
+        DefinitionChange::SetPolicy { operator, def } => {
+            let def: PolicyDef = serde_json::from_slice(def).map_err(json)?;
+            let vh = broker.vhost(&def.vhost).ok_or("no such vhost")?;
+            vh.set_policy(kind(*operator), def, none)
+                .map_err(|e| e.to_string())
+        }
+        DefinitionChange::ClearPolicy {
+            operator,
+            vhost,
+            name,
+        } => {
+            if let Some(vh) = broker.vhost(vhost) {
+                vh.clear_policy(kind(*operator), name, none);
+            }
+            Ok(())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
@@ -381,5 +650,42 @@ mod tests {
         bytes[last] ^= 1;
         assert!(decode_message(&bytes).is_err());
         assert!(decode_message(&bytes[..5]).is_err());
+    }
+
+    #[test]
+    fn a_deleted_user_or_vhost_takes_its_definitions_along() {
+        use crate::users::PermissionRecord;
+        let perm = |user: &str, vhost: &str| {
+            TopologyChange::Definition(DefinitionChange::SetPermissions(
+                serde_json::to_vec(&PermissionRecord {
+                    user: user.into(),
+                    vhost: vhost.into(),
+                    configure: ".*".into(),
+                    write: ".*".into(),
+                    read: ".*".into(),
+                })
+                .unwrap(),
+            ))
+            .record_key()
+        };
+        let policy = TopologyChange::Definition(DefinitionChange::ClearPolicy {
+            operator: false,
+            vhost: "v1".into(),
+            name: "p".into(),
+        })
+        .record_key();
+        let del_user = TopologyChange::Definition(DefinitionChange::DeleteUser("alice".into()));
+        let del_vhost = TopologyChange::Definition(DefinitionChange::DeleteVhost("v1".into()));
+        assert!(del_user.supersedes(&perm("alice", "v1")));
+        assert!(!del_user.supersedes(&perm("bob", "v1")));
+        assert!(del_vhost.supersedes(&perm("bob", "v1")));
+        assert!(!del_vhost.supersedes(&perm("bob", "v2")));
+        assert!(del_vhost.supersedes(&policy));
+        assert!(!del_user.supersedes(&policy));
+        // A vhost and a user of the same name are different records.
+        let vhost_key = TopologyChange::Definition(DefinitionChange::DeleteVhost("x".into()));
+        let user_key = TopologyChange::Definition(DefinitionChange::DeleteUser("x".into()));
+        assert_ne!(vhost_key.record_key(), user_key.record_key());
+        assert!(vhost_key.rank() < user_key.rank());
     }
 }

@@ -603,6 +603,14 @@ impl VHost {
                     on_commit,
                 );
             }
+            self.replicate(on_commit, || {
+                crate::replication::TopologyChange::Definition(
+                    crate::replication::DefinitionChange::SetPolicy {
+                        operator: kind == PolicyKind::Operator,
+                        def: serde_json::to_vec(&policy.def).unwrap_or_default(),
+                    },
+                )
+            });
             ps.retain(|p| p.def.name != policy.def.name);
             ps.push(policy);
         }
@@ -628,6 +636,15 @@ impl VHost {
             }
             removed
         };
+        self.replicate(on_commit, || {
+            crate::replication::TopologyChange::Definition(
+                crate::replication::DefinitionChange::ClearPolicy {
+                    operator: kind == PolicyKind::Operator,
+                    vhost: self.name.clone(),
+                    name: name.to_string(),
+                },
+            )
+        });
         if removed {
             self.reapply_policies();
         }

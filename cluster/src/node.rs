@@ -840,7 +840,8 @@ impl Applied for MetaState {
                     if t.is_addition() {
                         records.insert(t.record_key(), change.clone());
                     } else {
-                        records.remove(&t.record_key());
+                        // A deleted user's or vhost's permissions and policies go with it.
+                        records.retain(|k, _| !t.supersedes(k));
                     }
                 }
             }
@@ -859,11 +860,12 @@ impl Applied for MetaState {
 
     fn install(&self, bytes: &[u8]) -> Result<(), String> {
         let mut list: Vec<MetaChange> = crate::codec::decode(bytes).map_err(|e| e.to_string())?;
-        // Queues and exchanges, then queues' later members, then the bindings between them.
+        // Definitions (vhosts, users, then what refers to them), queues and exchanges,
+        // queues' later members, then the bindings between them.
         list.sort_by_key(|c| match c {
-            MetaChange::SetMembers { .. } => 1,
-            MetaChange::Topology(TopologyChange::Bind { .. }) => 2,
-            _ => 0,
+            MetaChange::Topology(t) => t.rank(),
+            MetaChange::SetMembers { .. } => 4,
+            _ => 3,
         });
         let node = self.node.upgrade();
         let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);

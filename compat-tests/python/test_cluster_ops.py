@@ -237,3 +237,98 @@ def test_membership_changes_under_load_lose_nothing(cluster_factory):
     result = h.check()
     assert result.ok, result.describe()
     log(f"replicas agree at index {index}; {result.summary()}")
+
+
+def api(cluster, i, method, path, body=None, user="guest", password="guest"):
+    """`method` `path` on node i's management API: (status, parsed JSON or None)."""
+    import base64
+    import urllib.error
+    import urllib.request
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(cluster.mgmt_url(i) + path, data=data, method=method)
+    token = base64.b64encode(f"{user}:{password}".encode()).decode()
+    req.add_header("Authorization", f"Basic {token}")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    return status, (json.loads(raw) if raw else None)
+
+
+def test_definitions_replicate_to_every_node_and_survive_a_restart(cluster_factory):
+    """Users, vhosts, permissions, topic permissions, policies, operator policies and limits
+    made through one node are on every node once the API answered (the change committed),
+    a client logs in with them anywhere, deletes cascade everywhere, and a restarted node
+    keeps them."""
+    import pika
+    c = cluster_factory(3)
+    ok = (201, 204)
+    assert api(c, 0, "PUT", "/api/users/alice",
+               {"password": "s3cret", "tags": "management"})[0] in ok
+    assert api(c, 1, "PUT", "/api/vhosts/v1", {"default_queue_type": "quorum"})[0] in ok
+    # A change is acknowledged once committed and applied on the node that made it; the
+    # others apply it as the log reaches them (moments later), as they route from their copy.
+    for i in range(3):
+        poll(lambda: (api(c, i, "GET", "/api/users/alice")[0],
+                      api(c, i, "GET", "/api/vhosts/v1")[0]),
+             lambda s: s == (200, 200), what=f"alice and v1 on n{i + 1}")
+    assert api(c, 2, "PUT", "/api/permissions/v1/alice",
+               {"configure": ".*", "write": ".*", "read": ".*"})[0] in ok
+    assert api(c, 0, "PUT", "/api/topic-permissions/v1/alice",
+               {"exchange": "amq.topic", "write": "^a", "read": ".*"})[0] in ok
+    assert api(c, 1, "PUT", "/api/policies/v1/ttl",
+               {"pattern": "^ttl\\.", "definition": {"message-ttl": 60000},
+                "apply-to": "queues"})[0] in ok
+    assert api(c, 2, "PUT", "/api/operator-policies/v1/cap",
+               {"pattern": ".*", "definition": {"max-length": 1000},
+                "apply-to": "queues"})[0] in ok
+    assert api(c, 0, "PUT", "/api/vhost-limits/v1/max-queues", {"value": 50})[0] in ok
+    assert api(c, 1, "PUT", "/api/user-limits/alice/max-channels", {"value": 7})[0] in ok
+
+    def view(i):
+        return {
+            "user": api(c, i, "GET", "/api/users/alice")[1],
+            "vhost": (api(c, i, "GET", "/api/vhosts/v1")[1] or {}).get("default_queue_type"),
+            "perm": api(c, i, "GET", "/api/permissions/v1/alice")[1],
+            "topic": api(c, i, "GET", "/api/topic-permissions/v1/alice")[1],
+            "policy": (api(c, i, "GET", "/api/policies/v1/ttl")[1] or {}).get("definition"),
+            "op": (api(c, i, "GET", "/api/operator-policies/v1/cap")[1] or {})
+            .get("definition"),
+            "vlimits": api(c, i, "GET", "/api/vhost-limits/v1")[1],
+            "ulimits": api(c, i, "GET", "/api/user-limits/alice")[1],
+        }
+
+    views = dict(enumerate(poll(
+        lambda: [view(i) for i in range(3)],
+        lambda vs: all(all(v.values()) for v in vs) and vs[0] == vs[1] == vs[2],
+        what="the same definitions on every node")))
+    for i, v in views.items():
+        assert v["user"] and v["user"]["name"] == "alice", (i, v)
+        assert v["vhost"] == "quorum", (i, v)
+        assert v["perm"] and v["perm"]["write"] == ".*", (i, v)
+        assert v["topic"] and v["topic"][0]["write"] == "^a", (i, v)
+        assert v["policy"] == {"message-ttl": 60000}, (i, v)
+        assert v["op"] == {"max-length": 1000}, (i, v)
+        assert v["vlimits"][0]["value"]["max-queues"] == 50, (i, v)
+        assert v["ulimits"][0]["value"]["max-channels"] == 7, (i, v)
+    # The password (its hash) travels too: alice logs in on a node she was not made on.
+    conn = pika.BlockingConnection(c.amqp_params(2, virtual_host="v1",
+                                                 credentials=pika.PlainCredentials(
+                                                     "alice", "s3cret")))
+    conn.channel().queue_declare("ttl.q", durable=True)
+    conn.close()
+    # A restarted node keeps what the cluster told it.
+    c.stop(1)
+    c.start_node(1)
+    assert view(1) == views[0]
+    # Deleting the vhost takes its permissions and policies everywhere; the user goes too.
+    assert api(c, 1, "DELETE", "/api/vhosts/v1")[0] in ok
+    assert api(c, 2, "DELETE", "/api/users/alice")[0] in ok
+    for i in range(3):
+        poll(lambda: [api(c, i, "GET", p)[0] for p in
+                      ("/api/vhosts/v1", "/api/users/alice", "/api/policies/v1/ttl",
+                       "/api/permissions/v1/alice")],
+             lambda s: s == [404] * 4, what=f"deletes on n{i + 1}")
