@@ -81,6 +81,16 @@ pub struct ServerArgs {
     /// The cluster's shared secret (also WARREN_CLUSTER_SECRET); the same on every node.
     #[arg(long, env = "WARREN_CLUSTER_SECRET", hide_env_values = true)]
     pub cluster_secret: Option<String>,
+    /// TLS on the cluster port: this node's certificate chain (PEM). With
+    /// --cluster-tls-key and --cluster-tls-ca, every inter-node connection is TLS both ways.
+    #[arg(long)]
+    pub cluster_tls_cert: Option<PathBuf>,
+    /// This node's private key for the cluster port (PEM).
+    #[arg(long)]
+    pub cluster_tls_key: Option<PathBuf>,
+    /// The CA that signs every node's cluster certificate (PEM).
+    #[arg(long)]
+    pub cluster_tls_ca: Option<PathBuf>,
 }
 
 /// The file format; every key optional.
@@ -114,6 +124,9 @@ struct FileConfig {
     cluster_listen: Option<SocketAddr>,
     peers: Option<String>,
     cluster_secret: Option<String>,
+    cluster_tls_cert: Option<PathBuf>,
+    cluster_tls_key: Option<PathBuf>,
+    cluster_tls_ca: Option<PathBuf>,
 }
 
 /// Effective configuration.
@@ -153,6 +166,8 @@ pub struct ClusterConfig {
     pub peers: Vec<warren_cluster::node::Peer>,
     /// The shared secret.
     pub secret: String,
+    /// TLS on the cluster port: certificate, key and CA (PEM files).
+    pub tls: Option<crate::tls::ClusterTlsFiles>,
 }
 
 /// Parse `name@host:port,...`.
@@ -293,6 +308,20 @@ impl ServerConfig {
                         .or(file.cluster_secret)
                         .filter(|s| !s.is_empty())
                         .context("a cluster needs --cluster-secret (or WARREN_CLUSTER_SECRET)")?,
+                    tls: match (
+                        args.cluster_tls_cert.or(file.cluster_tls_cert),
+                        args.cluster_tls_key.or(file.cluster_tls_key),
+                        args.cluster_tls_ca.or(file.cluster_tls_ca),
+                    ) {
+                        (None, None, None) => None,
+                        (Some(cert), Some(key), Some(ca)) => {
+                            Some(crate::tls::ClusterTlsFiles { cert, key, ca })
+                        }
+                        _ => anyhow::bail!(
+                            "cluster TLS needs all of --cluster-tls-cert, --cluster-tls-key \
+                             and --cluster-tls-ca"
+                        ),
+                    },
                 })
             }
         };
@@ -428,6 +457,9 @@ mod tests {
             cluster_listen: None,
             peers: None,
             cluster_secret: None,
+            cluster_tls_cert: None,
+            cluster_tls_key: None,
+            cluster_tls_ca: None,
         }
     }
 
@@ -471,6 +503,14 @@ mod tests {
             let e = with(peers, name, secret).unwrap_err().to_string();
             assert!(e.contains(why), "{peers} {name:?}: {e}");
         }
+        // Cluster TLS takes all three files or none.
+        let mut a = args(None);
+        a.peers = Some(ok.into());
+        a.node_name = Some("n1".into());
+        a.cluster_secret = Some("s".into());
+        a.cluster_tls_cert = Some("node.pem".into());
+        let e = ServerConfig::load(a).unwrap_err().to_string();
+        assert!(e.contains("needs all of --cluster-tls-cert"), "{e}");
     }
 
     fn args_cluster_none() -> bool {

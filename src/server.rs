@@ -94,6 +94,12 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
                     peers: c.peers.clone(),
                     secret: c.secret.as_bytes().to_vec(),
                     data_dir: cfg.data_dir.join("cluster"),
+                    tls: c
+                        .tls
+                        .as_ref()
+                        .map(crate::tls::cluster)
+                        .transpose()
+                        .context("cluster TLS")?,
                 },
                 Arc::clone(&broker),
             )

@@ -89,6 +89,52 @@ pub fn acceptor(opts: &TlsOptions) -> anyhow::Result<TlsAcceptor> {
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
+/// The PEM files of TLS on the cluster port.
+#[derive(Debug, Clone)]
+pub struct ClusterTlsFiles {
+    /// This node's certificate chain.
+    pub cert: PathBuf,
+    /// Its private key.
+    pub key: PathBuf,
+    /// The CA every node's certificate is signed by.
+    pub ca: PathBuf,
+}
+
+/// TLS for the cluster port, both ways: peers must present a certificate signed by the CA
+/// (as clients and as servers), and this node presents its own in both roles. Servers are
+/// verified for the IP address they are dialled at, so certificates name their nodes' IPs.
+pub fn cluster(files: &ClusterTlsFiles) -> anyhow::Result<warren_cluster::tcp::ClusterTls> {
+    let certs = read_certs(&files.cert)?;
+    let key = PrivateKeyDer::from_pem_file(&files.key)
+        .with_context(|| format!("reading the private key in {}", files.key.display()))?;
+    let mut roots = RootCertStore::empty();
+    for cert in read_certs(&files.ca)? {
+        roots
+            .add(cert)
+            .with_context(|| format!("adding a CA certificate from {}", files.ca.display()))?;
+    }
+    let roots = Arc::new(roots);
+    let verifier = WebPkiClientVerifier::builder_with_provider(Arc::clone(&roots), provider())
+        .build()
+        .context("cluster peer verifier")?;
+    let server = ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .context("choosing TLS versions")?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(certs.clone(), key.clone_key())
+        .context("the cluster certificate and key do not form a usable pair")?;
+    let client = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .context("choosing TLS versions")?
+        .with_root_certificates(roots)
+        .with_client_auth_cert(certs, key)
+        .context("the cluster certificate and key do not form a usable client pair")?;
+    Ok(warren_cluster::tcp::ClusterTls {
+        acceptor: TlsAcceptor::from(Arc::new(server)),
+        connector: tokio_rustls::TlsConnector::from(Arc::new(client)),
+    })
+}
+
 /// The user name a verified client certificate gives, or `None` when the certificate has no
 /// usable subject (then SASL EXTERNAL is not offered). The forms are RabbitMQ's
 /// (`rabbit_ssl:peer_cert_auth_name` and `rabbit_cert_info`), byte for byte, because the

@@ -78,6 +78,8 @@ pub struct NodeConfig {
     pub secret: Vec<u8>,
     /// Where the Raft logs go.
     pub data_dir: PathBuf,
+    /// TLS on the cluster port (both ways), if configured.
+    pub tls: Option<crate::tcp::ClusterTls>,
 }
 
 /// Why a node could not start.
@@ -199,7 +201,10 @@ impl ClusterNode {
             .await
             .map_err(|e| NodeError::Io(format!("cluster port {}: {e}", config.listen)))?;
         let me = node_id(&config.name);
-        let addresses = Addresses::default();
+        let mut addresses = Addresses::default();
+        if let Some(tls) = &config.tls {
+            addresses = addresses.with_tls(tls.connector.clone());
+        }
         for p in &config.peers {
             addresses.insert(node_id(&p.name), p.addr.clone());
         }
@@ -221,11 +226,12 @@ impl ClusterNode {
             unbound: Mutex::new(Vec::new()),
             config,
         });
-        tokio::spawn(crate::tcp::serve(
+        tokio::spawn(crate::tcp::serve_tls(
             listener,
             me,
             node.groups.clone(),
             node.secret.clone(),
+            node.config.tls.as_ref().map(|t| t.acceptor.clone()),
         ));
         node.broker
             .set_cluster(Arc::clone(&node) as Arc<dyn ClusterHooks>);
@@ -1322,7 +1328,8 @@ async fn send_batch(
                 finish(Err(ReplicationError::Unavailable));
                 return;
             };
-            match ForwardLink::open(me, leader, group.clone(), addr, node_secret(node)).await {
+            let tls = node.upgrade().and_then(|n| n.addresses.tls());
+            match ForwardLink::open(me, leader, group.clone(), addr, node_secret(node), tls).await {
                 Ok(link) => v.insert(link),
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot reach the leader");

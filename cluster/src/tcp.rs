@@ -33,8 +33,9 @@ use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
 
 use warren_broker::queue::machine::{Command, Reply};
 
@@ -171,9 +172,51 @@ async fn write_frame<T: Serialize, W: AsyncWriteExt + Unpin>(
         .ok()
         .filter(|l| *l <= FRAME_MAX)
         .ok_or_else(|| TransportError::Frame(format!("{} bytes to send", body.len())))?;
-    s.write_all(&len.to_be_bytes()).await?;
-    s.write_all(&body).await?;
+    // One write (TLS makes each write a record), flushed (TLS buffers until then).
+    let mut frame = Vec::with_capacity(4 + body.len());
+    frame.extend_from_slice(&len.to_be_bytes());
+    frame.extend_from_slice(&body);
+    s.write_all(&frame).await?;
+    s.flush().await?;
     Ok(())
+}
+
+/// A cluster connection: TCP, or TLS over TCP.
+pub trait Io: AsyncRead + AsyncWrite + Unpin + Send + Sync + 'static {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + Sync + 'static> Io for T {}
+type Stream = Box<dyn Io>;
+
+/// TLS on the cluster port: every node presents a certificate and verifies its peers' against
+/// the cluster's CA, both ways (the shared secret still authenticates each connection; TLS
+/// adds confidentiality and keeps nodes without the CA's certificate out).
+#[derive(Clone)]
+pub struct ClusterTls {
+    /// Accepts peers' connections (a client certificate is required).
+    pub acceptor: TlsAcceptor,
+    /// Dials peers (presenting this node's certificate).
+    pub connector: TlsConnector,
+}
+
+impl std::fmt::Debug for ClusterTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterTls")
+    }
+}
+
+/// Dial `addr`, over TLS when `tls` is given (the server name is the address's IP).
+async fn dial(addr: &str, tls: Option<&TlsConnector>) -> Result<Stream, TransportError> {
+    let sock: SocketAddr = addr
+        .parse()
+        .map_err(|e| TransportError::Frame(format!("peer address {addr}: {e}")))?;
+    let s = TcpStream::connect(sock).await?;
+    s.set_nodelay(true)?;
+    match tls {
+        None => Ok(Box::new(s)),
+        Some(connector) => {
+            let name = tokio_rustls::rustls::pki_types::ServerName::from(sock.ip());
+            Ok(Box::new(connector.connect(name, s).await?))
+        }
+    }
 }
 
 async fn read_frame<T: DeserializeOwned, R: AsyncReadExt + Unpin>(
@@ -363,12 +406,12 @@ pub const FORWARDS_IN_FLIGHT_MAX: usize = 16;
 /// arrive and answered in arrival order as their entries commit, so a forwarding node keeps
 /// several batches in flight.
 async fn serve_forwards(
-    s: TcpStream,
+    s: Stream,
     raft: Raft<QueueRaft>,
     proposer: Proposer,
     first: Forwarded,
 ) -> Result<(), TransportError> {
-    let (mut r, mut w) = s.into_split();
+    let (mut r, mut w) = tokio::io::split(s);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Staged>(FORWARDS_IN_FLIGHT_MAX);
     let writer = tokio::spawn(async move {
         while let Some(staged) = rx.recv().await {
@@ -401,7 +444,7 @@ async fn serve_forwards(
 /// A pipelined forwarding link to a peer (see [`serve_forwards`]): requests go out as they
 /// come, and each gets its response in order.
 pub struct ForwardLink {
-    w: tokio::net::tcp::OwnedWriteHalf,
+    w: tokio::io::WriteHalf<Stream>,
     waiting: Arc<std::sync::Mutex<std::collections::VecDeque<ForwardWaiter>>>,
     reader: tokio::task::JoinHandle<()>,
 }
@@ -432,6 +475,7 @@ impl ForwardLink {
         group: GroupId,
         addr: String,
         secret: Secret,
+        tls: Option<TlsConnector>,
     ) -> Result<Self, TransportError> {
         let conn = TcpConnection {
             from,
@@ -439,10 +483,11 @@ impl ForwardLink {
             group,
             addr,
             secret,
+            tls,
             stream: None,
         };
         let s = conn.connect().await?;
-        let (mut r, w) = s.into_split();
+        let (mut r, w) = tokio::io::split(s);
         let waiting: Arc<std::sync::Mutex<std::collections::VecDeque<ForwardWaiter>>> =
             Arc::default();
         let queue = Arc::clone(&waiting);
@@ -541,12 +586,35 @@ pub async fn serve(
     groups: Groups,
     secret: Secret,
 ) -> std::io::Result<()> {
+    serve_tls(listener, me, groups, secret, None).await
+}
+
+/// [`serve`], with TLS on every connection when `tls` is given.
+///
+/// # Errors
+/// When the listener fails.
+pub async fn serve_tls(
+    listener: TcpListener,
+    me: NodeId,
+    groups: Groups,
+    secret: Secret,
+    tls: Option<TlsAcceptor>,
+) -> std::io::Result<()> {
     loop {
         let (stream, peer) = listener.accept().await?;
         let groups = groups.clone();
         let secret = secret.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_connection(stream, me, groups, secret).await {
+            let served = async {
+                stream.set_nodelay(true)?;
+                let s: Stream = match tls {
+                    None => Box::new(stream),
+                    Some(acceptor) => Box::new(acceptor.accept(stream).await?),
+                };
+                serve_connection(s, me, groups, secret).await
+            };
+            if let Err(e) = served.await {
                 tracing::debug!(%peer, error = %e, "cluster connection ended");
             }
         });
@@ -554,12 +622,11 @@ pub async fn serve(
 }
 
 async fn serve_connection(
-    mut s: TcpStream,
+    mut s: Stream,
     me: NodeId,
     groups: Groups,
     secret: Secret,
 ) -> Result<(), TransportError> {
-    s.set_nodelay(true)?;
     let hello: Hello = read_frame(&mut s).await?;
     let mut nonce = vec![0u8; 32];
     SystemRandom::new()
@@ -614,13 +681,38 @@ async fn serve_connection(
 /// Where this node dials each peer: its own `--peers` list, not the addresses a group's
 /// membership recorded (those are the initialising node's view, which a proxy, a NAT or a
 /// renamed host can make wrong from here). Shared by every group of a node.
-#[derive(Debug, Clone, Default)]
-pub struct Addresses(Arc<RwLock<HashMap<NodeId, String>>>);
+#[derive(Clone, Default)]
+pub struct Addresses {
+    known: Arc<RwLock<HashMap<NodeId, String>>>,
+    tls: Option<TlsConnector>,
+}
+
+impl std::fmt::Debug for Addresses {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Addresses")
+            .field("known", &self.known)
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
+}
 
 impl Addresses {
+    /// Dial every peer over TLS with `connector`.
+    #[must_use]
+    pub fn with_tls(mut self, connector: TlsConnector) -> Self {
+        self.tls = Some(connector);
+        self
+    }
+
+    /// The TLS connector peers are dialled with, if any.
+    #[must_use]
+    pub fn tls(&self) -> Option<TlsConnector> {
+        self.tls.clone()
+    }
+
     /// Dial `id` at `addr` from now on.
     pub fn insert(&self, id: NodeId, addr: String) {
-        self.0
+        self.known
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(id, addr);
@@ -629,7 +721,7 @@ impl Addresses {
     /// Where to dial `id`, if this node knows.
     #[must_use]
     pub fn get(&self, id: NodeId) -> Option<String> {
-        self.0
+        self.known
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&id)
@@ -668,14 +760,27 @@ impl TcpNetwork {
 }
 
 /// A connection to one peer, opened on first use and again after a failure.
-#[derive(Debug)]
 pub struct TcpConnection {
     from: NodeId,
     to: NodeId,
     group: GroupId,
     addr: String,
     secret: Secret,
-    stream: Option<TcpStream>,
+    tls: Option<TlsConnector>,
+    stream: Option<Stream>,
+}
+
+impl std::fmt::Debug for TcpConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpConnection")
+            .field("from", &self.from)
+            .field("to", &self.to)
+            .field("group", &self.group)
+            .field("addr", &self.addr)
+            .field("tls", &self.tls.is_some())
+            .field("connected", &self.stream.is_some())
+            .finish()
+    }
 }
 
 impl RaftNetworkFactory<QueueRaft> for TcpNetwork {
@@ -691,6 +796,7 @@ impl RaftNetworkFactory<QueueRaft> for TcpNetwork {
                 .get(target)
                 .unwrap_or_else(|| node.addr.clone()),
             secret: self.secret.clone(),
+            tls: self.addresses.tls(),
             stream: None,
         }
     }
@@ -700,13 +806,8 @@ type Rpc<T, E = openraft::error::Infallible> =
     Result<T, RPCError<NodeId, BasicNode, RaftError<NodeId, E>>>;
 
 impl TcpConnection {
-    async fn connect(&self) -> Result<TcpStream, TransportError> {
-        let addr: SocketAddr = self
-            .addr
-            .parse()
-            .map_err(|e| TransportError::Frame(format!("peer address {}: {e}", self.addr)))?;
-        let mut s = TcpStream::connect(addr).await?;
-        s.set_nodelay(true)?;
+    async fn connect(&self) -> Result<Stream, TransportError> {
+        let mut s = dial(&self.addr, self.tls.as_ref()).await?;
         let hello = Hello {
             from: self.from,
             to: self.to,

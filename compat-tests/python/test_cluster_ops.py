@@ -332,3 +332,62 @@ def test_definitions_replicate_to_every_node_and_survive_a_restart(cluster_facto
                       ("/api/vhosts/v1", "/api/users/alice", "/api/policies/v1/ttl",
                        "/api/permissions/v1/alice")],
              lambda s: s == [404] * 4, what=f"deletes on n{i + 1}")
+
+
+def _certs(tmp_path):
+    from pathlib import Path
+    gen = Path(c_binary()).parent / "gen-test-certs"
+    if not gen.exists():
+        pytest.skip(f"{gen} not built (cargo build -p warren-compat-tests)")
+    subprocess.run([str(gen), str(tmp_path)], check=True, timeout=60)
+    return tmp_path
+
+
+def c_binary():
+    from conftest import warren_binary
+    return warren_binary()
+
+
+def tls_args(d, node="node"):
+    return ["--cluster-tls-cert", str(d / f"{node}.pem"), "--cluster-tls-key",
+            str(d / f"{node}.key"), "--cluster-tls-ca", str(d / "ca.pem")]
+
+
+def test_cluster_port_over_tls_keeps_out_nodes_without_the_cas_certificate(cluster_factory,
+                                                                            tmp_path):
+    """With cluster TLS, a 3-node cluster forms and replicates; the cluster port answers a
+    plain-TCP peer with nothing it can use; a node restarted with a certificate from another
+    CA is not heard from, while the other two go on confirming."""
+    import socket
+    d = _certs(tmp_path)
+    c = cluster_factory(3, extra_args=tls_args(d))
+    q = "tls-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, q)
+    h = History()
+    publish_with_retry(c, [0], q, [f"t{k}" for k in range(50)], h)
+    drain_until(c, [2], q, h, [f"t{k}" for k in range(50)])
+    # Plain TCP gets no cluster protocol: a TLS server answers a non-TLS hello with an alert
+    # (or nothing) and closes.
+    with socket.create_connection(("127.0.0.1", c.nodes[1].cluster_port), timeout=10) as s:
+        s.sendall(b"\x00\x00\x00\x10" + b"\x01" * 16)
+        got = b""
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            got += chunk
+        assert got[:1] in (b"", b"\x15"), got[:16]   # empty, or a TLS alert record
+    # n3 comes back with a certificate of an untrusted CA: the others never hear from it.
+    c.stop(2)
+    c.extra_args = tls_args(d, "rogue-node")
+    c.start_node(2)
+
+    def running():
+        r = ctl(c, 0, "cluster_status", "--formatter", "json")
+        return json.loads(r.stdout)["running_nodes"]
+
+    poll(running, lambda r: r == ["n1", "n2"], what="n3 (untrusted) not running")
+    publish_with_retry(c, [0, 1], q, ["after"], h)
+    raft = (c.queue_info(2, q) or {}).get("raft") or {}
+    leader_raft = c.queue_info(c.wait_for_leader(q), q)["raft"]
+    assert raft.get("applied_index", 0) < leader_raft["applied_index"], (raft, leader_raft)

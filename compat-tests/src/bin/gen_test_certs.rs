@@ -1,7 +1,9 @@
 //! Write throw-away TLS material for the TLS tests into a directory:
 //! `ca.pem`; `server.pem`/`server.key` (localhost, 127.0.0.1); `client.pem`/`client.key`
 //! (subject CN=<client-cn>, O=Warren tests, signed by the CA); `rogue.pem`/`rogue.key`
-//! (same subject, signed by a CA the broker does not trust).
+//! (same subject, signed by a CA the broker does not trust); `node.pem`/`node.key` (a cluster
+//! node: server and client, localhost and 127.0.0.1) and `rogue-node.pem`/`rogue-node.key` (the
+//! same, signed by the untrusted CA).
 //!
 //! Usage: `gen-test-certs <dir> [client-cn]`.
 
@@ -31,14 +33,14 @@ fn leaf(
     name: &str,
     sans: Vec<String>,
     subject: &[(DnType, &str)],
-    usage: ExtendedKeyUsagePurpose,
+    usages: &[ExtendedKeyUsagePurpose],
     issuer: &Issuer<'_, KeyPair>,
 ) -> Result<()> {
     let mut params = CertificateParams::new(sans)?;
     for (kind, value) in subject {
         params.distinguished_name.push(kind.clone(), *value);
     }
-    params.extended_key_usages = vec![usage];
+    params.extended_key_usages = usages.to_vec();
     params.key_usages = vec![
         KeyUsagePurpose::DigitalSignature,
         KeyUsagePurpose::KeyEncipherment,
@@ -69,7 +71,7 @@ fn main() -> Result<()> {
         "server",
         vec!["localhost".into(), "127.0.0.1".into()],
         &[(DnType::CommonName, "localhost")],
-        ExtendedKeyUsagePurpose::ServerAuth,
+        &[ExtendedKeyUsagePurpose::ServerAuth],
         &issuer,
     )?;
     let client_subject = [
@@ -81,7 +83,7 @@ fn main() -> Result<()> {
         "client",
         Vec::new(),
         &client_subject,
-        ExtendedKeyUsagePurpose::ClientAuth,
+        &[ExtendedKeyUsagePurpose::ClientAuth],
         &issuer,
     )?;
     let (rogue_params, rogue_key) = ca("Untrusted CA")?;
@@ -91,7 +93,29 @@ fn main() -> Result<()> {
         "rogue",
         Vec::new(),
         &client_subject,
+        &[ExtendedKeyUsagePurpose::ClientAuth],
+        &rogue,
+    )?;
+    // Cluster nodes are servers and clients of each other on the cluster port.
+    let both = [
+        ExtendedKeyUsagePurpose::ServerAuth,
         ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let node_sans = vec!["localhost".to_string(), "127.0.0.1".to_string()];
+    leaf(
+        dir,
+        "node",
+        node_sans.clone(),
+        &[(DnType::CommonName, "warren-node")],
+        &both,
+        &issuer,
+    )?;
+    leaf(
+        dir,
+        "rogue-node",
+        node_sans,
+        &[(DnType::CommonName, "warren-node")],
+        &both,
         &rogue,
     )?;
     Ok(())
