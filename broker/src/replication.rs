@@ -63,10 +63,14 @@ pub struct ReplicaState {
     pub applied_index: u64,
     /// The term of the vote this replica holds.
     pub term: u64,
+    /// The index of the last entry in this replica's log.
+    pub last_written_index: u64,
+    /// The last index this replica's snapshot covers (0: none).
+    pub snapshot_index: u64,
     /// `leader`, `follower`, `candidate`, `learner`, or `starting` (no Raft instance yet).
     pub role: &'static str,
     /// A hash of the queue machine's state as of `applied_index` (read under the lock that
-    /// applies entries): equal on every replica at the same index.
+    /// applies entries): equal on every replica at the same index. Empty unless asked for.
     pub digest: String,
     /// The nodes that replicate the log without voting.
     pub learners: Vec<String>,
@@ -86,9 +90,9 @@ pub trait Replicator: Send + Sync + std::fmt::Debug {
     fn local_node(&self) -> u64;
     /// Leader and members.
     fn placement(&self) -> Placement;
-    /// This replica's applied index, term, role and state digest (hashes the whole state:
-    /// for a single queue's details, not for listings).
-    fn replica_state(&self) -> ReplicaState;
+    /// This replica's applied index, term, role and log progress; with `digest`, a hash of
+    /// its whole state too (costly: for one queue's details, not for listings).
+    fn replica_state(&self, digest: bool) -> ReplicaState;
 }
 
 /// What a cluster does for the broker's metadata changes.

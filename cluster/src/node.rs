@@ -1069,11 +1069,17 @@ impl Replicator for QueueReplica {
         }
     }
 
-    fn replica_state(&self) -> ReplicaState {
+    fn replica_state(&self, with_digest: bool) -> ReplicaState {
         let Some(node) = self.node.upgrade() else {
             return ReplicaState::default();
         };
-        let (applied, digest) = self.machine.read_applied(|a| a.queue.with_machine(digest));
+        let (applied, digest) = self.machine.read_applied(|a| {
+            if with_digest {
+                a.queue.with_machine(digest)
+            } else {
+                String::new()
+            }
+        });
         let Some(raft) = self.raft.get() else {
             return ReplicaState {
                 applied_index: applied.map_or(0, |l| l.index),
@@ -1094,6 +1100,8 @@ impl Replicator for QueueReplica {
         ReplicaState {
             applied_index: applied.map_or(0, |l| l.index),
             term: m.current_term,
+            last_written_index: m.last_log_index.unwrap_or(0),
+            snapshot_index: m.snapshot.map_or(0, |s| s.index),
             role,
             digest,
             learners: m

@@ -73,6 +73,19 @@ def replicas_agree(cluster, queue, nodes, deadline=DEADLINE):
     return first["applied_index"], first["digest"]
 
 
+def raft_series(cluster, i, queue):
+    """rabbitmq_raft_* values of `queue` in node i's /metrics/per-object."""
+    import urllib.request
+    url = f"http://127.0.0.1:{cluster.nodes[i].prom_port}/metrics/per-object"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("rabbitmq_raft_") and f'queue="{queue}"' in line:
+            out[line.split("{", 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def test_cluster_status_lists_nodes_and_drops_a_killed_one(cluster_factory):
     c = cluster_factory(3)
     r = ctl(c, 0, "cluster_status")
@@ -112,7 +125,13 @@ def test_a_grown_queue_survives_losing_its_only_original_member(cluster_factory)
     r = ctl(c, original, "queues", "add_member", q, c.nodes[others[1]].name)
     assert r.returncode == 0, r.stdout + r.stderr
     assert members(c, original, q) == ["n1", "n2", "n3"]
-    replicas_agree(c, q, range(3))
+    index, _ = replicas_agree(c, q, range(3))
+    # Prometheus has rabbitmq_prometheus' Raft series for each node's replica.
+    for i in range(3):
+        series = raft_series(c, i, q)
+        assert series["rabbitmq_raft_log_last_applied_index"] == index, (i, series)
+        assert series["rabbitmq_raft_log_last_written_index"] >= index, (i, series)
+        assert series["rabbitmq_raft_term_total"] >= 1, (i, series)
     c.kill9(original)
     c.wait_for_leader(q, exclude={original})
     drain_until(c, others, q, h, ids, deadline=DEADLINE)

@@ -976,10 +976,12 @@ async fn get_queue(
     v["consumer_details"] = Value::Array(details);
     if let Some(replica) = q.replica() {
         // Warren's own: this node's replica, to compare replicas (same index, same digest).
-        let r = replica.replica_state();
+        let r = replica.replica_state(true);
         v["raft"] = json!({
             "applied_index": r.applied_index,
             "term": r.term,
+            "last_written_index": r.last_written_index,
+            "snapshot_index": r.snapshot_index,
             "role": r.role,
             "digest": r.digest,
             "learners": r.learners,

@@ -665,6 +665,81 @@ fn queues(s: &Scrape, rows: &[QueueRow], per_object: bool) {
         }
     }
     s.set("rabbitmq_queues", "Queues available", rows.len() as f64);
+    raft(s, rows, labels, per_object);
+}
+
+/// rabbitmq_prometheus' Raft series of quorum queues (this node's replica of each).
+type RaftSeries = (
+    &'static str,
+    &'static str,
+    bool,
+    fn(&warren_broker::replication::ReplicaState) -> f64,
+);
+
+const RAFT_SERIES: &[RaftSeries] = &[
+    ("raft_term_total", "Current Raft term number", true, |r| {
+        r.term as f64
+    }),
+    (
+        "raft_log_last_applied_index",
+        "Raft log last applied index",
+        false,
+        |r| r.applied_index as f64,
+    ),
+    (
+        "raft_log_last_written_index",
+        "Raft log last written index",
+        false,
+        |r| r.last_written_index as f64,
+    ),
+    (
+        "raft_log_snapshot_index",
+        "Raft log snapshot index",
+        false,
+        |r| r.snapshot_index as f64,
+    ),
+];
+
+/// Per quorum queue when `per_object` (labelled `vhost`, `queue`), else summed, as
+/// rabbitmq_prometheus aggregates them.
+fn raft(s: &Scrape, rows: &[QueueRow], labels: &[&str], per_object: bool) {
+    let states: Vec<(&QueueRow, warren_broker::replication::ReplicaState)> = rows
+        .iter()
+        .filter_map(|r| r.queue.replica().map(|x| (r, x.replica_state(false))))
+        .collect();
+    if states.is_empty() {
+        return;
+    }
+    for (name, help, counter, value) in RAFT_SERIES {
+        let name = format!("rabbitmq_{name}");
+        if *counter {
+            let Some(c) = s.counters(&name, help, labels) else {
+                continue;
+            };
+            if per_object {
+                for (r, st) in &states {
+                    c.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                        .inc_by(value(st) as u64);
+                }
+            } else {
+                c.with_label_values::<&str>(&[])
+                    .inc_by(states.iter().map(|(_, st)| value(st) as u64).sum());
+            }
+        } else {
+            let Some(g) = s.gauge(&name, help, labels) else {
+                continue;
+            };
+            if per_object {
+                for (r, st) in &states {
+                    g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                        .set(value(st));
+                }
+            } else {
+                g.with_label_values::<&str>(&[])
+                    .set(states.iter().map(|(_, st)| value(st)).sum());
+            }
+        }
+    }
 }
 
 async fn aggregated(State(state): State<AppState>) -> Response {
