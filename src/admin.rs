@@ -518,6 +518,12 @@ pub enum CtlCommand {
         /// Source file.
         path: String,
     },
+    /// Remove a stopped node from the cluster for good (from the metadata group and every
+    /// quorum queue's members). It cannot join again under that name.
+    ForgetClusterNode {
+        /// Node name.
+        node: String,
+    },
     /// The cluster's name, its nodes, and which of them this node hears from.
     ClusterStatus {
         /// `json` for one JSON object.
@@ -819,6 +825,13 @@ fn api_ctl(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
                 percent_segment(vhost),
                 percent_segment(name)
             ),
+            None,
+            Vec::new(),
+        ),
+        CtlCommand::ForgetClusterNode { node } => (
+            format!("Removing node {node} from the cluster"),
+            "DELETE",
+            format!("/api/nodes/{}", percent_segment(node)),
             None,
             Vec::new(),
         ),

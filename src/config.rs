@@ -81,6 +81,10 @@ pub struct ServerArgs {
     /// The cluster's shared secret (also WARREN_CLUSTER_SECRET); the same on every node.
     #[arg(long, env = "WARREN_CLUSTER_SECRET", hide_env_values = true)]
     pub cluster_secret: Option<String>,
+    /// Join the running cluster that --peers names (seeds: some of its nodes, and this node
+    /// for its own address) instead of founding one with them.
+    #[arg(long)]
+    pub join: bool,
     /// TLS on the cluster port: this node's certificate chain (PEM). With
     /// --cluster-tls-key and --cluster-tls-ca, every inter-node connection is TLS both ways.
     #[arg(long)]
@@ -127,6 +131,7 @@ struct FileConfig {
     cluster_tls_cert: Option<PathBuf>,
     cluster_tls_key: Option<PathBuf>,
     cluster_tls_ca: Option<PathBuf>,
+    join: Option<bool>,
 }
 
 /// Effective configuration.
@@ -168,6 +173,8 @@ pub struct ClusterConfig {
     pub secret: String,
     /// TLS on the cluster port: certificate, key and CA (PEM files).
     pub tls: Option<crate::tls::ClusterTlsFiles>,
+    /// Join the cluster of `peers` rather than found it.
+    pub join: bool,
 }
 
 /// Parse `name@host:port,...`.
@@ -308,6 +315,7 @@ impl ServerConfig {
                         .or(file.cluster_secret)
                         .filter(|s| !s.is_empty())
                         .context("a cluster needs --cluster-secret (or WARREN_CLUSTER_SECRET)")?,
+                    join: args.join || file.join.unwrap_or(false),
                     tls: match (
                         args.cluster_tls_cert.or(file.cluster_tls_cert),
                         args.cluster_tls_key.or(file.cluster_tls_key),
@@ -460,6 +468,7 @@ mod tests {
             cluster_tls_cert: None,
             cluster_tls_key: None,
             cluster_tls_ca: None,
+            join: false,
         }
     }
 

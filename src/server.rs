@@ -94,6 +94,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
                     peers: c.peers.clone(),
                     secret: c.secret.as_bytes().to_vec(),
                     data_dir: cfg.data_dir.join("cluster"),
+                    join: c.join,
                     tls: c
                         .tls
                         .as_ref()

@@ -108,6 +108,12 @@ pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
     fn delete_quorum(&self, queue: &Arc<Queue>, done: Completion);
     /// Every node of the cluster, and whether it was heard from lately (this one is).
     fn nodes(&self) -> Vec<NodeStatus>;
+    /// Remove a stopped node from the cluster for good (`forget_cluster_node`): from the
+    /// metadata group and every queue's members; `done` runs once that committed.
+    ///
+    /// # Errors
+    /// [`MembershipError::UnknownNode`], [`MembershipError::Running`].
+    fn forget_node(&self, name: &str, done: Completion) -> Result<(), MembershipError>;
     /// Add or remove a member of a replicated queue's group. Refused at once when the change
     /// makes no sense; otherwise `done` runs once the cluster committed the new member list
     /// (the group's leader then changes its voters, which takes a moment more: an added
@@ -162,6 +168,9 @@ pub enum MembershipError {
     /// The queue is not replicated (a classic queue, or not served here yet).
     #[error("not a replicated queue")]
     NotReplicated,
+    /// Forgetting a node that is running (this one, or one heard from lately).
+    #[error("{0} is running: stop it before forgetting it")]
+    Running(String),
 }
 
 /// An exchange or binding change, as the cluster's metadata log carries it (the store's record

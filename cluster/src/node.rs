@@ -51,6 +51,13 @@ pub const FORWARD_BATCH_MAX: usize = 256;
 pub const FORWARD_QUEUE_MAX: usize = 16 * 1024;
 /// Replicas of a quorum queue unless `x-quorum-initial-group-size` says otherwise.
 pub const GROUP_SIZE_DEFAULT: usize = 3;
+/// Founding nodes are numbered 1 and up from their sorted names, joined nodes from 63 down:
+/// at most this many founding nodes, so the two never meet.
+pub const FOUNDING_NODES_MAX: usize = 31;
+/// How often a peer that sent nothing lately is pinged (well within [`DOWN_AFTER`]).
+const PING_EVERY: Duration = Duration::from_secs(1);
+/// How long a joining node waits between attempts to reach a seed.
+const JOIN_RETRY: Duration = Duration::from_millis(500);
 /// How long a forward waits for a group to have a leader.
 const LEADER_WAIT: Duration = Duration::from_secs(10);
 /// The metadata group's name.
@@ -80,6 +87,9 @@ pub struct NodeConfig {
     pub data_dir: PathBuf,
     /// TLS on the cluster port (both ways), if configured.
     pub tls: Option<crate::tcp::ClusterTls>,
+    /// Join the running cluster of `peers` (seeds: some of its nodes, and this one for its
+    /// own address) rather than found it with them.
+    pub join: bool,
 }
 
 /// Why a node could not start.
@@ -128,11 +138,28 @@ pub fn raft_config() -> Config {
     }
 }
 
+/// A node of the cluster as this node knows it.
+#[derive(Debug, Clone)]
+struct Member {
+    name: String,
+    addr: String,
+    /// 0 until known (a joining node learns its own when its join commits).
+    number: u64,
+    forgotten: bool,
+}
+
 /// A running cluster node. Clones of the `Arc` share it.
 pub struct ClusterNode {
     config: NodeConfig,
     me: NodeId,
-    number: u64,
+    /// This node's number (0 while it joins).
+    number: std::sync::atomic::AtomicU64,
+    /// Every node: the founding ones from `--peers`, then as the metadata group says.
+    registry: std::sync::RwLock<BTreeMap<NodeId, Member>>,
+    /// Woken when this node's own number becomes known.
+    numbered: tokio::sync::Notify,
+    /// Set while this node, as the metadata leader, changes the group's voters.
+    meta_changing: std::sync::atomic::AtomicBool,
     raft_config: Arc<Config>,
     secret: Secret,
     /// Where this node dials each peer (its `--peers`).
@@ -187,8 +214,10 @@ impl ClusterNode {
                 config.name
             )));
         };
-        if names.len() > 63 {
-            return Err(NodeError::Config("at most 63 nodes".into()));
+        if !config.join && names.len() > FOUNDING_NODES_MAX {
+            return Err(NodeError::Config(format!(
+                "at most {FOUNDING_NODES_MAX} founding nodes (more can join)"
+            )));
         }
         let raft_config = Arc::new(
             raft_config()
@@ -208,10 +237,36 @@ impl ClusterNode {
         for p in &config.peers {
             addresses.insert(node_id(&p.name), p.addr.clone());
         }
+        let mut registry = BTreeMap::new();
+        for (i, name) in names.iter().enumerate() {
+            let Some(p) = config.peers.iter().find(|p| p.name == *name) else {
+                continue;
+            };
+            // A joining node knows its seeds' addresses, not their numbers.
+            let number = if config.join { 0 } else { i as u64 + 1 };
+            registry.insert(
+                node_id(name),
+                Member {
+                    name: p.name.clone(),
+                    addr: p.addr.clone(),
+                    number,
+                    forgotten: false,
+                },
+            );
+        }
+        // A number once given stays this node's, whatever later flags say.
+        let stored = stored_number(&config.data_dir);
+        let number = stored.unwrap_or(if config.join { 0 } else { index as u64 + 1 });
+        if let Some(m) = registry.get_mut(&me) {
+            m.number = number;
+        }
         let node = Arc::new(Self {
             me,
             addresses,
-            number: index as u64 + 1,
+            number: std::sync::atomic::AtomicU64::new(number),
+            registry: std::sync::RwLock::new(registry),
+            numbered: tokio::sync::Notify::new(),
+            meta_changing: std::sync::atomic::AtomicBool::new(false),
             raft_config,
             secret: Secret::new(&config.secret),
             broker,
@@ -233,8 +288,11 @@ impl ClusterNode {
             node.secret.clone(),
             node.config.tls.as_ref().map(|t| t.acceptor.clone()),
         ));
-        node.broker
-            .set_cluster(Arc::clone(&node) as Arc<dyn ClusterHooks>);
+        if number != 0 {
+            node.remember_number(number);
+            node.broker
+                .set_cluster(Arc::clone(&node) as Arc<dyn ClusterHooks>);
+        }
         let meta_id = GroupId {
             name: META_GROUP.into(),
             incarnation: 0,
@@ -258,10 +316,38 @@ impl ClusterNode {
         let proposer = node.groups.insert(meta_id.clone(), raft.clone());
         let _ = node.meta_forwarder.set(Forwarder::start(
             Arc::downgrade(&node),
-            meta_id,
+            meta_id.clone(),
             raft.clone(),
             proposer,
         ));
+        // Metadata changes peers forward here go on to the leader (a joining node's seed
+        // may be a follower).
+        let weak = Arc::downgrade(&node);
+        node.groups.set_relay(
+            &meta_id,
+            Arc::new(move |f: Forwarded| {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                match weak.upgrade().and_then(|n| n.meta_forwarder.get().cloned()) {
+                    Some(forwarder) => send_retrying(
+                        forwarder,
+                        f,
+                        false,
+                        std::time::Instant::now() + RETRY_FOR,
+                        0,
+                        Box::new(move |r| {
+                            let _ = tx.send(r.map(|_| Vec::new()).map_err(|e| match e {
+                                ReplicationError::Unavailable => ProposeError::NotLeader(None),
+                                ReplicationError::Unknown(s) => ProposeError::Unknown(s),
+                            }));
+                        }),
+                    ),
+                    None => {
+                        let _ = tx.send(Err(ProposeError::Stopped));
+                    }
+                }
+                rx
+            }),
+        );
         let _ = node.meta.set(raft.clone());
         let lowest = node
             .config
@@ -270,13 +356,30 @@ impl ClusterNode {
             .map(|p| node_id(&p.name))
             .min()
             .unwrap_or(me);
-        if lowest == me {
+        if lowest == me && !node.config.join {
             // The first start of the cluster; afterwards the log says it is initialised.
             if let Err(e) = raft.initialize(node.all_members()).await {
                 tracing::debug!(error = %e, "metadata group already initialised");
             }
+            // Records of every founding node, for nodes that join while some never started.
+            for (id, m) in node.current() {
+                if id != me {
+                    node.propose_node(&m);
+                }
+            }
         }
         tokio::spawn(watch_peers(Arc::downgrade(&node)));
+        if node.config.join {
+            node.join().await;
+            node.broker
+                .set_cluster(Arc::clone(&node) as Arc<dyn ClusterHooks>);
+        } else {
+            // The cluster's record of this node (its address and number), for nodes that
+            // join later; the same every start.
+            if let Some(m) = node.member(me) {
+                node.propose_node(&m);
+            }
+        }
         tracing::info!(
             node = %node.config.name,
             listen = %node.config.listen,
@@ -286,52 +389,220 @@ impl ClusterNode {
         Ok(node)
     }
 
-    fn all_members(&self) -> BTreeMap<NodeId, BasicNode> {
-        self.config
-            .peers
+    /// The nodes of the cluster (not forgotten), by id.
+    fn current(&self) -> Vec<(NodeId, Member)> {
+        self.registry
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
             .iter()
-            .map(|p| (node_id(&p.name), BasicNode::new(p.addr.clone())))
+            .filter(|(_, m)| !m.forgotten)
+            .map(|(id, m)| (*id, m.clone()))
+            .collect()
+    }
+
+    fn member(&self, id: NodeId) -> Option<Member> {
+        self.registry
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&id)
+            .cloned()
+    }
+
+    fn is_forgotten(&self, id: NodeId) -> bool {
+        self.member(id).is_some_and(|m| m.forgotten)
+    }
+
+    /// This node's number (0 while it joins).
+    fn number(&self) -> u64 {
+        self.number.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn remember_number(&self, number: u64) {
+        let path = self.config.data_dir.join("node-number");
+        if stored_number(&self.config.data_dir) != Some(number)
+            && let Err(e) = std::fs::write(&path, number.to_string())
+        {
+            tracing::warn!(path = %path.display(), error = %e, "cannot store the node number");
+        }
+    }
+
+    fn all_members(&self) -> BTreeMap<NodeId, BasicNode> {
+        self.current()
+            .into_iter()
+            .map(|(id, m)| (id, BasicNode::new(m.addr)))
             .collect()
     }
 
     fn peer_name(&self, id: NodeId) -> Option<String> {
-        self.config
+        self.member(id).map(|m| m.name)
+    }
+
+    /// Propose the cluster's record of node `m` (idempotent).
+    fn propose_node(&self, m: &Member) {
+        let Some(forwarder) = self.meta_forwarder.get() else {
+            return;
+        };
+        send_retrying(
+            forwarder.clone(),
+            Forwarded {
+                commands: Vec::new(),
+                meta: vec![MetaChange::Node {
+                    name: m.name.clone(),
+                    addr: m.addr.clone(),
+                    number: (m.number != 0).then_some(m.number),
+                    forgotten: false,
+                }],
+            },
+            true,
+            std::time::Instant::now() + RETRY_FOR,
+            0,
+            Box::new(|r| {
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "cannot record this node in the cluster");
+                }
+            }),
+        );
+    }
+
+    /// Join the cluster through the seeds: ask the metadata leader (found through them) to
+    /// record this node, then wait until this node's replica of the metadata knows its
+    /// number. Retries until it succeeds: the node serves nothing before.
+    async fn join(self: &Arc<Self>) {
+        let seeds: Vec<(NodeId, String)> = self
+            .config
             .peers
             .iter()
-            .find(|p| node_id(&p.name) == id)
-            .map(|p| p.name.clone())
+            .filter(|p| p.name != self.config.name)
+            .map(|p| (node_id(&p.name), p.addr.clone()))
+            .collect();
+        let Some(own) = self.member(self.me) else {
+            return;
+        };
+        let meta = GroupId {
+            name: META_GROUP.into(),
+            incarnation: 0,
+        };
+        let request = MetaChange::Node {
+            name: own.name.clone(),
+            addr: own.addr.clone(),
+            number: None,
+            forgotten: false,
+        };
+        let mut next = 0;
+        while self.number() == 0 && !seeds.is_empty() {
+            let (id, addr) = &seeds[next % seeds.len()];
+            next += 1;
+            let link = ForwardLink::open(
+                self.me,
+                *id,
+                meta.clone(),
+                addr.clone(),
+                self.secret.clone(),
+                self.addresses.tls(),
+            )
+            .await;
+            let outcome = match link {
+                Ok(mut link) => {
+                    let rx = link
+                        .send(Forwarded {
+                            commands: Vec::new(),
+                            meta: vec![request.clone()],
+                        })
+                        .await;
+                    match rx.await {
+                        Ok(Ok(Ok(_))) => Ok(()),
+                        Ok(Ok(Err(ProposeError::NotLeader(Some(leader))))) => {
+                            // Ask the leader next, when it is one of the seeds.
+                            if let Some(i) = seeds.iter().position(|(s, _)| *s == leader) {
+                                next = i;
+                            }
+                            Err("not the metadata leader".to_string())
+                        }
+                        Ok(Ok(Err(e))) => Err(e.to_string()),
+                        Ok(Err(e)) => Err(e),
+                        Err(e) => Err(e.to_string()),
+                    }
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            match outcome {
+                Ok(()) => {
+                    tracing::info!(seed = %addr, "join recorded; catching up");
+                    break;
+                }
+                Err(e) => {
+                    tracing::info!(seed = %addr, error = %e, "join: trying again");
+                    tokio::time::sleep(JOIN_RETRY).await;
+                }
+            }
+        }
+        // The metadata leader adds this node as a learner, then a voter; this node's number
+        // arrives with the log.
+        loop {
+            let notified = self.numbered.notified();
+            if self.number() != 0 {
+                break;
+            }
+            notified.await;
+        }
+        tracing::info!(number = self.number(), "joined the cluster");
+    }
+
+    /// A committed node record: update the registry and the addresses; as the metadata
+    /// leader, add a new node to the group or remove a forgotten one.
+    fn on_node(&self, name: &str, addr: &str, number: u64, forgotten: bool) {
+        let id = node_id(name);
+        self.registry
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(
+                id,
+                Member {
+                    name: name.to_string(),
+                    addr: addr.to_string(),
+                    number,
+                    forgotten,
+                },
+            );
+        if !forgotten && id != self.me {
+            // This node's own --peers address for a peer wins over the record's.
+            if self.config.peers.iter().all(|p| p.name != name) {
+                self.addresses.insert(id, addr.to_string());
+            }
+        }
+        if id == self.me && self.number() == 0 && !forgotten {
+            self.number
+                .store(number, std::sync::atomic::Ordering::Release);
+            self.remember_number(number);
+            self.numbered.notify_waiters();
+        }
+        reconcile_meta(self);
     }
 
     /// A queue's members as the metadata group last set them.
     fn members_of(&self, incarnation: u64) -> Vec<NodeId> {
-        self.members
+        let mut members = self
+            .members
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .get(&incarnation)
             .cloned()
-            .unwrap_or_default()
+            .unwrap_or_default();
+        members.retain(|id| !self.is_forgotten(*id));
+        members
     }
 
     fn peer_number(&self, id: NodeId) -> Option<u64> {
-        let mut names: Vec<&str> = self.config.peers.iter().map(|p| p.name.as_str()).collect();
-        names.sort_unstable();
-        names
-            .iter()
-            .position(|n| node_id(n) == id)
-            .map(|i| i as u64 + 1)
+        self.member(id).map(|m| m.number).filter(|n| *n != 0)
     }
 
     /// The members of a new group of `size`: the nodes ranking highest for this incarnation
     /// (rendezvous hashing spreads groups, and so leaders, over the nodes).
     fn place(&self, incarnation: u64, size: usize) -> Vec<NodeId> {
         let mut ranked: Vec<(u64, NodeId)> = self
-            .config
-            .peers
-            .iter()
-            .map(|p| {
-                let id = node_id(&p.name);
-                (node_id(&format!("{incarnation}/{id}")), id)
-            })
+            .current()
+            .into_iter()
+            .map(|(id, _)| (node_id(&format!("{incarnation}/{id}")), id))
             .collect();
         ranked.sort_unstable();
         ranked
@@ -402,6 +673,12 @@ impl ClusterNode {
                     done(Ok(Vec::new()));
                 }
             }
+            MetaChange::Node {
+                name,
+                addr,
+                number,
+                forgotten,
+            } => self.on_node(name, addr, number.unwrap_or(0), *forgotten),
             MetaChange::SetMembers {
                 incarnation,
                 members,
@@ -530,15 +807,18 @@ impl ClusterNode {
                 tracing::debug!(error = %e, "queue group already initialised");
             }
         }
-        // What this node's previous run held goes back (its consumers are gone with it).
+        // What this node's previous run held goes back (its consumers are gone with it). A
+        // node still joining has had no previous run.
         let before = self.broker.next_id();
-        replica.submit(
-            vec![Command::Down {
-                node: self.number,
-                before,
-            }],
-            Box::new(|_| {}),
-        );
+        if self.number() != 0 {
+            replica.submit(
+                vec![Command::Down {
+                    node: self.number(),
+                    before,
+                }],
+                Box::new(|_| {}),
+            );
+        }
         Ok(())
     }
 }
@@ -565,7 +845,7 @@ impl ClusterHooks for ClusterNode {
     }
 
     fn node_number(&self) -> u64 {
-        self.number
+        self.number()
     }
 
     fn declare_quorum(&self, queue: Arc<Queue>, done: Completion) {
@@ -635,18 +915,51 @@ impl ClusterHooks for ClusterNode {
     }
 
     fn nodes(&self) -> Vec<NodeStatus> {
-        self.config
-            .peers
-            .iter()
-            .map(|p| {
-                let id = node_id(&p.name);
-                NodeStatus {
-                    name: p.name.clone(),
-                    running: id == self.me
-                        || crate::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
-                }
+        self.current()
+            .into_iter()
+            .map(|(id, m)| NodeStatus {
+                name: m.name,
+                running: id == self.me
+                    || crate::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
             })
             .collect()
+    }
+
+    fn forget_node(&self, name: &str, done: Completion) -> Result<(), MembershipError> {
+        let id = node_id(name);
+        let known = self
+            .member(id)
+            .filter(|m| m.name == name && !m.forgotten)
+            .ok_or_else(|| MembershipError::UnknownNode(name.to_string()))?;
+        if id == self.me || crate::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER) {
+            return Err(MembershipError::Running(name.to_string()));
+        }
+        let Some(forwarder) = self.meta_forwarder.get() else {
+            return Err(MembershipError::NotReplicated);
+        };
+        send_retrying(
+            forwarder.clone(),
+            Forwarded {
+                commands: Vec::new(),
+                meta: vec![MetaChange::Node {
+                    name: known.name,
+                    addr: known.addr,
+                    number: None,
+                    forgotten: true,
+                }],
+            },
+            true,
+            std::time::Instant::now() + RETRY_FOR,
+            0,
+            Box::new(move |r| {
+                done(
+                    r.map(|_| Vec::new()).map_err(|e| {
+                        Arc::new(warren_store::StoreError::Replication(e.to_string()))
+                    }),
+                );
+            }),
+        );
+        Ok(())
     }
 
     fn change_members(
@@ -666,7 +979,7 @@ impl ClusterHooks for ClusterNode {
         let mut members = self.members_of(incarnation);
         let (MemberChange::Add(name) | MemberChange::Delete(name)) = &change;
         let id = node_id(name);
-        if self.peer_name(id).as_deref() != Some(name.as_str()) {
+        if self.peer_name(id).as_deref() != Some(name.as_str()) || self.is_forgotten(id) {
             return Err(MembershipError::UnknownNode(name.clone()));
         }
         match change {
@@ -792,6 +1105,76 @@ fn take_waiting(map: &Mutex<HashMap<u64, Completion>>, incarnation: u64) -> Opti
         .remove(&incarnation)
 }
 
+/// Where the metadata state keeps a node's record.
+fn node_key(name: &str) -> Vec<u8> {
+    [b"node:".as_slice(), name.as_bytes()].concat()
+}
+
+/// A node record as it commits: a join gets the next free number (from 63 down; numbers are
+/// never reused, forgotten nodes keep theirs), a founding node keeps its own, a forget keeps
+/// the record as a tombstone. None: nothing to record (a forgotten name rejoining, a forget
+/// of an unknown node, no number left).
+fn resolve_node(
+    records: &BTreeMap<Vec<u8>, MetaChange>,
+    name: String,
+    addr: String,
+    number: Option<u64>,
+    forgotten: bool,
+) -> Option<MetaChange> {
+    let existing = match records.get(&node_key(&name)) {
+        Some(MetaChange::Node {
+            addr,
+            number,
+            forgotten,
+            ..
+        }) => Some((addr.clone(), *number, *forgotten)),
+        _ => None,
+    };
+    let (addr, number, forgotten) = match (existing, forgotten) {
+        (Some((old, n, _)), true) => (old, n, true),
+        (Some((_, _, true)), false) => {
+            tracing::warn!(node = %name, "a forgotten node cannot join again under its name");
+            return None;
+        }
+        (Some((_, n, false)), false) => (addr, n.or(number), false),
+        (None, true) => return None,
+        (None, false) => {
+            let n = number.or_else(|| {
+                let lowest_joined = records
+                    .values()
+                    .filter_map(|c| match c {
+                        MetaChange::Node {
+                            number: Some(n), ..
+                        } if *n > FOUNDING_NODES_MAX as u64 => Some(*n),
+                        _ => None,
+                    })
+                    .min()
+                    .unwrap_or(64);
+                (lowest_joined > FOUNDING_NODES_MAX as u64 + 1).then(|| lowest_joined - 1)
+            });
+            if n.is_none() {
+                tracing::error!(node = %name, "no node number left: the join is refused");
+                return None;
+            }
+            (addr, n, false)
+        }
+    };
+    Some(MetaChange::Node {
+        name,
+        addr,
+        number,
+        forgotten,
+    })
+}
+
+/// The node number this data directory was given, if any.
+fn stored_number(data_dir: &std::path::Path) -> Option<u64> {
+    std::fs::read_to_string(data_dir.join("node-number"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .filter(|n| *n > 0 && *n < 64)
+}
+
 /// Where the metadata state keeps a queue's later member list (beside its record, which keeps
 /// the members it was declared with: those initialise the group, once).
 fn members_key(queue_key: &[u8]) -> Vec<u8> {
@@ -809,7 +1192,22 @@ impl Applied for MetaState {
         let node = self.node.upgrade();
         let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
         for change in request.meta {
+            let change = match change {
+                MetaChange::Node {
+                    name,
+                    addr,
+                    number,
+                    forgotten,
+                } => match resolve_node(&records, name, addr, number, forgotten) {
+                    Some(resolved) => resolved,
+                    None => continue,
+                },
+                other => other,
+            };
             match &change {
+                MetaChange::Node { name, .. } => {
+                    records.insert(node_key(name), change.clone());
+                }
                 MetaChange::DeclareQueue { key, .. } => {
                     if records.contains_key(key) {
                         // Declared twice concurrently: the first commit wins, and the
@@ -869,9 +1267,10 @@ impl Applied for MetaState {
         // Definitions (vhosts, users, then what refers to them), queues and exchanges,
         // queues' later members, then the bindings between them.
         list.sort_by_key(|c| match c {
-            MetaChange::Topology(t) => t.rank(),
-            MetaChange::SetMembers { .. } => 4,
-            _ => 3,
+            MetaChange::Node { .. } => 0,
+            MetaChange::Topology(t) => 1 + t.rank(),
+            MetaChange::SetMembers { .. } => 5,
+            _ => 4,
         });
         let node = self.node.upgrade();
         let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
@@ -880,6 +1279,7 @@ impl Applied for MetaState {
             let key = match &change {
                 MetaChange::DeclareQueue { key, .. } => key.clone(),
                 MetaChange::SetMembers { key, .. } => members_key(key),
+                MetaChange::Node { name, .. } => node_key(name),
                 MetaChange::Topology(t) if t.is_addition() => t.record_key(),
                 _ => continue,
             };
@@ -1034,7 +1434,7 @@ impl Replicator for QueueReplica {
     }
 
     fn local_node(&self) -> u64 {
-        self.node.upgrade().map_or(0, |n| n.number)
+        self.node.upgrade().map_or(0, |n| n.number())
     }
 
     fn placement(&self) -> Placement {
@@ -1393,6 +1793,75 @@ async fn wait_for_leader(raft: &Raft<QueueRaft>) -> Option<NodeId> {
     .flatten()
 }
 
+/// As the metadata group's leader: make the group's voters the cluster's nodes, one change at
+/// a time. A forgotten node is removed; a node that joined is added as a learner, caught up,
+/// then made a voter (so it never stalls the majority). Founding nodes are voters from the
+/// start.
+fn reconcile_meta(node: &ClusterNode) {
+    use std::sync::atomic::Ordering;
+    let Some(raft) = node.meta.get().cloned() else {
+        return;
+    };
+    let voters: std::collections::BTreeSet<NodeId> = {
+        let m = raft.metrics();
+        let m = m.borrow();
+        if m.current_leader != Some(node.me) {
+            return;
+        }
+        m.membership_config.membership().voter_ids().collect()
+    };
+    let gone: std::collections::BTreeSet<NodeId> = voters
+        .iter()
+        .copied()
+        .filter(|id| node.is_forgotten(*id))
+        .collect();
+    let new: Vec<(NodeId, String)> = node
+        .current()
+        .into_iter()
+        .filter(|(id, _)| !voters.contains(id))
+        .map(|(id, m)| (id, m.addr))
+        .collect();
+    if (gone.is_empty() && new.is_empty()) || node.meta_changing.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let changing = node.weak_self();
+    tokio::spawn(async move {
+        let r = if gone.is_empty() {
+            let mut r = Ok(());
+            for (id, addr) in new {
+                let added = match raft.add_learner(id, BasicNode::new(addr), true).await {
+                    Ok(_) => raft
+                        .change_membership(
+                            openraft::ChangeMembers::AddVoterIds([id].into_iter().collect()),
+                            false,
+                        )
+                        .await
+                        .map(|_| ())
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                };
+                if added.is_err() {
+                    r = added;
+                    break;
+                }
+                tracing::info!(node = id, "a node joined the metadata group");
+            }
+            r
+        } else {
+            raft.change_membership(openraft::ChangeMembers::RemoveVoters(gone.clone()), false)
+                .await
+                .map(|_| tracing::info!(nodes = ?gone, "forgotten nodes left the metadata group"))
+                .map_err(|e| e.to_string())
+        };
+        if let Err(e) = r {
+            tracing::warn!(error = %e, "changing the metadata group");
+        }
+        if let Some(node) = changing.upgrade() {
+            node.meta_changing.store(false, Ordering::Release);
+        }
+    });
+}
+
 /// As a queue's leader: every node that is neither voter nor learner yet becomes a learner.
 fn add_learners(node: &ClusterNode, replica: &QueueReplica) {
     let Some(raft) = replica.raft.get() else {
@@ -1405,8 +1874,7 @@ fn add_learners(node: &ClusterNode, replica: &QueueReplica) {
         .nodes()
         .map(|(id, _)| *id)
         .collect();
-    for peer in &node.config.peers {
-        let id = node_id(&peer.name);
+    for (id, peer) in node.current() {
         if known.contains(&id) {
             continue;
         }
@@ -1441,7 +1909,29 @@ fn reconcile_members(node: &ClusterNode, replica: &Arc<QueueReplica>) {
             membership.nodes().map(|(id, _)| *id).collect(),
         )
     };
-    if desired.is_empty() || desired == voters || replica.changing.swap(true, Ordering::AcqRel) {
+    let forgotten: std::collections::BTreeSet<NodeId> = known
+        .iter()
+        .copied()
+        .filter(|id| !voters.contains(id) && node.is_forgotten(*id))
+        .collect();
+    if desired.is_empty()
+        || (desired == voters && forgotten.is_empty())
+        || replica.changing.swap(true, Ordering::AcqRel)
+    {
+        return;
+    }
+    if desired == voters {
+        // Only learners of forgotten nodes to drop.
+        let (raft, replica) = (raft.clone(), Arc::clone(replica));
+        tokio::spawn(async move {
+            if let Err(e) = raft
+                .change_membership(openraft::ChangeMembers::RemoveNodes(forgotten), false)
+                .await
+            {
+                tracing::warn!(queue = %replica.queue.name, error = %e, "dropping forgotten learners");
+            }
+            replica.changing.store(false, Ordering::Release);
+        });
         return;
     }
     let learners: Vec<(NodeId, String)> = desired
@@ -1469,13 +1959,33 @@ fn reconcile_members(node: &ClusterNode, replica: &Arc<QueueReplica>) {
 }
 
 /// Every second: for each queue this node leads, return what consumers on silent peers held.
-async fn watch_peers(node: Weak<ClusterNode>) {
+async fn watch_peers(weak: Weak<ClusterNode>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut pinged: std::collections::HashSet<NodeId> = std::collections::HashSet::new();
     loop {
         tick.tick().await;
-        let Some(node) = node.upgrade() else {
+        let Some(node) = weak.upgrade() else {
             return;
         };
+        reconcile_meta(&node);
+        for (id, _) in node.current() {
+            if id == node.me || !pinged.insert(id) {
+                continue;
+            }
+            let alive = weak.clone();
+            tokio::spawn(crate::tcp::ping_loop(
+                node.me,
+                id,
+                GroupId {
+                    name: META_GROUP.into(),
+                    incarnation: 0,
+                },
+                node.addresses.clone(),
+                node.secret.clone(),
+                PING_EVERY,
+                move || alive.upgrade().is_none_or(|n| n.is_forgotten(id)),
+            ));
+        }
         let replicas: Vec<Arc<QueueReplica>> = node
             .queues
             .lock()
@@ -1489,8 +1999,7 @@ async fn watch_peers(node: Weak<ClusterNode>) {
             }
             add_learners(&node, &replica);
             reconcile_members(&node, &replica);
-            for peer in &node.config.peers {
-                let id = node_id(&peer.name);
+            for (id, peer) in node.current() {
                 if id == node.me {
                     continue;
                 }

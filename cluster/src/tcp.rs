@@ -107,7 +107,17 @@ impl std::fmt::Display for GroupId {
 struct Served {
     raft: Raft<QueueRaft>,
     proposer: Proposer,
+    relay: Option<Relay>,
 }
+
+/// Where a node sends metadata changes that peers forwarded to it: its own path to the
+/// group's leader, so a peer that reached a follower (a node joining through a seed) is
+/// served too.
+pub type Relay = Arc<
+    dyn Fn(Forwarded) -> tokio::sync::oneshot::Receiver<Result<ForwardReplies, ProposeError>>
+        + Send
+        + Sync,
+>;
 
 /// The groups a node hosts, by id. Clones share the table.
 #[derive(Clone, Default)]
@@ -140,9 +150,22 @@ impl Groups {
                 Served {
                     raft,
                     proposer: proposer.clone(),
+                    relay: None,
                 },
             );
         proposer
+    }
+
+    /// Relay the metadata changes peers forward to group `id` through `relay`.
+    pub fn set_relay(&self, id: &GroupId, relay: Relay) {
+        if let Some(s) = self
+            .by_id
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(id)
+        {
+            s.relay = Some(relay);
+        }
     }
 
     /// Stop serving `id` (its queue was deleted, or the replica moved).
@@ -274,6 +297,9 @@ enum Request {
     /// Commands (or metadata changes) from a node that is not the leader, to be proposed by
     /// the one that is.
     Forward(Forwarded),
+    /// Are you there (nodes that share no replication traffic still learn each other's
+    /// liveness)?
+    Ping,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -284,6 +310,7 @@ enum Response {
         Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>,
     ),
     Forward(Result<ForwardReplies, ProposeError>),
+    Pong,
 }
 
 /// What a node forwards to a group's leader.
@@ -405,12 +432,12 @@ pub const FORWARDS_IN_FLIGHT_MAX: usize = 16;
 /// Serve a connection that forwards (after its first forward): requests are staged as they
 /// arrive and answered in arrival order as their entries commit, so a forwarding node keeps
 /// several batches in flight.
-async fn serve_forwards(
-    s: Stream,
-    raft: Raft<QueueRaft>,
-    proposer: Proposer,
-    first: Forwarded,
-) -> Result<(), TransportError> {
+async fn serve_forwards(s: Stream, served: Served, first: Forwarded) -> Result<(), TransportError> {
+    let Served {
+        raft,
+        proposer,
+        relay,
+    } = served;
     let (mut r, mut w) = tokio::io::split(s);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Staged>(FORWARDS_IN_FLIGHT_MAX);
     let writer = tokio::spawn(async move {
@@ -431,7 +458,15 @@ async fn serve_forwards(
                 Err(_) => break,
             },
         };
-        let staged = stage_here(&raft, &proposer, f).await;
+        let staged = match &relay {
+            Some(relay) if !f.meta.is_empty() => {
+                let rx = relay(f);
+                Staged::Meta(tokio::spawn(async move {
+                    rx.await.unwrap_or(Err(ProposeError::Stopped))
+                }))
+            }
+            _ => stage_here(&raft, &proposer, f).await,
+        };
         if tx.send(staged).await.is_err() {
             break;
         }
@@ -646,10 +681,11 @@ async fn serve_connection(
         write_frame(&mut s, &Verdict::Refused).await?;
         return Err(TransportError::Auth);
     }
-    let Some(Served { raft, proposer }) = groups.get(&hello.group) else {
+    let Some(served) = groups.get(&hello.group) else {
         write_frame(&mut s, &Verdict::NoSuchGroup).await?;
         return Err(TransportError::NoSuchGroup(hello.group));
     };
+    let raft = served.raft.clone();
     write_frame(&mut s, &Verdict::Welcome).await?;
     heard_from(hello.from);
     loop {
@@ -672,7 +708,8 @@ async fn serve_connection(
             Request::InstallSnapshot(r) => {
                 Response::InstallSnapshot(raft.install_snapshot(r).await)
             }
-            Request::Forward(f) => return serve_forwards(s, raft, proposer, f).await,
+            Request::Forward(f) => return serve_forwards(s, served, f).await,
+            Request::Ping => Response::Pong,
         };
         write_frame(&mut s, &response).await?;
     }
@@ -726,6 +763,45 @@ impl Addresses {
             .unwrap_or_else(PoisonError::into_inner)
             .get(&id)
             .cloned()
+    }
+}
+
+/// Keeps one authenticated connection from `from` to peer `to` (through the metadata group,
+/// which every node serves) and pings it while nothing else was heard from it lately, so
+/// [`silent_for`] reflects every peer, not only those this node replicates with.
+pub async fn ping_loop(
+    from: NodeId,
+    to: NodeId,
+    group: GroupId,
+    addresses: Addresses,
+    secret: Secret,
+    every: std::time::Duration,
+    stop: impl Fn() -> bool,
+) {
+    let Some(addr) = addresses.get(to) else {
+        return;
+    };
+    let mut conn = TcpConnection {
+        from,
+        to,
+        group,
+        addr,
+        secret,
+        tls: addresses.tls(),
+        stream: None,
+    };
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !stop() {
+        tick.tick().await;
+        if silent_for(to).is_some_and(|s| s < every) {
+            continue;
+        }
+        if let Some(addr) = addresses.get(to) {
+            conn.addr = addr;
+        }
+        // A peer behind a black hole must not hold the loop: an answer takes a moment.
+        let _ = tokio::time::timeout(every, conn.call(Request::Ping)).await;
     }
 }
 

@@ -69,6 +69,19 @@ pub enum MetaChange {
     },
     /// An exchange or binding changed on some node.
     Topology(warren_broker::replication::TopologyChange),
+    /// A node of the cluster. Proposed with `number: None` by a node that joins (the
+    /// metadata group assigns it one, from 63 down, never reused) and with its number by a
+    /// founding node; `forgotten` removes it for good (`forget_cluster_node`).
+    Node {
+        /// Its name.
+        name: String,
+        /// Its cluster port address, as the others dial it.
+        addr: String,
+        /// Its number (the top bits of the consumer ids it issues).
+        number: Option<u64>,
+        /// Removed from the cluster.
+        forgotten: bool,
+    },
     /// A quorum queue's members from now on: its group's leader makes them the voters
     /// (an added member is a learner first and votes once it has caught up; a removed one
     /// stays a learner, as every non-member is).

@@ -53,7 +53,7 @@ pub fn router(state: AppState) -> Router {
         .route("/api/whoami", get(whoami))
         .route("/api/cluster-name", get(cluster_name))
         .route("/api/nodes", get(nodes))
-        .route("/api/nodes/{name}", get(one_node))
+        .route("/api/nodes/{name}", get(one_node).delete(forget_node))
         .route(
             "/api/vhosts/{vhost}/permissions",
             get(vhost_permissions::<false>),
@@ -455,6 +455,54 @@ async fn one_node(
         return Err(ApiError::not_found());
     }
     ok_json(node)
+}
+
+/// Warren's own (`rabbitmqctl forget_cluster_node` has no HTTP form): remove a stopped node
+/// from the cluster for good. Answers once that committed.
+async fn forget_node(
+    State(state): State<AppState>,
+    caller: Caller,
+    Path(name): Path<String>,
+) -> ApiResult {
+    use warren_broker::replication::MembershipError;
+    caller.require_admin()?;
+    let Some(cluster) = state.broker.cluster() else {
+        return Err(ApiError::bad_request("this node is not clustered"));
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    cluster
+        .forget_node(
+            &name,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        )
+        .map_err(|e| match e {
+            MembershipError::UnknownNode(_) => ApiError {
+                reason: e.to_string(),
+                ..ApiError::not_found()
+            },
+            other => ApiError::bad_request(other.to_string()),
+        })?;
+    committed(rx).await
+}
+
+/// The reply to a cluster change once `rx` says whether it committed.
+async fn committed(
+    rx: tokio::sync::oneshot::Receiver<
+        Result<Vec<warren_store::Location>, Arc<warren_store::StoreError>>,
+    >,
+) -> ApiResult {
+    let unavailable = |reason: String| ApiError {
+        status: StatusCode::SERVICE_UNAVAILABLE,
+        error: "unavailable",
+        reason,
+    };
+    match rx.await {
+        Ok(Ok(_)) => no_content(),
+        Ok(Err(e)) => Err(unavailable(e.to_string())),
+        Err(_) => Err(unavailable("the cluster dropped the change".into())),
+    }
 }
 
 /// The node's facts (RabbitMQ shows them to `monitoring` and `administrator` users only).
@@ -1059,19 +1107,7 @@ async fn change_members(
             },
             other => ApiError::bad_request(other.to_string()),
         })?;
-    match rx.await {
-        Ok(Ok(_)) => no_content(),
-        Ok(Err(e)) => Err(ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            error: "unavailable",
-            reason: e.to_string(),
-        }),
-        Err(_) => Err(ApiError {
-            status: StatusCode::SERVICE_UNAVAILABLE,
-            error: "unavailable",
-            reason: "the cluster dropped the change".into(),
-        }),
-    }
+    committed(rx).await
 }
 
 #[derive(Debug, Deserialize)]
