@@ -439,23 +439,15 @@ impl ClusterNode {
 
     /// Propose the cluster's record of node `m` (idempotent).
     fn propose_node(&self, m: &Member) {
-        let Some(forwarder) = self.meta_forwarder.get() else {
-            return;
+        let change = MetaChange::Node {
+            name: m.name.clone(),
+            addr: m.addr.clone(),
+            number: (m.number != 0).then_some(m.number),
+            forgotten: false,
         };
-        send_retrying(
-            forwarder.clone(),
-            Forwarded {
-                commands: Vec::new(),
-                meta: vec![MetaChange::Node {
-                    name: m.name.clone(),
-                    addr: m.addr.clone(),
-                    number: (m.number != 0).then_some(m.number),
-                    forgotten: false,
-                }],
-            },
+        let _ = self.commit_meta(
+            change,
             true,
-            std::time::Instant::now() + RETRY_FOR,
-            0,
             Box::new(|r| {
                 if let Err(e) = r {
                     tracing::warn!(error = %e, "cannot record this node in the cluster");
@@ -577,6 +569,16 @@ impl ClusterNode {
             self.numbered.notify_waiters();
         }
         reconcile_meta(self);
+    }
+
+    /// The incarnation of the replicated queue `queue` served here.
+    fn incarnation_of(&self, queue: &Arc<Queue>) -> Option<u64> {
+        self.queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|(_, r)| Arc::ptr_eq(&r.queue, queue))
+            .map(|(i, _)| *i)
     }
 
     /// A queue's members as the metadata group last set them.
@@ -891,27 +893,10 @@ impl ClusterHooks for ClusterNode {
         change: warren_broker::replication::TopologyChange,
         done: Completion,
     ) {
-        let Some(forwarder) = self.meta_forwarder.get() else {
+        if let Err(done) = self.commit_meta(MetaChange::Topology(change), false, done) {
+            // Not part of a cluster yet: nothing to replicate to.
             done(Ok(Vec::new()));
-            return;
-        };
-        send_retrying(
-            forwarder.clone(),
-            Forwarded {
-                commands: Vec::new(),
-                meta: vec![MetaChange::Topology(change)],
-            },
-            false,
-            std::time::Instant::now() + RETRY_FOR,
-            0,
-            Box::new(move |r| {
-                done(
-                    r.map(|_| Vec::new()).map_err(|e| {
-                        Arc::new(warren_store::StoreError::Replication(e.to_string()))
-                    }),
-                );
-            }),
-        );
+        }
     }
 
     fn nodes(&self) -> Vec<NodeStatus> {
@@ -934,32 +919,14 @@ impl ClusterHooks for ClusterNode {
         if id == self.me || crate::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER) {
             return Err(MembershipError::Running(name.to_string()));
         }
-        let Some(forwarder) = self.meta_forwarder.get() else {
-            return Err(MembershipError::NotReplicated);
+        let change = MetaChange::Node {
+            name: known.name,
+            addr: known.addr,
+            number: None,
+            forgotten: true,
         };
-        send_retrying(
-            forwarder.clone(),
-            Forwarded {
-                commands: Vec::new(),
-                meta: vec![MetaChange::Node {
-                    name: known.name,
-                    addr: known.addr,
-                    number: None,
-                    forgotten: true,
-                }],
-            },
-            true,
-            std::time::Instant::now() + RETRY_FOR,
-            0,
-            Box::new(move |r| {
-                done(
-                    r.map(|_| Vec::new()).map_err(|e| {
-                        Arc::new(warren_store::StoreError::Replication(e.to_string()))
-                    }),
-                );
-            }),
-        );
-        Ok(())
+        self.commit_meta(change, true, done)
+            .map_err(|_| MembershipError::NotReplicated)
     }
 
     fn change_members(
@@ -969,12 +936,7 @@ impl ClusterHooks for ClusterNode {
         done: Completion,
     ) -> Result<(), MembershipError> {
         let incarnation = self
-            .queues
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .find(|(_, r)| Arc::ptr_eq(&r.queue, queue))
-            .map(|(i, _)| *i)
+            .incarnation_of(queue)
             .ok_or(MembershipError::NotReplicated)?;
         let mut members = self.members_of(incarnation);
         let (MemberChange::Add(name) | MemberChange::Delete(name)) = &change;
@@ -999,42 +961,18 @@ impl ClusterHooks for ClusterNode {
                 members.retain(|m| *m != id);
             }
         }
-        let Some(forwarder) = self.meta_forwarder.get() else {
-            return Err(MembershipError::NotReplicated);
+        let change = MetaChange::SetMembers {
+            key: QueueRecord::key(&queue.vhost, &queue.name),
+            incarnation,
+            members,
         };
-        send_retrying(
-            forwarder.clone(),
-            Forwarded {
-                commands: Vec::new(),
-                meta: vec![MetaChange::SetMembers {
-                    key: QueueRecord::key(&queue.vhost, &queue.name),
-                    incarnation,
-                    members,
-                }],
-            },
-            // Setting the same list twice is setting it once.
-            true,
-            std::time::Instant::now() + RETRY_FOR,
-            0,
-            Box::new(move |r| {
-                done(
-                    r.map(|_| Vec::new()).map_err(|e| {
-                        Arc::new(warren_store::StoreError::Replication(e.to_string()))
-                    }),
-                );
-            }),
-        );
-        Ok(())
+        // Setting the same list twice is setting it once.
+        self.commit_meta(change, true, done)
+            .map_err(|_| MembershipError::NotReplicated)
     }
 
     fn delete_quorum(&self, queue: &Arc<Queue>, done: Completion) {
-        let found = self
-            .queues
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .find(|(_, r)| Arc::ptr_eq(&r.queue, queue))
-            .map(|(i, _)| *i);
+        let found = self.incarnation_of(queue);
         let Some(incarnation) = found else {
             done(Ok(Vec::new()));
             return;
@@ -1052,41 +990,59 @@ impl ClusterHooks for ClusterNode {
 }
 
 impl ClusterNode {
-    /// Propose a metadata change; a failure fails the waiting declare or delete.
-    fn propose_meta(&self, change: MetaChange, incarnation: u64, declare: bool) {
+    /// Propose a metadata change, retried across an election (also when its outcome is
+    /// unknown if `idempotent`); `done` runs once it committed, or with why not. Gives `done`
+    /// back when there is no metadata group to propose to.
+    fn commit_meta(
+        &self,
+        change: MetaChange,
+        idempotent: bool,
+        done: Completion,
+    ) -> Result<(), Completion> {
         let Some(forwarder) = self.meta_forwarder.get() else {
-            return;
+            return Err(done);
         };
-        // Completions wait until the change applies here; only a failed proposal takes one
-        // out early. Retried across an election while nothing was appended, like topology
-        // changes (a declare is not repeated when its outcome is unknown).
-        let node = self.weak_self();
         send_retrying(
             forwarder.clone(),
             Forwarded {
                 commands: Vec::new(),
                 meta: vec![change],
             },
-            false,
+            idempotent,
             std::time::Instant::now() + RETRY_FOR,
             0,
             Box::new(move |r| {
-                if let Err(e) = r
-                    && let Some(node) = node.upgrade()
-                {
-                    let map = if declare {
-                        &node.declaring
-                    } else {
-                        &node.deleting
-                    };
-                    if let Some(done) = take_waiting(map, incarnation) {
-                        done(Err(Arc::new(warren_store::StoreError::Replication(
-                            e.to_string(),
-                        ))));
-                    }
-                }
+                done(
+                    r.map(|_| Vec::new()).map_err(|e| {
+                        Arc::new(warren_store::StoreError::Replication(e.to_string()))
+                    }),
+                );
             }),
         );
+        Ok(())
+    }
+
+    /// Propose a metadata change; a failure fails the waiting declare or delete.
+    fn propose_meta(&self, change: MetaChange, incarnation: u64, declare: bool) {
+        // Completions wait until the change applies here; only a failed proposal takes one
+        // out early. Retried across an election while nothing was appended, like topology
+        // changes (a declare is not repeated when its outcome is unknown).
+        let node = self.weak_self();
+        let failed: Completion = Box::new(move |r| {
+            if let Err(e) = r
+                && let Some(node) = node.upgrade()
+            {
+                let map = if declare {
+                    &node.declaring
+                } else {
+                    &node.deleting
+                };
+                if let Some(done) = take_waiting(map, incarnation) {
+                    done(Err(e));
+                }
+            }
+        });
+        let _ = self.commit_meta(change, false, failed);
     }
 
     fn weak_self(&self) -> Weak<Self> {
