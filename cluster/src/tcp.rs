@@ -565,6 +565,13 @@ impl ForwardLink {
         self.reader.is_finished()
     }
 
+    /// A handle that breaks the link (a reply overdue: the peer is behind a black hole),
+    /// so the next batch opens a new one, to whichever node leads by then.
+    #[must_use]
+    pub fn breaker(&self) -> tokio::task::AbortHandle {
+        self.reader.abort_handle()
+    }
+
     /// Send `f`; the receiver resolves with the peer's response, or the reason there is none
     /// (the outcome is then unknown).
     pub async fn send(

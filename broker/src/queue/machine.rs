@@ -620,6 +620,12 @@ impl<M: MessageRef> QueueMachine<M> {
         self.consumers.len()
     }
 
+    /// Whether `consumer` is attached.
+    #[must_use]
+    pub fn has_consumer(&self, consumer: ConsumerId) -> bool {
+        self.consumers.contains_key(&consumer)
+    }
+
     /// Whether an exclusive consumer holds the queue.
     #[must_use]
     pub fn has_exclusive_consumer(&self) -> bool {

@@ -239,27 +239,34 @@ impl Queue {
         let replies = {
             let mut st = self.state.lock();
             st.dead_letters_here = leader;
-            for c in &commands {
-                if let Command::Down { node, before } = *c
-                    && node == here
-                {
-                    // The cluster took this node's consumers for gone (it was silent): their
-                    // clients hear it, as when a queue goes away.
-                    let gone: Vec<ConsumerId> =
-                        st.sinks.keys().copied().filter(|id| *id < before).collect();
-                    for id in gone {
-                        if let Some(sink) = st.sinks.remove(&id) {
-                            sink.outbox.push(Outbound::Cancel {
-                                channel: sink.channel,
-                                consumer: id,
-                            });
-                        }
-                    }
-                }
-            }
             commands
                 .into_iter()
-                .map(|c| self.apply_at(&mut st, c, at))
+                .map(|c| {
+                    if let Command::Down { node, before } = c
+                        && node == here
+                    {
+                        // The cluster took this node's consumers for gone (it was silent):
+                        // their clients hear it, as when a queue goes away. Only those the
+                        // Down detaches, as the machine stands at this entry: a consumer
+                        // whose checkout commits later (one that subscribed after the node
+                        // came back) keeps its sink.
+                        let gone: Vec<ConsumerId> = st
+                            .sinks
+                            .keys()
+                            .copied()
+                            .filter(|id| *id < before && st.machine.has_consumer(*id))
+                            .collect();
+                        for id in gone {
+                            if let Some(sink) = st.sinks.remove(&id) {
+                                sink.outbox.push(Outbound::Cancel {
+                                    channel: sink.channel,
+                                    consumer: id,
+                                });
+                            }
+                        }
+                    }
+                    self.apply_at(&mut st, c, at)
+                })
                 .collect()
         };
         self.dead_letter_pending();
@@ -677,9 +684,15 @@ impl Queue {
                     let Some(sink) = st.sinks.get(&consumer) else {
                         if let Some(replica) = self.replica() {
                             // Another node's consumer (its node delivers), or one of ours
-                            // cancelled before its checkout committed: give that one back.
+                            // whose client is gone (cancelled before its checkout committed):
+                            // detach that one, then give the message back, so the machine
+                            // does not deliver to it again and again (each return counts
+                            // towards the delivery limit).
                             if machine::consumer_node(consumer) == replica.local_node() {
-                                self.submit_quietly(replica, vec![Command::Return(vec![id])]);
+                                self.submit_quietly(
+                                    replica,
+                                    vec![Command::Cancel(consumer), Command::Return(vec![id])],
+                                );
                             }
                         } else {
                             debug_assert!(false, "delivery to a consumer without a sink");
