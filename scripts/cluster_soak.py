@@ -4,10 +4,16 @@
 Each run starts a fresh cluster of real `warren server` processes (compat-tests/python/
 cluster_harness.py), drives one quorum queue with two confirmed publishers and an acking
 consumer while a fault thread kills (-9) and pauses (SIGSTOP) nodes, then drains the queue and
-checks: lost = 0, unexpected = 0, duplicates only for redelivered or republished ids.
+checks: lost = 0, unexpected = 0, duplicates only for redelivered or republished ids, and (when
+the binary reports `raft` for a queue) that every replica reaches the same applied index with
+the same digest. Fault kinds: kill9, pause, term, partition (a minority cut off through the
+harness's TCP proxy between the nodes), killall (kill -9 of every node, then all restarted),
+membership (a member removed and added back through the management API).
 
     .venv-compat/bin/python scripts/cluster_soak.py --seconds 600 --runs 5
     .venv-compat/bin/python scripts/cluster_soak.py --nodes 5 --faults kill9,pause,term
+    .venv-compat/bin/python scripts/cluster_soak.py --faults partition,killall --order cycle \
+        --partition-mode blackhole
 
 A failed run keeps its directory (node logs, data dirs, history-*.json) and is named in the
 output; the exit status is 1 if any run failed. --standalone runs one node without cluster
@@ -22,8 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compat-tests" / "python"))
 
-from cluster_harness import (Cluster, cluster_supported, log,  # noqa: E402
-                             run_total_queue_check, summarize)
+from cluster_harness import (FAULT_KINDS, PARTITION_MODES, Cluster,  # noqa: E402
+                             cluster_supported, log, run_total_queue_check, summarize)
 
 
 def main():
@@ -32,7 +38,14 @@ def main():
     ap.add_argument("--runs", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--seed", type=int, default=None, help="seed of run 0 (run k: seed + k)")
-    ap.add_argument("--faults", default="kill9,pause", help="comma list: kill9, pause, term")
+    ap.add_argument("--faults", default="kill9,pause",
+                    help=f"comma list of: {', '.join(FAULT_KINDS)}")
+    ap.add_argument("--order", choices=("random", "cycle"), default="random",
+                    help="pick each fault at random, or every kind once per round")
+    ap.add_argument("--partition-mode", choices=PARTITION_MODES, default="mixed",
+                    help="new connections across a cut: reset, black-holed, or either")
+    ap.add_argument("--no-proxy", action="store_true",
+                    help="nodes talk directly (no partition faults)")
     ap.add_argument("--publishers", type=int, default=2)
     ap.add_argument("--binary", default=os.environ.get("WARREN_BIN"),
                     help="warren binary (default: WARREN_BIN or target/debug/warren)")
@@ -48,17 +61,23 @@ def main():
             sys.exit(f"cluster_soak: {why}")
     logging.getLogger("pika").setLevel(logging.CRITICAL)
     kinds = tuple(k for k in args.faults.split(",") if k)
+    unknown = set(kinds) - set(FAULT_KINDS)
+    if unknown:
+        sys.exit(f"cluster_soak: unknown fault kinds {sorted(unknown)}")
+    if args.no_proxy and "partition" in kinds:
+        sys.exit("cluster_soak: partition faults need the proxy")
 
     runs, failed = [], []
     for run in range(args.runs):
         cluster = Cluster(1 if args.standalone else args.nodes, binary=args.binary,
                           log_level=args.log_level, clustered=not args.standalone,
-                          keep=args.keep)
+                          keep=args.keep, proxied=not args.no_proxy)
         try:
             cluster.start_all()
             seed = None if args.seed is None else args.seed + run
             r = run_total_queue_check(cluster, seconds=args.seconds, seed=seed,
-                                      publishers=args.publishers, kinds=kinds)
+                                      publishers=args.publishers, kinds=kinds,
+                                      order=args.order, partition_mode=args.partition_mode)
         except Exception:
             cluster.keep = True
             print(cluster.report())
@@ -71,6 +90,8 @@ def main():
         log(f"run {run}: stats={dict(r['stats'])}")
         log(f"run {run}: fault log (t, kind, node, was leader, held s, recovered s): "
             f"{r['fault_log']}")
+        if r["replicas"]:
+            log(f"run {run}: {r['replicas']['summary']}")
         if r["consumer_cancels"]:
             log(f"run {run}: basic.cancel from the broker (t, node): {r['consumer_cancels']}")
         if r["errors"] or not res.ok:

@@ -1,13 +1,17 @@
 """Multi-process harness for Warren clusters, and a Jepsen-style total-queue checker.
 
 `Cluster` starts N real `warren server` processes on loopback (free ports, one temp dir per
-node holding its data dir and its log) and injects process faults: kill -9, SIGTERM, SIGSTOP /
-SIGCONT, restart on the same ports and data dir. It finds a queue's leader through the
-management API of the nodes that are up.
+node holding its data dir and its log) and injects process faults: kill -9 (of one node or of
+all), SIGTERM, SIGSTOP / SIGCONT, restart on the same ports and data dir. The traffic between
+nodes goes through `NetProxy` (a TCP proxy in this process), so it also injects network
+faults: partition(), isolate(), heal_network(). Clients and the management API reach the nodes
+directly. It finds a queue's leader through the management API of the nodes that are up.
 
 The checker (`run_total_queue_check`) drives one quorum queue with publishers and a consumer
-(real pika clients over TCP) while a fault thread kills and pauses nodes, then drains the queue
-and checks the history kept by `History`:
+(real pika clients over TCP) while a fault thread (`FaultInjector`) kills, pauses, partitions
+nodes, kills the whole cluster or changes the queue's members, then drains the queue, checks
+that every replica reached the same applied index and state digest (`check_replicas`, when
+the binary reports them) and checks the history kept by `History`:
   * lost        = confirmed ids never delivered                        (must be 0)
   * unexpected  = delivered ids never published                        (must be 0)
   * duplicates  = ids delivered more than once; allowed only for ids that were delivered with
@@ -21,6 +25,7 @@ delivery arriving) with a deadline. The only sleeps are fault durations, poll in
 clients' back-off between retries.
 """
 
+import asyncio
 import base64
 import collections
 import contextlib
@@ -31,6 +36,7 @@ import random
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -116,6 +122,300 @@ def pick_port():
 
 
 # ---------------------------------------------------------------------------------------------
+# The network between the nodes: a fault-injecting TCP proxy
+# ---------------------------------------------------------------------------------------------
+
+def node_id(name):
+    """A node's Raft id as Warren computes it (cluster/src/node.rs `node_id`: FNV-1a 64 of the
+    name, at least 1). The proxy reads it from a connection's hello to know who dialed."""
+    h = 0xcbf29ce484222325
+    for b in name.encode():
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return max(h, 1)
+
+
+def _bincode_varint(buf, pos):
+    """One bincode varint (DefaultOptions) at buf[pos]: (value, next position)."""
+    tag = buf[pos]
+    if tag < 251:
+        return tag, pos + 1
+    size = {251: 2, 252: 4, 253: 8, 254: 16}.get(tag)
+    if size is None or pos + 1 + size > len(buf):
+        raise ValueError(f"bad varint tag {tag}")
+    return int.from_bytes(buf[pos + 1:pos + 1 + size], "little"), pos + 1 + size
+
+
+def parse_hello(body):
+    """(from id, to id) of a cluster connection's first frame, the `Hello` of
+    cluster/src/tcp.rs (bincode: from, to, group). Raises ValueError if it is not one."""
+    src, pos = _bincode_varint(body, 0)
+    dst, _ = _bincode_varint(body, pos)
+    return src, dst
+
+
+def _reset(writer):
+    """Close a proxied socket with a TCP RST (SO_LINGER 0, then abort): the far end sees
+    ECONNRESET at once, as when a link or a host goes away, not an orderly end of stream."""
+    if writer is None:
+        return
+    try:
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    writer.transport.abort()
+
+
+class _ProxiedConn:
+    """One connection through the proxy: who dialed whom, and both of its sockets."""
+
+    def __init__(self, dst, client):
+        self.src = None          # the dialing node, from its hello or its port (None: unknown)
+        self.dst = dst
+        self.client = client     # StreamWriter towards the dialing node
+        self.upstream = None     # StreamWriter towards dst's real cluster port
+        self.identified = False  # its first frame was read (the cut applies from then on)
+        self.blackholed = False
+
+    def reset(self):
+        _reset(self.client)
+        _reset(self.upstream)
+
+
+class NetProxy:
+    """A TCP proxy in front of every node's cluster port, in the harness process (an asyncio
+    loop in a daemon thread), that can cut links between nodes.
+
+    Node i's --peers list names each other node j at a port of the proxy for the ordered pair
+    (i -> j) (`pair_ports`), and itself at a port for "anyone -> i" (`front_ports`), so every
+    cluster connection passes here, and the proxy knows who dialed whom in two ways:
+      * the connection's first frame, the `Hello` of cluster/src/tcp.rs, names `from` and
+        `to` by Raft id before any authentication (when it can be read: not under TLS);
+      * the port it came in on.
+    The hello wins when they differ. That happens with binaries that dial a peer at the
+    address stored in the Raft membership, taken from the --peers list of whichever node
+    initialised the group (before e276047 "nodes dial peers at their own --peers
+    addresses"): every node then uses the initialiser's ports, and the initialiser's own
+    entry. That is also why a node's own entry is a proxy port and not its real port: with
+    such a binary a real port there is dialled around the proxy (direct_cluster_links()
+    shows it), and with a newer one nobody dials it.
+
+    A connection is cut when its pair (either direction: a TCP connection needs both) is in
+    the cut set. Cutting resets (RST) every existing connection across the cut. New ones
+    across it are, by mode: "reset", accepted, the first frame read, then reset (the dialer
+    sees a refused link at once); "blackhole", accepted and everything read and discarded,
+    nothing ever forwarded or answered (the dialer sees a silent peer and only its own
+    timeouts end the wait). Healing resets the black-holed connections (their bytes are gone)
+    and lets new ones through. Each accepted connection dials the node's real port afresh, so
+    the proxy outlives node restarts; a node that is down makes the proxy reset the dialer."""
+
+    HELLO_TIMEOUT = 10.0
+    HELLO_MAX = 4096
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+        n = len(nodes)
+        self.front_ports = [pick_port() for _ in nodes]
+        self.pair_ports = {(i, j): pick_port() for i in range(n) for j in range(n) if i != j}
+        self.ids = {node_id(x.name): i for i, x in enumerate(nodes)}
+        self.stats = collections.Counter()
+        self.cut = set()          # frozenset({i, j}) of cut pairs
+        self.mode = "reset"
+        self._conns = set()
+        self._servers = []
+        self._loop = None
+        self._thread = None
+
+    def peers_for(self, i):
+        """The --peers value for node i."""
+        return ",".join(
+            f"{x.name}@127.0.0.1:{self.front_ports[j] if j == i else self.pair_ports[(i, j)]}"
+            for j, x in enumerate(self.nodes))
+
+    # -- control (any thread) ----------------------------------------------------------------
+
+    def start(self):
+        if self._thread is not None:
+            return
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="netproxy",
+                                        daemon=True)
+        self._thread.start()
+        self._call(self._listen())
+
+    def _call(self, coro, timeout=10.0):
+        """Run `coro` on the proxy's loop and wait for it: when a control returns, it holds."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def set_cut(self, pairs, mode="reset"):
+        """Cut exactly `pairs` (iterables of two node indices; empty heals everything)."""
+        if mode not in ("reset", "blackhole"):
+            raise ValueError(f"mode must be reset or blackhole, not {mode!r}")
+        cut = {frozenset(p) for p in pairs if len(set(p)) == 2}
+        return self._call(self._apply(cut, mode))
+
+    def is_cut(self, i, j):
+        return frozenset((i, j)) in self.cut
+
+    def connections(self):
+        """[(src, dst, blackholed)] of the connections open now (src None: unidentified)."""
+        return self._call(self._list())
+
+    def close(self):
+        if self._thread is None:
+            return
+        try:
+            self._call(self._shutdown())
+        except Exception:   # noqa: BLE001 - closing after a failure must not mask it
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+        self._thread = None
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def _listen(self):
+        ports = [(None, j, p) for j, p in enumerate(self.front_ports)]
+        ports += [(i, j, p) for (i, j), p in self.pair_ports.items()]
+        for i, j, port in ports:
+            server = await asyncio.start_server(
+                lambda r, w, i=i, j=j: self._serve(i, j, r, w), "127.0.0.1", port,
+                reuse_address=True)
+            self._servers.append(server)
+
+    async def _list(self):
+        return [(c.src, c.dst, c.blackholed) for c in self._conns]
+
+    async def _apply(self, cut, mode):
+        was_cut = self.cut
+        self.cut, self.mode = cut, mode
+        for conn in list(self._conns):
+            if not conn.identified:
+                continue    # checked against the cut once its first frame is read
+            crosses = self._crosses(conn)
+            if crosses and not conn.blackholed:
+                self.stats["reset at cut"] += 1
+                conn.reset()
+            elif conn.blackholed and not crosses:
+                # Black-holed under a cut now lifted: its bytes were discarded, it cannot
+                # resume.
+                self.stats["black-holed reset at heal"] += 1
+                conn.reset()
+        return was_cut
+
+    async def _shutdown(self):
+        for server in self._servers:
+            server.close()
+        for conn in list(self._conns):
+            conn.reset()
+
+    def _crosses(self, conn):
+        if conn.src is None:
+            # Unidentified dialer: cut it whenever its destination is cut from anyone, so a
+            # partition never leaks.
+            return any(conn.dst in pair for pair in self.cut)
+        return frozenset((conn.src, conn.dst)) in self.cut
+
+    async def _read_first(self, port_src, dst, reader):
+        """Read the first frame; returns (bytes read, the dialing node or None)."""
+        head = await asyncio.wait_for(reader.readexactly(4), self.HELLO_TIMEOUT)
+        length = int.from_bytes(head, "big")
+        if length > self.HELLO_MAX:
+            # Not a hello frame (TLS starts with a record header): the port must tell.
+            self.stats["first frame unreadable"] += 1
+            return head, port_src
+        body = await asyncio.wait_for(reader.readexactly(length), self.HELLO_TIMEOUT)
+        try:
+            src_id, dst_id = parse_hello(body)
+        except (ValueError, IndexError):
+            self.stats["first frame unreadable"] += 1
+            return head + body, port_src
+        src = self.ids.get(src_id)
+        if dst_id != node_id(self.nodes[dst].name):
+            self.stats["hello names another destination"] += 1
+        if src is None:
+            return head + body, port_src
+        if port_src is not None and src != port_src:
+            self.stats["dialed at another node's port"] += 1
+        return head + body, src
+
+    async def _serve(self, port_src, dst, reader, writer):
+        conn = _ProxiedConn(dst, writer)
+        self._conns.add(conn)
+        self.stats["accepted"] += 1
+        try:
+            try:
+                first, conn.src = await self._read_first(port_src, dst, reader)
+            except (asyncio.IncompleteReadError, asyncio.TimeoutError, ConnectionError,
+                    OSError):
+                self.stats["closed before its first frame"] += 1
+                _reset(writer)
+                return
+            conn.identified = True
+            if conn.src is None:
+                self.stats["unidentified"] += 1
+            pair = f"{self._name(conn.src)}->{self.nodes[dst].name}"
+            if self._crosses(conn):
+                if self.mode == "blackhole":
+                    self.stats[f"black-holed {pair}"] += 1
+                    conn.blackholed = True
+                    await self._discard(reader)
+                else:
+                    self.stats[f"refused {pair}"] += 1
+                    _reset(writer)
+                return
+            try:
+                up_reader, conn.upstream = await asyncio.open_connection(
+                    "127.0.0.1", self.nodes[dst].cluster_port)
+            except OSError:
+                self.stats[f"{self.nodes[dst].name} down"] += 1
+                _reset(writer)
+                return
+            if self._crosses(conn):
+                # Cut while this connection was being dialed.
+                conn.reset()
+                return
+            self.stats[f"forwarded {pair}"] += 1
+            conn.upstream.write(first)
+            await asyncio.gather(self._pump(reader, conn.upstream, conn),
+                                 self._pump(up_reader, writer, conn))
+        finally:
+            self._conns.discard(conn)
+            for w in (writer, conn.upstream):
+                if w is not None and not w.transport.is_closing():
+                    w.close()
+
+    async def _pump(self, reader, writer, conn):
+        """Copy one direction until it ends; an end or error of either side ends both (a
+        reset propagates as a reset, an orderly close as a close)."""
+        try:
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    break
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            conn.reset()
+            return
+        for w in (conn.client, conn.upstream):
+            if w is not None and not w.transport.is_closing():
+                w.close()
+
+    async def _discard(self, reader):
+        try:
+            while await reader.read(65536):
+                pass
+        except (ConnectionError, OSError):
+            pass
+
+    def _name(self, i):
+        return "?" if i is None else self.nodes[i].name
+
+
+# ---------------------------------------------------------------------------------------------
 # The cluster
 # ---------------------------------------------------------------------------------------------
 
@@ -162,12 +462,19 @@ class Cluster:
 
     clustered=False starts the same processes without the cluster flags (independent
     single nodes): the fault and management plumbing can then be exercised on a binary that
-    has no clustering yet, and the checker can run against one node (n=1)."""
+    has no clustering yet, and the checker can run against one node (n=1).
+
+    proxied=True (the default; WARREN_CLUSTER_PROXY=0 turns it off) routes all traffic between
+    the nodes through a NetProxy, so partition(), isolate() and heal_network() can cut links.
+    Clients and the management API always reach the nodes directly."""
 
     def __init__(self, n=3, binary=None, secret=None, log_level=None, extra_args=(),
-                 clustered=True, root=None, keep=None):
+                 clustered=True, root=None, keep=None, proxied=None):
         self.binary = binary or warren_binary()
         self.clustered = clustered
+        if proxied is None:
+            proxied = os.environ.get("WARREN_CLUSTER_PROXY", "1") != "0"
+        self.proxied = bool(proxied and clustered)
         self.secret = secret or uuid.uuid4().hex
         # openraft logs every vote and append at info: keep it to warnings unless asked.
         self.log_level = log_level or os.environ.get("WARREN_CLUSTER_LOG_LEVEL",
@@ -176,6 +483,7 @@ class Cluster:
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="warren-cluster-"))
         self.keep = (os.environ.get("WARREN_CLUSTER_KEEP") == "1") if keep is None else keep
         self.nodes = [Node(i, self.root) for i in range(n)]
+        self.proxy = NetProxy(self.nodes) if self.proxied else None
         self.peers = ",".join(f"{x.name}@127.0.0.1:{x.cluster_port}" for x in self.nodes)
         self.events = []   # (monotonic time, text): what the harness did, for failure reports
         self.past_crashes = []   # (index, return code) of crashes since restarted
@@ -205,9 +513,14 @@ class Cluster:
         if self.clustered:
             cmd += ["--node-name", node.name,
                     "--cluster-listen", f"127.0.0.1:{node.cluster_port}",
-                    "--peers", self.peers,
+                    "--peers", self.peers_for(i),
                     "--cluster-secret", self.secret]
         return cmd + self.extra_args
+
+    def peers_for(self, i):
+        """Node i's --peers: the real cluster ports, or with the proxy its ports for node i's
+        links (see NetProxy)."""
+        return self.proxy.peers_for(i) if self.proxy is not None else self.peers
 
     def start_all(self, wait=True):
         """Start every node (all processes first, so the cluster can form), then wait until
@@ -223,6 +536,8 @@ class Cluster:
         """Start node i on its ports and data dir (its log file is appended to)."""
         node = self.nodes[i]
         assert not node.running, f"{node.name} is already running"
+        if self.proxy is not None:
+            self.proxy.start()
         if node.proc is not None and not node.expected_exit:
             # It died on its own; remember that before a restart hides it.
             self.past_crashes.append((i, node.proc.returncode))
@@ -301,8 +616,101 @@ class Cluster:
         node.paused = False
         self._event(f"SIGCONT {node.name}")
 
+    def kill_all(self):
+        """kill -9 every running node (a whole-cluster power loss)."""
+        for i in range(len(self.nodes)):
+            self.kill9(i)
+
+    def restart_all(self, wait=True):
+        """Start every node that is not running, all processes first (a majority must be up
+        for any of them to serve), then wait until each listens."""
+        down = [i for i, x in enumerate(self.nodes) if not x.running]
+        for i in down:
+            self.start_node(i, wait=False)
+        if wait:
+            for i in down:
+                self.wait_listening(i)
+        return down
+
+    # -- the network -----------------------------------------------------------------------
+
+    def _need_proxy(self):
+        if self.proxy is None:
+            raise RuntimeError("network faults need Cluster(proxied=True)")
+        return self.proxy
+
+    def partition(self, groups, mode="reset"):
+        """Cut every link between nodes of different `groups` (lists of indices; nodes in
+        none form one more group), both directions, until heal_network() or the next
+        partition(). mode: "reset" (new connections across the cut are reset) or "blackhole"
+        (accepted and never answered); existing ones are reset either way."""
+        proxy = self._need_proxy()
+        groups = [set(g) for g in groups]
+        rest = set(range(len(self.nodes))) - set().union(*groups)
+        if rest:
+            groups.append(rest)
+        side = {i: k for k, g in enumerate(groups) for i in g}
+        pairs = [(i, j) for i in range(len(self.nodes)) for j in range(i + 1, len(self.nodes))
+                 if side[i] != side[j]]
+        proxy.set_cut(pairs, mode)
+        self._event(f"partition {[sorted(self.nodes[i].name for i in g) for g in groups]} "
+                    f"({mode})")
+
+    def isolate(self, i, mode="reset"):
+        """Cut node i off from every other node (it keeps serving its clients)."""
+        self.partition([[i]], mode=mode)
+
+    def heal_network(self):
+        """Reconnect every link (black-holed connections are reset, so their dialers retry)."""
+        if self.proxy is not None and self.proxy.cut:
+            self.proxy.set_cut(())
+            self._event("network healed")
+
+    def direct_cluster_links(self):
+        """Established TCP connections from a node's process straight to another node's real
+        cluster port, around the proxy: [(dialer, target)] by name (read from /proc; empty
+        where there is none). With the proxy, anything here means a cut can leak."""
+        real = {x.cluster_port: x.name for x in self.nodes}
+        owner = {}   # socket inode -> the node whose process holds it
+        for x in self.nodes:
+            if not x.running:
+                continue
+            try:
+                fds = list(Path(f"/proc/{x.proc.pid}/fd").iterdir())
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    target = os.readlink(fd)
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    owner[target[8:-1]] = x.name
+        found = []
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                rows = Path(table).read_text().splitlines()[1:]
+            except OSError:
+                continue
+            for row in rows:
+                f = row.split()
+                if len(f) < 10 or f[3] != "01":     # 01: ESTABLISHED
+                    continue
+                remote_port = int(f[2].rsplit(":", 1)[1], 16)
+                if remote_port in real and f[9] in owner:
+                    found.append((owner[f[9]], real[remote_port]))
+        return sorted(found)
+
+    def cut_pairs(self):
+        """The node-name pairs cut now."""
+        if self.proxy is None:
+            return []
+        return sorted(tuple(sorted(self.nodes[i].name for i in p)) for p in self.proxy.cut)
+
     def heal(self):
-        """Resume paused nodes and restart dead ones (waiting until they listen)."""
+        """Reconnect the network, resume paused nodes and restart dead ones (waiting until
+        they listen)."""
+        self.heal_network()
         for i, node in enumerate(self.nodes):
             if node.paused:
                 self.resume(i)
@@ -336,6 +744,8 @@ class Cluster:
                 except ProcessLookupError:
                     pass
                 node.proc.wait()
+        if self.proxy is not None:
+            self.proxy.close()
         if remove is None:
             remove = not self.keep
         if remove:
@@ -364,9 +774,17 @@ class Cluster:
     def mgmt_get(self, i, path, timeout=3.0):
         """GET `path` on node i's management API as guest: (status, parsed JSON or text).
         Raises OSError if the node does not answer within `timeout`."""
-        req = urllib.request.Request(self.mgmt_url(i) + path)
+        return self.mgmt_request(i, "GET", path, timeout=timeout)
+
+    def mgmt_request(self, i, method, path, body=None, timeout=3.0):
+        """`method` `path` (with `body` as JSON if given) on node i's management API as
+        guest: (status, parsed JSON or text). Raises OSError if it does not answer."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.mgmt_url(i) + path, data=data, method=method)
         token = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
         req.add_header("Authorization", f"Basic {token}")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 status, raw = r.status, r.read()
@@ -378,10 +796,14 @@ class Cluster:
         except json.JSONDecodeError:
             return status, text
 
+    @staticmethod
+    def queue_path(queue, vhost="/"):
+        return f"/api/queues/{urllib.parse.quote(vhost, safe='')}/" \
+               f"{urllib.parse.quote(queue, safe='')}"
+
     def queue_info(self, i, queue, vhost="/", timeout=3.0):
         """Node i's management record of `queue` (dict), or None if it answers 404."""
-        path = f"/api/queues/{urllib.parse.quote(vhost, safe='')}/" \
-               f"{urllib.parse.quote(queue, safe='')}"
+        path = self.queue_path(queue, vhost)
         status, body = self.mgmt_get(i, path, timeout=timeout)
         if status == 404:
             return None
@@ -485,21 +907,29 @@ class Cluster:
     def describe(self, queue=None):
         """One line per node: state, pid, ports and (if up) what it says about `queue`."""
         lines = [f"cluster at {self.root}:"]
+        if self.proxy is not None and self.proxy.cut:
+            lines.append(f"  network: cut {self.cut_pairs()} ({self.proxy.mode})")
         for i, node in enumerate(self.nodes):
             pid = node.proc.pid if node.proc else None
             line = (f"  {node.name} [{node.state()}] pid={pid} amqp={node.amqp_port} "
                     f"mgmt={node.mgmt_port} raft={node.cluster_port}")
+            if self.proxy is not None:
+                line += f" (proxied; own entry at {self.proxy.front_ports[i]})"
             if queue and node.up:
                 try:
                     info = self.queue_info(i, queue, timeout=2.0)
                     if info is None:
                         line += " queue: 404"
                     else:
+                        stats = info.get("message_stats") or {}
                         line += (f" queue: type={info.get('type')} leader={info.get('leader')} "
                                  f"members={info.get('members')} messages={info.get('messages')}"
                                  f" (ready {info.get('messages_ready')}, unacked "
                                  f"{info.get('messages_unacknowledged')}) consumers="
-                                 f"{info.get('consumers')}")
+                                 f"{info.get('consumers')} delivered={stats.get('deliver')} "
+                                 f"redelivered={stats.get('redeliver')} acked={stats.get('ack')}")
+                        if isinstance(info.get("raft"), dict):
+                            line += f" raft={info['raft']}"
                 except OSError as e:
                     line += f" queue: no answer ({e})"
             lines.append(line)
@@ -537,7 +967,10 @@ class Cluster:
     def report(self, lines=60, queue=None):
         """describe(), the harness's own event list, and each node's log tail."""
         t0 = self.events[0][0] if self.events else 0.0
-        out = [self.describe(queue), "harness events:"]
+        out = [self.describe(queue)]
+        if self.proxy is not None:
+            out.append(f"proxy: {dict(sorted(self.proxy.stats.items()))}")
+        out.append("harness events:")
         out += [f"  +{t - t0:7.2f}s {text}" for t, text in self.events[-80:]]
         for i, node in enumerate(self.nodes):
             out.append(f"----- {node.name} log tail ({node.log_path}) -----")
@@ -887,9 +1320,11 @@ def drain_until(cluster, nodes, queue, history, want, deadline=30.0, via="drain"
             return
         if time.monotonic() > end:
             missing = sorted(want - history.deliveries.keys())
+            path = cluster.root / f"history-{queue}.json"
+            history.dump(path)
             raise AssertionError(f"{len(missing)} ids not delivered within {deadline}s via "
                                  f"{[cluster.nodes[i].name for i in nodes]}: {missing[:20]}\n"
-                                 f"{cluster.describe(queue)}")
+                                 f"(history written to {path})\n{cluster.diagnose(queue)}")
         node = nodes[k % len(nodes)]
         conn = None
         try:
@@ -1084,21 +1519,53 @@ class Consumer(Worker):
                 safe_close(conn)
 
 
+FAULT_KINDS = ("kill9", "pause", "term", "partition", "killall", "membership")
+PARTITION_MODES = ("reset", "blackhole", "mixed")
+
+
 class FaultInjector(Worker):
-    """Applies faults one at a time until stopped: kill -9 then restart, SIGSTOP then SIGCONT
-    (held beyond the election timeout), optionally SIGTERM then restart. Half the faults hit the
-    queue's current leader. After healing each fault it waits for a leader that the healed
-    node also names, so at most one node is ever impaired."""
+    """Applies faults one at a time until stopped, then heals each and waits for recovery:
+      kill9      kill -9 one node, restart it 0.5-3 s later;
+      pause      SIGSTOP one node for 3-5 s (beyond the election timeout), then SIGCONT;
+      term       SIGTERM one node and restart it;
+      partition  cut a minority off (the leader alone, or random nodes) for 4-8 s, beyond the
+                 election timeout, then reconnect (partition_mode: "reset" or "blackhole"
+                 new connections across the cut, or "mixed": either at random);
+      killall    kill -9 every node, restart them all 0.2-2 s later;
+      membership remove a random member of the queue (the leader or not) through the
+                 management API, wait until the leader no longer lists it, add it back and
+                 wait until it is listed again.
+    Half the node faults hit the queue's current leader. order="random" picks each kind at
+    random; "cycle" takes every kind once per round (in a random order), so a short run still
+    applies each. After healing a fault it waits until every node (the healed ones included)
+    names the same confirmed leader, so at most one fault is ever in effect; a fault that does
+    not recover ends the injector with an error."""
 
     def __init__(self, cluster, queue, stop, rng, kinds=("kill9", "pause"), leader_bias=0.5,
-                 recover_deadline=30.0):
+                 recover_deadline=30.0, order="random", partition_mode="mixed"):
         super().__init__("faults")
         self.c, self.queue, self.stop, self.rng = cluster, queue, stop, rng
         self.kinds, self.leader_bias = list(kinds), leader_bias
+        unknown = set(self.kinds) - set(FAULT_KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {FAULT_KINDS}")
+        if partition_mode not in PARTITION_MODES:
+            raise ValueError(f"partition_mode must be one of {PARTITION_MODES}")
+        if "partition" in self.kinds and cluster.proxy is None:
+            raise ValueError("partition faults need a proxied cluster")
         self.recover_deadline = recover_deadline
+        self.order, self.partition_mode = order, partition_mode
+        self._round = []
         self.applied = collections.Counter()
-        self.log = []       # (t, kind, node, was_leader, held_s, recovered_s)
+        self.log = []       # (t, kind, node(s), was_leader, held_s, recovered_s)
         self.errors = []
+
+    def _next_kind(self):
+        if self.order == "cycle":
+            if not self._round:
+                self._round = self.rng.sample(self.kinds, len(self.kinds))
+            return self._round.pop()
+        return self.rng.choice(self.kinds)
 
     def work(self):
         t0 = time.monotonic()
@@ -1108,8 +1575,9 @@ class FaultInjector(Worker):
                 victim = leader
             else:
                 victim = self.rng.randrange(len(self.c))
-            kind = self.rng.choice(self.kinds)
+            kind = self._next_kind()
             t = time.monotonic() - t0
+            impaired = {victim}
             name = self.c.nodes[victim].name
             # The fault's duration is the fault itself, not synchronisation.
             try:
@@ -1127,8 +1595,20 @@ class FaultInjector(Worker):
                     held = 0.0
                     self.c.stop(victim)
                     self.c.restart(victim)
-                else:
-                    raise ValueError(f"unknown fault kind {kind}")
+                elif kind == "partition":
+                    impaired, mode, held = self._partition(victim)
+                    name = "+".join(self.c.nodes[i].name for i in sorted(impaired)) + f" ({mode})"
+                elif kind == "killall":
+                    impaired = set(range(len(self.c)))
+                    name = "all"
+                    self.c.kill_all()
+                    held = self.rng.uniform(0.2, 2.0)
+                    time.sleep(held)
+                    self.c.restart_all()
+                elif kind == "membership":
+                    member, held = self._membership(leader)
+                    impaired = {member}
+                    name = self.c.nodes[member].name
             except Exception as e:   # noqa: BLE001 - e.g. a node that fails to restart
                 self.errors.append(f"+{t:.1f}s {kind} {name}: {e}")
                 try:
@@ -1137,30 +1617,241 @@ class FaultInjector(Worker):
                     self.errors.append(f"heal after the failed fault: {e2}")
                 return
             self.applied[kind] += 1
-            recovered = self._recover(victim)
-            self.log.append((round(t, 2), kind, name, victim == leader, round(held, 2),
+            recovered = self._recover(impaired)
+            self.log.append((round(t, 2), kind, name, leader in impaired, round(held, 2),
                              recovered))
             if recovered is None:
                 return
 
+    def _partition(self, victim):
+        """Cut a minority containing `victim` off from the rest for 4-8 s, then reconnect.
+        Returns (the minority, the mode, seconds held)."""
+        n = len(self.c)
+        size = self.rng.randint(1, max(1, (n - 1) // 2))
+        others = [i for i in range(n) if i != victim]
+        minority = {victim, *self.rng.sample(others, size - 1)}
+        mode = self.partition_mode
+        if mode == "mixed":
+            mode = self.rng.choice(("reset", "blackhole"))
+        self.c.partition([sorted(minority)], mode=mode)
+        held = self.rng.uniform(4.0, 8.0)
+        try:
+            time.sleep(held)
+        finally:
+            self.c.heal_network()
+        return minority, mode, held
+
+    def _membership(self, leader):
+        """Remove a random member of the queue and add it back (see class doc). Returns (the
+        member's index, seconds it stayed out)."""
+        deadline = self.recover_deadline
+        if leader is None:
+            leader = self.c.wait_for_leader(self.queue, deadline=deadline)
+        members = queue_members(self.c, leader, self.queue)
+        if not members:
+            raise AssertionError(f"{self.c.nodes[leader].name} lists no members of "
+                                 f"{self.queue}")
+        member = self.rng.choice(sorted(members))
+        name = self.c.nodes[member].name
+        change_member(self.c, self.queue, name, add=False, deadline=deadline)
+        wait_members(self.c, self.queue, lambda m: member not in m, deadline=deadline,
+                     what=f"the leader no longer listing {name}")
+        held = self.rng.uniform(0.5, 2.0)
+        time.sleep(held)
+        change_member(self.c, self.queue, name, add=True, deadline=deadline)
+        wait_members(self.c, self.queue, lambda m: member in m, deadline=deadline,
+                     what=f"the leader listing {name} again")
+        return member, held
+
     def _recover(self, healed):
-        """Seconds until every node (the healed one included) names the same confirmed
+        """Seconds until every node (the healed ones included) names the same confirmed
         leader; None (and an error) if that does not happen within the deadline."""
         start = time.monotonic()
         try:
-            self.c.wait_for_agreement(self.queue, include={healed},
+            self.c.wait_for_agreement(self.queue, include=set(healed),
                                       deadline=self.recover_deadline)
         except AssertionError as e:
-            self.errors.append(f"after healing {self.c.nodes[healed].name}: {e}")
+            names = sorted(self.c.nodes[i].name for i in healed)
+            self.errors.append(f"after healing {names}: {e}")
             return None
         return round(time.monotonic() - start, 2)
 
 
+# ---------------------------------------------------------------------------------------------
+# Membership changes and replica agreement (management API)
+# ---------------------------------------------------------------------------------------------
+
+def queue_members(cluster, i, queue):
+    """The members node i lists for `queue`, as a set of indices (None if it has no record
+    or does not answer)."""
+    try:
+        info = cluster.queue_info(i, queue, timeout=2.0)
+    except OSError:
+        return None
+    if info is None:
+        return None
+    return {cluster.node_index(m) for m in info.get("members") or []} - {None}
+
+
+class MembershipUnsupported(AssertionError):
+    """The binary has no members endpoint (404 with an empty body: no such route)."""
+
+
+class MembershipRefused(AssertionError):
+    """The broker refused the change (a 4xx with a reason: already a member, not a member,
+    no such node, the last member)."""
+
+
+def change_member(cluster, queue, name, add, deadline=30.0):
+    """POST /api/queues/%2F/<queue>/members {"node": name} (add=True) or DELETE
+    .../members/<name>, through the leader (another node while there is none). No answer or a
+    5xx is retried until `deadline`; a refusal (4xx) is final, except that after an attempt
+    with an unknown outcome "already a member" / "not a member" means it was done. The
+    answer comes before the change is in effect: poll wait_members. Returns (node index used,
+    status, body). Raises MembershipUnsupported if the route does not exist."""
+    base = cluster.queue_path(queue) + "/members"
+    end = time.monotonic() + deadline
+    last = None
+    k = 0
+    done_already = "already a member" if add else "not a member"
+    while True:
+        leader = cluster.leader_of(queue)
+        ups = cluster.up_nodes()
+        via = leader if leader is not None else (ups[k % len(ups)] if ups else None)
+        k += 1
+        if via is not None:
+            try:
+                if add:
+                    status, body = cluster.mgmt_request(via, "POST", base, body={"node": name},
+                                                        timeout=10.0)
+                else:
+                    status, body = cluster.mgmt_request(
+                        via, "DELETE", f"{base}/{urllib.parse.quote(name, safe='')}",
+                        timeout=10.0)
+                if 200 <= status < 300:
+                    cluster._event(f"{'add' if add else 'remove'} member {name} of {queue} via "
+                                   f"{cluster.nodes[via].name}: {status}")
+                    return via, status, body
+                if status in (404, 405) and not body:
+                    raise MembershipUnsupported(
+                        f"{'POST' if add else 'DELETE'} {base}: {status} with no body (the "
+                        f"binary has no membership endpoints)")
+                reason = str((body or {}).get("reason", body) if isinstance(body, dict)
+                             else body)
+                if 400 <= status < 500:
+                    if last is not None and done_already in reason:
+                        return via, status, body
+                    raise MembershipRefused(
+                        f"{'adding' if add else 'removing'} member {name} of {queue} via "
+                        f"{cluster.nodes[via].name}: {status} {reason}")
+                last = f"{cluster.nodes[via].name}: {status} {body!r}"[:300]
+            except OSError as e:
+                last = f"{cluster.nodes[via].name}: {e}"
+        if time.monotonic() > end:
+            raise AssertionError(f"{'adding' if add else 'removing'} member {name} of {queue} "
+                                 f"kept failing for {deadline}s; last: {last}\n"
+                                 f"{cluster.describe(queue)}")
+        time.sleep(0.3)
+
+
+def wait_members(cluster, queue, check, deadline=30.0, what="membership"):
+    """Poll until the queue's confirmed leader lists members (indices) for which check()
+    holds; returns them."""
+    end = time.monotonic() + deadline
+    seen = None
+    while True:
+        leader = cluster.leader_of(queue)
+        if leader is not None:
+            seen = queue_members(cluster, leader, queue)
+            if seen is not None and check(seen):
+                return seen
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} not reached within {deadline}s; leader "
+                                 f"{leader} lists {seen}\n{cluster.describe(queue)}")
+        time.sleep(0.1)
+
+
+def membership_supported(cluster, queue):
+    """Whether the binary has the members endpoint: a POST adding a node that is already a
+    member is refused (400 "already a member") or accepted, rather than answered 404 with no
+    body (no such route)."""
+    leader = cluster.wait_for_leader(queue)
+    members = queue_members(cluster, leader, queue) or {leader}
+    try:
+        change_member(cluster, queue, cluster.nodes[min(members)].name, add=True,
+                      deadline=10.0)
+    except MembershipUnsupported:
+        return False
+    except MembershipRefused:
+        return True     # "already a member": the route exists
+    return True
+
+
+def raft_views(cluster, queue):
+    """{node: its `raft` object for `queue`} from every node that is up and answers (a node
+    whose record has no `raft` maps to None)."""
+    views = {}
+    for i in cluster.up_nodes():
+        try:
+            info = cluster.queue_info(i, queue, timeout=2.0)
+        except OSError:
+            continue
+        if info is not None:
+            raft = info.get("raft")
+            views[i] = raft if isinstance(raft, dict) else None
+    return views
+
+
+def check_replicas(cluster, queue, deadline=20.0):
+    """After the traffic stopped: poll every up node's `raft` (applied_index, term, digest,
+    role of its own replica) until all report the same applied_index, then compare their
+    digests. Returns a dict: supported (False: no node reports `raft`, nothing checked),
+    agree (True, False, or None when the indexes never converged), index, nodes, views,
+    summary."""
+    end = time.monotonic() + deadline
+    views = {}
+    while True:
+        views = raft_views(cluster, queue)
+        if views and all(v is None for v in views.values()):
+            return {"supported": False, "agree": None, "index": None, "nodes": len(views),
+                    "views": {}, "summary": "replica agreement not checked (the binary "
+                                            "reports no `raft` for the queue)"}
+        indexes = {v.get("applied_index") for v in views.values() if v is not None}
+        if (views and None not in views.values() and len(indexes) == 1
+                and len(views) == len(cluster.up_nodes())):
+            break
+        if time.monotonic() > end:
+            named = {cluster.nodes[i].name: v for i, v in views.items()}
+            if not views:
+                return {"supported": None, "agree": None, "index": None, "nodes": 0,
+                        "views": {}, "summary": f"REPLICAS NOT CHECKED: no node reported "
+                                                f"{queue} within {deadline}s"}
+            return {"supported": True, "agree": None, "index": None, "nodes": len(views),
+                    "views": named,
+                    "summary": f"REPLICAS DID NOT CONVERGE: applied indexes still differ after "
+                               f"{deadline}s with no traffic: {named}"}
+        time.sleep(0.2)
+    named = {cluster.nodes[i].name: v for i, v in views.items()}
+    index = indexes.pop()
+    digests = {v.get("digest") for v in views.values()}
+    if len(digests) == 1 and None not in digests:
+        return {"supported": True, "agree": True, "index": index, "nodes": len(views),
+                "views": named,
+                "summary": f"replicas agree at index {index} over {len(views)} nodes"}
+    return {"supported": True, "agree": False, "index": index, "nodes": len(views),
+            "views": named,
+            "summary": f"REPLICAS DISAGREE at index {index}: digests {named}"}
+
+
 def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
-                          kinds=("kill9", "pause"), queue=None, drain_deadline=90.0):
+                          kinds=("kill9", "pause"), queue=None, drain_deadline=90.0,
+                          order="random", partition_mode="mixed", replica_deadline=20.0,
+                          until_each_kind=False):
     """One run of the total-queue checker on a started cluster. Returns a dict with the
-    CheckResult ("result"), fault counts, client statistics and any errors ("errors": faults
-    that did not recover, workers that crashed); the caller asserts."""
+    CheckResult ("result"), fault counts, client statistics, the replica-agreement check
+    ("replicas", see check_replicas) and any errors ("errors": faults that did not recover,
+    workers that crashed, replicas that disagree or never converge); the caller asserts.
+    `order` and `partition_mode` go to the FaultInjector."""
     seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
     queue = queue or f"cluster.check.{uuid.uuid4().hex[:10]}"
@@ -1170,7 +1861,8 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
     pub_stop, fault_stop, cons_stop = threading.Event(), threading.Event(), threading.Event()
     errors = []
     log(f"checker: seed={seed} seconds={seconds} queue={queue} nodes={len(cluster)} "
-        f"faults={list(kinds)}")
+        f"faults={list(kinds)} order={order} partition_mode={partition_mode} "
+        f"proxied={cluster.proxied}")
 
     declare_quorum(cluster, 0, queue)
     wait_visible(cluster, queue, range(len(cluster)))
@@ -1180,13 +1872,22 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
                         node=rng.randrange(len(cluster)))
     pubs = [Publisher(cluster, queue, history, n, pub_stop, watchdog, stats)
             for n in range(publishers)]
-    faults = FaultInjector(cluster, queue, fault_stop, rng, kinds=kinds)
+    faults = FaultInjector(cluster, queue, fault_stop, rng, kinds=kinds, order=order,
+                           partition_mode=partition_mode)
     workers = [consumer, *pubs, faults]
+    replicas = None
     try:
         for w in workers:
             w.start()
         end = time.monotonic() + seconds
-        while time.monotonic() < end and not any(w.crash for w in workers):
+        # until_each_kind: past `seconds`, go on (up to `seconds` more) until every kind was
+        # applied once, so a short run still covers each.
+        hard_end = end + (seconds if until_each_kind else 0.0)
+        while not any(w.crash for w in workers):
+            now = time.monotonic()
+            uncovered = until_each_kind and faults.is_alive() and set(kinds) - set(faults.applied)
+            if now >= hard_end or (now >= end and not uncovered):
+                break
             time.sleep(0.2)     # the run's duration; workers report through `history`
         # Stop publishing, then let the fault in progress heal.
         pub_stop.set()
@@ -1224,6 +1925,11 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
             stats["swept after drain"] += sweep(cluster, cluster.up_nodes(), queue, history)
         except AssertionError as e:
             errors.append(str(e))
+        # No traffic now: every replica must reach the same applied index and state.
+        replicas = check_replicas(cluster, queue, deadline=replica_deadline)
+        log(f"checker: {replicas['summary']}")
+        if replicas["supported"] is not False and not replicas["agree"]:
+            errors.append(replicas["summary"])
     finally:
         pub_stop.set()
         fault_stop.set()
@@ -1246,9 +1952,13 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
         history.dump(path)
         errors.append(f"history written to {path}")
         cluster.keep = True
+    if cluster.proxy is not None:
+        stats.update({f"proxy {k}": v for k, v in cluster.proxy.stats.items()
+                      if not k.startswith(("forwarded ", "refused ", "black-holed n"))})
     return {"seed": seed, "queue": queue, "result": result, "faults": faults.applied,
             "fault_log": faults.log, "stats": stats, "errors": errors,
-            "final_leader": leader, "consumer_cancels": consumer.cancels}
+            "final_leader": leader, "consumer_cancels": consumer.cancels,
+            "replicas": replicas}
 
 
 def summarize(runs):
@@ -1261,11 +1971,13 @@ def summarize(runs):
         values = [getattr(r["result"], attr) for r in runs]
         return sum(len(v) if isinstance(v, list) else v for v in values)
 
+    replicas = "; ".join(r["replicas"]["summary"] for r in runs if r.get("replicas"))
     return (f"cluster total-queue check: runs={len(runs)} "
             f"faults={dict(sorted(faults.items()))} confirmed={total('confirmed')} "
             f"lost={total('lost')} unexpected={total('unexpected')} "
             f"duplicates={total('duplicates')} (not allowed: {total('bad_duplicates')}) "
-            f"retried={total('retried')} seeds={[r['seed'] for r in runs]}")
+            f"retried={total('retried')} seeds={[r['seed'] for r in runs]}"
+            + (f"; {replicas}" if replicas else ""))
 
 
 def env_number(name, default, kind=float):
@@ -1279,11 +1991,21 @@ def check_env():
     """(seconds, runs, seed or None, fault kinds) from WARREN_CLUSTER_CHECK_SECONDS,
     WARREN_CLUSTER_CHECK_RUNS, WARREN_CLUSTER_CHECK_SEED, WARREN_CLUSTER_FAULTS."""
     seed = os.environ.get("WARREN_CLUSTER_CHECK_SEED")
-    kinds = tuple(k for k in os.environ.get("WARREN_CLUSTER_FAULTS", "kill9,pause").split(",")
-                  if k)
+    kinds = fault_kinds_env("WARREN_CLUSTER_FAULTS", "kill9,pause")
     return (env_number("WARREN_CLUSTER_CHECK_SECONDS", 30.0),
             env_number("WARREN_CLUSTER_CHECK_RUNS", 1, int),
             int(seed) if seed else None, kinds)
+
+
+def fault_kinds_env(name, default):
+    """A comma list of fault kinds from the environment variable `name` (or `default`)."""
+    return tuple(k.strip() for k in os.environ.get(name, default).split(",") if k.strip())
+
+
+def partition_mode_env():
+    """WARREN_CLUSTER_PARTITION_MODE: reset, blackhole or mixed (the default)."""
+    mode = os.environ.get("WARREN_CLUSTER_PARTITION_MODE", "mixed")
+    return mode if mode in PARTITION_MODES else "mixed"
 
 
 if __name__ == "__main__":
