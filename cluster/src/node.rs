@@ -63,6 +63,8 @@ const LINK_OPEN_MAX: Duration = Duration::from_secs(1);
 /// and the link is dropped (commits take milliseconds, p99 under the ten-queue benchmark
 /// about 1.6 s).
 const FORWARD_REPLY_MAX: Duration = Duration::from_secs(5);
+/// How long a starting node waits for its metadata to replay before serving anyway.
+const REPLAY_MAX: Duration = Duration::from_secs(60);
 /// How long a joining node waits between attempts to reach a seed.
 const JOIN_RETRY: Duration = Duration::from_millis(500);
 /// How long a forward waits for a group to have a leader.
@@ -167,6 +169,9 @@ pub struct ClusterNode {
     numbered: tokio::sync::Notify,
     /// Set while this node, as the metadata leader, changes the group's voters.
     meta_changing: std::sync::atomic::AtomicBool,
+    /// While the node starts: the replicas its replayed metadata starts (awaited before it
+    /// serves clients).
+    booting: Mutex<Option<Vec<tokio::task::JoinHandle<()>>>>,
     raft_config: Arc<Config>,
     secret: Secret,
     /// Where this node dials each peer (its `--peers`).
@@ -274,6 +279,7 @@ impl ClusterNode {
             registry: std::sync::RwLock::new(registry),
             numbered: tokio::sync::Notify::new(),
             meta_changing: std::sync::atomic::AtomicBool::new(false),
+            booting: Mutex::new(Some(Vec::new())),
             raft_config,
             secret: Secret::new(&config.secret),
             broker,
@@ -305,7 +311,11 @@ impl ClusterNode {
             incarnation: 0,
         };
         let path = node.config.data_dir.join("meta.redb");
-        let log = LogStore::open(&path).map_err(|e| NodeError::Log(path.clone(), e))?;
+        let mut log = LogStore::open(&path).map_err(|e| NodeError::Log(path.clone(), e))?;
+        // What this node's metadata had committed: replayed before it serves clients.
+        let committed = openraft::storage::RaftLogStorage::read_committed(&mut log)
+            .await
+            .map_err(|e| NodeError::Io(e.to_string()))?;
         let state = Arc::new(MetaState {
             records: Mutex::new(BTreeMap::new()),
             node: Arc::downgrade(&node),
@@ -376,6 +386,7 @@ impl ClusterNode {
             }
         }
         tokio::spawn(watch_peers(Arc::downgrade(&node)));
+        node.replay(&raft, committed.map(|l| l.index)).await;
         if node.config.join {
             node.join().await;
             node.broker
@@ -394,6 +405,42 @@ impl ClusterNode {
             "cluster node started"
         );
         Ok(node)
+    }
+
+    /// Wait until the metadata this node had committed is applied again and the quorum queues
+    /// it names are served here (so a client of a node that restarted, even the whole
+    /// cluster at once, finds its queues, exchanges and users as they were).
+    async fn replay(&self, raft: &Raft<QueueRaft>, committed: Option<u64>) {
+        if let Some(index) = committed {
+            let mut metrics = raft.metrics();
+            let applied = tokio::time::timeout(REPLAY_MAX, async {
+                loop {
+                    if metrics
+                        .borrow()
+                        .last_applied
+                        .is_some_and(|l| l.index >= index)
+                    {
+                        return;
+                    }
+                    if metrics.changed().await.is_err() {
+                        return;
+                    }
+                }
+            })
+            .await;
+            if applied.is_err() {
+                tracing::warn!(index, "metadata replay is slow; serving meanwhile");
+            }
+        }
+        let serving = self
+            .booting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .unwrap_or_default();
+        for task in serving {
+            let _ = tokio::time::timeout(REPLAY_MAX, task).await;
+        }
     }
 
     /// The nodes of the cluster (not forgotten), by id.
@@ -645,7 +692,7 @@ impl ClusterNode {
                 let node = Arc::clone(self);
                 let (key, value, incarnation, members) =
                     (key.clone(), value.clone(), *incarnation, members.clone());
-                tokio::spawn(async move {
+                let task = tokio::spawn(async move {
                     let done = take_waiting(&node.declaring, incarnation);
                     let r = node.serve_queue(&key, &value, incarnation, &members).await;
                     if let Err(e) = &r {
@@ -657,6 +704,14 @@ impl ClusterNode {
                         }));
                     }
                 });
+                if let Some(waiting) = self
+                    .booting
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .as_mut()
+                {
+                    waiting.push(task);
+                }
             }
             MetaChange::DeleteQueue { incarnation, .. } => {
                 self.members
