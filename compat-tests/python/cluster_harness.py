@@ -1009,14 +1009,25 @@ def cluster_factory(request):
     # a failure of this test.
     failed = request.session.testsfailed > failed_before
     crashed = []
+    panicked = []
     for c in made:
         crashed += [(c, i, rc) for i, rc in c.crashed()]
-        if failed or crashed:
+        # A panic in a task (a Raft core, a connection) leaves the process running: it is a
+        # failure all the same.
+        for i, node in enumerate(c.nodes):
+            try:
+                if "panicked at" in node.log_path.read_text(errors="replace"):
+                    panicked.append(node.name)
+            except OSError:
+                pass
+        if failed or crashed or panicked:
             print(f"\n===== cluster report (test failed={failed}, crashed="
                   f"{[c.nodes[i].name for _, i, _ in crashed]}) =====")
             print(c.report())
             print(f"(directory kept: {c.root})")
-        c.close(remove=False if (failed or crashed) else None)
+        c.close(remove=False if (failed or crashed or panicked) else None)
+    if panicked and not failed:
+        pytest.fail(f"a task panicked on {panicked} (see their logs)", pytrace=False)
     if crashed and not failed:
         pytest.fail("nodes exited on their own: " + ", ".join(
             f"{c.nodes[i].name} rc={rc}" for c, i, rc in crashed), pytrace=False)
