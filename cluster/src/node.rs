@@ -326,7 +326,8 @@ impl ClusterNode {
             TcpNetwork::new(me, meta_id.clone(), node.secret.clone())
                 .resolving(node.addresses.clone()),
             log,
-            GroupStateMachine::over(state),
+            GroupStateMachine::restored(state, node.config.data_dir.join("meta.snapshot"))
+                .map_err(NodeError::Io)?,
         )
         .await
         .map_err(|e| NodeError::Io(e.to_string()))?;
@@ -736,6 +737,7 @@ impl ClusterNode {
                             let _ = raft.shutdown().await;
                         }
                         // The log of a deleted incarnation is never read again.
+                        let _ = std::fs::remove_file(path.with_extension("snapshot"));
                         let _ = std::fs::remove_file(path);
                     });
                 }
@@ -828,9 +830,13 @@ impl ClusterNode {
         };
         // The queue is a replica before its log replays into it (Raft::new applies what
         // was committed), so replayed deliveries to consumers of elsewhere are left alone.
-        let machine = GroupStateMachine::over(Arc::new(QueueApplied {
-            queue: Arc::clone(&queue),
-        }));
+        let machine = GroupStateMachine::restored(
+            Arc::new(QueueApplied {
+                queue: Arc::clone(&queue),
+            }),
+            self.queue_log_path(incarnation).with_extension("snapshot"),
+        )
+        .map_err(NodeError::Io)?;
         let replica = Arc::new(QueueReplica {
             node: Arc::downgrade(self),
             group: group.clone(),

@@ -195,11 +195,9 @@ async fn write_frame<T: Serialize, W: AsyncWriteExt + Unpin>(
         .ok()
         .filter(|l| *l <= FRAME_MAX)
         .ok_or_else(|| TransportError::Frame(format!("{} bytes to send", body.len())))?;
-    // One write (TLS makes each write a record), flushed (TLS buffers until then).
-    let mut frame = Vec::with_capacity(4 + body.len());
-    frame.extend_from_slice(&len.to_be_bytes());
-    frame.extend_from_slice(&body);
-    s.write_all(&frame).await?;
+    s.write_all(&len.to_be_bytes()).await?;
+    s.write_all(&body).await?;
+    // TLS buffers until flushed (a no-op on plain TCP).
     s.flush().await?;
     Ok(())
 }
