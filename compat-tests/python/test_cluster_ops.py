@@ -88,18 +88,19 @@ def raft_series(cluster, i, queue):
 
 def test_cluster_status_lists_nodes_and_drops_a_killed_one(cluster_factory):
     c = cluster_factory(3)
-    r = ctl(c, 0, "cluster_status")
-    assert r.returncode == 0, r.stderr
-    assert "Cluster status of node n1" in r.stdout
-    for name in ("n1", "n2", "n3"):
-        assert name in r.stdout.split("Running Nodes")[1], r.stdout
 
     def status():
         out = ctl(c, 0, "cluster_status", "--formatter", "json")
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout)
 
+    # A node counts a peer as running once it has heard from it: moments after the start.
     poll(status, lambda s: s["running_nodes"] == ["n1", "n2", "n3"], what="all nodes running")
+    r = ctl(c, 0, "cluster_status")
+    assert r.returncode == 0, r.stderr
+    assert "Cluster status of node n1" in r.stdout
+    for name in ("n1", "n2", "n3"):
+        assert name in r.stdout.split("Running Nodes")[1], r.stdout
     c.kill9(2)
     s = poll(status, lambda s: "n3" not in s["running_nodes"], what="n3 reported down")
     assert s["disk_nodes"] == ["n1", "n2", "n3"]
