@@ -152,8 +152,9 @@ def test_a_removed_member_no_longer_counts_towards_the_majority(cluster_factory)
     assert r.returncode == 0, r.stdout + r.stderr
     kept = sorted(c.nodes[i].name for i in range(3) if i != removed)
     assert members(c, leader, q) == kept
-    info = c.queue_info(removed, q)
-    assert info["raft"]["role"] == "learner", info["raft"]
+    # The removed node learns it with the log (moments after the leader).
+    poll(lambda: (c.queue_info(removed, q) or {}).get("raft", {}).get("role"),
+         lambda role: role == "learner", what="the removed member a learner")
     c.kill9(removed)
     h = History()
     publish_with_retry(c, [leader], q, ["a1", "a2"], h)
