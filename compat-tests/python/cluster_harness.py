@@ -1049,6 +1049,22 @@ def cluster5(cluster_factory):
 # Client helpers
 # ---------------------------------------------------------------------------------------------
 
+def eventually(fetch, check, deadline=10.0, what="condition"):
+    """Poll fetch() (a poll, not a sleep: the tests wait for events this way) until check(value) holds; AssertionError with the last value after
+    `deadline` seconds."""
+    end = time.monotonic() + deadline
+    while True:
+        try:
+            value = fetch()
+        except OSError as e:
+            value = e
+        if not isinstance(value, OSError) and check(value):
+            return value
+        if time.monotonic() > end:
+            raise AssertionError(f"{what} not reached within {deadline}s; last: {value!r}")
+        time.sleep(0.1)
+
+
 def safe_close(conn):
     """Close a pika connection that may already be broken."""
     if conn is None:

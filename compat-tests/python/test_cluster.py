@@ -30,7 +30,7 @@ import uuid
 import pika
 import pytest
 
-from cluster_harness import (CLIENT_ERRORS, Consumer, History, Publisher, Watchdog,
+from cluster_harness import (CLIENT_ERRORS, eventually, Consumer, History, Publisher, Watchdog,
                              change_member, check_env, check_replicas, cluster_supported,
                              declare_quorum, drain_until, env_number, fault_kinds_env, log,
                              membership_supported, partition_mode_env, publish_with_retry,
@@ -63,22 +63,6 @@ PARTITION_MODE = partition_mode_env()
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
-
-def eventually(fetch, check, deadline=10.0, what="condition"):
-    """Poll fetch() until check(value) holds; AssertionError with the last value after
-    `deadline` seconds."""
-    end = time.monotonic() + deadline
-    while True:
-        try:
-            value = fetch()
-        except OSError as e:
-            value = e
-        if not isinstance(value, OSError) and check(value):
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"{what} not reached within {deadline}s; last: {value!r}")
-        time.sleep(0.1)
-
 
 def new_quorum_queue(cluster, via=0):
     """Declare a fresh quorum queue through node `via`, wait until every node sees it and a

@@ -18,8 +18,8 @@ import uuid
 
 import pytest
 
-from cluster_harness import (History, cluster_supported, declare_quorum, drain_until, log,
-                             publish_with_retry)
+from cluster_harness import (History, cluster_supported, declare_quorum, drain_until,
+                             eventually, log, publish_with_retry)
 
 if os.environ.get("WARREN_TEST_AMQP_URL"):
     pytest.skip("cluster tests start their own Warren nodes", allow_module_level=True)
@@ -39,18 +39,8 @@ def ctl(cluster, i, *args, timeout=90):
 
 
 def poll(fetch, check, deadline=DEADLINE, what="condition"):
-    """fetch() until check(value); AssertionError with the last value after `deadline`."""
-    end = time.monotonic() + deadline
-    while True:
-        try:
-            value = fetch()
-        except OSError as e:
-            value = e
-        if not isinstance(value, OSError) and check(value):
-            return value
-        if time.monotonic() > end:
-            raise AssertionError(f"{what} not reached within {deadline}s; last: {value!r}")
-        time.sleep(0.1)
+    """cluster_harness.eventually with this file's deadline."""
+    return eventually(fetch, check, deadline, what)
 
 
 def members(cluster, i, queue):
@@ -261,23 +251,10 @@ def test_membership_changes_under_load_lose_nothing(cluster_factory):
     log(f"replicas agree at index {index}; {result.summary()}")
 
 
-def api(cluster, i, method, path, body=None, user="guest", password="guest"):
-    """`method` `path` on node i's management API: (status, parsed JSON or None)."""
-    import base64
-    import urllib.error
-    import urllib.request
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(cluster.mgmt_url(i) + path, data=data, method=method)
-    token = base64.b64encode(f"{user}:{password}".encode()).decode()
-    req.add_header("Authorization", f"Basic {token}")
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    return status, (json.loads(raw) if raw else None)
+def api(cluster, i, method, path, body=None):
+    """`method` `path` on node i's management API as guest, with a cluster change's time to
+    commit: (status, parsed JSON or None)."""
+    return cluster.mgmt_request(i, method, path, body, timeout=30)
 
 
 def test_definitions_replicate_to_every_node_and_survive_a_restart(cluster_factory):
@@ -495,3 +472,27 @@ def test_a_node_joins_a_running_cluster_and_is_forgotten(cluster_factory):
     c.kill9(2)
     publish_with_retry(c, [0, 1], q, ["after-forget"], h)
     drain_until(c, [0, 1], q, h, ["after-restart", "after-forget"])
+
+
+def test_shrink_then_grow_even(cluster_factory):
+    """`queues shrink n2` takes n2 out of every queue it is a member of; `grow n2 even` puts
+    it back into those with an even number of members only."""
+    c = cluster_factory(3)
+    three = "three-" + uuid.uuid4().hex[:6]
+    one = "one-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, three)
+    declare_quorum(c, 0, one, arguments={"x-quorum-initial-group-size": 1})
+    [only] = poll(lambda: members(c, 0, one), lambda m: len(m) == 1, what="one member")
+    # n2 must not be the single member of `one` for the even/odd split below.
+    other = next(n for n in ("n2", "n3") if n != only)
+    r = ctl(c, 0, "queues", "shrink", other)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"/\t{three}\t2\tok" in r.stdout, r.stdout
+    assert one not in r.stdout, r.stdout
+    assert other not in members(c, 0, three)
+    r = ctl(c, 0, "queues", "grow", other, "even")
+    assert r.returncode == 0, r.stdout + r.stderr
+    # `three` has 2 members now (even): grown; `one` has 1 (odd): left alone.
+    assert f"/\t{three}\t3\tok" in r.stdout and one not in r.stdout, r.stdout
+    assert members(c, 0, three) == ["n1", "n2", "n3"]
+    assert members(c, 0, one) == [only]
