@@ -8,7 +8,8 @@ checks: lost = 0, unexpected = 0, duplicates only for redelivered or republished
 the binary reports `raft` for a queue) that every replica reaches the same applied index with
 the same digest. Fault kinds: kill9, pause, term, partition (a minority cut off through the
 harness's TCP proxy between the nodes), killall (kill -9 of every node, then all restarted),
-membership (a member removed and added back through the management API).
+membership (a member removed and added back through the management API), transfer (the
+leadership handed to another member through the management API).
 
     .venv-compat/bin/python scripts/cluster_soak.py --seconds 600 --runs 5
     .venv-compat/bin/python scripts/cluster_soak.py --nodes 5 --faults kill9,pause,term

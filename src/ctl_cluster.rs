@@ -1,5 +1,5 @@
-//! `warren ctl cluster_status` and `warren ctl queues ...` (rabbitmq-queues' membership verbs),
-//! over the node's management API like the other API-backed verbs.
+//! `warren ctl cluster_status` and `warren ctl queues ...` (rabbitmq-queues' membership and
+//! rebalance verbs), over the node's management API like the other API-backed verbs.
 //!
 //! Membership changes answer once the cluster committed the new member list; these verbs
 //! then wait until the queue's leader reports the new voters, so a script that runs
@@ -58,6 +58,28 @@ pub enum QueuesCommand {
     Shrink {
         /// Node name.
         node: String,
+    },
+    /// Move quorum queue leaders so every running node leads about as many.
+    Rebalance {
+        /// Queue type: `quorum` (or `all`, the same here: only quorum queues have leaders).
+        #[arg(value_parser = ["quorum", "all"])]
+        queue_type: String,
+        /// Only vhosts matching this regular expression.
+        #[arg(long, default_value = ".*")]
+        vhost_pattern: String,
+        /// Only queues matching this regular expression.
+        #[arg(long, default_value = ".*")]
+        queue_pattern: String,
+    },
+    /// Hand quorum queue QUEUE's leadership to its member NODE (Warren's own).
+    TransferLeader {
+        /// Queue.
+        queue: String,
+        /// Node name.
+        node: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
     },
 }
 
@@ -146,6 +168,31 @@ pub fn queues(data_dir: &Path, command: &QueuesCommand) -> anyhow::Result<u8> {
             }
             Ok(report_many(&rows))
         }
+        QueuesCommand::Rebalance {
+            queue_type: _,
+            vhost_pattern,
+            queue_pattern,
+        } => rebalance(data_dir, vhost_pattern, queue_pattern),
+        QueuesCommand::TransferLeader { queue, node, vhost } => {
+            println!("Handing the leadership of queue {queue} to node {node}...");
+            let path = format!(
+                "/api/queues/{}/{}/leader",
+                percent_segment(vhost),
+                percent_segment(queue)
+            );
+            let (status, body) = api_request(
+                data_dir,
+                "POST",
+                &path,
+                Some(json!({ "node": node })),
+                Vec::new(),
+            )?;
+            if status >= 300 {
+                return Ok(crate::admin::api_failure(status, &body));
+            }
+            println!("{} leads {queue}", body["leader"].as_str().unwrap_or("?"));
+            Ok(0)
+        }
         QueuesCommand::Shrink { node } => {
             println!("Shrinking quorum queues on {node}...");
             let mut rows = Vec::new();
@@ -160,6 +207,47 @@ pub fn queues(data_dir: &Path, command: &QueuesCommand) -> anyhow::Result<u8> {
             Ok(report_many(&rows))
         }
     }
+}
+
+/// `rebalance`: the moves made, those that failed, and the leaders per node after them.
+fn rebalance(data_dir: &Path, vhost_pattern: &str, queue_pattern: &str) -> anyhow::Result<u8> {
+    println!("Re-balancing leaders of quorum queues...");
+    let (status, body) = api_request(
+        data_dir,
+        "POST",
+        "/api/rebalance/queues",
+        Some(json!({ "vhost_pattern": vhost_pattern, "queue_pattern": queue_pattern })),
+        Vec::new(),
+    )?;
+    if status >= 300 {
+        return Ok(crate::admin::api_failure(status, &body));
+    }
+    let list = |key: &str| body[key].as_array().cloned().unwrap_or_default();
+    for m in list("moved") {
+        println!(
+            "moved\t{}\t{}\t{} -> {}",
+            m["vhost"].as_str().unwrap_or_default(),
+            m["name"].as_str().unwrap_or_default(),
+            m["from"].as_str().unwrap_or("-"),
+            m["to"].as_str().unwrap_or_default()
+        );
+    }
+    let failed = list("failed");
+    for m in &failed {
+        println!(
+            "failed\t{}\t{}\t{}",
+            m["vhost"].as_str().unwrap_or_default(),
+            m["name"].as_str().unwrap_or_default(),
+            m["reason"].as_str().unwrap_or_default()
+        );
+    }
+    println!("Node name\tNumber of quorum queue leaders");
+    if let Some(leaders) = body["leaders"].as_object() {
+        for (node, n) in leaders {
+            println!("{node}\t{n}");
+        }
+    }
+    Ok(if failed.is_empty() { 0 } else { 70 })
 }
 
 /// A quorum queue and its members, from the queue listing.

@@ -33,6 +33,7 @@ pub mod message;
 pub mod outbox;
 pub mod policy;
 pub mod queue;
+pub mod rebalance;
 pub mod recovery;
 pub mod replication;
 pub mod reply_to;

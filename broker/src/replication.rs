@@ -130,6 +130,35 @@ pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
     /// A change to exchanges or bindings made here: every other node makes it too (through
     /// [`apply_topology`]); `done` runs once the cluster committed it.
     fn replicate_topology(&self, change: TopologyChange, done: Completion);
+    /// Hand leadership of a replicated queue to its member `to` (by name): the leader stops
+    /// proposing until its log stands still, waits until `to` holds every entry, and has it
+    /// stand for election. `done` gets the new leader's name (`to` unless an election went
+    /// elsewhere), or why leadership did not move; the log is never at risk either way.
+    fn transfer_leader(&self, queue: &Arc<Queue>, to: &str, done: TransferDone);
+}
+
+/// Receives a leadership transfer's outcome.
+pub type TransferDone = Box<dyn FnOnce(Result<String, TransferError>) + Send>;
+
+/// Why leadership of a replicated queue did not move.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransferError {
+    /// No node of that name is in the cluster.
+    #[error("no node {0} in the cluster")]
+    UnknownNode(String),
+    /// The node is not a voting member of the queue.
+    #[error("{0} is not a voting member of the queue")]
+    NotVoter(String),
+    /// The queue is not replicated (a classic queue, or not served here yet).
+    #[error("not a replicated queue")]
+    NotReplicated,
+    /// The queue has no leader at the moment (an election is on).
+    #[error("the queue has no leader")]
+    NoLeader,
+    /// The leader could not hand over (busy with a membership change, the target lagging or
+    /// unreachable, or the election it started went another way).
+    #[error("leadership did not move: {0}")]
+    Failed(String),
 }
 
 /// A cluster node as this node sees it.

@@ -31,7 +31,8 @@ use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 use warren_broker::replication::{
     ClusterHooks, MemberChange, MembershipError, NodeStatus, Placement, ReplicaDone, ReplicaState,
-    ReplicationError, Replicator, Replies, TopologyChange, decode_entry, encode_entry,
+    ReplicationError, Replicator, Replies, TopologyChange, TransferDone, TransferError,
+    decode_entry, encode_entry,
 };
 use warren_store::writer::Completion;
 
@@ -67,6 +68,13 @@ const FORWARD_REPLY_MAX: Duration = Duration::from_secs(5);
 const REPLAY_MAX: Duration = Duration::from_secs(60);
 /// How long a joining node waits between attempts to reach a seed.
 const JOIN_RETRY: Duration = Duration::from_millis(500);
+/// How long a leader handing over waits for its log to settle, and then for the target to
+/// hold every entry.
+const HOLD_MAX: Duration = Duration::from_secs(2);
+/// How long a handover waits for the target's election.
+const TRANSFER_MAX: Duration = Duration::from_secs(5);
+/// Past the leader lease before a handover starts (clocks of one process, so small).
+const TRANSFER_MARGIN: Duration = Duration::from_millis(50);
 /// How long a forward waits for a group to have a leader.
 const LEADER_WAIT: Duration = Duration::from_secs(10);
 /// The metadata group's name.
@@ -842,6 +850,7 @@ impl ClusterNode {
             group: group.clone(),
             raft: OnceLock::new(),
             forwarder: OnceLock::new(),
+            proposer: OnceLock::new(),
             queue: Arc::clone(&queue),
             machine: machine.clone(),
             changing: std::sync::atomic::AtomicBool::new(false),
@@ -861,9 +870,32 @@ impl ClusterNode {
         .await
         .map_err(|e| NodeError::Io(e.to_string()))?;
         let proposer = self.groups.insert(group.clone(), raft.clone());
-        let forwarder = Forwarder::start(Arc::downgrade(self), group, raft.clone(), proposer);
+        let weak = Arc::downgrade(self);
+        self.groups.set_transfer(
+            &group,
+            Arc::new(move |to| {
+                let weak = weak.clone();
+                Box::pin(async move {
+                    match weak.upgrade() {
+                        Some(node) => {
+                            node.lead_transfer(incarnation, to)
+                                .await
+                                .map_err(|e| match e {
+                                    // The asking node wraps the reason again.
+                                    TransferError::Failed(reason) => reason,
+                                    other => other.to_string(),
+                                })
+                        }
+                        None => Err("the node is stopping".into()),
+                    }
+                })
+            }),
+        );
+        let forwarder =
+            Forwarder::start(Arc::downgrade(self), group, raft.clone(), proposer.clone());
         let _ = replica.raft.set(raft.clone());
         let _ = replica.forwarder.set(forwarder);
+        let _ = replica.proposer.set(proposer);
         self.queues
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -983,6 +1015,107 @@ impl ClusterHooks for ClusterNode {
                     || crate::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
             })
             .collect()
+    }
+
+    fn transfer_leader(&self, queue: &Arc<Queue>, to: &str, done: TransferDone) {
+        let id = node_id(to);
+        if self.peer_name(id).as_deref() != Some(to) || self.is_forgotten(id) {
+            done(Err(TransferError::UnknownNode(to.to_string())));
+            return;
+        }
+        let Some(replica) = self
+            .incarnation_of(queue)
+            .and_then(|inc| self.replica_of(inc))
+        else {
+            done(Err(TransferError::NotReplicated));
+            return;
+        };
+        let Some(raft) = replica.raft.get() else {
+            done(Err(TransferError::NotReplicated));
+            return;
+        };
+        let (leader, voter) = {
+            let m = raft.metrics();
+            let m = m.borrow();
+            (
+                m.current_leader,
+                m.membership_config
+                    .membership()
+                    .voter_ids()
+                    .any(|v| v == id),
+            )
+        };
+        if !voter {
+            done(Err(TransferError::NotVoter(to.to_string())));
+            return;
+        }
+        let Some(leader) = leader else {
+            done(Err(TransferError::NoLeader));
+            return;
+        };
+        if leader == id {
+            done(Ok(to.to_string()));
+            return;
+        }
+        let Some(node) = self.weak_self().upgrade() else {
+            done(Err(TransferError::Failed("the node is stopping".into())));
+            return;
+        };
+        let name_of =
+            |id: NodeId, node: &ClusterNode| node.peer_name(id).unwrap_or_else(|| id.to_string());
+        let group = replica.group.clone();
+        tokio::spawn(async move {
+            let outcome = if leader == node.me {
+                node.lead_transfer(group.incarnation, id).await
+            } else {
+                let addr = node.addresses.get(leader).or_else(|| {
+                    replica.raft.get().and_then(|r| {
+                        r.metrics()
+                            .borrow()
+                            .membership_config
+                            .membership()
+                            .get_node(&leader)
+                            .map(|n| n.addr.clone())
+                    })
+                });
+                match addr {
+                    None => Err(TransferError::Failed(
+                        "the leader's address is unknown".into(),
+                    )),
+                    Some(addr) => {
+                        let call = crate::tcp::PeerCall {
+                            from: node.me,
+                            to: leader,
+                            group,
+                            addr,
+                            secret: node.secret.clone(),
+                            tls: node.addresses.tls(),
+                        };
+                        // The leader may wait out its lease, hold its log, wait out the
+                        // others' leases (groups of more than three) and the election.
+                        let lease = Duration::from_millis(node.raft_config.election_timeout_max);
+                        let answer_max =
+                            2 * (lease + TRANSFER_MARGIN + HOLD_MAX) + TRANSFER_MAX + LINK_OPEN_MAX;
+                        match tokio::time::timeout(
+                            answer_max,
+                            crate::tcp::request_transfer(call, id),
+                        )
+                        .await
+                        {
+                            Ok(Ok(Ok(new))) => Ok(new),
+                            Ok(Ok(Err(reason))) => Err(TransferError::Failed(reason)),
+                            Ok(Err(e)) => Err(TransferError::Failed(format!(
+                                "cannot reach the leader: {e}"
+                            ))),
+                            Err(_) => Err(TransferError::Failed(
+                                "the leader did not answer in time".into(),
+                            )),
+                        }
+                    }
+                }
+            };
+            done(outcome.map(|new| name_of(new, &node)));
+        });
     }
 
     fn forget_node(&self, name: &str, done: Completion) -> Result<(), MembershipError> {
@@ -1120,11 +1253,206 @@ impl ClusterNode {
         let _ = self.commit_meta(change, false, failed);
     }
 
+    /// This node's replica of a queue group, by incarnation.
+    fn replica_of(&self, incarnation: u64) -> Option<Arc<QueueReplica>> {
+        self.queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&incarnation)
+            .cloned()
+    }
+
+    /// As the leader of a queue group, hand leadership to voter `to`: hold the proposer
+    /// (the log stands still and all it proposed has committed), wait until `to` holds every
+    /// entry, and ask it to stand for election. This replica grants it its vote, which with
+    /// its own makes a majority of three (a larger group also needs followers whose leader
+    /// lease ran out, so its election may take a timeout and may go elsewhere).
+    async fn lead_transfer(&self, incarnation: u64, to: NodeId) -> Result<NodeId, TransferError> {
+        use std::sync::atomic::Ordering;
+        let replica = self
+            .replica_of(incarnation)
+            .ok_or(TransferError::NotReplicated)?;
+        let (Some(raft), Some(proposer)) = (replica.raft.get(), replica.proposer.get()) else {
+            return Err(TransferError::NotReplicated);
+        };
+        let name = |id: NodeId| self.peer_name(id).unwrap_or_else(|| id.to_string());
+        {
+            let m = raft.metrics();
+            let m = m.borrow();
+            if m.current_leader != Some(self.me) {
+                return Err(TransferError::Failed(format!(
+                    "{} does not lead the queue",
+                    self.config.name
+                )));
+            }
+            if !m
+                .membership_config
+                .membership()
+                .voter_ids()
+                .any(|v| v == to)
+            {
+                return Err(TransferError::NotVoter(name(to)));
+            }
+        }
+        if to == self.me {
+            return Ok(to);
+        }
+        // One change of the group at a time (membership changes take the same flag).
+        if replica.changing.swap(true, Ordering::AcqRel) {
+            return Err(TransferError::Failed(
+                "the queue's members are changing".into(),
+            ));
+        }
+        struct Clear<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Clear<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _clear = Clear(&replica.changing);
+        // A leader refuses a candidate for a lease after its own election (openraft's leader
+        // lease, the maximum election timeout): wait that out rather than have the target
+        // campaign in vain (its higher term would then depose this leader anyway).
+        let lease = Duration::from_millis(self.raft_config.election_timeout_max);
+        let age = raft
+            .with_raft_state(|st| st.vote_last_modified().map(|t| t.elapsed()))
+            .await
+            .map_err(|e| TransferError::Failed(e.to_string()))?;
+        if let Some(age) = age
+            && age < lease + TRANSFER_MARGIN
+        {
+            tokio::time::sleep(lease + TRANSFER_MARGIN - age).await;
+        }
+        let hold = tokio::time::timeout(HOLD_MAX, proposer.hold())
+            .await
+            .map_err(|_| TransferError::Failed("the log did not settle in time".into()))?
+            .map_err(|e| TransferError::Failed(e.to_string()))?;
+        let last = raft.metrics().borrow().last_log_index;
+        raft.wait(Some(HOLD_MAX))
+            .metrics(
+                |m| {
+                    m.replication
+                        .as_ref()
+                        .and_then(|r| r.get(&to))
+                        .and_then(|l| l.map(|l| l.index))
+                        >= last
+                },
+                "the target holds every entry",
+            )
+            .await
+            .map_err(|_| TransferError::Failed(format!("{} did not catch up in time", name(to))))?;
+        let call = |peer: NodeId| {
+            self.addresses
+                .get(peer)
+                .map(|addr| crate::tcp::PeerCall {
+                    from: self.me,
+                    to: peer,
+                    group: replica.group.clone(),
+                    addr,
+                    secret: self.secret.clone(),
+                    tls: self.addresses.tls(),
+                })
+                .ok_or_else(|| TransferError::Failed(format!("no address for {}", name(peer))))
+        };
+        // Beyond three voters, this replica's vote and the target's are no majority: the
+        // others must grant theirs too, which they do only once their leader lease ran out.
+        // So they (and the target) abstain, this replica stops its heartbeats, and the
+        // target campaigns once every lease is over.
+        let voters: Vec<NodeId> = raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .voter_ids()
+            .collect();
+        let others: Vec<NodeId> = voters.iter().copied().filter(|v| *v != self.me).collect();
+        let _resume = if voters.len() > 3 {
+            let span = lease + TRANSFER_MAX;
+            for peer in &others {
+                let asked = tokio::time::timeout(
+                    LINK_OPEN_MAX,
+                    crate::tcp::request_abstain(
+                        call(*peer)?,
+                        u64::try_from(span.as_millis()).unwrap_or(u64::MAX),
+                    ),
+                )
+                .await;
+                if !matches!(asked, Ok(Ok(true))) {
+                    resume_elections(call, &others).await;
+                    return Err(TransferError::Failed(format!(
+                        "{} would not abstain from elections",
+                        name(*peer)
+                    )));
+                }
+            }
+            raft.runtime_config().heartbeat(false);
+            let guard = Heartbeats(raft.clone());
+            tokio::time::sleep(lease + TRANSFER_MARGIN).await;
+            Some(guard)
+        } else {
+            None
+        };
+        let started = tokio::time::timeout(LINK_OPEN_MAX, crate::tcp::request_campaign(call(to)?))
+            .await
+            .map_err(|_| TransferError::Failed(format!("{} did not answer", name(to))))?
+            .map_err(|e| TransferError::Failed(format!("cannot reach {}: {e}", name(to))))?;
+        if !started {
+            return Err(TransferError::Failed(format!(
+                "{} did not stand for election",
+                name(to)
+            )));
+        }
+        let moved = raft
+            .wait(Some(TRANSFER_MAX))
+            .metrics(
+                |m| m.current_leader.is_some_and(|l| l != self.me),
+                "leadership moved",
+            )
+            .await;
+        // Commands held meanwhile now go to the new leader (forwarded) or fail as not led.
+        drop(hold);
+        if voters.len() > 3 {
+            resume_elections(call, &others).await;
+        }
+        match moved {
+            Ok(m) => {
+                let new = m.current_leader.unwrap_or(to);
+                tracing::info!(queue = %replica.queue.name, to = %name(new), "leadership handed over");
+                Ok(new)
+            }
+            Err(_) => Err(TransferError::Failed(
+                "no new leader was elected in time".into(),
+            )),
+        }
+    }
+
     fn weak_self(&self) -> Weak<Self> {
         self.meta_forwarder
             .get()
             .map(|f| f.node.clone())
             .unwrap_or_default()
+    }
+}
+
+/// Turns a replica's heartbeats back on when dropped (a leader handing over stops them).
+struct Heartbeats(Raft<QueueRaft>);
+
+impl Drop for Heartbeats {
+    fn drop(&mut self) {
+        self.0.runtime_config().heartbeat(true);
+    }
+}
+
+/// Ask `peers` to take part in elections again (after a handover asked them to abstain);
+/// those that do not answer resume by themselves when their abstention runs out.
+async fn resume_elections(
+    call: impl Fn(NodeId) -> Result<crate::tcp::PeerCall, TransferError>,
+    peers: &[NodeId],
+) {
+    for peer in peers {
+        if let Ok(c) = call(*peer) {
+            let _ = tokio::time::timeout(LINK_OPEN_MAX, crate::tcp::request_abstain(c, 0)).await;
+        }
     }
 }
 
@@ -1383,6 +1711,8 @@ struct QueueReplica {
     raft: OnceLock<Raft<QueueRaft>>,
     /// Set with `raft`; submissions before it fail as unavailable.
     forwarder: OnceLock<Forwarder>,
+    /// Set with `raft`: the leader-side batcher (held while leadership is handed over).
+    proposer: OnceLock<Proposer>,
     queue: Arc<Queue>,
     /// The state machine the group applies into (a clone sharing it), read for
     /// [`Replicator::replica_state`].
@@ -1735,10 +2065,20 @@ async fn send_batch(
             }
         }
     };
-    let Some(leader) = wait_for_leader(raft).await else {
+    let Some(mut leader) = wait_for_leader(raft).await else {
         finish(Err(ReplicationError::Unavailable));
         return;
     };
+    if leader == me && proposer.is_held() {
+        // This replica is handing its leadership over: wait, then send to whoever leads
+        // (this batcher is sequential, so submission order holds across the move).
+        proposer.unheld().await;
+        let Some(now) = wait_for_leader(raft).await else {
+            finish(Err(ReplicationError::Unavailable));
+            return;
+        };
+        leader = now;
+    }
     if leader == me {
         let staged = crate::tcp::stage_here(raft, proposer, request).await;
         tokio::spawn(async move {

@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use openraft::Raft;
 use openraft::error::ClientWriteError;
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot, watch};
 use warren_broker::queue::machine::{Command, MachineError, Reply};
 
 use crate::types::{NodeId, QueueRaft, QueueRequest, ReplicatedMessage};
@@ -48,6 +48,28 @@ type Waiter = oneshot::Sender<Result<Reply<ReplicatedMessage>, ProposeError>>;
 #[derive(Debug, Clone)]
 pub struct Proposer {
     tx: mpsc::Sender<(Command<ReplicatedMessage>, Waiter)>,
+    /// One permit per entry in flight ([`IN_FLIGHT`]); a [`Hold`] takes them all.
+    slots: Arc<Semaphore>,
+    /// True while a [`Hold`] is taken or being taken.
+    held: Arc<watch::Sender<bool>>,
+}
+
+/// While alive, the proposer proposes nothing, and every entry it proposed before has
+/// committed (or failed): the replica's log stands still, as a leadership transfer needs.
+#[derive(Debug)]
+pub struct Hold {
+    _slots: tokio::sync::OwnedSemaphorePermit,
+    _flag: HoldFlag,
+}
+
+/// Clears the held flag when dropped (also when taking the hold is abandoned half way).
+#[derive(Debug)]
+struct HoldFlag(Arc<watch::Sender<bool>>);
+
+impl Drop for HoldFlag {
+    fn drop(&mut self) {
+        self.0.send_replace(false);
+    }
 }
 
 /// Wall-clock milliseconds: the leader stamps entries with its time (replicas never read
@@ -64,12 +86,52 @@ impl Proposer {
     #[must_use]
     pub fn start(raft: Raft<QueueRaft>) -> Self {
         let (tx, rx) = mpsc::channel(QUEUE_MAX);
-        tokio::spawn(run(raft, rx));
-        Self { tx }
+        let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+        tokio::spawn(run(raft, rx, Arc::clone(&slots)));
+        Self {
+            tx,
+            slots,
+            held: Arc::new(watch::channel(false).0),
+        }
+    }
+
+    /// Stop proposing: resolves once the commands already queued were proposed and every
+    /// entry in flight committed or failed. Commands submitted meanwhile wait (and are
+    /// proposed when the hold is dropped). Callers bound the wait with a timeout.
+    ///
+    /// # Errors
+    /// [`ProposeError::Stopped`] when the proposer is gone.
+    pub async fn hold(&self) -> Result<Hold, ProposeError> {
+        let flag = HoldFlag(Arc::clone(&self.held));
+        self.held.send_replace(true);
+        // What was queued before the hold goes first (the proposer takes it in batches).
+        while self.tx.capacity() < self.tx.max_capacity() {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        let slots = Arc::clone(&self.slots)
+            .acquire_many_owned(u32::try_from(IN_FLIGHT).unwrap_or(u32::MAX))
+            .await
+            .map_err(|_| ProposeError::Stopped)?;
+        Ok(Hold {
+            _slots: slots,
+            _flag: flag,
+        })
+    }
+
+    /// Whether a hold is taken (or being taken).
+    #[must_use]
+    pub fn is_held(&self) -> bool {
+        *self.held.borrow()
+    }
+
+    /// Resolves once no hold is taken.
+    pub async fn unheld(&self) {
+        let mut rx = self.held.subscribe();
+        let _ = rx.wait_for(|held| !held).await;
     }
 
     /// Queue `command` for the next entry, in call order (one publisher's commands keep their
-    /// order), and return the pending reply, which resolves once the entry has committed on a
+    /// order; while a [`Hold`] is taken, after it), and return the pending reply, which resolves once the entry has committed on a
     /// majority and been applied.
     ///
     /// # Errors
@@ -78,6 +140,9 @@ impl Proposer {
         &self,
         command: Command<ReplicatedMessage>,
     ) -> Result<Pending, ProposeError> {
+        if self.is_held() {
+            self.unheld().await;
+        }
         let (tx, rx) = oneshot::channel();
         self.tx
             .send((command, tx))
@@ -112,15 +177,18 @@ impl Pending {
     }
 }
 
-async fn run(raft: Raft<QueueRaft>, mut rx: mpsc::Receiver<(Command<ReplicatedMessage>, Waiter)>) {
-    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+async fn run(
+    raft: Raft<QueueRaft>,
+    mut rx: mpsc::Receiver<(Command<ReplicatedMessage>, Waiter)>,
+    slots: Arc<Semaphore>,
+) {
     loop {
-        // Wait for an entry slot first: while all are taken, commands keep queueing and the
-        // next entry takes them all.
-        let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
+        let Some(first) = rx.recv().await else {
             return;
         };
-        let Some(first) = rx.recv().await else {
+        // Then wait for an entry slot (an idle proposer holds none, so a hold can take them
+        // all): while all are taken, commands keep queueing and the next entry takes them all.
+        let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
             return;
         };
         let mut batch = vec![first];

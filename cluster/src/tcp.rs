@@ -108,6 +108,9 @@ struct Served {
     raft: Raft<QueueRaft>,
     proposer: Proposer,
     relay: Option<Relay>,
+    transfer: Option<Transfer>,
+    /// Until when this replica abstains from elections (a leader handing over asked).
+    abstain_until: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 /// Where a node sends metadata changes that peers forwarded to it: its own path to the
@@ -151,6 +154,8 @@ impl Groups {
                     raft,
                     proposer: proposer.clone(),
                     relay: None,
+                    transfer: None,
+                    abstain_until: Arc::default(),
                 },
             );
         proposer
@@ -165,6 +170,18 @@ impl Groups {
             .get_mut(id)
         {
             s.relay = Some(relay);
+        }
+    }
+
+    /// Hand leadership of group `id` to another voter through `transfer` when asked.
+    pub fn set_transfer(&self, id: &GroupId, transfer: Transfer) {
+        if let Some(s) = self
+            .by_id
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(id)
+        {
+            s.transfer = Some(transfer);
         }
     }
 
@@ -298,7 +315,20 @@ enum Request {
     /// Are you there (nodes that share no replication traffic still learn each other's
     /// liveness)?
     Ping,
+    /// To a group's leader: hand leadership to this voter (see [`Transfer`]).
+    Transfer(NodeId),
+    /// From a group's leader to the voter it hands leadership to: stand for election now.
+    /// Ignored from any other node, so only the leader can make a replica campaign.
+    Campaign,
+    /// From a group's leader handing over in a group of more than three: do not stand for
+    /// election for this many milliseconds (bounded by [`ABSTAIN_MAX`]), so only the voter it
+    /// hands over to does (after it asked that one too). Ignored from any other node, except
+    /// 0 ms: take part again at once.
+    Abstain(u64),
 }
+
+/// Longest a replica abstains from elections when a leader asks.
+pub const ABSTAIN_MAX: std::time::Duration = std::time::Duration::from_secs(15);
 
 #[derive(Debug, Serialize, Deserialize)]
 enum Response {
@@ -309,6 +339,37 @@ enum Response {
     ),
     Forward(Result<ForwardReplies, ProposeError>),
     Pong,
+    /// The new leader, or why leadership did not move.
+    Transferred(Result<NodeId, String>),
+    /// Whether the replica stood for election.
+    Campaigning(bool),
+    /// Whether the replica abstains.
+    Abstaining(bool),
+}
+
+/// How a node's leader replica hands its leadership to another voter: resolves with the new
+/// leader, or why leadership did not move.
+pub type Transfer = Arc<
+    dyn Fn(NodeId) -> std::pin::Pin<Box<dyn Future<Output = Result<NodeId, String>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// Where and how to reach one peer's replica of a group, for a single request.
+#[derive(Clone)]
+pub struct PeerCall {
+    /// This node.
+    pub from: NodeId,
+    /// The peer.
+    pub to: NodeId,
+    /// The group.
+    pub group: GroupId,
+    /// The peer's cluster port.
+    pub addr: String,
+    /// The cluster's secret.
+    pub secret: Secret,
+    /// TLS to the peer, if the cluster port uses it.
+    pub tls: Option<TlsConnector>,
 }
 
 /// What a node forwards to a group's leader.
@@ -424,6 +485,117 @@ fn suspect_leader(raft: &Raft<QueueRaft>, peer: NodeId) {
     });
 }
 
+/// Stand for election because `leader`, this group's leader, asked to hand over (only a
+/// voter does, and only when asked by the node it follows).
+async fn campaign(raft: &Raft<QueueRaft>, leader: NodeId) -> bool {
+    let (follows, voter) = {
+        let m = raft.metrics();
+        let m = m.borrow();
+        (
+            m.current_leader == Some(leader) && m.current_leader != Some(m.id),
+            m.membership_config
+                .membership()
+                .voter_ids()
+                .any(|v| v == m.id),
+        )
+    };
+    if !(follows && voter) {
+        return false;
+    }
+    tracing::info!(leader, "the leader hands over: electing");
+    raft.trigger().elect().await.is_ok()
+}
+
+/// Stop standing for election for `ms` (bounded) because `leader`, whom this replica follows,
+/// asked; elections come back on by themselves, or at once for a request of 0 ms. The latest
+/// request sets the end.
+fn abstain(served: &Served, leader: NodeId, ms: u64) -> bool {
+    let raft = &served.raft;
+    // Resuming (0 ms) is harmless from anyone: the old leader asks it after the handover.
+    if ms > 0 && raft.metrics().borrow().current_leader != Some(leader) {
+        return false;
+    }
+    let span = std::time::Duration::from_millis(ms).min(ABSTAIN_MAX);
+    let until = std::time::Instant::now() + span;
+    *served
+        .abstain_until
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = Some(until);
+    raft.runtime_config().elect(false);
+    let (raft, abstain_until) = (raft.clone(), Arc::clone(&served.abstain_until));
+    tokio::spawn(async move {
+        tokio::time::sleep(span).await;
+        let mut g = abstain_until.lock().unwrap_or_else(PoisonError::into_inner);
+        // Only the timer of the latest request turns elections back on.
+        if g.is_some_and(|u| u <= std::time::Instant::now()) {
+            *g = None;
+            drop(g);
+            raft.runtime_config().elect(true);
+        }
+    });
+    true
+}
+
+/// Ask voter `peer` not to stand for election for `ms` (this node leads the group).
+///
+/// # Errors
+/// The peer could not be reached or answered out of turn.
+pub async fn request_abstain(peer: PeerCall, ms: u64) -> Result<bool, TransportError> {
+    match one_call(peer, Request::Abstain(ms)).await? {
+        Response::Abstaining(ok) => Ok(ok),
+        _ => Err(TransportError::Frame("a response of another kind".into())),
+    }
+}
+
+/// Ask `peer`, the group's leader (for all this node knows), to hand leadership to `target`;
+/// resolves with the new leader, or why it did not move.
+///
+/// # Errors
+/// The peer could not be reached or answered out of turn.
+pub async fn request_transfer(
+    peer: PeerCall,
+    target: NodeId,
+) -> Result<Result<NodeId, String>, TransportError> {
+    match one_call(peer, Request::Transfer(target)).await? {
+        Response::Transferred(r) => Ok(r),
+        _ => Err(TransportError::Frame("a response of another kind".into())),
+    }
+}
+
+/// Ask voter `peer` to stand for election now (this node leads the group).
+///
+/// # Errors
+/// The peer could not be reached or answered out of turn.
+pub async fn request_campaign(peer: PeerCall) -> Result<bool, TransportError> {
+    match one_call(peer, Request::Campaign).await? {
+        Response::Campaigning(started) => Ok(started),
+        _ => Err(TransportError::Frame("a response of another kind".into())),
+    }
+}
+
+impl std::fmt::Debug for PeerCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerCall")
+            .field("to", &self.to)
+            .field("group", &self.group)
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+async fn one_call(peer: PeerCall, request: Request) -> Result<Response, TransportError> {
+    let mut conn = TcpConnection {
+        from: peer.from,
+        to: peer.to,
+        group: peer.group,
+        addr: peer.addr,
+        secret: peer.secret,
+        tls: peer.tls,
+        stream: None,
+    };
+    conn.call(request).await
+}
+
 /// Most forwarded requests in flight on one connection.
 pub const FORWARDS_IN_FLIGHT_MAX: usize = 16;
 
@@ -435,6 +607,7 @@ async fn serve_forwards(s: Stream, served: Served, first: Forwarded) -> Result<(
         raft,
         proposer,
         relay,
+        ..
     } = served;
     let (mut r, mut w) = tokio::io::split(s);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Staged>(FORWARDS_IN_FLIGHT_MAX);
@@ -693,20 +866,28 @@ async fn serve_connection(
     let raft = served.raft.clone();
     write_frame(&mut s, &Verdict::Welcome).await?;
     heard_from(hello.from);
+    // Only a connection that carried appends is the leader's replication stream: one-off
+    // requests (a handover's, a ping) close as a matter of course.
+    let mut replicating = false;
     loop {
         let request: Request = match read_frame(&mut s).await {
             Ok(r) => r,
             // The client closed the connection between RPCs.
             Err(TransportError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                suspect_leader(&raft, hello.from);
+                if replicating {
+                    suspect_leader(&raft, hello.from);
+                }
                 return Ok(());
             }
             Err(e) => {
-                suspect_leader(&raft, hello.from);
+                if replicating {
+                    suspect_leader(&raft, hello.from);
+                }
                 return Err(e);
             }
         };
         heard_from(hello.from);
+        replicating |= matches!(request, Request::AppendEntries(_));
         let response = match request {
             Request::AppendEntries(r) => Response::AppendEntries(raft.append_entries(r).await),
             Request::Vote(r) => Response::Vote(raft.vote(r).await),
@@ -715,6 +896,12 @@ async fn serve_connection(
             }
             Request::Forward(f) => return serve_forwards(s, served, f).await,
             Request::Ping => Response::Pong,
+            Request::Transfer(to) => Response::Transferred(match &served.transfer {
+                Some(transfer) => transfer(to).await,
+                None => Err("this replica cannot transfer leadership".into()),
+            }),
+            Request::Campaign => Response::Campaigning(campaign(&raft, hello.from).await),
+            Request::Abstain(ms) => Response::Abstaining(abstain(&served, hello.from, ms)),
         };
         write_frame(&mut s, &response).await?;
     }

@@ -1546,7 +1546,7 @@ class Consumer(Worker):
                 safe_close(conn)
 
 
-FAULT_KINDS = ("kill9", "pause", "term", "partition", "killall", "membership")
+FAULT_KINDS = ("kill9", "pause", "term", "partition", "killall", "membership", "transfer")
 PARTITION_MODES = ("reset", "blackhole", "mixed")
 
 
@@ -1561,7 +1561,9 @@ class FaultInjector(Worker):
       killall    kill -9 every node, restart them all 0.2-2 s later;
       membership remove a random member of the queue (the leader or not) through the
                  management API, wait until the leader no longer lists it, add it back and
-                 wait until it is listed again.
+                 wait until it is listed again;
+      transfer   hand the queue's leadership to another member at random (POST
+                 .../leader through a random node), under load.
     Half the node faults hit the queue's current leader. order="random" picks each kind at
     random; "cycle" takes every kind once per round (in a random order), so a short run still
     applies each. After healing a fault it waits until every node (the healed ones included)
@@ -1636,6 +1638,10 @@ class FaultInjector(Worker):
                     member, held = self._membership(leader)
                     impaired = {member}
                     name = self.c.nodes[member].name
+                elif kind == "transfer":
+                    target, held = self._transfer(leader)
+                    impaired = {target}
+                    name = self.c.nodes[target].name
             except Exception as e:   # noqa: BLE001 - e.g. a node that fails to restart
                 self.errors.append(f"+{t:.1f}s {kind} {name}: {e}")
                 try:
@@ -1689,6 +1695,20 @@ class FaultInjector(Worker):
         wait_members(self.c, self.queue, lambda m: member in m, deadline=deadline,
                      what=f"the leader listing {name} again")
         return member, held
+
+    def _transfer(self, leader):
+        """Hand leadership to a random other member (see class doc). Returns (the new
+        leader's index, seconds the handover took)."""
+        if leader is None:
+            leader = self.c.wait_for_leader(self.queue, deadline=self.recover_deadline)
+        members = sorted((queue_members(self.c, leader, self.queue) or set()) - {leader})
+        if not members:
+            raise AssertionError(f"{self.queue} has no member to hand over to")
+        target = self.rng.choice(members)
+        start = time.monotonic()
+        transfer_leader(self.c, self.queue, self.c.nodes[target].name,
+                        via=self.rng.choice(self.c.up_nodes()))
+        return target, time.monotonic() - start
 
     def _recover(self, healed):
         """Seconds until every node (the healed ones included) names the same confirmed
@@ -1796,6 +1816,16 @@ def wait_members(cluster, queue, check, deadline=30.0, what="membership"):
             raise AssertionError(f"{what} not reached within {deadline}s; leader "
                                  f"{leader} lists {seen}\n{cluster.describe(queue)}")
         time.sleep(0.1)
+
+
+def transfer_leader(cluster, queue, name, via=0, timeout=30.0):
+    """POST /api/queues/%2F/<queue>/leader {"node": name} through node `via`; asserts it
+    answered 200 naming `name` as the leader. Returns the answer's body."""
+    status, body = cluster.mgmt_request(via, "POST", cluster.queue_path(queue) + "/leader",
+                                        body={"node": name}, timeout=timeout)
+    cluster._event(f"hand {queue} to {name} via {cluster.nodes[via].name}: {status} {body}")
+    assert status == 200 and (body or {}).get("leader") == name, (status, body)
+    return body
 
 
 def membership_supported(cluster, queue):

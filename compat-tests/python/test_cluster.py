@@ -9,8 +9,9 @@ directly. On failure the harness prints each node's log tail and keeps the direc
 
 The last two tests are the Jepsen-style total-queue checker (see cluster_harness), under
 WARREN_CLUSTER_FAULTS (default kill9,pause; any of kill9, pause, term, partition, killall,
-membership) and under WARREN_CLUSTER_SEVERE_FAULTS (default partition,killall, plus
-membership when the binary has the members endpoint; each kind applied at least once). Each
+membership, transfer) and under WARREN_CLUSTER_SEVERE_FAULTS (default partition,killall, plus
+membership and transfer when the binary has the members endpoint; each kind applied at least
+once). Each
 lasts WARREN_CLUSTER_CHECK_SECONDS (default 30), repeated WARREN_CLUSTER_CHECK_RUNS times
 (default 1) on a fresh cluster each, with WARREN_CLUSTER_CHECK_SEED, WARREN_CLUSTER_CHECK_NODES
 (3) and WARREN_CLUSTER_PARTITION_MODE (reset, blackhole or mixed: the default). After the
@@ -699,7 +700,8 @@ def test_total_queue_checker_under_partitions_and_whole_cluster_kills(cluster_fa
     """The same check under the severe faults, each applied at least once: a minority (often
     the leader alone) partitioned away for 4-8 s, new connections across the cut refused or
     black-holed; kill -9 of every node, then all restarted; and, when the binary has the
-    endpoint, a member removed and added back under load. Clients on the cut-off side see
+    endpoint, a member removed and added back under load and leadership handed to another
+    member. Clients on the cut-off side see
     their operations stall or fail and retry (an unknown outcome)."""
     def kinds(cluster):
         if SEVERE_FAULTS:
@@ -707,7 +709,7 @@ def test_total_queue_checker_under_partitions_and_whole_cluster_kills(cluster_fa
         probe, _ = new_quorum_queue(cluster)
         supported = membership_supported(cluster, probe)
         log(f"membership endpoints {'present' if supported else 'absent'}")
-        return ("partition", "killall") + (("membership",) if supported else ())
+        return ("partition", "killall") + (("membership", "transfer") if supported else ())
 
     run_checker(cluster_factory, capsys, kinds, order="cycle",
                 partition_mode=PARTITION_MODE, until_each_kind=True)

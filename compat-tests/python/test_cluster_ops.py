@@ -496,3 +496,145 @@ def test_shrink_then_grow_even(cluster_factory):
     assert f"/\t{three}\t3\tok" in r.stdout and one not in r.stdout, r.stdout
     assert members(c, 0, three) == ["n1", "n2", "n3"]
     assert members(c, 0, one) == [only]
+
+
+def leaders_on(cluster, i, queues):
+    """{queue: leader name} as node i's queue listing reports them."""
+    _, listed = api(cluster, i, "GET", "/api/queues")
+    return {q["name"]: q.get("leader") for q in listed or [] if q["name"] in queues}
+
+
+def test_leadership_handed_over_under_load_loses_nothing(cluster_factory):
+    """`queues transfer_leader` moves the leadership to the named member (every node then
+    names it), six times round the members while two publishers with confirms run; then every
+    confirmed id is delivered and all replicas agree."""
+    c = cluster_factory(3)
+    q = "handover-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, q)
+    h = History()
+    stop = threading.Event()
+    errors = []
+    ids = iter(f"h{k}" for k in range(10**9))
+
+    def publisher(node):
+        while not stop.is_set():
+            batch = [next(ids) for _ in range(100)]
+            try:
+                publish_with_retry(c, [node, (node + 1) % 3], q, batch, h, deadline=60.0)
+            except AssertionError as e:
+                errors.append(str(e))
+                return
+
+    threads = [threading.Thread(target=publisher, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    took = []
+    try:
+        for k in range(6):
+            leader = c.wait_for_leader(q)
+            target = (leader + 1 + k % 2) % 3
+            name = c.nodes[target].name
+            start = time.monotonic()
+            r = ctl(c, k % 3, "queues", "transfer_leader", q, name)
+            took.append(round(time.monotonic() - start, 2))
+            assert r.returncode == 0, r.stdout + r.stderr
+            assert f"{name} leads {q}" in r.stdout, r.stdout
+            # Every node follows the new leader.
+            poll(lambda: {c.reported_leader(i, q) for i in range(3)}, lambda s: s == {target},
+                 what=f"every node naming {name} the leader")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors
+    confirmed = set(h.confirmed)
+    log(f"handovers took {took} s (ctl round trips); {len(confirmed)} confirmed")
+    assert len(confirmed) >= 200
+    drain_until(c, [0, 1, 2], q, h, confirmed, deadline=60.0)
+    index, _ = replicas_agree(c, q, range(3))
+    result = h.check()
+    assert result.ok, result.describe()
+    log(f"replicas agree at index {index}; {result.summary()}")
+
+
+def test_rebalance_spreads_leaders_over_the_nodes(cluster_factory):
+    """Six queues all led by n1 (handed there through the API): `queues rebalance quorum`
+    leaves each node leading two, every node's listing agrees, and a second rebalance has
+    nothing to move."""
+    c = cluster_factory(3)
+    queues = [f"rebal{k}-" + uuid.uuid4().hex[:4] for k in range(6)]
+    for q in queues:
+        declare_quorum(c, k_via(queues, q), q)
+    for q in queues:
+        leader = c.wait_for_leader(q)
+        if c.nodes[leader].name != "n1":
+            status, body = api(c, 2, "POST", c.queue_path(q) + "/leader", {"node": "n1"})
+            assert status == 200 and body == {"leader": "n1"}, (status, body)
+    poll(lambda: leaders_on(c, 1, queues), lambda m: set(m.values()) == {"n1"},
+         what="n1 leading every queue")
+    r = ctl(c, 1, "queues", "rebalance", "quorum", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("moved\t/\t") == 4, r.stdout
+    for line in ("n1\t2", "n2\t2", "n3\t2"):
+        assert line in r.stdout, r.stdout
+    for i in range(3):
+        seen = poll(lambda i=i: leaders_on(c, i, queues),
+                    lambda m: len(m) == 6 and None not in m.values(), what="every leader known")
+        counts = {n: list(seen.values()).count(n) for n in ("n1", "n2", "n3")}
+        assert counts == {"n1": 2, "n2": 2, "n3": 2}, (i, seen)
+    status, body = api(c, 0, "POST", "/api/rebalance/queues")
+    assert status == 200 and body["moved"] == [] and body["failed"] == [], body
+    # A pattern that matches nothing moves nothing and reports no leaders of its queues.
+    status, body = api(c, 0, "POST", "/api/rebalance/queues", {"queue_pattern": "^nomatch$"})
+    assert status == 200 and body["moved"] == [], body
+    assert body["leaders"] == {"n1": 0, "n2": 0, "n3": 0}, body
+
+
+def k_via(queues, q):
+    """Declare round the nodes."""
+    return queues.index(q) % 3
+
+
+def test_handover_refusals(cluster_factory):
+    """A handover to a node that is no member is refused (400), as is one to an unknown node
+    or of a classic queue (404); the leader stays where it was."""
+    c = cluster_factory(3)
+    q = "solo-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, q, arguments={"x-quorum-initial-group-size": 1})
+    [only] = poll(lambda: members(c, 0, q), lambda m: len(m) == 1, what="one member")
+    other = next(n for n in ("n1", "n2", "n3") if n != only)
+    status, body = api(c, 0, "POST", c.queue_path(q) + "/leader", {"node": other})
+    assert status == 400 and "not a voting member" in body["reason"], (status, body)
+    status, body = api(c, 0, "POST", c.queue_path(q) + "/leader", {"node": "n9"})
+    assert status == 404 and "no node n9" in body["reason"], (status, body)
+    r = ctl(c, 0, "queues", "transfer_leader", q, other)
+    assert r.returncode != 0 and "not a voting member" in (r.stdout + r.stderr), r
+    at = c.node_index(only)
+    assert c.reported_leader(at, q) == at
+    classic = "classic-" + uuid.uuid4().hex[:6]
+    status, _ = api(c, 0, "PUT", c.queue_path(classic), {"durable": True})
+    assert status in (201, 204)
+    status, body = api(c, 0, "POST", c.queue_path(classic) + "/leader", {"node": "n2"})
+    assert status == 404, (status, body)
+
+
+@pytest.mark.timeout(180)
+def test_five_member_queue_hands_over(cluster_factory):
+    """In a group of five the old leader's and the target's votes are no majority: the
+    handover waits out the other voters' leader lease (seconds), then the target wins."""
+    c = cluster_factory(5)
+    q = "five-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, q, arguments={"x-quorum-initial-group-size": 5})
+    poll(lambda: members(c, 0, q), lambda m: len(m) == 5, what="five members")
+    for k in range(2):
+        leader = c.wait_for_leader(q)
+        target = (leader + 2) % 5
+        name = c.nodes[target].name
+        start = time.monotonic()
+        status, body = api(c, (leader + 1) % 5, "POST", c.queue_path(q) + "/leader",
+                           {"node": name})
+        log(f"five-member handover to {name}: {status} {body} in "
+            f"{time.monotonic() - start:.2f} s")
+        assert status == 200 and body == {"leader": name}, (status, body)
+        poll(lambda: {c.reported_leader(i, q) for i in range(5)}, lambda s: s == {target},
+             what=f"every node naming {name} the leader")

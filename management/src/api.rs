@@ -26,6 +26,8 @@ use crate::rates::MessageRates;
 use crate::{ApiError, AppState, REQUEST_BODY_MAX, queue_message_stats};
 use warren_broker::stats::MessageStats;
 
+mod leadership;
+
 type ApiResult = Result<Response, ApiError>;
 
 /// The version the API reports as `rabbitmq_version`: the RabbitMQ release whose API Warren
@@ -109,6 +111,14 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/api/queues/{vhost}/{queue}/members/{node}",
             axum::routing::delete(delete_member),
+        )
+        .route(
+            "/api/queues/{vhost}/{queue}/leader",
+            axum::routing::post(leadership::transfer_leader),
+        )
+        .route(
+            "/api/rebalance/queues",
+            axum::routing::post(leadership::rebalance),
         )
         .route(
             "/api/exchanges/{vhost}/{exchange}/publish",
