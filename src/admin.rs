@@ -50,6 +50,12 @@ enum Request {
         name: String,
         password: String,
     },
+    /// Join the cluster of these seeds (`name@host:port,...`), this node reached at
+    /// `address` (default: its cluster listen address); see [`crate::join`].
+    JoinCluster {
+        seeds: String,
+        address: Option<String>,
+    },
 }
 
 /// rabbitmqctl's exit codes for the errors it reports (sysexits).
@@ -77,11 +83,13 @@ pub async fn serve(
     listener: UnixListener,
     broker: Arc<Broker>,
     app: warren_management::AppState,
+    joiner: Arc<crate::join::Joiner>,
 ) -> anyhow::Result<()> {
     loop {
         let (stream, _) = listener.accept().await?;
         let broker = Arc::clone(&broker);
         let app = app.clone();
+        let joiner = Arc::clone(&joiner);
         tokio::spawn(async move {
             let (rd, mut wr) = stream.into_split();
             let mut lines = tokio::io::BufReader::new(rd).lines();
@@ -89,7 +97,7 @@ pub async fn serve(
                 let reply = if line.len() > REQUEST_MAX {
                     json!({"ok": false, "error": "request too large"})
                 } else {
-                    handle(&broker, &app, &line).await
+                    handle(&broker, &app, &joiner, &line).await
                 };
                 let mut out = reply.to_string();
                 out.push('\n');
@@ -101,7 +109,12 @@ pub async fn serve(
     }
 }
 
-async fn handle(broker: &Broker, app: &warren_management::AppState, line: &str) -> Value {
+async fn handle(
+    broker: &Broker,
+    app: &warren_management::AppState,
+    joiner: &crate::join::Joiner,
+    line: &str,
+) -> Value {
     let request: Request = match serde_json::from_str(line) {
         Ok(r) => r,
         Err(e) => return json!({"ok": false, "error": format!("bad request: {e}")}),
@@ -177,6 +190,12 @@ async fn handle(broker: &Broker, app: &warren_management::AppState, line: &str) 
                 lines.join("\n")
             };
             json!({"ok": true, "message": message})
+        }
+        Request::JoinCluster { seeds, address } => {
+            match joiner.join(broker, &seeds, address.as_deref()) {
+                Ok(node) => json!({"ok": true, "node": node}),
+                Err((code, error)) => json!({"ok": false, "error": error, "code": code}),
+            }
         }
         Request::AuthenticateUser { name, password } => {
             if broker.authenticate(&name, &password) {
@@ -524,6 +543,16 @@ pub enum CtlCommand {
         /// Node name.
         node: String,
     },
+    /// Make this node (running alone, with --node-name and --cluster-secret, holding nothing
+    /// of its own) join the running cluster of SEEDS (`name@host:port,...`, their cluster
+    /// ports): it restarts into the cluster. Answers once it runs as a member.
+    JoinCluster {
+        /// Nodes of the cluster to join: `name@host:port,...`.
+        seeds: String,
+        /// Where the other nodes reach this one's cluster port [default: its listen address].
+        #[arg(long)]
+        address: Option<String>,
+    },
     /// The cluster's name, its nodes, and which of them this node hears from.
     ClusterStatus {
         /// `json` for one JSON object.
@@ -639,6 +668,21 @@ fn cell(item: &Value, column: &str) -> String {
         Some(Value::Array(a)) if a.is_empty() => "[]".into(),
         Some(other) => other.to_string(),
     }
+}
+
+/// Ask the broker to join the cluster of `seeds` (see [`crate::join`]): its reply.
+pub(crate) fn request_join(
+    data_dir: &Path,
+    seeds: &str,
+    address: Option<&str>,
+) -> anyhow::Result<Value> {
+    send(
+        data_dir,
+        &Request::JoinCluster {
+            seeds: seeds.into(),
+            address: address.map(str::to_string),
+        },
+    )
 }
 
 /// One request over the admin socket, one JSON reply.
@@ -843,6 +887,13 @@ fn api_ctl(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
             vec![("x-reason".to_string(), explanation.clone())],
         ),
         CtlCommand::Status => return Some(status(data_dir)),
+        CtlCommand::JoinCluster { seeds, address } => {
+            return Some(crate::ctl_cluster::join_cluster(
+                data_dir,
+                seeds,
+                address.as_deref(),
+            ));
+        }
         CtlCommand::ClusterStatus { formatter } => {
             return Some(crate::ctl_cluster::cluster_status(
                 data_dir,

@@ -158,6 +158,10 @@ pub struct ServerConfig {
     pub log_format: LogFormat,
     /// The cluster this node joins (None: it runs alone).
     pub cluster: Option<ClusterConfig>,
+    /// A node running alone with a cluster identity (`--node-name`, `--cluster-secret`,
+    /// `--cluster-listen`) that `warren ctl join_cluster` can make join a cluster (its
+    /// `peers` are empty).
+    pub standalone: Option<ClusterConfig>,
 }
 
 /// `--node-name`, `--cluster-listen`, `--peers`, `--cluster-secret`.
@@ -178,7 +182,7 @@ pub struct ClusterConfig {
 }
 
 /// Parse `name@host:port,...`.
-fn parse_peers(list: &str) -> anyhow::Result<Vec<warren_cluster::node::Peer>> {
+pub(crate) fn parse_peers(list: &str) -> anyhow::Result<Vec<warren_cluster::node::Peer>> {
     list.split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())
@@ -291,50 +295,67 @@ impl ServerConfig {
                 .or(file.prometheus_listen.as_ref()),
             15692,
         )?;
-        let cluster = match args.peers.or(file.peers) {
+        let data_dir = args
+            .data_dir
+            .clone()
+            .or(file.data_dir.clone())
+            .unwrap_or_else(|| PathBuf::from("./warren-data"));
+        // A node that `warren ctl join_cluster` joined keeps its seeds in its data directory.
+        let joined = crate::join::read_seeds(&data_dir)?;
+        let peers = args.peers.or(file.peers);
+        let joining = peers.is_none() && joined.is_some();
+        let identity = match args.node_name.or(file.node_name) {
             None => None,
+            Some(node_name) => Some(ClusterConfig {
+                node_name,
+                listen: args
+                    .cluster_listen
+                    .or(file.cluster_listen)
+                    .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 25672))),
+                peers: Vec::new(),
+                secret: args
+                    .cluster_secret
+                    .or(file.cluster_secret)
+                    .filter(|s| !s.is_empty())
+                    .unwrap_or_default(),
+                join: args.join || file.join.unwrap_or(false) || joining,
+                tls: match (
+                    args.cluster_tls_cert.or(file.cluster_tls_cert),
+                    args.cluster_tls_key.or(file.cluster_tls_key),
+                    args.cluster_tls_ca.or(file.cluster_tls_ca),
+                ) {
+                    (None, None, None) => None,
+                    (Some(cert), Some(key), Some(ca)) => {
+                        Some(crate::tls::ClusterTlsFiles { cert, key, ca })
+                    }
+                    _ => anyhow::bail!(
+                        "cluster TLS needs all of --cluster-tls-cert, --cluster-tls-key \
+                         and --cluster-tls-ca"
+                    ),
+                },
+            }),
+        };
+        let (cluster, standalone) = match peers.or(joined) {
+            None => (None, identity.filter(|c| !c.secret.is_empty())),
             Some(list) => {
                 let peers = parse_peers(&list)?;
-                let node_name = args
-                    .node_name
-                    .or(file.node_name)
-                    .context("--peers needs --node-name")?;
+                let mut c = identity.context("--peers needs --node-name")?;
                 anyhow::ensure!(
-                    peers.iter().any(|p| p.name == node_name),
-                    "--peers must name this node ({node_name})"
+                    peers.iter().any(|p| p.name == c.node_name),
+                    "--peers must name this node ({})",
+                    c.node_name
                 );
-                Some(ClusterConfig {
-                    node_name,
-                    listen: args
-                        .cluster_listen
-                        .or(file.cluster_listen)
-                        .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 25672))),
-                    peers,
-                    secret: args
-                        .cluster_secret
-                        .or(file.cluster_secret)
-                        .filter(|s| !s.is_empty())
-                        .context("a cluster needs --cluster-secret (or WARREN_CLUSTER_SECRET)")?,
-                    join: args.join || file.join.unwrap_or(false),
-                    tls: match (
-                        args.cluster_tls_cert.or(file.cluster_tls_cert),
-                        args.cluster_tls_key.or(file.cluster_tls_key),
-                        args.cluster_tls_ca.or(file.cluster_tls_ca),
-                    ) {
-                        (None, None, None) => None,
-                        (Some(cert), Some(key), Some(ca)) => {
-                            Some(crate::tls::ClusterTlsFiles { cert, key, ca })
-                        }
-                        _ => anyhow::bail!(
-                            "cluster TLS needs all of --cluster-tls-cert, --cluster-tls-key \
-                             and --cluster-tls-ca"
-                        ),
-                    },
-                })
+                anyhow::ensure!(
+                    !c.secret.is_empty(),
+                    "a cluster needs --cluster-secret (or WARREN_CLUSTER_SECRET)"
+                );
+                c.peers = peers;
+                (Some(c), None)
             }
         };
         Ok(Self {
             cluster,
+            standalone,
             log_format: args.log_format.or(file.log_format).unwrap_or_default(),
             management_listen,
             prometheus_listen,
@@ -346,10 +367,7 @@ impl ServerConfig {
                 .amqp_listen
                 .or(file.amqp_listen)
                 .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 5672))),
-            data_dir: args
-                .data_dir
-                .or(file.data_dir)
-                .unwrap_or_else(|| PathBuf::from("./warren-data")),
+            data_dir,
             log_level: args
                 .log_level
                 .or(file.log_level)
@@ -520,6 +538,43 @@ mod tests {
         a.cluster_tls_cert = Some("node.pem".into());
         let e = ServerConfig::load(a).unwrap_err().to_string();
         assert!(e.contains("needs all of --cluster-tls-cert"), "{e}");
+    }
+
+    /// A node with a cluster identity and no --peers runs alone but can join
+    /// (`standalone`); once `join_cluster` recorded seeds in its data directory it starts as
+    /// a joining cluster node with the same flags.
+    #[test]
+    fn recorded_seeds_make_a_lone_node_a_joining_member() {
+        let dir = tempfile::tempdir().unwrap();
+        let lone = || {
+            let mut a = args(None);
+            a.data_dir = Some(dir.path().to_path_buf());
+            a.node_name = Some("n4".into());
+            a.cluster_listen = Some(SocketAddr::from(([127, 0, 0, 1], 25004)));
+            a.cluster_secret = Some("s".into());
+            ServerConfig::load(a)
+        };
+        let c = lone().unwrap();
+        assert!(c.cluster.is_none());
+        assert_eq!(c.standalone.unwrap().node_name, "n4");
+        std::fs::create_dir_all(dir.path().join("cluster")).unwrap();
+        std::fs::write(
+            dir.path().join(crate::join::SEEDS_FILE),
+            "n4@127.0.0.1:25004,n1@127.0.0.1:25001\n",
+        )
+        .unwrap();
+        let c = lone().unwrap();
+        assert!(c.standalone.is_none());
+        let cluster = c.cluster.unwrap();
+        assert!(cluster.join);
+        assert_eq!(cluster.peers.len(), 2);
+        assert_eq!(cluster.peers[1].name, "n1");
+        // Without its secret it does not start at all.
+        let mut a = args(None);
+        a.data_dir = Some(dir.path().to_path_buf());
+        a.node_name = Some("n4".into());
+        let e = ServerConfig::load(a).unwrap_err().to_string();
+        assert!(e.contains("needs --cluster-secret"), "{e}");
     }
 
     fn args_cluster_none() -> bool {

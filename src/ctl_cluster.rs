@@ -14,6 +14,8 @@ use crate::admin::{api_request, percent_segment};
 
 /// How long a membership verb waits for the leader to report the new voters.
 const MEMBERS_WAIT: Duration = Duration::from_secs(30);
+/// How long `join_cluster` waits for the node to restart as a member.
+const JOIN_WAIT: Duration = Duration::from_secs(90);
 
 /// rabbitmq-queues' membership verbs.
 #[derive(Debug, clap::Subcommand)]
@@ -129,6 +131,38 @@ pub fn cluster_status(data_dir: &Path, json_output: bool) -> anyhow::Result<u8> 
         println!("{n}");
     }
     Ok(0)
+}
+
+/// `join_cluster`: the node records the seeds and restarts; wait until it answers again as a
+/// member of a cluster of more than one node.
+pub fn join_cluster(data_dir: &Path, seeds: &str, address: Option<&str>) -> anyhow::Result<u8> {
+    let reply = crate::admin::request_join(data_dir, seeds, address)?;
+    if reply["ok"] != true {
+        eprintln!("Error: {}", reply["error"].as_str().unwrap_or("refused"));
+        return Ok(reply["code"]
+            .as_u64()
+            .and_then(|c| u8::try_from(c).ok())
+            .unwrap_or(70));
+    }
+    let node = reply["node"].as_str().unwrap_or_default();
+    println!("Clustering node {node} with {seeds}");
+    let deadline = Instant::now() + JOIN_WAIT;
+    loop {
+        // The node is down for a moment while it restarts: no answer is no failure yet.
+        if let Ok((200, nodes)) = api_request(data_dir, "GET", "/api/nodes", None, Vec::new()) {
+            let listed = nodes.as_array().cloned().unwrap_or_default();
+            let me = listed.iter().any(|n| n["name"] == node);
+            if me && listed.len() > 1 {
+                return Ok(0);
+            }
+        }
+        if Instant::now() >= deadline {
+            eprintln!("Error: {node} did not come back as a cluster member within {JOIN_WAIT:?}");
+            return Ok(75);
+        }
+        // Polling: the restart has no event a client can wait on.
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// Run a `queues` verb.

@@ -4,6 +4,7 @@ mod admin;
 mod config;
 mod ctl_api;
 mod ctl_cluster;
+mod join;
 mod resources;
 mod server;
 mod tls;
@@ -32,6 +33,20 @@ enum Cmd {
         #[command(subcommand)]
         command: admin::CtlCommand,
     },
+}
+
+/// Replace this process with a fresh run of the same binary and arguments (returns only on
+/// failure). Sockets are close-on-exec, so the new image binds its ports anew.
+fn restart_in_place() -> std::io::Error {
+    use std::os::unix::process::CommandExt;
+    let mut args = std::env::args_os();
+    let program = std::env::current_exe()
+        .ok()
+        .or_else(|| args.next().map(std::path::PathBuf::from))
+        .unwrap_or_default();
+    let mut args = std::env::args_os();
+    args.next();
+    std::process::Command::new(program).args(args).exec()
 }
 
 fn main() -> ExitCode {
@@ -67,7 +82,15 @@ fn main() -> ExitCode {
                 }
             };
             match runtime.block_on(server::run(cfg)) {
-                Ok(()) => ExitCode::SUCCESS,
+                Ok(server::Exit::Stopped) => ExitCode::SUCCESS,
+                Ok(server::Exit::Rejoin) => {
+                    // Everything is closed and durable: start again, same arguments, as the
+                    // cluster node the recorded seeds make it.
+                    drop(runtime);
+                    let e = restart_in_place();
+                    eprintln!("warren: cannot restart to join the cluster: {e}");
+                    ExitCode::FAILURE
+                }
                 Err(e) => {
                     tracing::error!("{e:#}");
                     eprintln!("warren: {e:#}");

@@ -39,7 +39,7 @@ const STORE_PENDING_HIGH: u64 = 64 * 1024 * 1024;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Run the broker until SIGINT or SIGTERM.
-pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
+pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("creating data dir {}", cfg.data_dir.display()))?;
     let started = std::time::Instant::now();
@@ -214,13 +214,19 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
         },
     };
 
+    let joiner = Arc::new(crate::join::Joiner::new(
+        cfg.standalone.clone(),
+        cfg.data_dir.clone(),
+    ));
     let admin = tokio::spawn(crate::admin::serve(
         admin_listener,
         Arc::clone(&broker),
         app.clone(),
+        Arc::clone(&joiner),
     ));
     let signal = shutdown_signal();
     tokio::pin!(signal);
+    let mut exit = Exit::Stopped;
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -238,6 +244,10 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
                 Err(e) => accept_failed(e).await,
             },
             () = &mut signal => break,
+            () = joiner.restart.notified() => {
+                exit = Exit::Rejoin;
+                break;
+            }
         }
     }
     drop(amqps);
@@ -262,7 +272,16 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<()> {
     // Everything submitted is committed before the process exits.
     durable.shutdown();
     tracing::info!("stopped");
-    Ok(())
+    Ok(exit)
+}
+
+/// How the server ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Stopped (a signal).
+    Stopped,
+    /// Stopped to start again into a cluster (`warren ctl join_cluster`).
+    Rejoin,
 }
 
 async fn shutdown_signal() {

@@ -474,6 +474,81 @@ def test_a_node_joins_a_running_cluster_and_is_forgotten(cluster_factory):
     drain_until(c, [0, 1], q, h, ["after-restart", "after-forget"])
 
 
+def add_lone_node(c):
+    """Give cluster `c` a node n{len+1} that runs alone but has a cluster identity
+    (--node-name, --cluster-listen, --cluster-secret; no --peers); returns its index."""
+    from cluster_harness import Node
+    i = len(c.nodes)
+    node = Node(i, c.root)
+    c.nodes.append(node)
+    plain = c.command
+
+    def command(k):
+        if k != i:
+            return plain(k)
+        return [c.binary, "server",
+                "--amqp-listen", f"127.0.0.1:{node.amqp_port}",
+                "--management-listen", f"127.0.0.1:{node.mgmt_port}",
+                "--prometheus-listen", f"127.0.0.1:{node.prom_port}",
+                "--data-dir", str(node.data_dir), "--log-level", c.log_level,
+                "--node-name", node.name, "--cluster-listen", f"127.0.0.1:{node.cluster_port}",
+                "--cluster-secret", c.secret]
+
+    c.command = command
+    return i
+
+
+def test_join_cluster_makes_a_lone_node_a_member(cluster_factory):
+    """`warren ctl join_cluster` on a node running alone: refused while it holds a queue of
+    its own; once it holds nothing, the node restarts into the cluster (same process), learns
+    its queues, serves as a member, and stays in the cluster across a restart with the same
+    command line."""
+    c = cluster_factory(3)
+    q = "joined-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, q)
+    h = History()
+    ids = [f"jc{k}" for k in range(50)]
+    publish_with_retry(c, [0], q, ids, h)
+    n4 = add_lone_node(c)
+    c.start_node(n4)
+    pid = c.nodes[n4].proc.pid
+    seed = f"{c.nodes[1].name}@127.0.0.1:{c.nodes[1].cluster_port}"
+    # A node with something of its own is not joined (RabbitMQ wants it reset first).
+    assert api(c, n4, "PUT", c.queue_path("mine"), {"durable": True})[0] in (201, 204)
+    r = ctl(c, n4, "join_cluster", seed)
+    assert r.returncode == 69 and "has queues" in r.stderr, (r.returncode, r.stdout, r.stderr)
+    assert api(c, n4, "DELETE", c.queue_path("mine"))[0] == 204
+    r = ctl(c, n4, "join_cluster", seed)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"Clustering node n4 with {seed}" in r.stdout, r.stdout
+    # The same process, restarted in place.
+    assert c.nodes[n4].proc.poll() is None and c.nodes[n4].proc.pid == pid
+
+    def status(i):
+        r = ctl(c, i, "cluster_status", "--formatter", "json")
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    everyone = ["n1", "n2", "n3", "n4"]
+    for i in (0, n4):
+        poll(lambda: status(i), lambda s: s["running_nodes"] == everyone,
+             what=f"four running nodes seen from n{i + 1}")
+    poll(lambda: c.queue_info(n4, q), lambda x: x and x.get("messages") == 50,
+         what="the queue on n4")
+    r = ctl(c, n4, "queues", "add_member", q, "n4")
+    assert r.returncode == 0, r.stdout + r.stderr
+    drain_until(c, [n4], q, h, ids)
+    # Its command line has no --peers: the recorded seeds keep it a member.
+    c.stop(n4)
+    c.start_node(n4)
+    poll(lambda: status(n4), lambda s: s["running_nodes"] == everyone, what="n4 back")
+    publish_with_retry(c, [n4], q, ["after-restart"], h)
+    drain_until(c, [n4], q, h, ["after-restart"])
+    # A member cannot join again.
+    r = ctl(c, n4, "join_cluster", seed)
+    assert r.returncode == 69 and "member already" in r.stderr, (r.returncode, r.stderr)
+
+
 def test_shrink_then_grow_even(cluster_factory):
     """`queues shrink n2` takes n2 out of every queue it is a member of; `grow n2 even` puts
     it back into those with an even number of members only."""
