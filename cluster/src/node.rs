@@ -1264,9 +1264,10 @@ impl ClusterNode {
 
     /// As the leader of a queue group, hand leadership to voter `to`: hold the proposer
     /// (the log stands still and all it proposed has committed), wait until `to` holds every
-    /// entry, and ask it to stand for election. This replica grants it its vote, which with
-    /// its own makes a majority of three (a larger group also needs followers whose leader
-    /// lease ran out, so its election may take a timeout and may go elsewhere).
+    /// entry, and ask it to stand for election. In a group of at most three voters this
+    /// replica's vote and the target's are a majority: the handover takes milliseconds.
+    /// Otherwise (more voters, or this replica no longer one) the other voters abstain and
+    /// their leader lease runs out first (openraft's, the maximum election timeout).
     async fn lead_transfer(&self, incarnation: u64, to: NodeId) -> Result<NodeId, TransferError> {
         use std::sync::atomic::Ordering;
         let replica = self
@@ -1354,8 +1355,9 @@ impl ClusterNode {
                 })
                 .ok_or_else(|| TransferError::Failed(format!("no address for {}", name(peer))))
         };
-        // Beyond three voters, this replica's vote and the target's are no majority: the
-        // others must grant theirs too, which they do only once their leader lease ran out.
+        // Beyond three voters (or when this replica no longer votes), this replica's vote and
+        // the target's are no majority: the others must grant theirs too, which they do only
+        // once their leader lease ran out.
         // So they (and the target) abstain, this replica stops its heartbeats, and the
         // target campaigns once every lease is over.
         let voters: Vec<NodeId> = raft
@@ -1366,7 +1368,10 @@ impl ClusterNode {
             .voter_ids()
             .collect();
         let others: Vec<NodeId> = voters.iter().copied().filter(|v| *v != self.me).collect();
-        let _resume = if voters.len() > 3 {
+        // The fast path needs this replica's vote to count and, with the target's, to be a
+        // majority: a voter in a group of at most three.
+        let slow = voters.len() > 3 || !voters.contains(&self.me);
+        let _resume = if slow {
             let span = lease + TRANSFER_MAX;
             for peer in &others {
                 let asked = tokio::time::timeout(
@@ -1411,7 +1416,7 @@ impl ClusterNode {
             .await;
         // Commands held meanwhile now go to the new leader (forwarded) or fail as not led.
         drop(hold);
-        if voters.len() > 3 {
+        if slow {
             resume_elections(call, &others).await;
         }
         match moved {
@@ -2334,22 +2339,53 @@ fn reconcile_members(node: &ClusterNode, replica: &Arc<QueueReplica>) {
         .filter(|id| !known.contains(id))
         .filter_map(|id| node.addresses.get(*id).map(|a| (*id, a)))
         .collect();
-    let (raft, replica) = (raft.clone(), Arc::clone(replica));
+    let (raft, replica, weak) = (raft.clone(), Arc::clone(replica), node.weak_self());
     tokio::spawn(async move {
         for (id, addr) in learners {
             if let Err(e) = raft.add_learner(id, BasicNode::new(addr), true).await {
                 tracing::debug!(error = %e, "adding a learner before it votes");
             }
         }
-        match raft.change_membership(desired.clone(), true).await {
+        let changed = raft.change_membership(desired.clone(), true).await;
+        replica.changing.store(false, Ordering::Release);
+        match changed {
             Ok(_) => {
-                tracing::info!(queue = %replica.queue.name, members = ?desired, "queue members changed")
+                tracing::info!(queue = %replica.queue.name, members = ?desired, "queue members changed");
             }
             Err(e) => {
-                tracing::warn!(queue = %replica.queue.name, error = %e, "changing queue members")
+                tracing::warn!(queue = %replica.queue.name, error = %e, "changing queue members");
+                return;
             }
         }
-        replica.changing.store(false, Ordering::Release);
+        // A leader that is no member any more keeps leading as a learner (openraft cannot
+        // remove a leader without it stepping down mid-change): hand over to a voter.
+        let Some(node) = weak.upgrade() else {
+            return;
+        };
+        if desired.contains(&node.me) || raft.metrics().borrow().current_leader != Some(node.me) {
+            return;
+        }
+        let target = {
+            let m = raft.metrics();
+            let m = m.borrow();
+            // The voter furthest along (it catches up fastest).
+            desired.iter().copied().max_by_key(|v| {
+                m.replication
+                    .as_ref()
+                    .and_then(|r| r.get(v).copied().flatten())
+                    .map(|l| l.index)
+            })
+        };
+        if let Some(target) = target {
+            match node.lead_transfer(replica.group.incarnation, target).await {
+                Ok(new) => {
+                    tracing::info!(queue = %replica.queue.name, leader = new, "the removed leader handed over")
+                }
+                Err(e) => {
+                    tracing::warn!(queue = %replica.queue.name, error = %e, "the removed leader could not hand over")
+                }
+            }
+        }
     });
 }
 

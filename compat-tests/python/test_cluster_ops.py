@@ -173,6 +173,27 @@ def test_a_removed_member_no_longer_counts_towards_the_majority(cluster_factory)
     drain_until(c, [leader, remaining, removed], q, h, ["a1", "a2"], deadline=DEADLINE)
 
 
+def test_a_removed_leader_hands_over_to_a_member(cluster_factory):
+    """delete_member of the queue's leader: it stops leading (a learner now) and one of the
+    two remaining members leads, as every node reports; the queue serves on."""
+    c = cluster_factory(3)
+    q = "oust-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, q)
+    h = History()
+    publish_with_retry(c, [0], q, ["before"], h)
+    leader = c.wait_for_leader(q)
+    name = c.nodes[leader].name
+    r = ctl(c, (leader + 1) % 3, "queues", "delete_member", q, name)
+    assert r.returncode == 0, r.stdout + r.stderr
+    kept = {i for i in range(3) if i != leader}
+    poll(lambda: {c.reported_leader(i, q) for i in range(3)},
+         lambda s: len(s) == 1 and s <= kept, what="every node naming a kept member")
+    poll(lambda: (c.queue_info(leader, q) or {}).get("raft", {}).get("role"),
+         lambda role: role == "learner", what=f"{name} a learner")
+    publish_with_retry(c, [leader], q, ["after"], h)
+    drain_until(c, [leader], q, h, ["before", "after"])
+
+
 def test_membership_refusals(cluster_factory):
     c = cluster_factory(3)
     q = "refuse-" + uuid.uuid4().hex[:6]
