@@ -9,6 +9,7 @@ carry rabbitmq-queues' exit codes, and every replica ends with the same state at
 applied index.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -80,9 +81,7 @@ def test_cluster_status_lists_nodes_and_drops_a_killed_one(cluster_factory):
     c = cluster_factory(3)
 
     def status():
-        out = ctl(c, 0, "cluster_status", "--formatter", "json")
-        assert out.returncode == 0, out.stderr
-        return json.loads(out.stdout)
+        return cluster_status(c, 0)
 
     # A node counts a peer as running once it has heard from it: moments after the start.
     poll(status, lambda s: s["running_nodes"] == ["n1", "n2", "n3"], what="all nodes running")
@@ -213,25 +212,21 @@ def test_membership_refusals(cluster_factory):
     assert members(c, 0, q) == [only]
 
 
-def test_membership_changes_under_load_lose_nothing(cluster_factory):
-    """Publishers with confirms and an acking consumer run while members are removed and
-    added again (the leader among them); then every confirmed id is delivered, and all
-    replicas agree."""
-    c = cluster_factory(3)
-    q = "churn-" + uuid.uuid4().hex[:6]
-    declare_quorum(c, 0, q)
+@contextlib.contextmanager
+def confirmed_load(c, q, prefix):
+    """Two publishers with confirms (through n1 and n2, each falling back on the next node)
+    publish ids `prefix`0, 1, ... to `q` in batches of 100 until the block ends; yields their
+    History and asserts at the end that neither gave up."""
     h = History()
     stop = threading.Event()
     errors = []
-    ids = iter(f"c{k}" for k in range(10**9))
-    published = []
+    ids = iter(f"{prefix}{k}" for k in range(10**9))
 
     def publisher(node):
         while not stop.is_set():
             batch = [next(ids) for _ in range(100)]
             try:
                 publish_with_retry(c, [node, (node + 1) % 3], q, batch, h, deadline=60.0)
-                published.extend(batch)
             except AssertionError as e:
                 errors.append(str(e))
                 return
@@ -239,9 +234,35 @@ def test_membership_changes_under_load_lose_nothing(cluster_factory):
     threads = [threading.Thread(target=publisher, args=(i,), daemon=True) for i in (0, 1)]
     for t in threads:
         t.start()
+    try:
+        yield h
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+    assert not errors, errors
+
+
+def settle(c, q, h):
+    """Drain `q` until every confirmed id was delivered, check the history (lost 0,
+    unexpected 0, only allowed duplicates) and that all replicas agree; logs the outcome."""
+    drain_until(c, [0, 1, 2], q, h, set(h.confirmed), deadline=60.0)
+    index, _ = replicas_agree(c, q, range(3))
+    result = h.check()
+    assert result.ok, result.describe()
+    log(f"replicas agree at index {index}; {result.summary()}")
+
+
+def test_membership_changes_under_load_lose_nothing(cluster_factory):
+    """Publishers with confirms and an acking consumer run while members are removed and
+    added again (the leader among them); then every confirmed id is delivered, and all
+    replicas agree."""
+    c = cluster_factory(3)
+    q = "churn-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, q)
     changes = 0
     churn_until = time.monotonic() + 10.0
-    try:
+    with confirmed_load(c, q, "c") as h:
         round_ = 0
         while round_ < 4 or time.monotonic() < churn_until:
             round_ += 1
@@ -255,21 +276,11 @@ def test_membership_changes_under_load_lose_nothing(cluster_factory):
             r = ctl(c, via, "queues", "add_member", q, name)
             assert r.returncode == 0, r.stdout + r.stderr
             changes += 2
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-    assert not errors, errors
-    confirmed = set(h.confirmed)
-    log(f"membership churn: {changes} changes, {len(confirmed)} confirmed")
+    log(f"membership churn: {changes} changes, {len(h.confirmed)} confirmed")
     # Load while members changed (the exact rate depends on the machine).
-    assert len(confirmed) >= 200
-    drain_until(c, [0, 1, 2], q, h, confirmed, deadline=60.0)
+    assert len(set(h.confirmed)) >= 200
+    settle(c, q, h)
     assert members(c, 0, q) == ["n1", "n2", "n3"]
-    index, _ = replicas_agree(c, q, range(3))
-    result = h.check()
-    assert result.ok, result.describe()
-    log(f"replicas agree at index {index}; {result.summary()}")
 
 
 def api(cluster, i, method, path, body=None):
@@ -413,9 +424,10 @@ def test_cluster_port_over_tls_keeps_out_nodes_without_the_cas_certificate(clust
     assert raft.get("applied_index", 0) < leader_raft["applied_index"], (raft, leader_raft)
 
 
-def add_joining_node(c, seeds):
-    """Give cluster `c` a node n{len+1} that joins through `seeds` (indices) with --join;
-    returns its index. It is started by c.start_node like the others."""
+def add_node(c, extra):
+    """Give cluster `c` a node n{len+1} with its own ports and data dir, started (by
+    c.start_node like the others) with its cluster identity and `extra` flags; returns its
+    index."""
     from cluster_harness import Node
     i = len(c.nodes)
     node = Node(i, c.root)
@@ -425,18 +437,38 @@ def add_joining_node(c, seeds):
     def command(k):
         if k != i:
             return plain(k)
-        peers = ",".join([f"{c.nodes[s].name}@127.0.0.1:{c.nodes[s].cluster_port}"
-                          for s in seeds] + [f"{node.name}@127.0.0.1:{node.cluster_port}"])
         return [c.binary, "server",
                 "--amqp-listen", f"127.0.0.1:{node.amqp_port}",
                 "--management-listen", f"127.0.0.1:{node.mgmt_port}",
                 "--prometheus-listen", f"127.0.0.1:{node.prom_port}",
                 "--data-dir", str(node.data_dir), "--log-level", c.log_level,
                 "--node-name", node.name, "--cluster-listen", f"127.0.0.1:{node.cluster_port}",
-                "--peers", peers, "--cluster-secret", c.secret, "--join"]
+                "--cluster-secret", c.secret, *extra(node)]
 
     c.command = command
     return i
+
+
+def add_joining_node(c, seeds):
+    """A node that joins through `seeds` (indices) with --join."""
+    return add_node(c, lambda node: [
+        "--join", "--peers",
+        ",".join([f"{c.nodes[s].name}@127.0.0.1:{c.nodes[s].cluster_port}" for s in seeds]
+                 + [f"{node.name}@127.0.0.1:{node.cluster_port}"])])
+
+
+def cluster_status(c, i):
+    """`warren ctl cluster_status --formatter json` on node i, parsed."""
+    r = ctl(c, i, "cluster_status", "--formatter", "json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def wait_running(c, nodes, everyone):
+    """Wait until each of `nodes` lists exactly `everyone` as running."""
+    for i in nodes:
+        poll(lambda i=i: cluster_status(c, i), lambda s: s["running_nodes"] == everyone,
+             what=f"{everyone} running as n{i + 1} sees it")
 
 
 def test_a_node_joins_a_running_cluster_and_is_forgotten(cluster_factory):
@@ -453,15 +485,8 @@ def test_a_node_joins_a_running_cluster_and_is_forgotten(cluster_factory):
     n4 = add_joining_node(c, seeds=[1])
     c.start_node(n4)
 
-    def status(i):
-        r = ctl(c, i, "cluster_status", "--formatter", "json")
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)
-
     everyone = ["n1", "n2", "n3", "n4"]
-    for i in (0, n4):
-        poll(lambda: status(i), lambda s: s["running_nodes"] == everyone,
-             what=f"four running nodes seen from n{i + 1}")
+    wait_running(c, (0, n4), everyone)
     # What was there before it joined: the queue (with its messages) and the user.
     poll(lambda: c.queue_info(n4, q), lambda x: x and x.get("messages") == 100,
          what="the queue on n4")
@@ -473,7 +498,7 @@ def test_a_node_joins_a_running_cluster_and_is_forgotten(cluster_factory):
     # A restart keeps its identity (its node number comes from its data directory).
     c.stop(n4)
     c.start_node(n4)
-    poll(lambda: status(n4), lambda s: s["running_nodes"] == everyone, what="n4 back")
+    wait_running(c, (n4,), everyone)
     publish_with_retry(c, [n4], q, ["after-restart"], h)
     # Forgetting: refused while it runs, then done once it is stopped.
     r = ctl(c, 0, "forget_cluster_node", "n4")
@@ -481,11 +506,11 @@ def test_a_node_joins_a_running_cluster_and_is_forgotten(cluster_factory):
     r = ctl(c, 0, "forget_cluster_node", "n9")
     assert r.returncode == 69, (r.returncode, r.stderr)
     c.kill9(n4)
-    poll(lambda: status(0), lambda s: "n4" not in s["running_nodes"], what="n4 down")
+    poll(lambda: cluster_status(c, 0), lambda s: "n4" not in s["running_nodes"], what="n4 down")
     r = ctl(c, 0, "forget_cluster_node", "n4")
     assert r.returncode == 0, r.stdout + r.stderr
     for i in range(3):
-        poll(lambda: status(i)["disk_nodes"], lambda d: d == ["n1", "n2", "n3"],
+        poll(lambda: cluster_status(c, i)["disk_nodes"], lambda d: d == ["n1", "n2", "n3"],
              what=f"n4 forgotten on n{i + 1}")
     poll(lambda: members(c, 0, q), lambda m: m == ["n1", "n2", "n3"],
          what="n4 no longer a member")
@@ -496,27 +521,8 @@ def test_a_node_joins_a_running_cluster_and_is_forgotten(cluster_factory):
 
 
 def add_lone_node(c):
-    """Give cluster `c` a node n{len+1} that runs alone but has a cluster identity
-    (--node-name, --cluster-listen, --cluster-secret; no --peers); returns its index."""
-    from cluster_harness import Node
-    i = len(c.nodes)
-    node = Node(i, c.root)
-    c.nodes.append(node)
-    plain = c.command
-
-    def command(k):
-        if k != i:
-            return plain(k)
-        return [c.binary, "server",
-                "--amqp-listen", f"127.0.0.1:{node.amqp_port}",
-                "--management-listen", f"127.0.0.1:{node.mgmt_port}",
-                "--prometheus-listen", f"127.0.0.1:{node.prom_port}",
-                "--data-dir", str(node.data_dir), "--log-level", c.log_level,
-                "--node-name", node.name, "--cluster-listen", f"127.0.0.1:{node.cluster_port}",
-                "--cluster-secret", c.secret]
-
-    c.command = command
-    return i
+    """A node that runs alone but has a cluster identity (no --peers)."""
+    return add_node(c, lambda node: [])
 
 
 def test_join_cluster_makes_a_lone_node_a_member(cluster_factory):
@@ -545,15 +551,8 @@ def test_join_cluster_makes_a_lone_node_a_member(cluster_factory):
     # The same process, restarted in place.
     assert c.nodes[n4].proc.poll() is None and c.nodes[n4].proc.pid == pid
 
-    def status(i):
-        r = ctl(c, i, "cluster_status", "--formatter", "json")
-        assert r.returncode == 0, r.stderr
-        return json.loads(r.stdout)
-
     everyone = ["n1", "n2", "n3", "n4"]
-    for i in (0, n4):
-        poll(lambda: status(i), lambda s: s["running_nodes"] == everyone,
-             what=f"four running nodes seen from n{i + 1}")
+    wait_running(c, (0, n4), everyone)
     poll(lambda: c.queue_info(n4, q), lambda x: x and x.get("messages") == 50,
          what="the queue on n4")
     r = ctl(c, n4, "queues", "add_member", q, "n4")
@@ -562,7 +561,7 @@ def test_join_cluster_makes_a_lone_node_a_member(cluster_factory):
     # Its command line has no --peers: the recorded seeds keep it a member.
     c.stop(n4)
     c.start_node(n4)
-    poll(lambda: status(n4), lambda s: s["running_nodes"] == everyone, what="n4 back")
+    wait_running(c, (n4,), everyone)
     publish_with_retry(c, [n4], q, ["after-restart"], h)
     drain_until(c, [n4], q, h, ["after-restart"])
     # A member cannot join again.
@@ -607,25 +606,8 @@ def test_leadership_handed_over_under_load_loses_nothing(cluster_factory):
     c = cluster_factory(3)
     q = "handover-" + uuid.uuid4().hex[:6]
     declare_quorum(c, 0, q)
-    h = History()
-    stop = threading.Event()
-    errors = []
-    ids = iter(f"h{k}" for k in range(10**9))
-
-    def publisher(node):
-        while not stop.is_set():
-            batch = [next(ids) for _ in range(100)]
-            try:
-                publish_with_retry(c, [node, (node + 1) % 3], q, batch, h, deadline=60.0)
-            except AssertionError as e:
-                errors.append(str(e))
-                return
-
-    threads = [threading.Thread(target=publisher, args=(i,), daemon=True) for i in (0, 1)]
-    for t in threads:
-        t.start()
     took = []
-    try:
+    with confirmed_load(c, q, "h") as h:
         for k in range(6):
             leader = c.wait_for_leader(q)
             target = (leader + 1 + k % 2) % 3
@@ -638,19 +620,9 @@ def test_leadership_handed_over_under_load_loses_nothing(cluster_factory):
             # Every node follows the new leader.
             poll(lambda: {c.reported_leader(i, q) for i in range(3)}, lambda s: s == {target},
                  what=f"every node naming {name} the leader")
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=120)
-    assert not errors, errors
-    confirmed = set(h.confirmed)
-    log(f"handovers took {took} s (ctl round trips); {len(confirmed)} confirmed")
-    assert len(confirmed) >= 200
-    drain_until(c, [0, 1, 2], q, h, confirmed, deadline=60.0)
-    index, _ = replicas_agree(c, q, range(3))
-    result = h.check()
-    assert result.ok, result.describe()
-    log(f"replicas agree at index {index}; {result.summary()}")
+    log(f"handovers took {took} s (ctl round trips); {len(h.confirmed)} confirmed")
+    assert len(set(h.confirmed)) >= 200
+    settle(c, q, h)
 
 
 def test_rebalance_spreads_leaders_over_the_nodes(cluster_factory):

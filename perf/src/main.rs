@@ -402,6 +402,7 @@ async fn consumer(
     epoch: Instant,
     stats: Arc<Stats>,
     mut stop: watch::Receiver<bool>,
+    subscribed: Arc<tokio::sync::Semaphore>,
 ) -> anyhow::Result<()> {
     let conn = connect(&args.uri).await?;
     let ch = conn.create_channel().await?;
@@ -419,6 +420,7 @@ async fn consumer(
             FieldTable::default(),
         )
         .await?;
+    subscribed.add_permits(1);
     let mut n = 0u64;
     let mut unacked = 0u64;
     loop {
@@ -549,6 +551,9 @@ struct Phase {
     failed: usize,
 }
 
+/// How long producers wait for the consumers to subscribe.
+const SUBSCRIBE_WAIT: Duration = Duration::from_secs(10);
+
 /// Run `producers` publishers and `consumers` consumers per queue (each stopping after
 /// `consumer_limit` deliveries if non-zero) until they finish or the duration passes.
 async fn run_phase(
@@ -568,19 +573,41 @@ async fn run_phase(
     let epoch = Instant::now();
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = Vec::new();
+    // Producers start once every consumer has subscribed (or after SUBSCRIBE_WAIT): a run
+    // measures the steady state, not consumers still connecting while the queues fill.
+    let subscribed = Arc::new(tokio::sync::Semaphore::new(0));
     for q in 0..args.queues {
         for _ in 0..consumers {
             let (args, stats, stop) = (Arc::clone(args), Arc::clone(&stats), stop_rx.clone());
+            let subscribed = Arc::clone(&subscribed);
             tasks.push(tokio::spawn(async move {
                 match args.client {
                     Client::Raw => {
                         let queue = queue_name(&args, q);
-                        raw::consumer(&args, &queue, consumer_limit, epoch, &stats, stop).await
+                        raw::consumer(
+                            &args,
+                            &queue,
+                            consumer_limit,
+                            epoch,
+                            &stats,
+                            stop,
+                            &subscribed,
+                        )
+                        .await
                     }
-                    Client::Lapin => consumer(args, q, consumer_limit, epoch, stats, stop).await,
+                    Client::Lapin => {
+                        consumer(args, q, consumer_limit, epoch, stats, stop, subscribed).await
+                    }
                 }
             }));
         }
+    }
+    let all = u32::try_from(args.queues * consumers).unwrap_or(u32::MAX);
+    if tokio::time::timeout(SUBSCRIBE_WAIT, subscribed.acquire_many(all))
+        .await
+        .is_err()
+    {
+        eprintln!("warren-perf: not every consumer subscribed within {SUBSCRIBE_WAIT:?}");
     }
     for p in 0..producers {
         let (args, stats, stop) = (Arc::clone(args), Arc::clone(&stats), stop_rx.clone());

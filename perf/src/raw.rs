@@ -396,6 +396,7 @@ pub async fn consumer(
     epoch: Instant,
     stats: &Stats,
     mut stop: watch::Receiver<bool>,
+    subscribed: &tokio::sync::Semaphore,
 ) -> anyhow::Result<()> {
     let ep = Endpoint::parse(&args.uri)?;
     let mut conn = RawConn::open(&ep).await?;
@@ -418,6 +419,7 @@ pub async fn consumer(
     )));
     conn.flush().await?;
     conn.expect(60, 21).await?;
+    subscribed.add_permits(1);
     let mut n = 0u64;
     let mut unacked = 0u64;
     let mut tag = 0u64;
