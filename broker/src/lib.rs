@@ -39,6 +39,7 @@ pub mod replication;
 pub mod reply_to;
 pub mod session;
 pub mod stats;
+pub mod stream;
 pub mod timers;
 pub mod users;
 pub mod vhost;
