@@ -225,6 +225,15 @@ fn check_queue_mode(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
     })
 }
 
+/// Where a quorum queue's leader goes: the declaring client's node (`client-local`, the
+/// default) or the member leading fewest queues (`balanced`; RabbitMQ 3.10's `random` and
+/// `least-leaders` mean the same here).
+pub const LEADER_LOCATORS: &[&str] = &["client-local", "balanced", "random", "least-leaders"];
+
+fn check_leader_locator(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+    check_one_of(v, LEADER_LOCATORS, |_| "invalid_queue_locator_arg".to_string())
+}
+
 fn check_queue_type(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
     check_one_of(v, &["classic", "quorum", "stream"], |s| {
         format!("\"unsupported queue type '{s}'\"")
@@ -266,6 +275,7 @@ const DECLARE_ARGS: &[(&str, Check)] = &[
     ("x-single-active-consumer", check_bool),
     ("x-queue-type", check_queue_type),
     ("x-delivery-limit", check_non_neg_int),
+    ("x-queue-leader-locator", check_leader_locator),
 ];
 
 /// Validate the x-arguments of a new queue as RabbitMQ does (type and range), with its texts.

@@ -670,18 +670,58 @@ impl ClusterNode {
 
     /// The members of a new group of `size`: the nodes ranking highest for this incarnation
     /// (rendezvous hashing spreads groups, and so leaders, over the nodes).
-    fn place(&self, incarnation: u64, size: usize) -> Vec<NodeId> {
+    fn place(&self, incarnation: u64, size: usize, balanced: bool) -> Vec<NodeId> {
         let mut ranked: Vec<(u64, NodeId)> = self
             .current()
             .into_iter()
             .map(|(id, _)| (node_id(&format!("{incarnation}/{id}")), id))
             .collect();
         ranked.sort_unstable();
-        ranked
+        let mut members: Vec<NodeId> = ranked
             .into_iter()
             .take(size.max(1))
             .map(|(_, id)| id)
-            .collect()
+            .collect();
+        // The first member starts the group and so leads it first: RabbitMQ's leader
+        // locator chooses which.
+        let leader = if balanced {
+            let led = self.leaders_per_node();
+            members
+                .iter()
+                .copied()
+                .min_by_key(|m| (led.get(m).copied().unwrap_or(0), *m))
+        } else {
+            // client-local: this node, the declaring client's, is a member and leads.
+            if !members.contains(&self.me) {
+                members.pop();
+                members.push(self.me);
+            }
+            Some(self.me)
+        };
+        if let Some(leader) = leader
+            && let Some(at) = members.iter().position(|m| *m == leader)
+        {
+            members.swap(0, at);
+        }
+        members
+    }
+
+    /// How many quorum queues each node leads, as this node's replicas see it.
+    fn leaders_per_node(&self) -> HashMap<NodeId, usize> {
+        let mut led = HashMap::new();
+        let replicas: Vec<Arc<QueueReplica>> = self
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect();
+        for r in replicas {
+            if let Some(l) = r.raft.get().and_then(|raft| raft.metrics().borrow().current_leader) {
+                *led.entry(l).or_insert(0) += 1;
+            }
+        }
+        led
     }
 
     /// A metadata change committed: serve or drop the queue here.
@@ -982,11 +1022,13 @@ impl ClusterHooks for ClusterNode {
         let warren_store::Op::Put { key, value, .. } = record.put() else {
             unreachable!("a record put is a put");
         };
+        let balanced = warren_broker::args::string_arg(&queue.arguments, "x-queue-leader-locator")
+            .is_some_and(|l| l != "client-local");
         let change = MetaChange::DeclareQueue {
             key,
             value,
             incarnation,
-            members: self.place(incarnation, size),
+            members: self.place(incarnation, size, balanced),
         };
         self.declaring
             .lock()

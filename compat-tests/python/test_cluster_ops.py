@@ -706,3 +706,28 @@ def test_five_member_queue_hands_over(cluster_factory):
         assert status == 200 and body == {"leader": name}, (status, body)
         poll(lambda: {c.reported_leader(i, q) for i in range(5)}, lambda s: s == {target},
              what=f"every node naming {name} the leader")
+
+
+def test_a_one_node_cluster_serves_quorum_queues_and_keeps_them(cluster_factory):
+    """A cluster of one (`--peers` naming only itself): a quorum queue has that one member,
+    confirms need only it, and its messages survive a restart; a second node can then join
+    it with `join_cluster` and become a member."""
+    c = cluster_factory(1)
+    q = "solo-cluster-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, q)
+    assert members(c, 0, q) == ["n1"]
+    h = History()
+    ids = [f"s{k}" for k in range(20)]
+    publish_with_retry(c, [0], q, ids, h)
+    c.stop(0)
+    c.start_node(0)
+    poll(lambda: c.queue_info(0, q), lambda x: x and x.get("messages") == 20,
+         what="the queue after a restart")
+    n2 = add_lone_node(c)
+    c.start_node(n2)
+    r = ctl(c, n2, "join_cluster", f"n1@127.0.0.1:{c.nodes[0].cluster_port}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    wait_running(c, (0, n2), ["n1", "n2"])
+    r = ctl(c, 0, "queues", "add_member", q, "n2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    drain_until(c, [n2], q, h, ids)
