@@ -55,7 +55,7 @@ WARREN = ROOT / "target/release/warren"
 PERF = ROOT / "target/release/warren-perf"
 OUT_DIR = ROOT / "target/cluster-bench"
 DOC = ROOT / "docs/benchmarks.md"
-SECTION = "## Quorum queues on a 3-node cluster"
+SECTION = "## Quorum queues on a 3-node cluster (issue 8)"
 
 RABBIT_SBIN = Path("/usr/lib/rabbitmq/bin")  # the real scripts (/usr/sbin wraps them in `su`)
 RABBIT_SERVER = RABBIT_SBIN / "rabbitmq-server"

@@ -231,7 +231,9 @@ fn check_queue_mode(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
 pub const LEADER_LOCATORS: &[&str] = &["client-local", "balanced", "random", "least-leaders"];
 
 fn check_leader_locator(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
-    check_one_of(v, LEADER_LOCATORS, |_| "invalid_queue_locator_arg".to_string())
+    check_one_of(v, LEADER_LOCATORS, |_| {
+        "invalid_queue_locator_arg".to_string()
+    })
 }
 
 fn check_queue_type(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {

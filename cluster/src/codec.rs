@@ -33,9 +33,43 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, bincode::Error> {
     options().deserialize(bytes)
 }
 
+pub use warren_broker::replication::raw_bytes;
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Plain {
+        body: Vec<u8>,
+    }
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Raw {
+        #[serde(with = "raw_bytes")]
+        body: Vec<u8>,
+    }
+
+    #[test]
+    fn raw_bytes_encode_as_plain_vectors_do() {
+        for len in [0usize, 1, 250, 251, 1024, 70_000] {
+            let body: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+            let plain = encode(&Plain { body: body.clone() }).expect("encodes");
+            let raw = encode(&Raw { body: body.clone() }).expect("encodes");
+            assert_eq!(plain, raw, "same layout at {len} bytes");
+            assert_eq!(decode::<Raw>(&plain).expect("decodes").body, body);
+            assert_eq!(decode::<Plain>(&raw).expect("decodes").body, body);
+        }
+        // Formats without a byte string (JSON) read back too.
+        let json = serde_json::to_vec(&Raw {
+            body: vec![1, 2, 3],
+        })
+        .expect("json");
+        assert_eq!(
+            serde_json::from_slice::<Raw>(&json).expect("json").body,
+            vec![1, 2, 3]
+        );
+    }
 
     #[test]
     fn bodies_cost_their_length_and_garbage_is_refused() {

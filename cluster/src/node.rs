@@ -717,7 +717,11 @@ impl ClusterNode {
             .cloned()
             .collect();
         for r in replicas {
-            if let Some(l) = r.raft.get().and_then(|raft| raft.metrics().borrow().current_leader) {
+            if let Some(l) = r
+                .raft
+                .get()
+                .and_then(|raft| raft.metrics().borrow().current_leader)
+            {
                 *led.entry(l).or_insert(0) += 1;
             }
         }

@@ -11,6 +11,7 @@ use warren_broker::queue::machine::{Command, MachineError, MessageRef, Reply};
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReplicatedMessage {
     /// The body (properties and payload as the broker stores them).
+    #[serde(with = "crate::codec::raw_bytes")]
     pub body: Vec<u8>,
     /// The `priority` property.
     pub priority: u8,
