@@ -22,6 +22,7 @@ pub mod histogram;
 mod reclaim;
 pub mod record;
 pub mod segment;
+pub mod stream_file;
 pub mod writer;
 
 use std::collections::{BTreeMap, HashMap};
