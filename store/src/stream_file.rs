@@ -94,6 +94,7 @@ pub struct StreamFile {
     path: PathBuf,
     file: File,
     len: u64,
+    first_offset: u64,
 }
 
 fn io<'a>(context: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> StoreError + 'a {
@@ -144,6 +145,7 @@ impl StreamFile {
             path,
             file,
             len: FILE_HEADER,
+            first_offset,
         })
     }
 
@@ -166,7 +168,14 @@ impl StreamFile {
             path,
             file,
             len: scan.valid_len,
+            first_offset: scan.first_offset,
         })
+    }
+
+    /// The segment's first offset (its name).
+    #[must_use]
+    pub fn first_offset(&self) -> u64 {
+        self.first_offset
     }
 
     /// Its size in bytes.

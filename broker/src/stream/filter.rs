@@ -50,6 +50,28 @@ impl ChunkFilter {
             || wanted.iter().any(|w| self.may_contain(w))
     }
 
+    /// The filter as the stream's segment files store it: its bits, then 1 if some message
+    /// had no value.
+    #[must_use]
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = self.bits.clone();
+        out.push(u8::from(self.unfiltered));
+        out
+    }
+
+    /// A filter [`ChunkFilter::to_bytes`] wrote (None: not one).
+    #[must_use]
+    pub fn from_bytes(bytes: &[u8]) -> Option<Self> {
+        let (flag, bits) = bytes.split_last()?;
+        if !(FILTER_BYTES_MIN..=FILTER_BYTES_MAX).contains(&bits.len()) || *flag > 1 {
+            return None;
+        }
+        Some(Self {
+            bits: bits.to_vec(),
+            unfiltered: *flag == 1,
+        })
+    }
+
     fn may_contain(&self, value: &str) -> bool {
         self.positions(value)
             .all(|bit| self.bits[bit / 8] & (1 << (bit % 8)) != 0)
@@ -104,6 +126,8 @@ mod tests {
         assert!(message_matches(None, &["ohio".into()], true));
         assert!(!message_matches(None, &["ohio".into()], false));
         assert!(!message_matches(Some("texas"), &["ohio".into()], true));
+        assert_eq!(ChunkFilter::from_bytes(&f.to_bytes()), Some(f));
+        assert_eq!(ChunkFilter::from_bytes(&[0u8; 4]), None);
     }
 
     proptest! {

@@ -179,6 +179,63 @@ impl StreamLog {
         }
     }
 
+    /// A stream as its segment files hold it (recovery): `segments` in offset order, each
+    /// non-empty and continuing the offsets of the one before, and the tracked offsets.
+    /// `next_floor` is the first offset of the newest file, which may hold no whole chunk
+    /// (a crash right after it was created): the next offset is at least that.
+    ///
+    /// # Errors
+    /// The segments do not continue each other (a file is missing in the middle).
+    pub fn restore(
+        config: StreamConfig,
+        segments: Vec<Segment>,
+        next_floor: u64,
+        offsets: BTreeMap<String, u64>,
+    ) -> Result<Self, String> {
+        let mut next = segments.first().map_or(next_floor, |s| s.id);
+        let mut last_ms = 0;
+        let mut bytes = 0;
+        for s in &segments {
+            if s.id != next || s.chunks.is_empty() {
+                return Err(format!(
+                    "stream segment {} does not follow offset {next}",
+                    s.id
+                ));
+            }
+            for c in &s.chunks {
+                if c.first != next || c.count == 0 {
+                    return Err(format!(
+                        "chunk at {} does not follow offset {next}",
+                        c.first
+                    ));
+                }
+                next = c.end();
+                last_ms = last_ms.max(c.timestamp_ms);
+            }
+            if s.bytes != s.chunks.iter().map(|c| c.bytes).sum::<u64>() {
+                return Err(format!("segment {} miscounts its bytes", s.id));
+            }
+            bytes += s.bytes;
+        }
+        if !segments.is_empty() && next_floor > next {
+            return Err(format!(
+                "the newest segment file starts at {next_floor}, after {next}"
+            ));
+        }
+        let next = next_floor.max(next);
+        let offsets = offsets.into_iter().map(|(n, o)| (n, o.min(next))).collect();
+        let log = Self {
+            config,
+            segments: segments.into(),
+            next,
+            bytes,
+            last_ms,
+            offsets,
+        };
+        log.check();
+        Ok(log)
+    }
+
     /// Apply `command` at time `now_ms` (the entry's time, never a clock read here).
     ///
     /// # Errors
@@ -572,6 +629,25 @@ mod tests {
         )
         .unwrap();
         assert_eq!(l.stored_offset("billing"), Some(20));
+    }
+
+    #[test]
+    fn a_restored_log_continues_and_gaps_are_refused() {
+        let mut l = log(None, None, 10);
+        for t in 0..3 {
+            l.apply(t, msgs(2, 5)).unwrap();
+        }
+        let segments: Vec<Segment> = l.segments().cloned().collect();
+        assert_eq!(segments.len(), 3);
+        let back =
+            StreamLog::restore(l.config().clone(), segments.clone(), 4, BTreeMap::new()).unwrap();
+        assert_eq!(back, l);
+        // The middle file missing: offsets 2..4 would vanish.
+        let gap = vec![segments[0].clone(), segments[2].clone()];
+        assert!(StreamLog::restore(l.config().clone(), gap, 4, BTreeMap::new()).is_err());
+        // Only an empty newest file (everything older dropped): the offsets go on from it.
+        let empty = StreamLog::restore(l.config().clone(), Vec::new(), 6, BTreeMap::new()).unwrap();
+        assert_eq!((empty.first_offset(), empty.next_offset()), (6, 6));
     }
 
     /// A command for the model test: appends of 1..8 messages of 1..300 bytes with filter

@@ -2,6 +2,7 @@
 //! without removing. This module holds the pure parts: where a consumer starts
 //! ([`spec`]), the per-chunk filters ([`filter`]) and the log's state machine ([`log`]).
 
+pub mod disk;
 pub mod filter;
 pub mod log;
 pub mod spec;
