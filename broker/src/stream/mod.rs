@@ -5,4 +5,5 @@
 pub mod disk;
 pub mod filter;
 pub mod log;
+pub mod reader;
 pub mod spec;
