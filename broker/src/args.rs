@@ -123,7 +123,7 @@ pub fn render_plain(v: &AMQPValue) -> String {
 }
 
 /// RabbitMQ's `invalid arg '<key>' for <what>: <term>` where the term is printed by `~p`.
-fn invalid(key: &str, what: &str, term: &str) -> warren_amqp::AmqpError {
+pub(crate) fn invalid(key: &str, what: &str, term: &str) -> warren_amqp::AmqpError {
     warren_amqp::AmqpError::channel(
         warren_amqp::ReplyCode::PreconditionFailed,
         format!("invalid arg '{key}' for {what}: {term}"),

@@ -7,3 +7,139 @@ pub mod filter;
 pub mod log;
 pub mod reader;
 pub mod spec;
+
+use amq_protocol::types::{AMQPValue, FieldTable};
+use warren_amqp::AmqpError;
+
+/// A stream's retention settings from its declare arguments (`what` is RabbitMQ's
+/// `queue 's' in vhost '/'`): `x-max-age` (an interval such as `"7D"`),
+/// `x-max-length-bytes`, `x-stream-max-segment-size-bytes` and `x-stream-filter-size-bytes`
+/// (16 to 255).
+///
+/// # Errors
+/// 406 `invalid arg '…' for …` with RabbitMQ's terms, for a value of the wrong type or range.
+pub fn config_from_args(args: &FieldTable, what: &str) -> Result<log::StreamConfig, AmqpError> {
+    let mut config = log::StreamConfig::default();
+    let table = args.inner();
+    let positive = |key: &str| -> Result<Option<u64>, AmqpError> {
+        match table.get(key) {
+            None => Ok(None),
+            Some(v) => match crate::args::int_value(v) {
+                Some(n) if n >= 0 => Ok(Some(u64::try_from(n).unwrap_or(u64::MAX))),
+                Some(n) => Err(crate::args::invalid(
+                    key,
+                    what,
+                    &format!("{{value_negative,{n}}}"),
+                )),
+                None => Err(crate::args::invalid(
+                    key,
+                    what,
+                    &format!("{{unacceptable_type,{}}}", crate::args::type_name(v)),
+                )),
+            },
+        }
+    };
+    config.max_bytes = positive("x-max-length-bytes")?;
+    if let Some(n) = positive("x-stream-max-segment-size-bytes")? {
+        config.segment_max_bytes = n.max(1);
+    }
+    if let Some(n) = positive("x-stream-filter-size-bytes")? {
+        let size = usize::try_from(n).unwrap_or(usize::MAX);
+        if !(filter::FILTER_BYTES_MIN..=filter::FILTER_BYTES_MAX).contains(&size) {
+            return Err(crate::args::invalid(
+                "x-stream-filter-size-bytes",
+                what,
+                &format!("{{value_out_of_range,{n}}}"),
+            ));
+        }
+        config.filter_bytes = size;
+    }
+    if let Some(v) = table.get("x-max-age") {
+        let text = match v {
+            AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            AMQPValue::ShortString(s) => s.as_str().to_string(),
+            other => {
+                return Err(crate::args::invalid(
+                    "x-max-age",
+                    what,
+                    &format!("{{unacceptable_type,{}}}", crate::args::type_name(other)),
+                ));
+            }
+        };
+        config.max_age_ms = Some(
+            spec::parse_interval(&text)
+                .map_err(|_| crate::args::invalid("x-max-age", what, "invalid_max_age"))?,
+        );
+    }
+    Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use amq_protocol::types::LongString;
+    use warren_amqp::ReplyCode;
+
+    fn args(pairs: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut t = FieldTable::default();
+        for (k, v) in pairs {
+            t.insert((*k).into(), v.clone());
+        }
+        t
+    }
+
+    const WHAT: &str = "queue 's' in vhost '/'";
+
+    #[test]
+    fn declare_arguments_make_the_retention_settings() {
+        let c = config_from_args(&FieldTable::default(), WHAT).unwrap_or_default();
+        assert_eq!(c, log::StreamConfig::default());
+        let c = config_from_args(
+            &args(&[
+                ("x-max-age", AMQPValue::LongString(LongString::from("7D"))),
+                ("x-max-length-bytes", AMQPValue::LongLongInt(20_000_000_000)),
+                (
+                    "x-stream-max-segment-size-bytes",
+                    AMQPValue::LongInt(100_000_000),
+                ),
+                ("x-stream-filter-size-bytes", AMQPValue::ShortShortUInt(32)),
+            ]),
+            WHAT,
+        )
+        .unwrap_or_default();
+        assert_eq!(c.max_age_ms, Some(7 * 86_400_000));
+        assert_eq!(c.max_bytes, Some(20_000_000_000));
+        assert_eq!(c.segment_max_bytes, 100_000_000);
+        assert_eq!(c.filter_bytes, 32);
+        for (key, value, term) in [
+            (
+                "x-max-age",
+                AMQPValue::LongString(LongString::from("7 days")),
+                "invalid_max_age",
+            ),
+            (
+                "x-max-age",
+                AMQPValue::LongLongInt(7),
+                "{unacceptable_type,long}",
+            ),
+            (
+                "x-max-length-bytes",
+                AMQPValue::LongLongInt(-1),
+                "{value_negative,-1}",
+            ),
+            (
+                "x-stream-filter-size-bytes",
+                AMQPValue::LongLongInt(8),
+                "{value_out_of_range,8}",
+            ),
+        ] {
+            let e = config_from_args(&args(&[(key, value)]), WHAT).expect_err(key);
+            assert_eq!(e.code, ReplyCode::PreconditionFailed);
+            assert!(
+                e.to_string()
+                    .contains(&format!("invalid arg '{key}' for {WHAT}: {term}")),
+                "{e}"
+            );
+        }
+    }
+}
