@@ -248,7 +248,41 @@ impl StreamFile {
         Ok(pos)
     }
 
+    /// A second handle on the file, to sync it without holding whatever guards this one
+    /// (appends through this handle are made durable by syncing either).
+    ///
+    /// # Errors
+    /// The handle could not be duplicated.
+    pub fn sync_handle(&self) -> Result<SyncHandle, StoreError> {
+        Ok(SyncHandle {
+            file: self
+                .file
+                .try_clone()
+                .map_err(io("duplicating a stream segment handle", &self.path))?,
+            path: self.path.clone(),
+        })
+    }
+
     /// Make every appended chunk durable.
+    ///
+    /// # Errors
+    /// The sync failed: nothing appended since the last sync may be confirmed.
+    pub fn sync(&self) -> Result<(), StoreError> {
+        self.file
+            .sync_data()
+            .map_err(io("syncing a stream segment", &self.path))
+    }
+}
+
+/// A handle that syncs a segment file (see [`StreamFile::sync_handle`]).
+#[derive(Debug)]
+pub struct SyncHandle {
+    file: File,
+    path: PathBuf,
+}
+
+impl SyncHandle {
+    /// Make everything appended to the file so far durable.
     ///
     /// # Errors
     /// The sync failed: nothing appended since the last sync may be confirmed.

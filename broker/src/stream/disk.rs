@@ -171,6 +171,15 @@ impl StreamDisk {
         self.open.as_ref().map_or(Ok(()), StreamFile::sync)
     }
 
+    /// A handle that syncs the open segment without this stream being borrowed (closed
+    /// segments are synced when the next one opens).
+    ///
+    /// # Errors
+    /// The handle could not be made.
+    pub fn sync_handle(&self) -> Result<Option<stream_file::SyncHandle>, StoreError> {
+        self.open.as_ref().map(StreamFile::sync_handle).transpose()
+    }
+
     fn apply(
         &mut self,
         now_ms: u64,

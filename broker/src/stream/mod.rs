@@ -7,6 +7,7 @@ pub mod filter;
 pub mod log;
 pub mod reader;
 pub mod spec;
+pub mod writer;
 
 use amq_protocol::types::{AMQPValue, FieldTable};
 use warren_amqp::AmqpError;

@@ -154,14 +154,18 @@ impl Cursor {
     }
 
     /// The chunk to read next (its first offset), skipping chunks whose filter rules it out
-    /// and what retention dropped; None when it has no credit or is at the end.
+    /// and what retention dropped; None when it has no credit or is at `durable_next` (the
+    /// writer's durable end: a consumer never sees what a crash could take back).
     #[must_use]
-    pub fn next_chunk(&mut self, log: &StreamLog) -> Option<u64> {
+    pub fn next_chunk(&mut self, log: &StreamLog, durable_next: u64) -> Option<u64> {
         if self.credit == 0 {
             return None;
         }
         self.next = self.next.max(log.first_offset());
         for (_, chunk) in log.chunks_from(self.next) {
+            if chunk.first >= durable_next {
+                return None;
+            }
             if chunk.filter.may_match(&self.filter, self.match_unfiltered) {
                 return Some(chunk.first);
             }
@@ -320,7 +324,7 @@ mod tests {
         };
         let mut c = Cursor::attach(&log, &spec, 1, None, 0);
         assert_eq!(
-            c.next_chunk(&log),
+            c.next_chunk(&log, u64::MAX),
             Some(2),
             "the first chunk is skipped unread"
         );
@@ -332,11 +336,15 @@ mod tests {
             }]
         );
         // Out of credit: nothing until an ack.
-        assert_eq!(c.next_chunk(&log), None);
+        assert_eq!(c.next_chunk(&log, u64::MAX), None);
         c.settle(1, 1);
-        assert_eq!(c.next_chunk(&log), Some(2), "the rest of the chunk");
+        assert_eq!(
+            c.next_chunk(&log, u64::MAX),
+            Some(2),
+            "the rest of the chunk"
+        );
         assert_eq!(c.pick(2, chunks[1]), vec![]);
-        assert_eq!(c.next_chunk(&log), Some(5));
+        assert_eq!(c.next_chunk(&log, u64::MAX), Some(5));
         assert_eq!(
             c.pick(5, chunks[2]),
             vec![Pick {
@@ -345,8 +353,12 @@ mod tests {
             }]
         );
         c.settle(1, 1);
-        assert_eq!(c.next_chunk(&log), None, "at the end");
+        assert_eq!(c.next_chunk(&log, u64::MAX), None, "at the end");
         assert_eq!(c.next, 7);
+        // Nothing past the durable end, even with credit.
+        let mut d = Cursor::attach(&log, &spec, 5, None, 0);
+        assert_eq!(d.next_chunk(&log, 2), None);
+        assert_eq!(d.next_chunk(&log, 5), Some(2));
         // A named consumer resumes from its stored offset unless it asks for one.
         let named = ConsumeSpec {
             explicit_offset: false,

@@ -1,0 +1,219 @@
+//! A stream's group commit: one thread per stream appends what publishers submitted while the
+//! previous batch was syncing as one chunk, syncs it (outside the stream's lock, so readers
+//! go on), then publishes the new durable end and runs the publishers' completions (their
+//! confirms). No timer: batches grow with load, as the store's writer does.
+//!
+//! Readers see only what is durable ([`SharedStream::durable_next`]): an offset a consumer
+//! was given never disappears in a crash and is never reused for another message.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+
+use parking_lot::Mutex;
+use warren_store::StoreError;
+use warren_store::stream_file::StreamMessage;
+
+use super::disk::StreamDisk;
+
+/// Most messages in one chunk.
+pub const CHUNK_MESSAGES_MAX: usize = 4096;
+/// Most submissions waiting for the writer (beyond it, submitting blocks: back-pressure).
+pub const SUBMISSIONS_MAX: usize = 16 * 1024;
+
+/// Receives a submission's outcome: the offsets its messages got once durable, or why not.
+pub type AppendDone = Box<dyn FnOnce(Result<Range<u64>, Arc<StoreError>>) + Send>;
+
+/// A stream as its writer and its readers share it.
+#[derive(Debug)]
+pub struct SharedStream {
+    /// The files and the log (appends by the writer; reads by consumers).
+    pub disk: Mutex<StreamDisk>,
+    /// One past the last durable offset: what readers may read.
+    durable_next: AtomicU64,
+}
+
+impl SharedStream {
+    /// One past the last offset that is durable (readers stop there).
+    #[must_use]
+    pub fn durable_next(&self) -> u64 {
+        self.durable_next.load(Ordering::Acquire)
+    }
+}
+
+struct Job {
+    messages: Vec<StreamMessage>,
+    done: AppendDone,
+}
+
+/// The handle publishers submit to. Dropping every clone stops the writer once it has
+/// finished what was submitted.
+#[derive(Clone)]
+pub struct StreamWriter {
+    tx: mpsc::SyncSender<Job>,
+}
+
+impl std::fmt::Debug for StreamWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamWriter").finish_non_exhaustive()
+    }
+}
+
+impl StreamWriter {
+    /// Start the writer of `disk`; `now_ms` stamps each chunk (the broker's clock).
+    ///
+    /// # Errors
+    /// The thread could not be started.
+    pub fn start(
+        disk: StreamDisk,
+        now_ms: Arc<dyn Fn() -> u64 + Send + Sync>,
+    ) -> std::io::Result<(Self, Arc<SharedStream>)> {
+        let durable = disk.log().next_offset();
+        let shared = Arc::new(SharedStream {
+            disk: Mutex::new(disk),
+            durable_next: AtomicU64::new(durable),
+        });
+        let (tx, rx) = mpsc::sync_channel(SUBMISSIONS_MAX);
+        let stream = Arc::clone(&shared);
+        std::thread::Builder::new()
+            .name("stream-writer".into())
+            .spawn(move || run(&stream, &rx, &*now_ms))?;
+        Ok((Self { tx }, shared))
+    }
+
+    /// Append `messages` (in order, after everything submitted before through any handle);
+    /// `done` runs once they are durable. A stopped writer fails `done` at once.
+    pub fn submit(&self, messages: Vec<StreamMessage>, done: AppendDone) {
+        if let Err(mpsc::SendError(job)) = self.tx.send(Job { messages, done }) {
+            (job.done)(Err(Arc::new(StoreError::Replication(
+                "the stream's writer stopped".into(),
+            ))));
+        }
+    }
+}
+
+fn run(stream: &SharedStream, rx: &mpsc::Receiver<Job>, now_ms: &dyn Fn() -> u64) {
+    let mut failed: Option<Arc<StoreError>> = None;
+    while let Ok(first) = rx.recv() {
+        let mut jobs = vec![first];
+        let mut count = jobs[0].messages.len();
+        while count < CHUNK_MESSAGES_MAX {
+            match rx.try_recv() {
+                Ok(job) => {
+                    count += job.messages.len();
+                    jobs.push(job);
+                }
+                Err(_) => break,
+            }
+        }
+        if let Some(e) = &failed {
+            // A failed write leaves the file's tail unknown: nothing more is confirmed until
+            // the stream is reopened (recovery cuts what was not synced).
+            for job in jobs {
+                (job.done)(Err(Arc::clone(e)));
+            }
+            continue;
+        }
+        let (lengths, messages): (Vec<usize>, Vec<StreamMessage>) = {
+            let mut lengths = Vec::with_capacity(jobs.len());
+            let mut all = Vec::with_capacity(count);
+            for job in &mut jobs {
+                lengths.push(job.messages.len());
+                all.append(&mut job.messages);
+            }
+            (lengths, all)
+        };
+        let written = {
+            let mut disk = stream.disk.lock();
+            disk.append(now_ms(), &messages)
+                .and_then(|range| disk.sync_handle().map(|h| (range, h)))
+        };
+        let outcome = written.and_then(|(range, handle)| {
+            // The fsync, without the lock: readers go on meanwhile.
+            handle.map_or(Ok(()), |h| h.sync()).map(|()| range)
+        });
+        match outcome {
+            Ok(range) => {
+                stream.durable_next.store(range.end, Ordering::Release);
+                let mut at = range.start;
+                for (job, n) in jobs.into_iter().zip(lengths) {
+                    let n = n as u64;
+                    (job.done)(Ok(at..at + n));
+                    at += n;
+                }
+            }
+            Err(e) => {
+                let e = Arc::new(e);
+                tracing::error!(error = %e, "stream write failed: the stream stops taking writes");
+                failed = Some(Arc::clone(&e));
+                for job in jobs {
+                    (job.done)(Err(Arc::clone(&e)));
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stream::log::StreamConfig;
+    use bytes::Bytes;
+
+    #[test]
+    fn concurrent_publishers_get_contiguous_durable_offsets_in_their_order() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let disk = StreamDisk::open(dir.path(), StreamConfig::default(), 0).expect("open");
+        let (writer, shared) = StreamWriter::start(disk, Arc::new(|| 1)).expect("start");
+        let (tx, rx) = mpsc::channel();
+        let mut threads = Vec::new();
+        for p in 0..4 {
+            let (writer, tx) = (writer.clone(), tx.clone());
+            threads.push(std::thread::spawn(move || {
+                for k in 0..50 {
+                    let body = Bytes::from(format!("p{p}-{k}"));
+                    let tx = tx.clone();
+                    writer.submit(
+                        vec![StreamMessage {
+                            filter_value: None,
+                            body: body.clone(),
+                        }],
+                        Box::new(move |r| {
+                            let _ = tx.send((p, k, body, r.expect("durable")));
+                        }),
+                    );
+                }
+            }));
+        }
+        for t in threads {
+            t.join().expect("publisher");
+        }
+        drop(tx);
+        let mut got: Vec<(usize, usize, Bytes, Range<u64>)> = rx.iter().collect();
+        assert_eq!(got.len(), 200);
+        // Every offset once; each publisher's messages in its own order.
+        got.sort_by_key(|g| g.3.start);
+        for (i, g) in got.iter().enumerate() {
+            assert_eq!(g.3, i as u64..i as u64 + 1);
+        }
+        for p in 0..4 {
+            let ks: Vec<usize> = got.iter().filter(|g| g.0 == p).map(|g| g.1).collect();
+            assert_eq!(ks, (0..50).collect::<Vec<_>>());
+        }
+        assert_eq!(shared.durable_next(), 200);
+        // What each was told is what the stream holds there.
+        let disk = shared.disk.lock();
+        for g in got.iter().step_by(37) {
+            let (first, messages) = disk.read_chunk(g.3.start).expect("read").expect("held");
+            let body = &messages[usize::try_from(g.3.start - first).expect("index")].body;
+            assert_eq!(body, &g.2);
+        }
+        drop(disk);
+        drop(writer);
+        // A restart finds every confirmed message.
+        drop(shared);
+        let disk = StreamDisk::open(dir.path(), StreamConfig::default(), 2).expect("reopen");
+        assert_eq!(disk.log().next_offset(), 200);
+    }
+}
