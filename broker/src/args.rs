@@ -5,11 +5,27 @@ use amq_protocol::types::{AMQPValue, FieldTable};
 /// A string-valued argument (long or short string).
 #[must_use]
 pub fn string_arg(args: &FieldTable, key: &str) -> Option<String> {
-    match args.inner().get(key)? {
+    text_value(args.inner().get(key)?)
+}
+
+/// A long or short string value as text (None for any other type).
+#[must_use]
+pub fn text_value(v: &AMQPValue) -> Option<String> {
+    match v {
         AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
         AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
         _ => None,
     }
+}
+
+/// A field table of `pairs`, for tests.
+#[cfg(test)]
+pub(crate) fn table(pairs: &[(&str, AMQPValue)]) -> FieldTable {
+    let mut t = FieldTable::default();
+    for (k, v) in pairs {
+        t.insert((*k).into(), v.clone());
+    }
+    t
 }
 
 /// RabbitMQ's name for a field type, as shown in equivalence errors.

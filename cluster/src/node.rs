@@ -709,14 +709,7 @@ impl ClusterNode {
     /// How many quorum queues each node leads, as this node's replicas see it.
     fn leaders_per_node(&self) -> HashMap<NodeId, usize> {
         let mut led = HashMap::new();
-        let replicas: Vec<Arc<QueueReplica>> = self
-            .queues
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .values()
-            .cloned()
-            .collect();
-        for r in replicas {
+        for r in self.replicas() {
             if let Some(l) = r
                 .raft
                 .get()
@@ -813,13 +806,7 @@ impl ClusterNode {
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .insert(*incarnation, members.clone());
-                let replica = self
-                    .queues
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .get(incarnation)
-                    .cloned();
-                if let Some(replica) = replica
+                if let Some(replica) = self.replica_of(*incarnation)
                     && replica.is_leader()
                 {
                     reconcile_members(self, &replica);
@@ -1297,6 +1284,16 @@ impl ClusterNode {
             }
         });
         let _ = self.commit_meta(change, false, failed);
+    }
+
+    /// Every queue replica this node serves (a snapshot: the table is not held).
+    fn replicas(&self) -> Vec<Arc<QueueReplica>> {
+        self.queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
     }
 
     /// This node's replica of a queue group, by incarnation.
@@ -2463,14 +2460,7 @@ async fn watch_peers(weak: Weak<ClusterNode>) {
                 move || alive.upgrade().is_none_or(|n| n.is_forgotten(id)),
             ));
         }
-        let replicas: Vec<Arc<QueueReplica>> = node
-            .queues
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .values()
-            .cloned()
-            .collect();
-        for replica in replicas {
+        for replica in node.replicas() {
             if !replica.is_leader() {
                 continue;
             }

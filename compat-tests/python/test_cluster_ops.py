@@ -731,3 +731,31 @@ def test_a_one_node_cluster_serves_quorum_queues_and_keeps_them(cluster_factory)
     r = ctl(c, 0, "queues", "add_member", q, "n2")
     assert r.returncode == 0, r.stdout + r.stderr
     drain_until(c, [n2], q, h, ids)
+
+
+def test_leader_locator_client_local_by_default_balanced_on_request(cluster_factory):
+    """Queues declared through n2 are led by n2 (client-local, RabbitMQ's default); one
+    declared through n2 with `x-queue-leader-locator: balanced` is led by a member leading
+    none; an unknown locator is refused with 406 as RabbitMQ refuses it."""
+    import pika.exceptions
+    c = cluster_factory(3)
+    local = ["local-" + uuid.uuid4().hex[:6] for _ in range(2)]
+    for q in local:
+        declare_quorum(c, 1, q)
+    assert {c.wait_for_leader(q) for q in local} == {1}
+    # n2 must know it leads both before it balances against that.
+    poll(lambda: leaders_on(c, 1, local), lambda m: set(m.values()) == {"n2"},
+         what="n2 seen leading both")
+    q = "balanced-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 1, q, arguments={"x-queue-leader-locator": "balanced"})
+    assert c.wait_for_leader(q) in (0, 2)
+    conn = c.connect(1)
+    try:
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            conn.channel().queue_declare("bad-" + uuid.uuid4().hex[:6], durable=True,
+                                         arguments={"x-queue-type": "quorum",
+                                                    "x-queue-leader-locator": "nearest"})
+        assert e.value.reply_code == 406
+        assert "invalid_queue_locator_arg" in e.value.reply_text, e.value.reply_text
+    finally:
+        conn.close()

@@ -90,15 +90,9 @@ pub fn matches(args: &FieldTable, headers: Option<&FieldTable>) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::table;
     use amq_protocol::types::LongString;
 
-    fn table(pairs: &[(&str, AMQPValue)]) -> FieldTable {
-        let mut t = FieldTable::default();
-        for (k, v) in pairs {
-            t.insert((*k).into(), v.clone());
-        }
-        t
-    }
     fn s(v: &str) -> AMQPValue {
         AMQPValue::LongString(LongString::from(v.as_bytes().to_vec()))
     }

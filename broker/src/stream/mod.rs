@@ -9,7 +9,7 @@ pub mod reader;
 pub mod spec;
 pub mod writer;
 
-use amq_protocol::types::{AMQPValue, FieldTable};
+use amq_protocol::types::FieldTable;
 use warren_amqp::AmqpError;
 
 /// A stream's retention settings from its declare arguments (`what` is RabbitMQ's
@@ -56,17 +56,13 @@ pub fn config_from_args(args: &FieldTable, what: &str) -> Result<log::StreamConf
         config.filter_bytes = size;
     }
     if let Some(v) = table.get("x-max-age") {
-        let text = match v {
-            AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-            AMQPValue::ShortString(s) => s.as_str().to_string(),
-            other => {
-                return Err(crate::args::invalid(
-                    "x-max-age",
-                    what,
-                    &format!("{{unacceptable_type,{}}}", crate::args::type_name(other)),
-                ));
-            }
-        };
+        let text = crate::args::text_value(v).ok_or_else(|| {
+            crate::args::invalid(
+                "x-max-age",
+                what,
+                &format!("{{unacceptable_type,{}}}", crate::args::type_name(v)),
+            )
+        })?;
         config.max_age_ms = Some(
             spec::parse_interval(&text)
                 .map_err(|_| crate::args::invalid("x-max-age", what, "invalid_max_age"))?,
@@ -78,16 +74,9 @@ pub fn config_from_args(args: &FieldTable, what: &str) -> Result<log::StreamConf
 #[cfg(test)]
 mod tests {
     use super::*;
-    use amq_protocol::types::LongString;
+    use crate::args::table as args;
+    use amq_protocol::types::{AMQPValue, LongString};
     use warren_amqp::ReplyCode;
-
-    fn args(pairs: &[(&str, AMQPValue)]) -> FieldTable {
-        let mut t = FieldTable::default();
-        for (k, v) in pairs {
-            t.insert((*k).into(), v.clone());
-        }
-        t
-    }
 
     const WHAT: &str = "queue 's' in vhost '/'";
 

@@ -64,11 +64,7 @@ pub fn consume_spec(
             true,
         ),
     };
-    let text = |v: &AMQPValue| match v {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
-        AMQPValue::ShortString(s) => Some(s.as_str().to_string()),
-        _ => None,
-    };
+    let text = crate::args::text_value;
     // As RabbitMQ: a string or an array of strings (other elements ignored).
     let filter: Option<Vec<String>> = match table.get("x-stream-filter") {
         Some(AMQPValue::FieldArray(a)) => Some(a.as_slice().iter().filter_map(text).collect()),
@@ -200,16 +196,9 @@ impl Cursor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::table as args;
     use crate::stream::log::{Command, MessageMeta, StreamConfig};
     use amq_protocol::types::{FieldArray, LongString};
-
-    fn args(pairs: &[(&str, AMQPValue)]) -> FieldTable {
-        let mut t = FieldTable::default();
-        for (k, v) in pairs {
-            t.insert((*k).into(), v.clone());
-        }
-        t
-    }
 
     fn text(s: &str) -> AMQPValue {
         AMQPValue::LongString(LongString::from(s))

@@ -49,11 +49,7 @@ impl OffsetSpec {
         match v {
             AMQPValue::Timestamp(secs) => Ok(Self::Timestamp(secs.saturating_mul(1000))),
             AMQPValue::LongString(_) | AMQPValue::ShortString(_) => {
-                let s = match v {
-                    AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
-                    AMQPValue::ShortString(s) => s.as_str().to_string(),
-                    _ => String::new(),
-                };
+                let s = crate::args::text_value(v).unwrap_or_default();
                 match s.as_str() {
                     "first" => Ok(Self::First),
                     "last" => Ok(Self::Last),
