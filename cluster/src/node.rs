@@ -1094,60 +1094,32 @@ impl ClusterHooks for ClusterNode {
             done(Err(TransferError::Failed("the node is stopping".into())));
             return;
         };
-        let name_of =
-            |id: NodeId, node: &ClusterNode| node.peer_name(id).unwrap_or_else(|| id.to_string());
-        let group = replica.group.clone();
         tokio::spawn(async move {
             let outcome = if leader == node.me {
-                node.lead_transfer(group.incarnation, id).await
-            } else {
-                let addr = node.addresses.get(leader).or_else(|| {
-                    replica.raft.get().and_then(|r| {
-                        r.metrics()
-                            .borrow()
-                            .membership_config
-                            .membership()
-                            .get_node(&leader)
-                            .map(|n| n.addr.clone())
-                    })
-                });
-                match addr {
-                    None => Err(TransferError::Failed(
-                        "the leader's address is unknown".into(),
+                node.lead_transfer(replica.group.incarnation, id).await
+            } else if let Some(call) = node.peer_call(&replica, leader) {
+                // The leader may wait out its lease, hold its log, wait out the others'
+                // leases (groups of more than three) and the election.
+                let lease = Duration::from_millis(node.raft_config.election_timeout_max);
+                let answer_max =
+                    2 * (lease + TRANSFER_MARGIN + HOLD_MAX) + TRANSFER_MAX + LINK_OPEN_MAX;
+                match tokio::time::timeout(answer_max, crate::tcp::request_transfer(call, id)).await
+                {
+                    Ok(Ok(Ok(new))) => Ok(new),
+                    Ok(Ok(Err(reason))) => Err(TransferError::Failed(reason)),
+                    Ok(Err(e)) => Err(TransferError::Failed(format!(
+                        "cannot reach the leader: {e}"
+                    ))),
+                    Err(_) => Err(TransferError::Failed(
+                        "the leader did not answer in time".into(),
                     )),
-                    Some(addr) => {
-                        let call = crate::tcp::PeerCall {
-                            from: node.me,
-                            to: leader,
-                            group,
-                            addr,
-                            secret: node.secret.clone(),
-                            tls: node.addresses.tls(),
-                        };
-                        // The leader may wait out its lease, hold its log, wait out the
-                        // others' leases (groups of more than three) and the election.
-                        let lease = Duration::from_millis(node.raft_config.election_timeout_max);
-                        let answer_max =
-                            2 * (lease + TRANSFER_MARGIN + HOLD_MAX) + TRANSFER_MAX + LINK_OPEN_MAX;
-                        match tokio::time::timeout(
-                            answer_max,
-                            crate::tcp::request_transfer(call, id),
-                        )
-                        .await
-                        {
-                            Ok(Ok(Ok(new))) => Ok(new),
-                            Ok(Ok(Err(reason))) => Err(TransferError::Failed(reason)),
-                            Ok(Err(e)) => Err(TransferError::Failed(format!(
-                                "cannot reach the leader: {e}"
-                            ))),
-                            Err(_) => Err(TransferError::Failed(
-                                "the leader did not answer in time".into(),
-                            )),
-                        }
-                    }
                 }
+            } else {
+                Err(TransferError::Failed(
+                    "the leader's address is unknown".into(),
+                ))
             };
-            done(outcome.map(|new| name_of(new, &node)));
+            done(outcome.map(|new| node.name_of(new)));
         });
     }
 
@@ -1286,6 +1258,37 @@ impl ClusterNode {
         let _ = self.commit_meta(change, false, failed);
     }
 
+    /// Where this node dials `peer` for a group run by `raft`: its own `--peers` address,
+    /// else the one the group's membership recorded.
+    fn peer_addr(&self, raft: &Raft<QueueRaft>, peer: NodeId) -> Option<String> {
+        self.addresses.get(peer).or_else(|| {
+            raft.metrics()
+                .borrow()
+                .membership_config
+                .membership()
+                .get_node(&peer)
+                .map(|n| n.addr.clone())
+        })
+    }
+
+    /// A single request to `peer`'s replica of `replica`'s group (None: no address known).
+    fn peer_call(&self, replica: &QueueReplica, peer: NodeId) -> Option<crate::tcp::PeerCall> {
+        let raft = replica.raft.get()?;
+        Some(crate::tcp::PeerCall {
+            from: self.me,
+            to: peer,
+            group: replica.group.clone(),
+            addr: self.peer_addr(raft, peer)?,
+            secret: self.secret.clone(),
+            tls: self.addresses.tls(),
+        })
+    }
+
+    /// A node's name for messages (its id if unknown).
+    fn name_of(&self, id: NodeId) -> String {
+        self.peer_name(id).unwrap_or_else(|| id.to_string())
+    }
+
     /// Every queue replica this node serves (a snapshot: the table is not held).
     fn replicas(&self) -> Vec<Arc<QueueReplica>> {
         self.queues
@@ -1319,7 +1322,6 @@ impl ClusterNode {
         let (Some(raft), Some(proposer)) = (replica.raft.get(), replica.proposer.get()) else {
             return Err(TransferError::NotReplicated);
         };
-        let name = |id: NodeId| self.peer_name(id).unwrap_or_else(|| id.to_string());
         {
             let m = raft.metrics();
             let m = m.borrow();
@@ -1335,7 +1337,7 @@ impl ClusterNode {
                 .voter_ids()
                 .any(|v| v == to)
             {
-                return Err(TransferError::NotVoter(name(to)));
+                return Err(TransferError::NotVoter(self.name_of(to)));
             }
         }
         if to == self.me {
@@ -1384,19 +1386,13 @@ impl ClusterNode {
                 "the target holds every entry",
             )
             .await
-            .map_err(|_| TransferError::Failed(format!("{} did not catch up in time", name(to))))?;
+            .map_err(|_| {
+                TransferError::Failed(format!("{} did not catch up in time", self.name_of(to)))
+            })?;
         let call = |peer: NodeId| {
-            self.addresses
-                .get(peer)
-                .map(|addr| crate::tcp::PeerCall {
-                    from: self.me,
-                    to: peer,
-                    group: replica.group.clone(),
-                    addr,
-                    secret: self.secret.clone(),
-                    tls: self.addresses.tls(),
-                })
-                .ok_or_else(|| TransferError::Failed(format!("no address for {}", name(peer))))
+            self.peer_call(&replica, peer).ok_or_else(|| {
+                TransferError::Failed(format!("no address for {}", self.name_of(peer)))
+            })
         };
         // Beyond three voters (or when this replica no longer votes), this replica's vote and
         // the target's are no majority: the others must grant theirs too, which they do only
@@ -1429,7 +1425,7 @@ impl ClusterNode {
                     resume_elections(call, &others).await;
                     return Err(TransferError::Failed(format!(
                         "{} would not abstain from elections",
-                        name(*peer)
+                        self.name_of(*peer)
                     )));
                 }
             }
@@ -1442,12 +1438,14 @@ impl ClusterNode {
         };
         let started = tokio::time::timeout(LINK_OPEN_MAX, crate::tcp::request_campaign(call(to)?))
             .await
-            .map_err(|_| TransferError::Failed(format!("{} did not answer", name(to))))?
-            .map_err(|e| TransferError::Failed(format!("cannot reach {}: {e}", name(to))))?;
+            .map_err(|_| TransferError::Failed(format!("{} did not answer", self.name_of(to))))?
+            .map_err(|e| {
+                TransferError::Failed(format!("cannot reach {}: {e}", self.name_of(to)))
+            })?;
         if !started {
             return Err(TransferError::Failed(format!(
                 "{} did not stand for election",
-                name(to)
+                self.name_of(to)
             )));
         }
         let moved = raft
@@ -1465,7 +1463,7 @@ impl ClusterNode {
         match moved {
             Ok(m) => {
                 let new = m.current_leader.unwrap_or(to);
-                tracing::info!(queue = %replica.queue.name, to = %name(new), "leadership handed over");
+                tracing::info!(queue = %replica.queue.name, to = %self.name_of(new), "leadership handed over");
                 Ok(new)
             }
             Err(_) => Err(TransferError::Failed(
@@ -2140,17 +2138,7 @@ async fn send_batch(
     let link = match links.entry(leader) {
         std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
         std::collections::hash_map::Entry::Vacant(v) => {
-            let addr = node
-                .upgrade()
-                .and_then(|n| n.addresses.get(leader))
-                .or_else(|| {
-                    raft.metrics()
-                        .borrow()
-                        .membership_config
-                        .membership()
-                        .get_node(&leader)
-                        .map(|n| n.addr.clone())
-                });
+            let addr = node.upgrade().and_then(|n| n.peer_addr(raft, leader));
             let Some(addr) = addr else {
                 finish(Err(ReplicationError::Unavailable));
                 return;
