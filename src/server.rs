@@ -54,6 +54,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
     let segments = store.segments();
     let writer = Writer::start(store).context("starting the store writer")?;
     let durable = Arc::new(Durable::new(writer, segments));
+    durable.set_streams_dir(cfg.data_dir.join("streams"));
     // Connections paused on the store's backlog wait for the next commit.
     let (commit_tx, commit_rx) = watch::channel(0u64);
     durable.set_on_commit(Box::new(move |_pending| {
@@ -270,6 +271,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
     }
     let _ = std::fs::remove_file(crate::admin::socket_path(&cfg.data_dir));
     // Everything submitted is committed before the process exits.
+    broker.save_stream_offsets();
     durable.shutdown();
     tracing::info!("stopped");
     Ok(exit)

@@ -255,18 +255,7 @@ fn check_leader_locator(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
 fn check_queue_type(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
     check_one_of(v, &["classic", "quorum", "stream"], |s| {
         format!("\"unsupported queue type '{s}'\"")
-    })?;
-    match string_like(v).as_deref() {
-        // Quorum queues run on this node only until clustering lands (see the docs).
-        Some(b"classic" | b"quorum") => Ok(()),
-        // Streams arrive with their own issue; accepting them as classic queues would
-        // silently weaken what the application asked for.
-        Some(other) => Err(format!(
-            "\"queue type '{}' is not supported yet\"",
-            String::from_utf8_lossy(other)
-        )),
-        None => Ok(()),
-    }
+    })
 }
 
 fn check_bool(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {

@@ -720,6 +720,19 @@ impl Broker {
         self.users.read().topic_permissions(vhost, user)
     }
 
+    /// Save every stream's tracked offsets that changed (at shutdown: a restart resumes
+    /// named consumers exactly where they acked).
+    pub fn save_stream_offsets(&self) {
+        let vhosts: Vec<Arc<VHost>> = self.vhosts.read().values().cloned().collect();
+        for vh in vhosts {
+            for q in vh.queues() {
+                if let Some(stream) = q.stream() {
+                    stream.save_offsets();
+                }
+            }
+        }
+    }
+
     /// `list_vhosts`, sorted.
     #[must_use]
     pub fn list_vhosts(&self) -> Vec<String> {

@@ -29,13 +29,30 @@ const RECORD_VERSION: u8 = 1;
 pub struct Durable {
     writer: Writer,
     segments: Arc<Segments>,
+    /// Where streams keep their segment files (`<data-dir>/streams`), one directory each.
+    streams_dir: std::sync::OnceLock<std::path::PathBuf>,
 }
 
 impl Durable {
     /// Wrap a started writer and the readers of its segments.
     #[must_use]
     pub fn new(writer: Writer, segments: Arc<Segments>) -> Self {
-        Self { writer, segments }
+        Self {
+            writer,
+            segments,
+            streams_dir: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Set (once) the directory streams keep their files in.
+    pub fn set_streams_dir(&self, dir: std::path::PathBuf) {
+        let _ = self.streams_dir.set(dir);
+    }
+
+    /// The directory streams keep their files in, if set.
+    #[must_use]
+    pub fn streams_dir(&self) -> Option<&std::path::Path> {
+        self.streams_dir.get().map(std::path::PathBuf::as_path)
     }
 
     /// The store's commit measurements (fsync and commit latency, group sizes).

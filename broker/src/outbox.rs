@@ -49,6 +49,16 @@ pub enum Outbound {
         /// The consumer.
         consumer: ConsumerId,
     },
+    /// A stream consumer may have something to read: the connection task calls
+    /// [`crate::stream::queue::StreamQueue::pump`] and writes what it gives.
+    StreamReady {
+        /// Channel of the consumer.
+        channel: u16,
+        /// The consumer.
+        consumer: ConsumerId,
+        /// The stream queue.
+        queue: Arc<Queue>,
+    },
     /// A direct reply-to message for the requester consuming on `channel`.
     Reply {
         /// Channel of the reply consumer.

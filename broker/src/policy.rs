@@ -50,6 +50,8 @@ const KNOWN_KEYS: &[&str] = &[
     "dead-letter-routing-key",
     "delivery-limit",
     "alternate-exchange",
+    "max-age",
+    "stream-max-segment-size-bytes",
 ];
 
 /// Keys an operator policy may set: limits, which combine with the queue's own (the lower
@@ -129,6 +131,7 @@ impl Policy {
             "queues",
             "classic_queues",
             "quorum_queues",
+            "streams",
             "exchanges",
         ]
         .contains(&def.apply_to.as_str())
@@ -158,6 +161,7 @@ impl Policy {
             "max-length",
             "max-length-bytes",
             "delivery-limit",
+            "stream-max-segment-size-bytes",
         ] {
             if def.definition.contains_key(key) && int(&def.definition, key).is_none() {
                 return Err(PolicyError(format!("{key} must be a non-negative integer")));
@@ -178,6 +182,14 @@ impl Policy {
                 return Err(PolicyError(format!("{key} must be a string")));
             }
         }
+        if def.definition.contains_key("max-age")
+            && text(&def.definition, "max-age")
+                .is_none_or(|a| crate::stream::spec::parse_interval(&a).is_err())
+        {
+            return Err(PolicyError(
+                "max-age must be an interval such as 7D, 12h or 30m".into(),
+            ));
+        }
         if let Some(o) = text(&def.definition, "overflow")
             && !["drop-head", "reject-publish", "reject-publish-dlx"].contains(&o.as_str())
         {
@@ -192,6 +204,7 @@ impl Policy {
             Applies::Exchange => matches!(to, "all" | "exchanges"),
             Applies::ClassicQueue => matches!(to, "all" | "queues" | "classic_queues"),
             Applies::QuorumQueue => matches!(to, "all" | "queues" | "quorum_queues"),
+            Applies::Stream => matches!(to, "all" | "queues" | "streams"),
         };
         covers && self.pattern.is_match(name)
     }
@@ -206,6 +219,8 @@ pub enum Applies {
     ClassicQueue,
     /// A quorum queue.
     QuorumQueue,
+    /// A stream.
+    Stream,
 }
 
 /// The policy that applies to `name`, if any.

@@ -119,6 +119,11 @@ impl Broker {
             );
             by_id.insert(r.id, Arc::clone(&q));
             vh.apply_policies(&q);
+            if let Err(e) = vh.open_stream(&q) {
+                // The queue stays declared (its files are left for an operator to look at);
+                // consuming from it fails with 541 until they open.
+                tracing::error!(queue = %r.name, vhost = %r.vhost, error = %e, "a stream's files do not open");
+            }
             vh.restore_queue(q);
             report.queues += 1;
         }

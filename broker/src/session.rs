@@ -100,7 +100,10 @@ struct ConsumerEntry {
 #[derive(Debug, Clone)]
 struct Unacked {
     queue: Arc<Queue>,
+    /// The message id (a stream's: the offset).
     id: MsgId,
+    /// The consumer it was delivered to (0 for basic.get): a stream gives its credit back.
+    consumer: ConsumerId,
     /// Holds a slot of the channel's [`Limiter`].
     counted: bool,
     /// Wall-clock ms by which it must be acked (consumer timeout), `u64::MAX` for never.
@@ -252,11 +255,26 @@ fn reply(out: &mut FrameWriter, ch: u16, m: AMQPClass) {
 
 fn group_by_queue(items: impl IntoIterator<Item = Unacked>) -> Vec<(Arc<Queue>, Vec<MsgId>)> {
     let mut groups: Vec<(Arc<Queue>, Vec<MsgId>)> = Vec::new();
+    // A stream removes nothing: whatever the action, credit goes back to each consumer.
+    let mut streams: Vec<(Arc<Queue>, ConsumerId, Vec<u64>)> = Vec::new();
     for u in items {
+        if u.queue.is_stream {
+            match streams
+                .iter_mut()
+                .find(|(q, c, _)| *c == u.consumer && Arc::ptr_eq(q, &u.queue))
+            {
+                Some((_, _, offsets)) => offsets.push(u.id),
+                None => streams.push((u.queue, u.consumer, vec![u.id])),
+            }
+            continue;
+        }
         match groups.iter_mut().find(|(q, _)| Arc::ptr_eq(q, &u.queue)) {
             Some((_, ids)) => ids.push(u.id),
             None => groups.push((u.queue, vec![u.id])),
         }
+    }
+    for (q, consumer, offsets) in streams {
+        q.settle_stream(consumer, &offsets);
     }
     groups
 }
@@ -525,6 +543,15 @@ impl Session {
                 Outbound::Deliver(d) => self.deliver(d, out),
                 Outbound::Cancel { channel, consumer } => {
                     self.consumer_cancelled(channel, consumer, out)
+                }
+                Outbound::StreamReady {
+                    queue, consumer, ..
+                } => {
+                    if let Some(stream) = queue.stream() {
+                        for d in stream.pump(consumer) {
+                            self.deliver(d, out);
+                        }
+                    }
                 }
                 Outbound::Reply {
                     channel,
@@ -819,6 +846,7 @@ impl Session {
                 Unacked {
                     queue: Arc::clone(&d.queue),
                     id: d.id,
+                    consumer: d.consumer,
                     counted: d.counted,
                     deadline,
                 },
@@ -1021,8 +1049,13 @@ fn handle_queue(
                     ctx.allow(Perm::Read, Resource::Queue, &name)?;
                 }
                 crate::args::validate_queue_args(&d.arguments, &rs("queue", &name, &vhost.name))?;
-                if crate::args::is_quorum(&d.arguments) {
-                    // rabbit_quorum_queue:declare's checks, in its order.
+                let what = rs("queue", &name, &vhost.name);
+                if crate::stream::is_stream(&d.arguments) {
+                    crate::stream::config_from_args(&d.arguments, &what)?;
+                }
+                if crate::args::is_quorum(&d.arguments) || crate::stream::is_stream(&d.arguments) {
+                    // rabbit_quorum_queue:declare's checks, in its order (rabbit_stream_queue
+                    // makes the same ones).
                     for (bad, property) in [
                         (d.auto_delete, "auto-delete"),
                         (d.exclusive, "exclusive-owner"),
@@ -1068,7 +1101,7 @@ fn handle_queue(
                         )
                     },
                     &mut || ctx.on_commit(),
-                );
+                )?;
                 if !created {
                     check_queue_equivalence(
                         ctx,
@@ -1712,8 +1745,27 @@ fn handle_basic(
             let qname = expand_queue_name(chan, c.queue.as_str())?;
             ctx.allow(Perm::Read, Resource::Queue, &qname)?;
             let q = usable_queue(ctx, &qname)?;
-            if q.is_quorum && chan.prefetch_channel > 0 {
-                // rabbit_quorum_queue refuses consumers under a channel-wide (global) QoS.
+            if q.is_stream && q.stream().is_none() {
+                return Err(AmqpError::connection(
+                    ReplyCode::InternalError,
+                    format!(
+                        "the files of stream {} could not be opened",
+                        rs("queue", &q.name, &ctx.vhost.name)
+                    ),
+                ));
+            }
+            let stream_spec = match q.stream() {
+                Some(_) => Some(crate::stream::reader::consume_spec(
+                    &c.arguments,
+                    u16::try_from(chan.prefetch_consumer).unwrap_or(u16::MAX),
+                    c.no_ack,
+                    &rs("queue", &q.name, &ctx.vhost.name),
+                )?),
+                None => None,
+            };
+            if (q.is_quorum || q.is_stream) && chan.prefetch_channel > 0 {
+                // rabbit_quorum_queue and rabbit_stream_queue refuse consumers under a
+                // channel-wide (global) QoS.
                 return Err(AmqpError::connection(
                     ReplyCode::NotImplemented,
                     format!(
@@ -1767,6 +1819,37 @@ fn handle_basic(
                 priority,
                 limited: !c.no_ack && chan.prefetch_channel > 0,
             };
+            if let (Some(stream), Some(stream_spec)) = (q.stream(), &stream_spec) {
+                stream.consume(
+                    id,
+                    stream_spec,
+                    u16::try_from(prefetch).unwrap_or(u16::MAX),
+                    ConsumerSink {
+                        outbox: Arc::clone(&ctx.outbox),
+                        channel: ch,
+                        limiter: None,
+                    },
+                    crate::timers::wall_ms(),
+                )?;
+                chan.consumers.insert(
+                    tag.clone(),
+                    ConsumerEntry {
+                        id,
+                        queue: Arc::clone(&q),
+                        no_ack: false,
+                    },
+                );
+                if !c.nowait {
+                    reply(
+                        out,
+                        ch,
+                        AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+                            consumer_tag: tag.as_str().into(),
+                        })),
+                    );
+                }
+                return Ok(());
+            }
             chan.consumers.insert(
                 tag.clone(),
                 ConsumerEntry {
@@ -1830,6 +1913,15 @@ fn handle_basic(
             let name = expand_queue_name(chan, g.queue.as_str())?;
             ctx.allow(Perm::Read, Resource::Queue, &name)?;
             let q = usable_queue(ctx, &name)?;
+            if q.is_stream {
+                return Err(AmqpError::connection(
+                    ReplyCode::NotImplemented,
+                    format!(
+                        "basic.get not supported by stream {}",
+                        rs("queue", &q.name, &ctx.vhost.name)
+                    ),
+                ));
+            }
             if q.is_replicated() {
                 // Its reply comes with the commit (see `Outbound::Got`).
                 let (outbox, epoch, no_ack) = (Arc::clone(&ctx.outbox), chan.epoch, g.no_ack);
@@ -1902,6 +1994,7 @@ fn write_get(
                     Unacked {
                         queue: Arc::clone(q),
                         id,
+                        consumer: 0,
                         counted: false,
                         deadline,
                     },
@@ -2034,6 +2127,10 @@ fn consumer_timeout(ctx: &Ctx, queue: &Queue) -> Option<u64> {
 }
 
 fn consumer_deadline(ctx: &Ctx, queue: &Queue) -> u64 {
+    if queue.is_stream {
+        // An unacked stream delivery holds nothing but the consumer's own credit.
+        return u64::MAX;
+    }
     consumer_timeout(ctx, queue).map_or(u64::MAX, |t| crate::timers::wall_ms().saturating_add(t))
 }
 

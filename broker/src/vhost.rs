@@ -970,29 +970,39 @@ impl VHost {
 
     /// Insert a new queue, or return the existing one of that name (the caller checks
     /// equivalence). Returns (queue, created).
+    ///
+    /// # Errors
+    /// A new stream's files cannot be opened (541).
     pub fn declare_queue(
         &self,
         make: impl FnOnce() -> Arc<Queue>,
         on_commit: OnCommit<'_>,
-    ) -> (Arc<Queue>, bool) {
+    ) -> Result<(Arc<Queue>, bool), AmqpError> {
         let candidate = make();
         if candidate.is_quorum
             && let Some(cluster) = self.cluster()
         {
             if let Some(q) = self.queue(&candidate.name) {
-                return (q, false);
+                return Ok((q, false));
             }
             // The cluster agrees on it first; every node (this one too) then inserts its
             // replica, and the declare-ok waits for that.
             cluster.declare_quorum(Arc::clone(&candidate), on_commit());
-            return (candidate, true);
+            return Ok((candidate, true));
         }
         // Applied before the queue is visible (and with no vhost lock held).
         self.apply_policies(&candidate);
         let mut t = self.topology.write();
         if let Some(q) = t.queues.get(&candidate.name) {
-            return (Arc::clone(q), false);
+            return Ok((Arc::clone(q), false));
         }
+        // Under the lock: a concurrent declare of the same name cannot open its files too.
+        self.open_stream(&candidate).map_err(|e| {
+            AmqpError::connection(
+                warren_amqp::ReplyCode::InternalError,
+                format!("cannot open the stream's files: {e}"),
+            )
+        })?;
         if candidate.is_stored() {
             let record = QueueRecord {
                 vhost: self.name.clone(),
@@ -1006,7 +1016,30 @@ impl VHost {
         t.queues
             .insert(candidate.name.clone(), Arc::clone(&candidate));
         self.stats.event(Lifecycle::QueueCreated);
-        (candidate, true)
+        Ok((candidate, true))
+    }
+
+    /// Open a stream queue's files (`<data-dir>/streams/<queue id>`; without a store, a
+    /// directory under the system's temporary one). Nothing for other queues.
+    ///
+    /// # Errors
+    /// The files do not recover, or the writer cannot start.
+    pub fn open_stream(&self, queue: &Arc<Queue>) -> Result<(), warren_store::StoreError> {
+        if !queue.is_stream {
+            return Ok(());
+        }
+        let base = self
+            .store
+            .as_ref()
+            .and_then(|s| s.streams_dir())
+            .map_or_else(
+                || std::env::temp_dir().join(format!("warren-streams-{}", std::process::id())),
+                std::path::Path::to_path_buf,
+            );
+        queue.open_stream(
+            &base.join(queue.id.to_string()),
+            warren_amqp::limits::TABLE_DEPTH_MAX,
+        )
     }
 
     /// Remove a queue and its bindings; consumers get basic.cancel. Returns the ready count,

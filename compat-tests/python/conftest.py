@@ -75,17 +75,19 @@ def warren_binary():
 
 
 @contextlib.contextmanager
-def warren_process(*extra_args, wait_port=None):
-    """Start a Warren of our own on a free loopback port with a throw-away data dir and stop it
-    on exit. `extra_args` go to `warren server`; `wait_port` is the port to wait for (the AMQP
-    port by default). Yields a dict: port, data_dir, binary, pid, log."""
+def warren_process(*extra_args, wait_port=None, data_dir=None):
+    """Start a Warren of our own on a free loopback port with a throw-away data dir (or
+    `data_dir`, kept: a restart) and stop it on exit (SIGTERM). `extra_args` go to `warren
+    server`; `wait_port` is the port to wait for (the AMQP port by default). Yields a dict:
+    port, data_dir, binary, pid, log."""
     binary = warren_binary()
     port = _free_port()
     management_port = _free_port()
     prometheus_port = _free_port()
     with tempfile.TemporaryDirectory(prefix="warren-compat-") as tmp:
-        data_dir = Path(tmp) / "data"
-        data_dir.mkdir()
+        if data_dir is None:
+            data_dir = Path(tmp) / "data"
+            data_dir.mkdir()
         log_path = Path(tmp) / "warren.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(

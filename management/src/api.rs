@@ -945,7 +945,13 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
         "auto_delete": q.auto_delete,
         "exclusive": q.exclusive_owner.is_some(),
         "arguments": table_to_json(&q.arguments),
-        "type": if q.is_quorum { "quorum" } else { "classic" },
+        "type": if q.is_stream {
+            "stream"
+        } else if q.is_quorum {
+            "quorum"
+        } else {
+            "classic"
+        },
         "state": "running",
         "node": node,
         "messages": s.ready + s.unacked,
@@ -959,6 +965,16 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
         // Warren's own: how long the head of the queue has waited (null when nothing is ready).
         "oldest_ready_message_age_ms": s.oldest_ready_age_ms,
     });
+    if let (Some(stream), Some(obj)) = (q.stream(), v.as_object_mut()) {
+        // A stream holds its messages whether or not they were delivered: `messages` is
+        // what it holds (RabbitMQ's figure too), and Warren adds the offsets, segments and
+        // each tracked consumer's lag.
+        let st = stream.stats(warren_broker::timers::wall_ms());
+        obj.insert("messages".into(), json!(st.messages));
+        obj.insert("messages_ready".into(), json!(st.messages));
+        obj.insert("message_bytes".into(), json!(st.bytes));
+        obj.insert("stream".into(), stream_json(&st));
+    }
     if let (Some(replica), Some(obj)) = (q.replica(), v.as_object_mut()) {
         // rabbit_quorum_queue's fields: the queue's node is its leader.
         let p = replica.placement();
@@ -968,6 +984,23 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
         obj.insert("members".into(), json!(p.members));
     }
     v
+}
+
+/// Warren's `stream` object of a stream queue: offsets, segments and tracked consumers.
+fn stream_json(st: &warren_broker::stream::queue::StreamStats) -> Value {
+    json!({
+        "first_offset": st.first_offset,
+        "next_offset": st.next_offset,
+        "segments": st.segments,
+        "bytes": st.bytes,
+        "consumers": st.tracked.iter().map(|t| json!({
+            "name": t.name,
+            "offset": t.offset,
+            "lag_messages": t.lag.messages,
+            "lag_seconds": t.lag.age_ms as f64 / 1000.0,
+            "lost_to_retention": t.lag.lost_to_retention,
+        })).collect::<Vec<_>>(),
+    })
 }
 
 /// The per-queue rates, read once for a whole listing.

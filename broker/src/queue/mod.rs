@@ -114,6 +114,13 @@ pub struct QueueEnv {
     pub vhost: std::sync::Weak<crate::vhost::VHost>,
 }
 
+/// A stream queue's settings and, once opened, its log and readers.
+#[derive(Debug)]
+struct StreamSlot {
+    config: Mutex<crate::stream::log::StreamConfig>,
+    open: std::sync::OnceLock<Arc<crate::stream::queue::StreamQueue>>,
+}
+
 /// A queue with its declaration and delivery state.
 #[derive(Debug)]
 pub struct Queue {
@@ -150,6 +157,11 @@ pub struct Queue {
     pub is_quorum: bool,
     /// `x-consumer-timeout` in milliseconds (overrides the broker's default).
     pub consumer_timeout: Option<u64>,
+    /// Declared with `x-queue-type: stream`: what it holds lives in [`Queue::stream`], and
+    /// the machine stays empty.
+    pub is_stream: bool,
+    /// A stream's retention (declare arguments and policy) and, once opened, the stream.
+    stream: Option<StreamSlot>,
     /// A quorum queue of a cluster: its Raft group, set once when the cluster starts this
     /// node's replica. From then on channel commands go to the group and the machine changes
     /// only by [`Queue::apply_committed`].
@@ -173,6 +185,11 @@ impl Queue {
     ) -> Arc<Self> {
         let store = env.store.filter(|_| durable && exclusive_owner.is_none());
         let settings = crate::policy::queue_settings(&arguments, None, None);
+        let is_stream = crate::stream::is_stream(&arguments);
+        let stream = is_stream.then(|| StreamSlot {
+            config: Mutex::new(crate::stream::config_with_policy(&arguments, None, name)),
+            open: std::sync::OnceLock::new(),
+        });
         Arc::new(Self {
             id,
             store,
@@ -182,6 +199,8 @@ impl Queue {
             auto_delete,
             exclusive_owner,
             is_quorum: crate::args::is_quorum(&arguments),
+            is_stream,
+            stream,
             consumer_timeout: arguments
                 .inner()
                 .get("x-consumer-timeout")
@@ -211,6 +230,33 @@ impl Queue {
                 dead_letters_here: true,
             }),
         })
+    }
+
+    /// The stream of a stream queue, once opened ([`Queue::open_stream`]).
+    #[must_use]
+    pub fn stream(&self) -> Option<&Arc<crate::stream::queue::StreamQueue>> {
+        self.stream.as_ref().and_then(|s| s.open.get())
+    }
+
+    /// Open a stream queue's stream in `dir` (its files, its writer); once.
+    ///
+    /// # Errors
+    /// Its files do not recover, or its writer cannot start.
+    pub fn open_stream(
+        self: &Arc<Self>,
+        dir: &std::path::Path,
+        table_depth_max: usize,
+    ) -> Result<(), warren_store::StoreError> {
+        let Some(slot) = &self.stream else {
+            return Ok(());
+        };
+        if slot.open.get().is_some() {
+            return Ok(());
+        }
+        let config = slot.config.lock().clone();
+        let stream = crate::stream::queue::StreamQueue::open(self, dir, config, table_depth_max)?;
+        let _ = slot.open.set(stream);
+        Ok(())
     }
 
     /// Make this queue a replica of its Raft group (once; false if it already is one).
@@ -351,6 +397,15 @@ impl Queue {
         policy: Option<&crate::policy::Policy>,
         operator: Option<&crate::policy::Policy>,
     ) {
+        if let Some(slot) = &self.stream {
+            let what = crate::vhost::rs("queue", &self.name, &self.vhost);
+            let config = crate::stream::config_with_policy(&self.arguments, policy, &what);
+            *slot.config.lock() = config.clone();
+            if let Some(stream) = slot.open.get() {
+                stream.configure(config);
+            }
+            return;
+        }
         let settings = crate::policy::queue_settings(&self.arguments, policy, operator);
         {
             let mut st = self.state.lock();
@@ -371,7 +426,9 @@ impl Queue {
     /// The kind of queue policies see it as.
     #[must_use]
     pub fn policy_kind(&self) -> crate::policy::Applies {
-        if self.is_quorum {
+        if self.is_stream {
+            crate::policy::Applies::Stream
+        } else if self.is_quorum {
             crate::policy::Applies::QuorumQueue
         } else {
             crate::policy::Applies::ClassicQueue
@@ -759,6 +816,15 @@ impl Queue {
     /// Enqueue a routed message that needs no store write (transient, or this queue has no
     /// store).
     pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> Enqueued {
+        if self.is_stream {
+            return match self.stream() {
+                Some(stream) => {
+                    stream.append(&message, Box::new(|_| {}));
+                    Enqueued::Accepted
+                }
+                None => Enqueued::Gone,
+            };
+        }
         if let Some(replica) = self.replica() {
             // Unconfirmed (a dead-lettered message, a publisher without confirms).
             self.submit_quietly(replica, vec![Command::Enqueue(Entry::Mem(message))]);
@@ -920,6 +986,10 @@ impl Queue {
     /// Detach a consumer. Returns true when the queue is auto-delete and this was its last
     /// consumer (the caller deletes it).
     pub fn cancel(self: &Arc<Self>, id: ConsumerId) -> bool {
+        if let Some(stream) = self.stream() {
+            stream.cancel(id);
+            return false;
+        }
         if let Some(replica) = self.replica() {
             if self.state.lock().sinks.remove(&id).is_some() {
                 self.submit_quietly(replica, vec![Command::Cancel(id)]);
@@ -947,7 +1017,7 @@ impl Queue {
 
     /// Deliveries to `consumer` were written to its socket: restore its window.
     pub fn written(self: &Arc<Self>, consumer: ConsumerId, n: u32, bytes: u64) {
-        if self.is_replicated() {
+        if self.is_replicated() || self.is_stream {
             // Replicated consumers have no socket window (see `consume_replicated`).
             return;
         }
@@ -960,6 +1030,10 @@ impl Queue {
 
     /// Acknowledge.
     pub fn settle(self: &Arc<Self>, ids: Vec<MsgId>, on_commit: Option<OnCommit<'_>>) {
+        if self.is_stream {
+            // A stream removes nothing; credit comes back by consumer (`settle_stream`).
+            return;
+        }
         if let Some(replica) = self.replica() {
             Self::submit_then(replica, vec![Command::Settle(ids)], on_commit);
             return;
@@ -974,6 +1048,9 @@ impl Queue {
 
     /// Requeue (nack/reject with requeue, recover, channel close).
     pub fn requeue(self: &Arc<Self>, ids: Vec<MsgId>) {
+        if self.is_stream {
+            return;
+        }
         if let Some(replica) = self.replica() {
             self.submit_quietly(replica, vec![Command::Return(ids)]);
             return;
@@ -987,6 +1064,9 @@ impl Queue {
 
     /// Drop (nack/reject without requeue).
     pub fn discard(self: &Arc<Self>, ids: Vec<MsgId>, on_commit: Option<OnCommit<'_>>) {
+        if self.is_stream {
+            return;
+        }
         if let Some(replica) = self.replica() {
             Self::submit_then(replica, vec![Command::Discard(ids)], on_commit);
             return;
@@ -997,6 +1077,14 @@ impl Queue {
             self.submit_store_ops(&mut st, on_commit);
         }
         self.dead_letter_pending();
+    }
+
+    /// Consumer `consumer` of a stream settled (acked, nacked or rejected) the deliveries at
+    /// `offsets`: their credit comes back, and a named consumer's offset moves.
+    pub fn settle_stream(&self, consumer: ConsumerId, offsets: &[u64]) {
+        if let Some(stream) = self.stream() {
+            stream.settle(consumer, offsets);
+        }
     }
 
     /// basic.get on a replicated queue: proposed like any command, `done` gets what the
@@ -1071,6 +1159,22 @@ impl Queue {
     /// A consistent snapshot of the queue's depth for the management API and metrics.
     #[must_use]
     pub fn stats(&self) -> QueueStats {
+        if let Some(stream) = self.stream() {
+            let s = stream.stats(self.now_ms());
+            return QueueStats {
+                ready: s.messages,
+                unacked: s.unacked,
+                ready_bytes: s.bytes,
+                unacked_bytes: 0,
+                consumers: s.consumers,
+                counters: machine::Counters {
+                    enqueued: s.published,
+                    delivered: s.delivered,
+                    ..machine::Counters::default()
+                },
+                oldest_ready_age_ms: None,
+            };
+        }
         let st = self.state.lock();
         QueueStats {
             ready: st.machine.ready_len() as u64,
@@ -1089,6 +1193,13 @@ impl Queue {
     /// Ready messages and consumers.
     #[must_use]
     pub fn counts(&self) -> QueueCounts {
+        if let Some(stream) = self.stream() {
+            // As RabbitMQ: a stream's declare-ok counts no messages (none is "ready").
+            return QueueCounts {
+                messages: 0,
+                consumers: u32::try_from(stream.consumer_count()).unwrap_or(u32::MAX),
+            };
+        }
         let st = self.state.lock();
         QueueCounts {
             messages: u32::try_from(st.machine.ready_len()).unwrap_or(u32::MAX),
@@ -1102,6 +1213,14 @@ impl Queue {
     pub fn delete(self: &Arc<Self>, more_ops: Vec<Op>, on_commit: OnCommit<'_>) -> u32 {
         let mut st = self.state.lock();
         st.deleted = true;
+        if let Some(stream) = self.stream() {
+            drop(st);
+            let held = stream.delete();
+            if let Some(store) = &self.store {
+                store.submit_meta(more_ops, on_commit);
+            }
+            return u32::try_from(held).unwrap_or(u32::MAX);
+        }
         // Its ready messages go with it (unacked ones are settled by their channels, to no
         // effect): nothing expires or is dead-lettered from a deleted queue.
         let ready = u32::try_from(st.machine.ready_len()).unwrap_or(u32::MAX);
@@ -1167,14 +1286,22 @@ pub fn publish_routed(
     message: &Arc<Message>,
     done: impl FnOnce() -> Completion,
 ) -> (Enqueued, bool) {
-    if !targets.iter().any(|q| q.is_replicated()) {
+    if !targets.iter().any(|q| q.is_replicated() || q.is_stream) {
         return publish_local(targets, message, done);
     }
     // Replicated queues take every message through their log (persistent or not, as
-    // RabbitMQ's quorum queues do): the completion waits for all of them and the store.
+    // RabbitMQ's quorum queues do), and streams store every message: the completion waits
+    // for all of them and the store.
     let join = Join::new(done());
     let mut outcome = Enqueued::Gone;
     for q in targets {
+        if q.is_stream {
+            if let Some(stream) = q.stream() {
+                stream.append(message, join.part());
+                outcome = outcome.and(Enqueued::Accepted);
+            }
+            continue;
+        }
         let Some(replica) = q.replica() else {
             continue;
         };
@@ -1195,7 +1322,7 @@ pub fn publish_routed(
     }
     let local: Vec<Arc<Queue>> = targets
         .iter()
-        .filter(|q| !q.is_replicated())
+        .filter(|q| !q.is_replicated() && !q.is_stream)
         .cloned()
         .collect();
     let (local_outcome, _) = publish_local(&local, message, || join.part());

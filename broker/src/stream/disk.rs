@@ -13,7 +13,9 @@ use warren_store::StoreError;
 use warren_store::stream_file::{self, StreamFile, StreamMessage};
 
 use super::filter::ChunkFilter;
-use super::log::{Chunk, Command, Effect, MessageMeta, Segment, StreamConfig, StreamLog};
+use super::log::{
+    Chunk, Command, Effect, MessageMeta, Segment, StreamConfig, StreamError, StreamLog,
+};
 
 /// A stream's files and log. Not shared: its owner serialises appends.
 #[derive(Debug)]
@@ -105,14 +107,14 @@ impl StreamDisk {
             }
         }
         let floor = scans.last().map_or(0, |s| s.first_offset);
-        let log =
-            StreamLog::restore(config, segments, floor, BTreeMap::new()).map_err(|detail| {
-                StoreError::Corrupt {
-                    path: dir.to_path_buf(),
-                    offset: 0,
-                    detail,
-                }
-            })?;
+        let offsets = read_offsets(dir)?;
+        let log = StreamLog::restore(config, segments, floor, offsets).map_err(|detail| {
+            StoreError::Corrupt {
+                path: dir.to_path_buf(),
+                offset: 0,
+                detail,
+            }
+        })?;
         let open = match scans.last() {
             Some(scan) => Some(StreamFile::reopen(dir, scan)?),
             None => None,
@@ -153,6 +155,75 @@ impl StreamDisk {
         let first = self.log.next_offset();
         self.apply(now_ms, Command::Append(metas), messages)?;
         Ok(first..self.log.next_offset())
+    }
+
+    /// New retention settings (a policy changed), applied at once at `now_ms`.
+    ///
+    /// # Errors
+    /// A file could not be deleted.
+    pub fn configure(&mut self, now_ms: u64, config: StreamConfig) -> Result<(), StoreError> {
+        self.apply(now_ms, Command::Configure(config), &[])
+    }
+
+    /// Remember that consumer `name` has handled everything before `next` (in memory; made
+    /// durable by [`StreamDisk::save_offsets`]).
+    ///
+    /// # Errors
+    /// The name is refused (too long, or too many names).
+    pub fn store_offset(&mut self, name: &str, next: u64) -> Result<(), StreamError> {
+        if self.log.stored_offset(name) == Some(next) {
+            return Ok(());
+        }
+        self.log
+            .apply(
+                0,
+                Command::StoreOffset {
+                    name: name.to_string(),
+                    next,
+                },
+            )
+            .map(|_| ())
+    }
+
+    /// Write the tracked offsets durably (a temporary file, fsync, rename, directory fsync),
+    /// so a restart resumes named consumers where they were.
+    ///
+    /// # Errors
+    /// The file could not be written.
+    pub fn save_offsets(&self) -> Result<(), StoreError> {
+        let mut out = Vec::with_capacity(64);
+        out.extend_from_slice(OFFSETS_MAGIC);
+        let names: Vec<(&str, u64)> = self.log.stored_offsets().collect();
+        out.extend_from_slice(&u32::try_from(names.len()).unwrap_or(u32::MAX).to_be_bytes());
+        for (name, next) in names {
+            // Names are at most TRACKED_NAME_MAX (255) bytes: the log refuses longer ones.
+            out.push(u8::try_from(name.len()).unwrap_or(u8::MAX));
+            out.extend_from_slice(&name.as_bytes()[..name.len().min(255)]);
+            out.extend_from_slice(&next.to_be_bytes());
+        }
+        let crc = crc32c::crc32c(&out);
+        out.extend_from_slice(&crc.to_be_bytes());
+        let io = |context: &'static str, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| StoreError::Io {
+                context,
+                path,
+                source,
+            }
+        };
+        let tmp = self.dir.join("offsets.tmp");
+        let path = self.dir.join(OFFSETS_FILE);
+        {
+            use std::io::Write;
+            let mut f = std::fs::File::create(&tmp).map_err(io("writing stream offsets", &tmp))?;
+            f.write_all(&out)
+                .and_then(|()| f.sync_all())
+                .map_err(io("writing stream offsets", &tmp))?;
+        }
+        std::fs::rename(&tmp, &path).map_err(io("renaming stream offsets", &path))?;
+        std::fs::File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io("syncing a stream directory", &self.dir))
     }
 
     /// Apply retention at `now_ms` (deleting the files it drops).
@@ -271,6 +342,56 @@ impl StreamDisk {
     }
 }
 
+/// The tracked offsets' file in a stream's directory.
+const OFFSETS_FILE: &str = "offsets";
+/// Its first bytes (and format version).
+const OFFSETS_MAGIC: &[u8; 8] = b"WARROFF1";
+
+/// The tracked offsets saved in `dir` (none if the file is missing).
+fn read_offsets(dir: &Path) -> Result<BTreeMap<String, u64>, StoreError> {
+    let path = dir.join(OFFSETS_FILE);
+    let data = match std::fs::read(&path) {
+        Ok(d) => d,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeMap::new()),
+        Err(source) => {
+            return Err(StoreError::Io {
+                context: "reading stream offsets",
+                path,
+                source,
+            });
+        }
+    };
+    let corrupt = |detail: &str| StoreError::Corrupt {
+        path: path.clone(),
+        offset: 0,
+        detail: detail.to_string(),
+    };
+    if data.len() < OFFSETS_MAGIC.len() + 8 || &data[..8] != OFFSETS_MAGIC {
+        return Err(corrupt("not a stream offsets file of this version"));
+    }
+    let (body, crc) = data.split_at(data.len() - 4);
+    if crc32c::crc32c(body) != u32::from_be_bytes([crc[0], crc[1], crc[2], crc[3]]) {
+        return Err(corrupt("stream offsets fail their checksum"));
+    }
+    let mut at = 8;
+    let mut take = |n: usize| -> Result<&[u8], StoreError> {
+        let part = body
+            .get(at..at + n)
+            .ok_or_else(|| corrupt("stream offsets cut short"))?;
+        at += n;
+        Ok(part)
+    };
+    let count = u32::from_be_bytes(take(4)?.try_into().map_err(|_| corrupt("count"))?);
+    let mut offsets = BTreeMap::new();
+    for _ in 0..count {
+        let len = usize::from(take(1)?[0]);
+        let name = String::from_utf8(take(len)?.to_vec()).map_err(|_| corrupt("name"))?;
+        let next = u64::from_be_bytes(take(8)?.try_into().map_err(|_| corrupt("offset"))?);
+        offsets.insert(name, next);
+    }
+    Ok(offsets)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -359,5 +480,31 @@ mod tests {
             d.read_chunk(19).expect("read").expect("held").1[4].body,
             Bytes::from("m0019")
         );
+    }
+
+    #[test]
+    fn tracked_offsets_survive_a_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut d = StreamDisk::open(dir.path(), config(1000, None), 0).expect("open");
+        d.append(1, &batch(0, 10, None)).expect("append");
+        d.sync().expect("sync");
+        d.store_offset("billing", 7).expect("store");
+        d.store_offset("audit", 3).expect("store");
+        d.save_offsets().expect("save");
+        d.store_offset("audit", 9).expect("store");
+        drop(d);
+        // What was saved comes back; what was not saved is the earlier offset (resumed
+        // from there, a few messages again: never skipped).
+        let d = StreamDisk::open(dir.path(), config(1000, None), 2).expect("reopen");
+        assert_eq!(d.log().stored_offset("billing"), Some(7));
+        assert_eq!(d.log().stored_offset("audit"), Some(3));
+        drop(d);
+        // A damaged file is refused, not read as "no offsets".
+        let path = dir.path().join(OFFSETS_FILE);
+        let mut bytes = std::fs::read(&path).expect("read");
+        let k = bytes.len() - 6;
+        bytes[k] ^= 1;
+        std::fs::write(&path, bytes).expect("write");
+        assert!(StreamDisk::open(dir.path(), config(1000, None), 3).is_err());
     }
 }

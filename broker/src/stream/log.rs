@@ -427,20 +427,12 @@ impl StreamLog {
                 self.resolve(OffsetSpec::Timestamp(now_ms.saturating_sub(ms)), now_ms)
             }
             OffsetSpec::Timestamp(ts) => {
-                // The chunk published at or just before `ts` (a consumer may get a few
-                // messages from a bit earlier); before the first chunk: the first; after
-                // the last: the end.
-                if self
-                    .chunks()
-                    .last()
-                    .is_some_and(|(_, c)| c.timestamp_ms < ts)
-                {
-                    return self.next;
-                }
+                // A chunk is stamped when it is written, after its messages arrived: the
+                // first chunk stamped at or after `ts` holds the first messages published
+                // at `ts` or later (and perhaps a few from just before); none: the end.
                 self.chunks()
-                    .take_while(|(_, c)| c.timestamp_ms <= ts)
-                    .last()
-                    .map_or(first, |(_, c)| c.first)
+                    .find(|(_, c)| c.timestamp_ms >= ts)
+                    .map_or(self.next, |(_, c)| c.first)
             }
         }
     }
@@ -562,10 +554,14 @@ mod tests {
         assert_eq!(l.resolve(OffsetSpec::FromEnd(3), 0), 22);
         assert_eq!(l.resolve(OffsetSpec::FromEnd(300), 0), 0);
         assert_eq!(l.resolve(OffsetSpec::Timestamp(500), 0), 0);
-        assert_eq!(l.resolve(OffsetSpec::Timestamp(2500), 0), 10);
+        assert_eq!(l.resolve(OffsetSpec::Timestamp(1000), 0), 0);
+        assert_eq!(l.resolve(OffsetSpec::Timestamp(1500), 0), 10);
+        assert_eq!(l.resolve(OffsetSpec::Timestamp(2500), 0), 20);
         assert_eq!(l.resolve(OffsetSpec::Timestamp(3000), 0), 20);
         assert_eq!(l.resolve(OffsetSpec::Timestamp(3001), 0), 25);
         assert_eq!(l.resolve(OffsetSpec::Ago(1000), 3000), 10);
+        assert_eq!(l.resolve(OffsetSpec::Ago(1001), 3000), 10);
+        assert_eq!(l.resolve(OffsetSpec::Ago(999), 3000), 20);
     }
 
     #[test]

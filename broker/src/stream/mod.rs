@@ -1,10 +1,13 @@
 //! Streams (`x-queue-type: stream`): append-only logs with offsets and retention, read
-//! without removing. This module holds the pure parts: where a consumer starts
-//! ([`spec`]), the per-chunk filters ([`filter`]) and the log's state machine ([`log`]).
+//! without removing. The pure parts: where a consumer starts ([`spec`]), the per-chunk
+//! filters ([`filter`]), the log's state machine ([`log`]) and a consumer's cursor
+//! ([`reader`]). Their drivers: the files ([`disk`]), the group commit ([`writer`]) and the
+//! stream as a queue of a vhost ([`queue`]).
 
 pub mod disk;
 pub mod filter;
 pub mod log;
+pub mod queue;
 pub mod reader;
 pub mod spec;
 pub mod writer;
@@ -69,6 +72,53 @@ pub fn config_from_args(args: &FieldTable, what: &str) -> Result<log::StreamConf
         );
     }
     Ok(config)
+}
+
+/// Whether the arguments declare a stream.
+#[must_use]
+pub fn is_stream(args: &FieldTable) -> bool {
+    args.inner()
+        .get("x-queue-type")
+        .and_then(crate::args::text_value)
+        .is_some_and(|t| t == "stream")
+}
+
+/// A stream's effective retention: its declare arguments, with a policy's `max-age`,
+/// `max-length-bytes` and `stream-max-segment-size-bytes` where the policy's are lower (the
+/// smaller of the two wins, as RabbitMQ's `rabbit_stream_queue` resolves them).
+#[must_use]
+pub fn config_with_policy(
+    args: &FieldTable,
+    policy: Option<&crate::policy::Policy>,
+    what: &str,
+) -> log::StreamConfig {
+    let mut config = config_from_args(args, what).unwrap_or_default();
+    let Some(p) = policy else {
+        return config;
+    };
+    let d = &p.def.definition;
+    let min = |a: Option<u64>, b: Option<u64>| match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    config.max_bytes = min(
+        config.max_bytes,
+        d.get("max-length-bytes")
+            .and_then(serde_json::Value::as_u64),
+    );
+    config.max_age_ms = min(
+        config.max_age_ms,
+        d.get("max-age")
+            .and_then(serde_json::Value::as_str)
+            .and_then(|s| spec::parse_interval(s).ok()),
+    );
+    if let Some(n) = d
+        .get("stream-max-segment-size-bytes")
+        .and_then(serde_json::Value::as_u64)
+    {
+        config.segment_max_bytes = config.segment_max_bytes.min(n.max(1));
+    }
+    config
 }
 
 #[cfg(test)]

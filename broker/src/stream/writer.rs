@@ -19,6 +19,11 @@ use super::disk::StreamDisk;
 
 /// Most messages in one chunk.
 pub const CHUNK_MESSAGES_MAX: usize = 4096;
+/// Most bytes in one chunk (a batch stops growing past it): a reader holds one chunk
+/// decoded, so this bounds a consumer's memory.
+pub const CHUNK_BYTES_MAX: usize = 1024 * 1024;
+/// How often an idle writer applies age retention and saves tracked offsets that changed.
+pub const TICK: std::time::Duration = std::time::Duration::from_secs(1);
 /// Most submissions waiting for the writer (beyond it, submitting blocks: back-pressure).
 pub const SUBMISSIONS_MAX: usize = 16 * 1024;
 
@@ -26,19 +31,54 @@ pub const SUBMISSIONS_MAX: usize = 16 * 1024;
 pub type AppendDone = Box<dyn FnOnce(Result<Range<u64>, Arc<StoreError>>) + Send>;
 
 /// A stream as its writer and its readers share it.
-#[derive(Debug)]
 pub struct SharedStream {
     /// The files and the log (appends by the writer; reads by consumers).
     pub disk: Mutex<StreamDisk>,
     /// One past the last durable offset: what readers may read.
     durable_next: AtomicU64,
+    /// Called by the writer each time the durable end moves (wakes parked readers).
+    on_durable: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// Tracked offsets changed since they were last saved.
+    offsets_dirty: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for SharedStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedStream")
+            .field("durable_next", &self.durable_next())
+            .finish_non_exhaustive()
+    }
 }
 
 impl SharedStream {
+    /// Set (once) what the writer calls whenever the durable end moves.
+    pub fn set_on_durable(&self, hook: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.on_durable.set(hook);
+    }
+
+    /// Tracked offsets changed: the writer saves them within a [`TICK`].
+    pub fn offsets_changed(&self) {
+        self.offsets_dirty.store(true, Ordering::Release);
+    }
+
+    /// Save the tracked offsets now if they changed (shutdown, deletion).
+    ///
+    /// # Errors
+    /// The file could not be written (they stay marked as changed).
+    pub fn save_offsets(&self) -> Result<(), StoreError> {
+        if self.offsets_dirty.swap(false, Ordering::AcqRel)
+            && let Err(e) = self.disk.lock().save_offsets()
+        {
+            self.offsets_dirty.store(true, Ordering::Release);
+            return Err(e);
+        }
+        Ok(())
+    }
+
     /// One past the last offset that is durable (readers stop there).
     #[must_use]
     pub fn durable_next(&self) -> u64 {
-        self.durable_next.load(Ordering::Acquire)
+        self.durable_next.load(Ordering::SeqCst)
     }
 }
 
@@ -73,6 +113,8 @@ impl StreamWriter {
         let shared = Arc::new(SharedStream {
             disk: Mutex::new(disk),
             durable_next: AtomicU64::new(durable),
+            on_durable: std::sync::OnceLock::new(),
+            offsets_dirty: std::sync::atomic::AtomicBool::new(false),
         });
         let (tx, rx) = mpsc::sync_channel(SUBMISSIONS_MAX);
         let stream = Arc::clone(&shared);
@@ -95,13 +137,25 @@ impl StreamWriter {
 
 fn run(stream: &SharedStream, rx: &mpsc::Receiver<Job>, now_ms: &dyn Fn() -> u64) {
     let mut failed: Option<Arc<StoreError>> = None;
-    while let Ok(first) = rx.recv() {
+    let mut ticked = std::time::Instant::now();
+    loop {
+        if ticked.elapsed() >= TICK {
+            ticked = std::time::Instant::now();
+            tick(stream, now_ms());
+        }
+        let first = match rx.recv_timeout(TICK) {
+            Ok(job) => job,
+            Err(mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        let mut bytes: usize = first.messages.iter().map(|m| m.body.len()).sum();
         let mut jobs = vec![first];
         let mut count = jobs[0].messages.len();
-        while count < CHUNK_MESSAGES_MAX {
+        while count < CHUNK_MESSAGES_MAX && bytes < CHUNK_BYTES_MAX {
             match rx.try_recv() {
                 Ok(job) => {
                     count += job.messages.len();
+                    bytes += job.messages.iter().map(|m| m.body.len()).sum::<usize>();
                     jobs.push(job);
                 }
                 Err(_) => break,
@@ -135,7 +189,11 @@ fn run(stream: &SharedStream, rx: &mpsc::Receiver<Job>, now_ms: &dyn Fn() -> u64
         });
         match outcome {
             Ok(range) => {
-                stream.durable_next.store(range.end, Ordering::Release);
+                // SeqCst: a reader parks, then reads this; the hook reads its parked flag.
+                stream.durable_next.store(range.end, Ordering::SeqCst);
+                if let Some(hook) = stream.on_durable.get() {
+                    hook();
+                }
                 let mut at = range.start;
                 for (job, n) in jobs.into_iter().zip(lengths) {
                     let n = n as u64;
@@ -152,6 +210,20 @@ fn run(stream: &SharedStream, rx: &mpsc::Receiver<Job>, now_ms: &dyn Fn() -> u64
                 }
             }
         }
+    }
+    // Every handle is gone (the stream was deleted or the broker stops).
+    if let Err(e) = stream.save_offsets() {
+        tracing::error!(error = %e, "saving stream offsets failed");
+    }
+}
+
+/// What an idle writer does once a [`TICK`]: age retention, tracked offsets saved.
+fn tick(stream: &SharedStream, now_ms: u64) {
+    if let Err(e) = stream.disk.lock().retain(now_ms) {
+        tracing::error!(error = %e, "stream retention failed");
+    }
+    if let Err(e) = stream.save_offsets() {
+        tracing::error!(error = %e, "saving stream offsets failed");
     }
 }
 

@@ -1,0 +1,257 @@
+"""Streams (x-queue-type: stream) over AMQP 0-9-1 with pika: declaration rules, offsets,
+ack as credit, replay, filtering, Warren's server-side offset tracking, retention and
+restarts. RabbitMQ's rules and texts where RabbitMQ has them."""
+
+import datetime
+import os
+import time
+
+import pika
+import pytest
+
+from amqp_helpers import channel_closed, connection_closed, pump, wait_until
+from conftest import warren_process
+from test_management import http, q as quote
+
+STREAM = {"x-queue-type": "stream"}
+WARREN_ONLY = pytest.mark.skipif(
+    bool(os.environ.get("WARREN_TEST_AMQP_URL")), reason="Warren's own extension")
+
+
+def publish(ch, queue, bodies, headers=None, exchange=""):
+    """Publish with confirms (pika's blocking channel waits for each one)."""
+    ch.confirm_delivery()
+    for b in bodies:
+        ch.basic_publish(exchange, queue, b if isinstance(b, bytes) else b.encode(),
+                         pika.BasicProperties(headers=headers(b) if callable(headers) else headers))
+
+
+def read(conn, ch, queue, n, arguments=None, prefetch=100, ack=True, timeout=10):
+    """Consume `n` deliveries from `queue`; returns [(offset, body, headers)]."""
+    got = []
+    ch.basic_qos(prefetch_count=prefetch)
+
+    def on(c, m, p, body):
+        got.append((p.headers.get("x-stream-offset"), body.decode(), p.headers))
+        if ack:
+            c.basic_ack(m.delivery_tag)
+
+    tag = ch.basic_consume(queue, on, arguments=arguments or {})
+    wait_until(conn, lambda: len(got) >= n, timeout=timeout)
+    ch.basic_cancel(tag)
+    return got
+
+
+def test_stream_declaration_rules(ch, names):
+    """A durable stream declares and redeclares; non-durable, exclusive and auto-delete are
+    refused with 406, as RabbitMQ refuses them."""
+    q = names.q()
+    ok = ch.queue_declare(q, durable=True, arguments=STREAM)
+    assert ok.method.message_count == 0
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    for kwargs, prop in [({"durable": False}, "non-durable"),
+                         ({"durable": True, "exclusive": True}, "exclusive-owner"),
+                         ({"durable": True, "auto_delete": True}, "auto-delete")]:
+        c = ch.connection.channel()
+        with channel_closed(406, f"invalid property '{prop}'"):
+            c.queue_declare(names.q(prop), arguments=STREAM, **kwargs)
+
+
+def test_bad_retention_arguments_are_refused(ch, names):
+    for args, term in [({"x-max-age": "7 days"}, "invalid_max_age"),
+                       ({"x-max-length-bytes": -1}, "x-max-length-bytes")]:
+        c = ch.connection.channel()
+        with channel_closed(406, term):
+            c.queue_declare(names.q(), durable=True, arguments={**STREAM, **args})
+
+
+def test_consume_needs_manual_ack_and_a_prefetch(connect, names):
+    """RabbitMQ's refusals: no prefetch 406, automatic ack 540, basic.get 540, global QoS
+    540 (the last three close the connection)."""
+    conn = connect()
+    ch = conn.channel()
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    with channel_closed(406, "consumer prefetch count is not set for stream"):
+        ch.basic_consume(q, lambda *a: None)
+    ch = conn.channel()
+    ch.basic_qos(prefetch_count=10)
+    with connection_closed(540, "automatic acknowledgement not supported by stream"):
+        ch.basic_consume(q, lambda *a: None, auto_ack=True)
+    ch = connect().channel()
+    with connection_closed(540, "basic.get not supported by stream"):
+        ch.basic_get(q)
+    # A consumer prefetch and a channel-wide one: the latter is refused (with only a
+    # channel-wide one, the consumer has no prefetch: 406 above, RabbitMQ's order).
+    ch = connect().channel()
+    ch.basic_qos(prefetch_count=10)
+    ch.basic_qos(prefetch_count=10, global_qos=True)
+    with connection_closed(540, "global qos"):
+        ch.basic_consume(q, lambda *a: None)
+
+
+def test_messages_stay_and_every_consumer_replays_them_with_offsets(conn, ch, names):
+    """Consumption removes nothing: two consumers from `first` each get every message in
+    order, each with its offset in the x-stream-offset header; a routed publish through an
+    exchange lands too."""
+    q, x = names.q(), names.x()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    ch.exchange_declare(x, "fanout")
+    ch.queue_bind(q, x)
+    bodies = [f"m{i}" for i in range(20)]
+    publish(ch, q, bodies[:10])
+    publish(ch, "", bodies[10:], exchange=x)
+    for _ in range(2):
+        got = read(conn, ch, q, 20, {"x-stream-offset": "first"})
+        assert [b for _, b, _ in got] == bodies
+        assert [o for o, _, _ in got] == list(range(20))
+    # Declare-ok never counts stream messages as ready (RabbitMQ's answer too).
+    assert ch.queue_declare(q, passive=True).method.message_count == 0
+
+
+def test_every_form_of_x_stream_offset(conn, ch, names):
+    """first, last, next, a numeric offset, a timestamp and an interval."""
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    publish(ch, q, [f"old{i}" for i in range(5)])
+    # A timestamp is in seconds: wait for the next second so it falls between the batches.
+    mark = int(time.time()) + 1
+    wait_until(ch.connection, lambda: time.time() >= mark + 0.05, timeout=3)
+    publish(ch, q, [f"new{i}" for i in range(5)])
+    assert read(conn, ch, q, 1, {"x-stream-offset": "first"})[0][1] == "old0"
+    assert read(conn, ch, q, 1, {"x-stream-offset": 7})[0][:2] == (7, "new2")
+    # Each confirmed publish was its own chunk: `last` is the last message.
+    assert read(conn, ch, q, 1, {"x-stream-offset": "last"})[0][1] == "new4"
+    ts = datetime.datetime.fromtimestamp(mark, tz=datetime.timezone.utc)
+    assert read(conn, ch, q, 1, {"x-stream-offset": ts})[0][1] == "new0"
+    assert read(conn, ch, q, 1, {"x-stream-offset": "1h"})[0][1] == "old0"
+    # `next` (the default): only what is published after the consumer attached.
+    got = []
+    ch.basic_qos(prefetch_count=10)
+    tag = ch.basic_consume(q, lambda c, m, p, b: (got.append(b), c.basic_ack(m.delivery_tag)),
+                           arguments={"x-stream-offset": "next"})
+    publish(ch, q, ["later"])
+    wait_until(conn, lambda: got)
+    ch.basic_cancel(tag)
+    assert got == [b"later"]
+
+
+@WARREN_ONLY
+def test_negative_offsets_read_the_last_n(conn, ch, names):
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    publish(ch, q, [f"m{i}" for i in range(10)])
+    got = read(conn, ch, q, 3, {"x-stream-offset": -3})
+    assert [b for _, b, _ in got] == ["m7", "m8", "m9"]
+
+
+def test_ack_is_credit(conn, ch, names):
+    """With prefetch 3 and no acks, three deliveries and no more; acks give credit back."""
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    publish(ch, q, [f"m{i}" for i in range(10)])
+    ch.basic_qos(prefetch_count=3)
+    got = []
+    ch.basic_consume(q, lambda c, m, p, b: got.append(m.delivery_tag),
+                     arguments={"x-stream-offset": "first"})
+    wait_until(conn, lambda: len(got) == 3)
+    pump(conn, 0.3)
+    assert len(got) == 3
+    ch.basic_ack(got[1], multiple=True)
+    wait_until(conn, lambda: len(got) == 5)
+    ch.basic_nack(got[2], requeue=True)
+    wait_until(conn, lambda: len(got) == 6)
+    pump(conn, 0.3)
+    assert len(got) == 6
+
+
+@pytest.mark.parametrize("match_unfiltered", [False, True])
+def test_filtering_delivers_only_matching_messages(conn, ch, names, match_unfiltered):
+    """x-stream-filter-value on publish, x-stream-filter (and x-stream-match-unfiltered) on
+    consume (RabbitMQ 3.13+)."""
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    colours = ["red", "blue", None, "red", "green", None, "red"]
+    ch.confirm_delivery()
+    for i, c in enumerate(colours):
+        ch.basic_publish("", q, f"{i}:{c}".encode(), pika.BasicProperties(
+            headers={"x-stream-filter-value": c} if c else None))
+    args = {"x-stream-offset": "first", "x-stream-filter": ["red", "green"]}
+    if match_unfiltered:
+        args["x-stream-match-unfiltered"] = True
+    want = [f"{i}:{c}" for i, c in enumerate(colours)
+            if c in ("red", "green") or (match_unfiltered and c is None)]
+    got = read(conn, ch, q, len(want), args)
+    assert [b for _, b, _ in got] == want
+    ch.basic_qos(prefetch_count=100)
+    pump(conn, 0.2)
+
+
+@WARREN_ONLY
+def test_a_named_consumer_resumes_after_its_last_ack(conn, ch, names):
+    """Warren's server-side offset tracking: x-stream-consumer-name resumes where it acked,
+    across reconnects; an explicit x-stream-offset still wins."""
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    publish(ch, q, [f"m{i}" for i in range(10)])
+    name = {"x-stream-consumer-name": "billing"}
+    got = read(conn, ch, q, 4, {**name, "x-stream-offset": "first"}, prefetch=1)
+    assert [b for _, b, _ in got] == ["m0", "m1", "m2", "m3"]
+    c2 = pika.BlockingConnection(conn._impl.params)
+    try:
+        ch2 = c2.channel()
+        got = read(c2, ch2, q, 2, name, prefetch=1)
+        assert [b for _, b, _ in got] == ["m4", "m5"]
+        got = read(c2, ch2, q, 1, {**name, "x-stream-offset": 1}, prefetch=1)
+        assert got[0][1] == "m1"
+    finally:
+        c2.close()
+
+
+@WARREN_ONLY
+def test_restart_keeps_messages_and_tracked_offsets(tmp_path):
+    """After a restart the stream holds what was confirmed, and a named consumer resumes
+    where it acked (offsets are saved at shutdown)."""
+    def url(w):
+        return pika.URLParameters(f"amqp://guest:guest@127.0.0.1:{w['port']}/%2F")
+
+    named = {"x-stream-consumer-name": "c"}
+    with warren_process(data_dir=tmp_path) as w:
+        conn = pika.BlockingConnection(url(w))
+        ch = conn.channel()
+        ch.queue_declare("s", durable=True, arguments=STREAM)
+        publish(ch, "s", [f"m{i}" for i in range(50)])
+        got = read(conn, ch, "s", 20, {**named, "x-stream-offset": "first"}, prefetch=1)
+        assert got[-1][1] == "m19"
+        conn.close()
+    with warren_process(data_dir=tmp_path) as w:
+        conn = pika.BlockingConnection(url(w))
+        ch = conn.channel()
+        ch.queue_declare("s", durable=True, arguments=STREAM)
+        got = read(conn, ch, "s", 50, {"x-stream-offset": "first"})
+        assert [b for _, b, _ in got] == [f"m{i}" for i in range(50)]
+        assert read(conn, ch, "s", 1, named, prefetch=1)[0][:2] == (20, "m20")
+        # Offsets go on after the restart's.
+        publish(ch, "s", ["after"])
+        assert read(conn, ch, "s", 1, {"x-stream-offset": "last"})[0][:2] == (50, "after")
+        conn.close()
+
+
+def test_retention_by_size_drops_whole_segments(conn, ch, names, management_url):
+    """Small segments and x-max-length-bytes: the oldest segments go (the stream's first
+    offset moves past them), the open one never does."""
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments={
+        **STREAM, "x-stream-max-segment-size-bytes": 2000, "x-max-length-bytes": 6000})
+    publish(ch, q, [("x" * 200) + str(i) for i in range(100)])
+    got = read(conn, ch, q, 1, {"x-stream-offset": "first"})
+    first = got[0][0]
+    # ~21 KB published, at most 6 KB (plus the open segment) kept.
+    assert first > 50, first
+    if not os.environ.get("WARREN_TEST_AMQP_URL"):
+        status, info, _ = http("GET", f"{management_url}/api/queues/%2F/{quote(q)}")
+        assert status == 200, info
+        assert info["type"] == "stream"
+        assert info["messages"] == 100 - first
+        assert info["stream"]["first_offset"] == first
+        assert info["stream"]["segments"] <= 5
