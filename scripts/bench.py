@@ -40,11 +40,12 @@ WARREN_PORT = 5680
 RABBIT_PORT = 5672
 
 SCENARIOS = ["transient", "durable", "durable20k", "quorum", "parallel4", "fanout8", "paced5k",
-             "backlog", "idle", "small16"]
+             "backlog", "idle", "small16", "stream", "streamreplay"]
 # Not one of warren-perf's named scenarios: the durable one paced at 20,000 msg/s, a rate both
 # brokers sustain, to compare confirm latency at equal load (at full speed it is mostly
 # window / throughput).
-EXTRA = {"durable20k": ["--scenario", "durable", "--rate", "20000", "--queue", "durable20k"]}
+EXTRA = {"durable20k": ["--scenario", "durable", "--rate", "20000", "--queue", "durable20k"],
+         "streamreplay": ["--scenario", "stream-replay"]}
 
 # (scenario, label, how to read it from the JSON, better: "higher"/"lower", target)
 # A target is ("ratio", x): Warren/RabbitMQ must be >= x (higher) or <= x (lower);
@@ -74,6 +75,13 @@ METRICS = [
     ("idle", "broker RSS KB/connection", lambda j: j["rss_per_connection_kb"], "lower", ("abs", 20)),
     ("small16", "msg/s (consumed)", lambda j: j["consume_rate"], "higher", None),
     ("small16", "broker CPU µs/msg", lambda j: j["broker_cpu_us_per_msg"], "lower", None),
+    ("stream", "msg/s (confirmed)", lambda j: j["confirm_rate"], "higher", ("ratio", 3)),
+    ("stream", "deliveries/s (3 consumers)", lambda j: j["consume_rate"], "higher", ("ratio", 3)),
+    ("stream", "confirm p99 ms", lambda j: j["confirm_latency_us"]["p99"] / 1000, "lower", None),
+    ("stream", "broker CPU µs/msg", lambda j: j["broker_cpu_us_per_msg"], "lower", None),
+    ("streamreplay", "publish msg/s (1M)", lambda j: j["confirm_rate"], "higher", None),
+    ("streamreplay", "replay msg/s (1M from first)", lambda j: j["drain_rate"], "higher", None),
+    ("streamreplay", "broker peak RSS MB", lambda j: j["broker_peak_rss_mb"], "lower", None),
 ]
 
 
@@ -144,10 +152,11 @@ class RabbitMQ:
 
 def perf_args(scenario, duration):
     args = list(EXTRA.get(scenario, ["--scenario", scenario]))
-    if scenario not in ("backlog", "idle"):
+    if scenario not in ("backlog", "idle", "streamreplay"):
         args += ["--duration", str(duration)]
     if scenario != "idle":
-        args += ["--delete-after", "--purge"]
+        # Streams cannot be purged (RabbitMQ refuses it); every run starts from a fresh one.
+        args += ["--delete-after"] + ([] if scenario.startswith("stream") else ["--purge"])
     return args
 
 

@@ -1051,6 +1051,16 @@ fn handle_queue(
                 crate::args::validate_queue_args(&d.arguments, &rs("queue", &name, &vhost.name))?;
                 let what = rs("queue", &name, &vhost.name);
                 if crate::stream::is_stream(&d.arguments) {
+                    if vhost.cluster().is_some() {
+                        // A stream on one node of a cluster would be invisible to the others
+                        // and lost with that node: refused until streams are replicated.
+                        return Err(AmqpError::channel(
+                            ReplyCode::PreconditionFailed,
+                            format!(
+                                "invalid arg 'x-queue-type' for {what}: \"queue type 'stream' is not replicated in a cluster yet\""
+                            ),
+                        ));
+                    }
                     crate::stream::config_from_args(&d.arguments, &what)?;
                 }
                 if crate::args::is_quorum(&d.arguments) || crate::stream::is_stream(&d.arguments) {
@@ -1176,6 +1186,16 @@ fn handle_queue(
             let name = expand_queue_name(chan, p.queue.as_str())?;
             ctx.allow(Perm::Read, Resource::Queue, &name)?;
             let q = usable_queue(ctx, &name)?;
+            if q.is_stream {
+                // rabbit_stream_queue:purge is not supported (rabbitmq-server#2483).
+                return Err(AmqpError::connection(
+                    ReplyCode::NotImplemented,
+                    format!(
+                        "queue.purge not supported by stream {}",
+                        rs("queue", &q.name, &ctx.vhost.name)
+                    ),
+                ));
+            }
             let n = q.purge(&mut || ctx.on_commit());
             if !p.nowait {
                 reply(

@@ -11,11 +11,10 @@ import pytest
 
 from amqp_helpers import channel_closed, connection_closed, pump, wait_until
 from conftest import warren_process
-from test_management import http, q as quote
+from test_management import eventually, http, q as quote, series
 
 STREAM = {"x-queue-type": "stream"}
-WARREN_ONLY = pytest.mark.skipif(
-    bool(os.environ.get("WARREN_TEST_AMQP_URL")), reason="Warren's own extension")
+WARREN_ONLY = pytest.mark.warren_only
 
 
 def publish(ch, queue, bodies, headers=None, exchange=""):
@@ -255,3 +254,75 @@ def test_retention_by_size_drops_whole_segments(conn, ch, names, management_url)
         assert info["messages"] == 100 - first
         assert info["stream"]["first_offset"] == first
         assert info["stream"]["segments"] <= 5
+
+
+def test_purge_is_refused(connect, names):
+    """RabbitMQ refuses queue.purge on a stream with 540 (rabbitmq-server#2483)."""
+    ch = connect().channel()
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    with connection_closed(540, "queue.purge not supported by stream"):
+        ch.queue_purge(q)
+
+
+def stream_info(management_url, q):
+    status, info, _ = http("GET", f"{management_url}/api/queues/%2F/{quote(q)}")
+    assert status == 200, info
+    return info
+
+
+@WARREN_ONLY
+@pytest.mark.parametrize("how", ["argument", "policy"])
+def test_retention_by_age_reclaims_old_segments(conn, ch, ctl, names, management_url, how):
+    """x-max-age, or a policy's max-age (apply-to streams): once segments are older, they go
+    (the open segment stays); the broker applies age retention about once a second."""
+    q = names.q()
+    args = {**STREAM, "x-stream-max-segment-size-bytes": 1000}
+    if how == "argument":
+        args["x-max-age"] = "1s"
+    ch.queue_declare(q, durable=True, arguments=args)
+    publish(ch, q, [("y" * 300) + str(i) for i in range(20)])
+    info = stream_info(management_url, q)
+    assert info["stream"]["first_offset"] == 0 and info["stream"]["segments"] > 3
+    if how == "policy":
+        code, out = ctl("set_policy", f"{q}-age", f"^{q}$", '{"max-age": "1s"}',
+                        "--apply-to", "streams")
+        assert code == 0, out
+        assert stream_info(management_url, q)["policy"] == f"{q}-age"
+    info = eventually(lambda: stream_info(management_url, q),
+                      lambda i: i["stream"]["segments"] == 1, timeout=15)
+    assert info["stream"]["first_offset"] > 0
+    got = read(conn, ch, q, 1, {"x-stream-offset": "first"})
+    assert got[0][0] == info["stream"]["first_offset"]
+    if how == "policy":
+        ctl("clear_policy", f"{q}-age")
+
+
+def test_invalid_stream_policies_are_refused(ctl, names):
+    code, out = ctl("set_policy", "bad-age", "^x$", '{"max-age": "7 days"}', "--apply-to",
+                    "streams")
+    assert code != 0 and "max-age" in out, out
+
+
+@WARREN_ONLY
+def test_tracked_consumer_lag_in_the_api_and_prometheus(conn, ch, names, management_url,
+                                                         prometheus_url):
+    """A named consumer's position and lag: messages and age behind the end, and what
+    retention dropped before it read it."""
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    publish(ch, q, [f"m{i}" for i in range(10)])
+    read(conn, ch, q, 4, {"x-stream-consumer-name": "audit", "x-stream-offset": "first"},
+         prefetch=1)
+    info = eventually(lambda: stream_info(management_url, q),
+                      lambda i: i["stream"]["consumers"])
+    (c,) = info["stream"]["consumers"]
+    assert (c["name"], c["offset"], c["lag_messages"]) == ("audit", 4, 6)
+    assert c["lag_seconds"] >= 0 and c["lost_to_retention"] == 0
+    status, text, _ = http("GET", prometheus_url + "/metrics", user=None)
+    assert status == 200
+    mine = frozenset({("vhost", "/"), ("queue", q), ("consumer", "audit")})
+    assert series(text, "warren_stream_consumer_lag_messages")[mine] == 6
+    assert series(text, "warren_stream_consumer_offset")[mine] == 4
+    stream = frozenset({("vhost", "/"), ("queue", q)})
+    assert series(text, "warren_stream_next_offset")[stream] == 10

@@ -5,7 +5,7 @@
 //! from `/proc`, which do not depend on the client's own cost.
 //!
 //! The standard scenarios have names (`--scenario transient|durable|quorum|parallel4|fanout8|
-//! paced5k|backlog|idle|small16`, see [`Scenario`]); explicit flags override a scenario's
+//! paced5k|backlog|idle|small16|stream|streamreplay`, see [`Scenario`]); explicit flags override a scenario's
 //! settings. The hot path uses a batching client ([`raw`]) unless `--client lapin`.
 //!
 //! Examples (see docs/benchmarks.md for the scenarios):
@@ -63,6 +63,12 @@ enum Scenario {
     Idle,
     /// Transient 1 -> 1 with 16-byte bodies.
     Small16,
+    /// A stream (`x-queue-type=stream`): 1 publisher with confirms (window 1000), 3
+    /// independent consumers reading from `first`, 1 KB.
+    Stream,
+    /// Publish 1,000,000 messages into a stream with no consumer, then replay them all
+    /// with one consumer from `first`.
+    StreamReplay,
 }
 
 /// Which client library drives the hot path.
@@ -131,6 +137,10 @@ struct Args {
     /// Extra exchange argument `key=value`, repeatable.
     #[arg(long = "exchange-arg")]
     exchange_args: Vec<String>,
+    /// basic.consume argument `key=value` (integers sent as integers), repeatable; e.g.
+    /// x-stream-offset=first.
+    #[arg(long = "consumer-arg")]
+    consumer_args: Vec<String>,
     /// Message header `key=value` (integers sent as integers), repeatable; e.g. x-delay=2000.
     #[arg(long = "header")]
     headers: Vec<String>,
@@ -417,7 +427,7 @@ async fn consumer(
                 no_ack: args.autoack,
                 ..BasicConsumeOptions::default()
             },
-            FieldTable::default(),
+            table(&args.consumer_args)?,
         )
         .await?;
     subscribed.add_permits(1);
@@ -512,6 +522,18 @@ fn apply_scenario(args: &mut Args, matches: &clap::ArgMatches) {
         }
         Scenario::Idle => set!(connections, 10_000),
         Scenario::Small16 => set!(size, 16),
+        Scenario::Stream | Scenario::StreamReplay => {
+            persistent_confirms(args);
+            set!(queue_args, vec!["x-queue-type=stream".to_string()]);
+            set!(consumer_args, vec!["x-stream-offset=first".to_string()]);
+            if scenario == Scenario::Stream {
+                set!(consumers, 3);
+            } else {
+                set!(pmessages, 1_000_000);
+                set!(duration, 0);
+                set!(drain, true);
+            }
+        }
     }
 }
 

@@ -414,7 +414,7 @@ pub async fn consumer(
             no_ack: args.autoack,
             exclusive: false,
             nowait: false,
-            arguments: FieldTable::default(),
+            arguments: crate::table(&args.consumer_args)?,
         },
     )));
     conn.flush().await?;

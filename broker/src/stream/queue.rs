@@ -65,6 +65,8 @@ struct Reader {
     chunk: Option<Arc<Decoded>>,
     /// Offsets delivered and not yet acked (at most `prefetch`).
     outstanding: BTreeSet<u64>,
+    /// Its name could not be tracked (the stream tracks too many): warned once.
+    untracked: bool,
 }
 
 #[derive(Debug)]
@@ -231,6 +233,7 @@ impl StreamQueue {
                 name: spec.name.clone(),
                 chunk: None,
                 outstanding: BTreeSet::new(),
+                untracked: false,
             }),
         });
         self.readers.lock().insert(id, Arc::clone(&slot));
@@ -250,7 +253,7 @@ impl StreamQueue {
         let Some(slot) = self.readers.lock().get(&id).cloned() else {
             return;
         };
-        let (starved, tracked) = {
+        let starved = {
             let mut r = slot.reader.lock();
             let starved = r.cursor.credit == 0;
             let n = offsets.iter().filter(|o| r.outstanding.remove(o)).count();
@@ -258,15 +261,23 @@ impl StreamQueue {
             r.cursor
                 .settle(u32::try_from(n).unwrap_or(u32::MAX), prefetch);
             let next = r.outstanding.first().copied().unwrap_or(r.cursor.next);
-            (starved && n > 0, r.name.clone().map(|name| (name, next)))
-        };
-        if let Some((name, next)) = tracked {
-            let stored = self.shared.disk.lock().store_offset(&name, next);
-            match stored {
-                Ok(()) => self.shared.offsets_changed(),
-                Err(e) => tracing::warn!(stream = %self.what, error = %e, "offset not tracked"),
+            let tracked = r
+                .name
+                .clone()
+                .filter(|_| !r.untracked)
+                .map(|name| (name, next));
+            if let Some((name, next)) = tracked {
+                let stored = self.shared.disk.lock().store_offset(&name, next);
+                match stored {
+                    Ok(()) => self.shared.offsets_changed(),
+                    Err(e) => {
+                        r.untracked = true;
+                        tracing::warn!(stream = %self.what, consumer = %name, error = %e, "offset not tracked");
+                    }
+                }
             }
-        }
+            starved && n > 0
+        };
         if starved {
             self.wake(id, &slot);
         }
