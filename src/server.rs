@@ -71,6 +71,10 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
     let report = broker
         .recover(recovered)
         .context("recovering from the store")?;
+    let orphans = broker.sweep_stream_dirs(&cfg.data_dir.join("streams"));
+    if orphans > 0 {
+        tracing::warn!(orphans, "removed stream directories no stream owns");
+    }
     tracing::info!(
         exchanges = report.exchanges,
         queues = report.queues,

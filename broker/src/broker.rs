@@ -720,6 +720,36 @@ impl Broker {
         self.users.read().topic_permissions(vhost, user)
     }
 
+    /// Remove the directories in `dir` (`<data-dir>/streams`) that belong to no recovered
+    /// stream: left by a deletion a crash interrupted, or by a declare whose record never
+    /// committed. Queue ids are reused after a restart, so a new stream must never open them.
+    /// Returns how many went.
+    pub fn sweep_stream_dirs(&self, dir: &std::path::Path) -> usize {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return 0;
+        };
+        let vhosts: Vec<Arc<VHost>> = self.vhosts.read().values().cloned().collect();
+        let kept: std::collections::HashSet<u64> = vhosts
+            .iter()
+            .flat_map(|vh| vh.queues())
+            .filter(|q| q.is_stream)
+            .map(|q| q.id)
+            .collect();
+        let mut removed = 0;
+        for e in entries.flatten() {
+            let id = e.file_name().to_str().and_then(|n| n.parse::<u64>().ok());
+            if id.is_some_and(|id| !kept.contains(&id)) {
+                match std::fs::remove_dir_all(e.path()) {
+                    Ok(()) => removed += 1,
+                    Err(err) => {
+                        tracing::warn!(dir = %e.path().display(), error = %err, "an orphaned stream directory was not removed")
+                    }
+                }
+            }
+        }
+        removed
+    }
+
     /// Save every stream's tracked offsets that changed (at shutdown: a restart resumes
     /// named consumers exactly where they acked).
     pub fn save_stream_offsets(&self) {

@@ -30,6 +30,12 @@ pub const FLOW_PAUSE_MAX_MS: u64 = 10;
 /// A queue with no delivery for this long does not push back: its consumers are stuck or
 /// absent (a backlog is allowed to build, as in RabbitMQ), not slower than its publishers.
 pub const FLOW_CONSUMER_IDLE_MS: u64 = 100;
+/// Messages submitted to a stream's writer and not yet durable above which its publishers
+/// pause as for [`FLOW_READY_HIGH`] (until below half): the writer's own bound
+/// ([`crate::stream::writer::SUBMISSIONS_MAX`]) would block a connection task instead.
+pub const STREAM_PENDING_HIGH: u64 = 8192;
+/// Bytes with the same effect as [`STREAM_PENDING_HIGH`].
+pub const STREAM_PENDING_BYTES_HIGH: u64 = 64 * 1024 * 1024;
 /// Users that may log in only from a loopback address (RabbitMQ's `loopback_users`).
 pub const LOOPBACK_USERS: &[&str] = &["guest"];
 /// The user a fresh node creates (RabbitMQ's `default_user` / `default_pass`), with the

@@ -52,6 +52,7 @@ const KNOWN_KEYS: &[&str] = &[
     "alternate-exchange",
     "max-age",
     "stream-max-segment-size-bytes",
+    "stream-filter-size-bytes",
 ];
 
 /// Keys an operator policy may set: limits, which combine with the queue's own (the lower
@@ -162,6 +163,7 @@ impl Policy {
             "max-length-bytes",
             "delivery-limit",
             "stream-max-segment-size-bytes",
+            "stream-filter-size-bytes",
         ] {
             if def.definition.contains_key(key) && int(&def.definition, key).is_none() {
                 return Err(PolicyError(format!("{key} must be a non-negative integer")));

@@ -253,7 +253,13 @@ fn reply(out: &mut FrameWriter, ch: u16, m: AMQPClass) {
     out.method(ch, &m);
 }
 
-fn group_by_queue(items: impl IntoIterator<Item = Unacked>) -> Vec<(Arc<Queue>, Vec<MsgId>)> {
+/// Group unacked entries by queue. A stream's go to it at once, by consumer: acks (`acked`)
+/// give credit back and move a named consumer's offset; anything else (a closed channel:
+/// nack and reject are refused earlier) only releases the credit.
+fn group_by_queue(
+    items: impl IntoIterator<Item = Unacked>,
+    acked: bool,
+) -> Vec<(Arc<Queue>, Vec<MsgId>)> {
     let mut groups: Vec<(Arc<Queue>, Vec<MsgId>)> = Vec::new();
     // A stream removes nothing: whatever the action, credit goes back to each consumer.
     let mut streams: Vec<(Arc<Queue>, ConsumerId, Vec<u64>)> = Vec::new();
@@ -274,7 +280,11 @@ fn group_by_queue(items: impl IntoIterator<Item = Unacked>) -> Vec<(Arc<Queue>, 
         }
     }
     for (q, consumer, offsets) in streams {
-        q.settle_stream(consumer, &offsets);
+        if acked {
+            q.settle_stream(consumer, &offsets);
+        } else {
+            q.release_stream(consumer, &offsets);
+        }
     }
     groups
 }
@@ -292,7 +302,7 @@ fn apply_acks(
     let items = items
         .into_iter()
         .inspect(|u| counted += u32::from(u.counted));
-    for (q, ids) in group_by_queue(items) {
+    for (q, ids) in group_by_queue(items, action == AckAction::Settle) {
         match action {
             AckAction::Settle => {
                 q.settle(ids, on_commit.as_mut().map(|f| &mut **f as OnCommit<'_>))
@@ -1191,7 +1201,7 @@ fn handle_queue(
                 return Err(AmqpError::connection(
                     ReplyCode::NotImplemented,
                     format!(
-                        "queue.purge not supported by stream {}",
+                        "queue.purge not supported by stream queues {}",
                         rs("queue", &q.name, &ctx.vhost.name)
                     ),
                 ));
@@ -1552,6 +1562,18 @@ fn settle(
     tag: u64,
     multiple: bool,
 ) -> Result<usize, AmqpError> {
+    if action != AckAction::Settle {
+        // rabbit_stream_queue:settle takes only acks; checked before anything is taken.
+        let upto = if multiple && tag == 0 { u64::MAX } else { tag };
+        let from = if multiple { 0 } else { tag };
+        if let Some((_, u)) = chan
+            .unacked
+            .range(from..=upto)
+            .find(|(_, u)| u.queue.is_stream)
+        {
+            return Err(stream_requeue_refused(&u.queue));
+        }
+    }
     let taken = take_acked(chan, tag, multiple)?;
     let n = taken.len();
     for (t, u) in &taken {
@@ -1937,7 +1959,7 @@ fn handle_basic(
                 return Err(AmqpError::connection(
                     ReplyCode::NotImplemented,
                     format!(
-                        "basic.get not supported by stream {}",
+                        "basic.get not supported by stream queues {}",
                         rs("queue", &q.name, &ctx.vhost.name)
                     ),
                 ));
@@ -2061,12 +2083,27 @@ fn requeue_undelivered(item: Outbound) {
     }
 }
 
+/// RabbitMQ's refusal of anything but an ack for a stream's deliveries (540).
+fn stream_requeue_refused(q: &Queue) -> AmqpError {
+    AmqpError::connection(
+        ReplyCode::NotImplemented,
+        format!(
+            "basic.nack and basic.reject not supported by stream queues {}",
+            rs("queue", &q.name, &q.vhost)
+        ),
+    )
+}
+
 fn recover(chan: &mut Channel, requeue: bool) -> Result<(), AmqpError> {
     if !requeue {
         return Err(AmqpError::channel(
             ReplyCode::NotImplemented,
             "requeue=false",
         ));
+    }
+    // Recover requeues: for a stream, what a nack would do (RabbitMQ refuses it the same way).
+    if let Some(u) = chan.unacked.values().find(|u| u.queue.is_stream) {
+        return Err(stream_requeue_refused(&u.queue));
     }
     let all = std::mem::take(&mut chan.unacked);
     chan.deadlines.clear();

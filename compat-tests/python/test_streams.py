@@ -25,20 +25,26 @@ def publish(ch, queue, bodies, headers=None, exchange=""):
                          pika.BasicProperties(headers=headers(b) if callable(headers) else headers))
 
 
-def read(conn, ch, queue, n, arguments=None, prefetch=100, ack=True, timeout=10):
-    """Consume `n` deliveries from `queue`; returns [(offset, body, headers)]."""
+def read(conn, ch, queue, n, arguments=None, timeout=10):
+    """Consume `n` deliveries from `queue`; returns [(offset, body, headers)].
+
+    The prefetch is exactly `n` and the acks go after the cancel: pika's blocking
+    basic_cancel nacks deliveries that arrived and were not dispatched yet, and a stream
+    refuses nacks with 540 (RabbitMQ too). Acks after the cancel still move a named
+    consumer's tracked offset. The closing basic.qos is a round trip: the acks were handled
+    when it returns."""
     got = []
-    ch.basic_qos(prefetch_count=prefetch)
+    ch.basic_qos(prefetch_count=n)
 
     def on(c, m, p, body):
-        got.append((p.headers.get("x-stream-offset"), body.decode(), p.headers))
-        if ack:
-            c.basic_ack(m.delivery_tag)
+        got.append((p.headers.get("x-stream-offset"), body.decode(), p.headers, m.delivery_tag))
 
     tag = ch.basic_consume(queue, on, arguments=arguments or {})
     wait_until(conn, lambda: len(got) >= n, timeout=timeout)
     ch.basic_cancel(tag)
-    return got
+    ch.basic_ack(got[-1][3], multiple=True)
+    ch.basic_qos(prefetch_count=n)
+    return [g[:3] for g in got]
 
 
 def test_stream_declaration_rules(ch, names):
@@ -46,7 +52,7 @@ def test_stream_declaration_rules(ch, names):
     refused with 406, as RabbitMQ refuses them."""
     q = names.q()
     ok = ch.queue_declare(q, durable=True, arguments=STREAM)
-    assert ok.method.message_count == 0
+    assert ok.method.message_count == 0  # empty
     ch.queue_declare(q, durable=True, arguments=STREAM)
     for kwargs, prop in [({"durable": False}, "non-durable"),
                          ({"durable": True, "exclusive": True}, "exclusive-owner"),
@@ -71,14 +77,14 @@ def test_consume_needs_manual_ack_and_a_prefetch(connect, names):
     ch = conn.channel()
     q = names.q()
     ch.queue_declare(q, durable=True, arguments=STREAM)
-    with channel_closed(406, "consumer prefetch count is not set for stream"):
+    with channel_closed(406, f"consumer prefetch count is not set for 'queue '{q}' in vhost '/''"):
         ch.basic_consume(q, lambda *a: None)
     ch = conn.channel()
     ch.basic_qos(prefetch_count=10)
-    with connection_closed(540, "automatic acknowledgement not supported by stream"):
+    with connection_closed(540, "automatic acknowledgement not supported by stream queues"):
         ch.basic_consume(q, lambda *a: None, auto_ack=True)
     ch = connect().channel()
-    with connection_closed(540, "basic.get not supported by stream"):
+    with connection_closed(540, "basic.get not supported by stream queues"):
         ch.basic_get(q)
     # A consumer prefetch and a channel-wide one: the latter is refused (with only a
     # channel-wide one, the consumer has no prefetch: 406 above, RabbitMQ's order).
@@ -104,8 +110,8 @@ def test_messages_stay_and_every_consumer_replays_them_with_offsets(conn, ch, na
         got = read(conn, ch, q, 20, {"x-stream-offset": "first"})
         assert [b for _, b, _ in got] == bodies
         assert [o for o, _, _ in got] == list(range(20))
-    # Declare-ok never counts stream messages as ready (RabbitMQ's answer too).
-    assert ch.queue_declare(q, passive=True).method.message_count == 0
+    # Declare-ok counts what the stream holds (rabbit_stream_queue:stat).
+    assert ch.queue_declare(q, passive=True).method.message_count == 20
 
 
 def test_every_form_of_x_stream_offset(conn, ch, names):
@@ -158,10 +164,34 @@ def test_ack_is_credit(conn, ch, names):
     assert len(got) == 3
     ch.basic_ack(got[1], multiple=True)
     wait_until(conn, lambda: len(got) == 5)
-    ch.basic_nack(got[2], requeue=True)
+    ch.basic_ack(got[2])
     wait_until(conn, lambda: len(got) == 6)
     pump(conn, 0.3)
     assert len(got) == 6
+
+
+@pytest.mark.parametrize("how", ["nack", "reject", "recover"])
+def test_only_acks_settle_stream_deliveries(connect, names, how):
+    """RabbitMQ refuses nack, reject and recover of stream deliveries with 540 (a stream
+    redelivers nothing); it closes the connection."""
+    conn = connect()
+    ch = conn.channel()
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments=STREAM)
+    publish(ch, q, ["m"])
+    ch.basic_qos(prefetch_count=5)
+    got = []
+    ch.basic_consume(q, lambda c, m, p, b: got.append(m.delivery_tag),
+                     arguments={"x-stream-offset": "first"})
+    wait_until(conn, lambda: got)
+    with connection_closed(540, "basic.nack and basic.reject not supported by stream queues"):
+        if how == "nack":
+            ch.basic_nack(got[0], requeue=False)
+        elif how == "reject":
+            ch.basic_reject(got[0], requeue=True)
+        else:
+            ch.basic_recover(requeue=True)
+        pump(conn, 1)
 
 
 @pytest.mark.parametrize("match_unfiltered", [False, True])
@@ -194,14 +224,24 @@ def test_a_named_consumer_resumes_after_its_last_ack(conn, ch, names):
     ch.queue_declare(q, durable=True, arguments=STREAM)
     publish(ch, q, [f"m{i}" for i in range(10)])
     name = {"x-stream-consumer-name": "billing"}
-    got = read(conn, ch, q, 4, {**name, "x-stream-offset": "first"}, prefetch=1)
+    # A consumer of that name that leaves with deliveries unacked: its position stays at
+    # the lowest of them (here nothing acked: the start).
+    ch.basic_qos(prefetch_count=3)
+    held = []
+    tag = ch.basic_consume(q, lambda c, m, p, b: held.append(m.delivery_tag),
+                           arguments={**name, "x-stream-offset": "first"})
+    wait_until(conn, lambda: len(held) == 3)
+    ch.basic_cancel(tag)
+    ch.close()
+    ch = conn.channel()
+    got = read(conn, ch, q, 4, {**name, "x-stream-offset": "first"})
     assert [b for _, b, _ in got] == ["m0", "m1", "m2", "m3"]
     c2 = pika.BlockingConnection(conn._impl.params)
     try:
         ch2 = c2.channel()
-        got = read(c2, ch2, q, 2, name, prefetch=1)
+        got = read(c2, ch2, q, 2, name)
         assert [b for _, b, _ in got] == ["m4", "m5"]
-        got = read(c2, ch2, q, 1, {**name, "x-stream-offset": 1}, prefetch=1)
+        got = read(c2, ch2, q, 1, {**name, "x-stream-offset": 1})
         assert got[0][1] == "m1"
     finally:
         c2.close()
@@ -220,7 +260,7 @@ def test_restart_keeps_messages_and_tracked_offsets(tmp_path):
         ch = conn.channel()
         ch.queue_declare("s", durable=True, arguments=STREAM)
         publish(ch, "s", [f"m{i}" for i in range(50)])
-        got = read(conn, ch, "s", 20, {**named, "x-stream-offset": "first"}, prefetch=1)
+        got = read(conn, ch, "s", 20, {**named, "x-stream-offset": "first"})
         assert got[-1][1] == "m19"
         conn.close()
     with warren_process(data_dir=tmp_path) as w:
@@ -229,7 +269,7 @@ def test_restart_keeps_messages_and_tracked_offsets(tmp_path):
         ch.queue_declare("s", durable=True, arguments=STREAM)
         got = read(conn, ch, "s", 50, {"x-stream-offset": "first"})
         assert [b for _, b, _ in got] == [f"m{i}" for i in range(50)]
-        assert read(conn, ch, "s", 1, named, prefetch=1)[0][:2] == (20, "m20")
+        assert read(conn, ch, "s", 1, named)[0][:2] == (20, "m20")
         # Offsets go on after the restart's.
         publish(ch, "s", ["after"])
         assert read(conn, ch, "s", 1, {"x-stream-offset": "last"})[0][:2] == (50, "after")
@@ -261,7 +301,7 @@ def test_purge_is_refused(connect, names):
     ch = connect().channel()
     q = names.q()
     ch.queue_declare(q, durable=True, arguments=STREAM)
-    with connection_closed(540, "queue.purge not supported by stream"):
+    with connection_closed(540, "queue.purge not supported by stream queues"):
         ch.queue_purge(q)
 
 
@@ -312,8 +352,7 @@ def test_tracked_consumer_lag_in_the_api_and_prometheus(conn, ch, names, managem
     q = names.q()
     ch.queue_declare(q, durable=True, arguments=STREAM)
     publish(ch, q, [f"m{i}" for i in range(10)])
-    read(conn, ch, q, 4, {"x-stream-consumer-name": "audit", "x-stream-offset": "first"},
-         prefetch=1)
+    read(conn, ch, q, 4, {"x-stream-consumer-name": "audit", "x-stream-offset": "first"})
     info = eventually(lambda: stream_info(management_url, q),
                       lambda i: i["stream"]["consumers"])
     (c,) = info["stream"]["consumers"]

@@ -638,6 +638,9 @@ impl Queue {
     /// consumers are receiving (see [`crate::limits::FLOW_READY_HIGH`]).
     #[must_use]
     pub fn flow_pressure(&self) -> bool {
+        if let Some(stream) = self.stream() {
+            return stream.flow_pressure();
+        }
         let over = self.ready_len_hint.load(Ordering::Relaxed) >= crate::limits::FLOW_READY_HIGH
             || self.ready_bytes_hint.load(Ordering::Relaxed)
                 >= crate::limits::FLOW_READY_BYTES_HIGH;
@@ -651,13 +654,22 @@ impl Queue {
         let notified = self.flow_drained.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        if below_flow_release(
+        if let Some(stream) = self.stream() {
+            if stream.flow_released() {
+                return;
+            }
+        } else if below_flow_release(
             self.ready_len_hint.load(Ordering::Relaxed),
             self.ready_bytes_hint.load(Ordering::Relaxed),
         ) {
             return;
         }
         notified.await;
+    }
+
+    /// Wake the publishers paused on this queue (a stream's writer caught up).
+    pub fn flow_drained(&self) {
+        self.flow_drained.notify_waiters();
     }
 
     /// Whether `entry` is kept in the store while in this queue.
@@ -818,11 +830,12 @@ impl Queue {
     pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> Enqueued {
         if self.is_stream {
             return match self.stream() {
+                Some(stream) if stream.is_deleted() => Enqueued::Gone,
                 Some(stream) => {
                     stream.append(&message, Box::new(|_| {}));
                     Enqueued::Accepted
                 }
-                None => Enqueued::Gone,
+                None => Enqueued::Rejected,
             };
         }
         if let Some(replica) = self.replica() {
@@ -1087,6 +1100,14 @@ impl Queue {
         }
     }
 
+    /// Deliveries of a stream's consumer that will never be acked (their channel closed):
+    /// credit back, a named consumer's offset unmoved.
+    pub fn release_stream(&self, consumer: ConsumerId, offsets: &[u64]) {
+        if let Some(stream) = self.stream() {
+            stream.release(consumer, offsets);
+        }
+    }
+
     /// basic.get on a replicated queue: proposed like any command, `done` gets what the
     /// committed get took (None: empty, or no leader could be reached).
     pub fn get_replicated(&self, no_ack: bool, done: Box<dyn FnOnce(Option<Got>) + Send>) {
@@ -1194,9 +1215,9 @@ impl Queue {
     #[must_use]
     pub fn counts(&self) -> QueueCounts {
         if let Some(stream) = self.stream() {
-            // As RabbitMQ: a stream's declare-ok counts no messages (none is "ready").
+            // As RabbitMQ (rabbit_stream_queue:stat): the messages the stream holds.
             return QueueCounts {
-                messages: 0,
+                messages: u32::try_from(stream.stats_len()).unwrap_or(u32::MAX),
                 consumers: u32::try_from(stream.consumer_count()).unwrap_or(u32::MAX),
             };
         }
@@ -1296,10 +1317,16 @@ pub fn publish_routed(
     let mut outcome = Enqueued::Gone;
     for q in targets {
         if q.is_stream {
-            if let Some(stream) = q.stream() {
-                stream.append(message, join.part());
-                outcome = outcome.and(Enqueued::Accepted);
-            }
+            outcome = outcome.and(match q.stream() {
+                // Deleted meanwhile: as a classic queue deleted meanwhile, not routed.
+                Some(stream) if stream.is_deleted() => Enqueued::Gone,
+                Some(stream) => {
+                    stream.append(message, join.part());
+                    Enqueued::Accepted
+                }
+                // Its files did not open at start: never confirm what it cannot keep.
+                None => Enqueued::Rejected,
+            });
             continue;
         }
         let Some(replica) = q.replica() else {

@@ -185,45 +185,37 @@ impl StreamDisk {
             .map(|_| ())
     }
 
-    /// Write the tracked offsets durably (a temporary file, fsync, rename, directory fsync),
-    /// so a restart resumes named consumers where they were.
-    ///
-    /// # Errors
-    /// The file could not be written.
-    pub fn save_offsets(&self) -> Result<(), StoreError> {
+    /// Its directory.
+    #[must_use]
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The tracked offsets encoded as the `offsets` file holds them.
+    #[must_use]
+    pub fn offsets_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
         out.extend_from_slice(OFFSETS_MAGIC);
         let names: Vec<(&str, u64)> = self.log.stored_offsets().collect();
         out.extend_from_slice(&u32::try_from(names.len()).unwrap_or(u32::MAX).to_be_bytes());
         for (name, next) in names {
             // Names are at most TRACKED_NAME_MAX (255) bytes: the log refuses longer ones.
+            let name = &name.as_bytes()[..name.len().min(255)];
             out.push(u8::try_from(name.len()).unwrap_or(u8::MAX));
-            out.extend_from_slice(&name.as_bytes()[..name.len().min(255)]);
+            out.extend_from_slice(name);
             out.extend_from_slice(&next.to_be_bytes());
         }
         let crc = crc32c::crc32c(&out);
         out.extend_from_slice(&crc.to_be_bytes());
-        let io = |context: &'static str, path: &Path| {
-            let path = path.to_path_buf();
-            move |source| StoreError::Io {
-                context,
-                path,
-                source,
-            }
-        };
-        let tmp = self.dir.join("offsets.tmp");
-        let path = self.dir.join(OFFSETS_FILE);
-        {
-            use std::io::Write;
-            let mut f = std::fs::File::create(&tmp).map_err(io("writing stream offsets", &tmp))?;
-            f.write_all(&out)
-                .and_then(|()| f.sync_all())
-                .map_err(io("writing stream offsets", &tmp))?;
-        }
-        std::fs::rename(&tmp, &path).map_err(io("renaming stream offsets", &path))?;
-        std::fs::File::open(&self.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io("syncing a stream directory", &self.dir))
+        out
+    }
+
+    /// Write the tracked offsets durably now (see [`write_offsets`]).
+    ///
+    /// # Errors
+    /// The file could not be written.
+    pub fn save_offsets(&self) -> Result<(), StoreError> {
+        write_offsets(&self.dir, &self.offsets_bytes())
     }
 
     /// Apply retention at `now_ms` (deleting the files it drops).
@@ -346,6 +338,35 @@ impl StreamDisk {
 const OFFSETS_FILE: &str = "offsets";
 /// Its first bytes (and format version).
 const OFFSETS_MAGIC: &[u8; 8] = b"WARROFF1";
+
+/// Write a stream's `offsets` file (from [`StreamDisk::offsets_bytes`]) durably: a temporary
+/// file, fsync, rename, directory fsync, so a restart resumes named consumers where they were.
+///
+/// # Errors
+/// The file could not be written.
+pub fn write_offsets(dir: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    let io = |context: &'static str, path: &Path| {
+        let path = path.to_path_buf();
+        move |source| StoreError::Io {
+            context,
+            path,
+            source,
+        }
+    };
+    let tmp = dir.join("offsets.tmp");
+    let path = dir.join(OFFSETS_FILE);
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&tmp).map_err(io("writing stream offsets", &tmp))?;
+        f.write_all(bytes)
+            .and_then(|()| f.sync_all())
+            .map_err(io("writing stream offsets", &tmp))?;
+    }
+    std::fs::rename(&tmp, &path).map_err(io("renaming stream offsets", &path))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("syncing a stream directory", dir))
+}
 
 /// The tracked offsets saved in `dir` (none if the file is missing).
 fn read_offsets(dir: &Path) -> Result<BTreeMap<String, u64>, StoreError> {

@@ -83,9 +83,10 @@ pub fn is_stream(args: &FieldTable) -> bool {
         .is_some_and(|t| t == "stream")
 }
 
-/// A stream's effective retention: its declare arguments, with a policy's `max-age`,
-/// `max-length-bytes` and `stream-max-segment-size-bytes` where the policy's are lower (the
-/// smaller of the two wins, as RabbitMQ's `rabbit_stream_queue` resolves them).
+/// A stream's effective retention: its declare arguments, overridden by a policy's
+/// `max-age`, `max-length-bytes`, `stream-max-segment-size-bytes` and
+/// `stream-filter-size-bytes` where the policy sets them (RabbitMQ's `rabbit_stream_queue`
+/// resolves them with `policy_precedence`: the policy's value wins).
 #[must_use]
 pub fn config_with_policy(
     args: &FieldTable,
@@ -97,26 +98,24 @@ pub fn config_with_policy(
         return config;
     };
     let d = &p.def.definition;
-    let min = |a: Option<u64>, b: Option<u64>| match (a, b) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
-    config.max_bytes = min(
-        config.max_bytes,
-        d.get("max-length-bytes")
-            .and_then(serde_json::Value::as_u64),
-    );
-    config.max_age_ms = min(
-        config.max_age_ms,
-        d.get("max-age")
-            .and_then(serde_json::Value::as_str)
-            .and_then(|s| spec::parse_interval(s).ok()),
-    );
-    if let Some(n) = d
-        .get("stream-max-segment-size-bytes")
-        .and_then(serde_json::Value::as_u64)
+    let int = |k: &str| d.get(k).and_then(serde_json::Value::as_u64);
+    if let Some(n) = int("max-length-bytes") {
+        config.max_bytes = Some(n);
+    }
+    if let Some(ms) = d
+        .get("max-age")
+        .and_then(serde_json::Value::as_str)
+        .and_then(|s| spec::parse_interval(s).ok())
     {
-        config.segment_max_bytes = config.segment_max_bytes.min(n.max(1));
+        config.max_age_ms = Some(ms);
+    }
+    if let Some(n) = int("stream-max-segment-size-bytes") {
+        config.segment_max_bytes = n.max(1);
+    }
+    if let Some(n) = int("stream-filter-size-bytes").and_then(|n| usize::try_from(n).ok())
+        && (filter::FILTER_BYTES_MIN..=filter::FILTER_BYTES_MAX).contains(&n)
+    {
+        config.filter_bytes = n;
     }
     config
 }
@@ -181,5 +180,37 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    #[test]
+    fn a_policy_overrides_the_arguments_as_rabbitmq_resolves_streams() {
+        let policy = crate::policy::Policy::new(crate::policy::PolicyDef {
+            vhost: "/".into(),
+            name: "p".into(),
+            pattern: ".*".into(),
+            apply_to: "streams".into(),
+            priority: 0,
+            definition: serde_json::json!({
+                "max-age": "7D",
+                "max-length-bytes": 5000,
+                "stream-max-segment-size-bytes": 2000,
+            })
+            .as_object()
+            .cloned()
+            .unwrap_or_default(),
+        })
+        .expect("valid policy");
+        let a = args(&[
+            ("x-max-age", AMQPValue::LongString(LongString::from("1D"))),
+            ("x-max-length-bytes", AMQPValue::LongLongInt(1_000_000)),
+        ]);
+        let c = config_with_policy(&a, Some(&policy), WHAT);
+        assert_eq!(c.max_age_ms, Some(7 * 86_400_000));
+        assert_eq!(c.max_bytes, Some(5000));
+        assert_eq!(c.segment_max_bytes, 2000);
+        // Without the policy, the arguments.
+        let c = config_with_policy(&a, None, WHAT);
+        assert_eq!(c.max_age_ms, Some(86_400_000));
+        assert_eq!(c.max_bytes, Some(1_000_000));
     }
 }

@@ -67,6 +67,20 @@ struct Reader {
     outstanding: BTreeSet<u64>,
     /// Its name could not be tracked (the stream tracks too many): warned once.
     untracked: bool,
+    /// The lowest delivery released unacked: its tracked offset never passes it.
+    released: Option<u64>,
+}
+
+impl Reader {
+    /// The first offset this consumer has not acked.
+    fn tracked_next(&self) -> u64 {
+        let next = self
+            .outstanding
+            .first()
+            .copied()
+            .unwrap_or(self.cursor.next);
+        self.released.map_or(next, |r| next.min(r))
+    }
 }
 
 #[derive(Debug)]
@@ -129,6 +143,21 @@ pub struct StreamQueue {
     published: AtomicU64,
     delivered: AtomicU64,
     deleted: AtomicBool,
+    /// Messages and bytes submitted to the writer and not yet durable (flow control).
+    pending: AtomicU64,
+    pending_bytes: AtomicU64,
+    /// Named consumers cancelled with deliveries outstanding: their later acks still move
+    /// their tracked offsets (until every outstanding delivery is acked or released).
+    departed: Mutex<HashMap<ConsumerId, Departed>>,
+}
+
+/// A cancelled named consumer's deliveries still unacked.
+#[derive(Debug)]
+struct Departed {
+    name: String,
+    outstanding: BTreeSet<u64>,
+    /// Where its cursor was: the tracked offset once nothing is outstanding.
+    next: u64,
 }
 
 impl std::fmt::Debug for StreamQueue {
@@ -170,6 +199,9 @@ impl StreamQueue {
             published: AtomicU64::new(0),
             delivered: AtomicU64::new(0),
             deleted: AtomicBool::new(false),
+            pending: AtomicU64::new(0),
+            pending_bytes: AtomicU64::new(0),
+            departed: Mutex::new(HashMap::new()),
         });
         let weak = Arc::downgrade(&stream);
         stream.shared.set_on_durable(Box::new(move || {
@@ -182,7 +214,7 @@ impl StreamQueue {
 
     /// Append a routed message; `done` runs once it is durable (its confirm) or failed.
     pub fn append(&self, message: &Message, done: Completion) {
-        let writer = self.writer.lock().clone();
+        let writer = self.writer.lock().clone().filter(|_| !self.is_deleted());
         let Some(writer) = writer else {
             done(Err(Arc::new(StoreError::Replication(
                 "the stream was deleted".into(),
@@ -190,13 +222,49 @@ impl StreamQueue {
             return;
         };
         self.published.fetch_add(1, Ordering::Relaxed);
+        let body = encode(message);
+        let size = body.len() as u64;
+        self.pending.fetch_add(1, Ordering::Relaxed);
+        self.pending_bytes.fetch_add(size, Ordering::Relaxed);
+        let owner = self.owner.clone();
         writer.submit(
             vec![StreamMessage {
                 filter_value: filter_value(&message.properties),
-                body: encode(message),
+                body,
             }],
-            Box::new(move |r| done(r.map(|_| Vec::new()))),
+            Box::new(move |r| {
+                if let Some(q) = owner.upgrade()
+                    && let Some(s) = q.stream()
+                {
+                    let n = s.pending.fetch_sub(1, Ordering::Relaxed).saturating_sub(1);
+                    let b = s
+                        .pending_bytes
+                        .fetch_sub(size, Ordering::Relaxed)
+                        .saturating_sub(size);
+                    if below_release(n, b) && !below_release(n + 1, b + size) {
+                        q.flow_drained();
+                    }
+                }
+                done(r.map(|_| Vec::new()));
+            }),
         );
+    }
+
+    /// Whether publishers into this stream should pause: its writer is that far behind.
+    #[must_use]
+    pub fn flow_pressure(&self) -> bool {
+        self.pending.load(Ordering::Relaxed) >= crate::limits::STREAM_PENDING_HIGH
+            || self.pending_bytes.load(Ordering::Relaxed)
+                >= crate::limits::STREAM_PENDING_BYTES_HIGH
+    }
+
+    /// Whether paused publishers may go on (below half of the flow limits).
+    #[must_use]
+    pub fn flow_released(&self) -> bool {
+        below_release(
+            self.pending.load(Ordering::Relaxed),
+            self.pending_bytes.load(Ordering::Relaxed),
+        )
     }
 
     /// Attach consumer `id` with what its basic.consume asked for, at `now_ms`.
@@ -234,52 +302,131 @@ impl StreamQueue {
                 chunk: None,
                 outstanding: BTreeSet::new(),
                 untracked: false,
+                released: None,
             }),
         });
-        self.readers.lock().insert(id, Arc::clone(&slot));
+        {
+            // Checked again under the readers' lock: a delete drains them under it.
+            let mut readers = self.readers.lock();
+            if self.deleted.load(Ordering::Acquire) {
+                return Err(AmqpError::channel(
+                    ReplyCode::NotFound,
+                    format!("no {}", self.what),
+                ));
+            }
+            readers.insert(id, Arc::clone(&slot));
+        }
         self.wake(id, &slot);
         Ok(())
     }
 
-    /// Detach consumer `id` (its unacked deliveries are simply forgotten: nothing is removed
-    /// from a stream). A named consumer's position is kept as of its last ack.
+    /// Detach consumer `id`. Nothing is removed from a stream; a named consumer's later acks
+    /// of what it still holds move its tracked offset as before, and its position stays at
+    /// its lowest unacked offset.
     pub fn cancel(&self, id: ConsumerId) {
-        self.readers.lock().remove(&id);
+        let Some(slot) = self.readers.lock().remove(&id) else {
+            return;
+        };
+        let r = slot.reader.lock();
+        if let Some(name) = r.name.clone().filter(|_| !r.untracked)
+            && !r.outstanding.is_empty()
+        {
+            self.departed.lock().insert(
+                id,
+                Departed {
+                    name,
+                    outstanding: r.outstanding.clone(),
+                    next: r.released.map_or(r.cursor.next, |x| x.min(r.cursor.next)),
+                },
+            );
+        }
     }
 
-    /// Consumer `id` acknowledged (or nacked, or rejected) deliveries at `offsets`: their
-    /// credit comes back, and a named consumer's tracked offset moves.
+    /// Consumer `id` acknowledged the deliveries at `offsets`: their credit comes back, and a
+    /// named consumer's tracked offset moves to its lowest offset still unacked.
     pub fn settle(&self, id: ConsumerId, offsets: &[u64]) {
+        self.settled(id, offsets, true);
+    }
+
+    /// The deliveries at `offsets` of consumer `id` will never be acked (its channel closed):
+    /// credit back, and a named consumer's tracked offset stays where it is (they are read
+    /// again when it resumes).
+    pub fn release(&self, id: ConsumerId, offsets: &[u64]) {
+        self.settled(id, offsets, false);
+    }
+
+    fn settled(&self, id: ConsumerId, offsets: &[u64], acked: bool) {
         let Some(slot) = self.readers.lock().get(&id).cloned() else {
+            self.settle_departed(id, offsets, acked);
             return;
         };
         let starved = {
             let mut r = slot.reader.lock();
             let starved = r.cursor.credit == 0;
-            let n = offsets.iter().filter(|o| r.outstanding.remove(o)).count();
+            let mut n = 0;
+            for o in offsets {
+                if r.outstanding.remove(o) {
+                    n += 1;
+                    if !acked {
+                        r.released = Some(r.released.map_or(*o, |x| x.min(*o)));
+                    }
+                }
+            }
             let prefetch = r.prefetch;
             r.cursor
                 .settle(u32::try_from(n).unwrap_or(u32::MAX), prefetch);
-            let next = r.outstanding.first().copied().unwrap_or(r.cursor.next);
-            let tracked = r
-                .name
-                .clone()
-                .filter(|_| !r.untracked)
-                .map(|name| (name, next));
-            if let Some((name, next)) = tracked {
-                let stored = self.shared.disk.lock().store_offset(&name, next);
-                match stored {
-                    Ok(()) => self.shared.offsets_changed(),
-                    Err(e) => {
-                        r.untracked = true;
-                        tracing::warn!(stream = %self.what, consumer = %name, error = %e, "offset not tracked");
-                    }
+            if acked && n > 0 {
+                let next = r.tracked_next();
+                if let Some(name) = r.name.clone().filter(|_| !r.untracked)
+                    && !self.track(&name, next)
+                {
+                    r.untracked = true;
                 }
             }
             starved && n > 0
         };
         if starved {
             self.wake(id, &slot);
+        }
+    }
+
+    fn settle_departed(&self, id: ConsumerId, offsets: &[u64], acked: bool) {
+        let mut departed = self.departed.lock();
+        let Some(d) = departed.get_mut(&id) else {
+            return;
+        };
+        let mut n = 0;
+        for o in offsets {
+            if d.outstanding.remove(o) {
+                n += 1;
+                if !acked {
+                    d.next = d.next.min(*o);
+                }
+            }
+        }
+        let next = d.outstanding.first().map_or(d.next, |o| d.next.min(*o));
+        let name = d.name.clone();
+        if d.outstanding.is_empty() {
+            departed.remove(&id);
+        }
+        drop(departed);
+        if acked && n > 0 {
+            self.track(&name, next);
+        }
+    }
+
+    /// Record `name`'s tracked offset; false (warned) if the stream cannot track it.
+    fn track(&self, name: &str, next: u64) -> bool {
+        let stored = self.shared.disk.lock().store_offset(name, next);
+        match stored {
+            Ok(()) => {
+                self.shared.offsets_changed();
+                true
+            }
+            Err(e) => {
+                tracing::warn!(stream = %self.what, consumer = %name, error = %e, "offset not tracked");
+                false
+            }
         }
     }
 
@@ -330,8 +477,18 @@ impl StreamQueue {
                         // Dropped by retention between the two looks: look again.
                         Ok(None) => continue,
                         Err(e) => {
-                            tracing::error!(stream = %self.what, error = %e, "cannot read a stream chunk");
-                            break;
+                            // Nothing would wake this reader again: it is cancelled (the
+                            // client gets basic.cancel and may consume again).
+                            tracing::error!(stream = %self.what, error = %e, "cannot read a stream chunk; its consumer is cancelled");
+                            drop(r);
+                            self.readers.lock().remove(&id);
+                            slot.sink.outbox.push(Outbound::Cancel {
+                                channel: slot.sink.channel,
+                                consumer: id,
+                            });
+                            self.delivered
+                                .fetch_add(out.len() as u64, Ordering::Relaxed);
+                            return out;
                         }
                     }
                 }
@@ -379,14 +536,12 @@ impl StreamQueue {
     /// What it holds, its consumers and its tracked consumers' lag at `now_ms`.
     #[must_use]
     pub fn stats(&self, now_ms: u64) -> StreamStats {
-        let (consumers, unacked) = {
-            let readers = self.readers.lock();
-            let unacked = readers
-                .values()
-                .map(|s| s.reader.lock().outstanding.len() as u64)
-                .sum();
-            (readers.len() as u64, unacked)
-        };
+        let slots: Vec<Arc<ReaderSlot>> = self.readers.lock().values().cloned().collect();
+        let consumers = slots.len() as u64;
+        let unacked = slots
+            .iter()
+            .map(|s| s.reader.lock().outstanding.len() as u64)
+            .sum();
         let disk = self.shared.disk.lock();
         let log = disk.log();
         StreamStats {
@@ -410,6 +565,12 @@ impl StreamQueue {
         }
     }
 
+    /// Messages it holds.
+    #[must_use]
+    pub fn stats_len(&self) -> u64 {
+        self.shared.disk.lock().log().len()
+    }
+
     /// Attached consumers.
     #[must_use]
     pub fn consumer_count(&self) -> usize {
@@ -426,21 +587,31 @@ impl StreamQueue {
     /// The stream is deleted: its consumers get basic.cancel, its writer stops and its files
     /// go. Returns how many messages it held.
     pub fn delete(&self) -> u64 {
-        self.deleted.store(true, Ordering::Release);
-        let readers: Vec<(ConsumerId, Arc<ReaderSlot>)> = self.readers.lock().drain().collect();
+        let readers: Vec<(ConsumerId, Arc<ReaderSlot>)> = {
+            let mut readers = self.readers.lock();
+            self.deleted.store(true, Ordering::Release);
+            readers.drain().collect()
+        };
         for (consumer, slot) in readers {
             slot.sink.outbox.push(Outbound::Cancel {
                 channel: slot.sink.channel,
                 consumer,
             });
         }
-        // Publishes submitted before this still complete (their writer drains them).
-        drop(self.writer.lock().take());
+        self.cache.lock().clear();
         let held = self.shared.disk.lock().log().len();
-        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
-            tracing::warn!(stream = %self.what, error = %e, "stream files not removed");
-        }
+        // The writer finishes what was submitted before (those publishers are answered),
+        // then removes the directory as it exits: nothing it still writes can outlive it,
+        // and the removal is off this thread (it may hold the vhost's lock).
+        self.shared.remove_on_exit();
+        drop(self.writer.lock().take());
         held
+    }
+
+    /// Whether the stream was deleted.
+    #[must_use]
+    pub fn is_deleted(&self) -> bool {
+        self.deleted.load(Ordering::Acquire)
     }
 
     fn wake(&self, id: ConsumerId, slot: &ReaderSlot) {
@@ -509,6 +680,11 @@ impl StreamQueue {
     }
 }
 
+fn below_release(messages: u64, bytes: u64) -> bool {
+    messages < crate::limits::STREAM_PENDING_HIGH / 2
+        && bytes < crate::limits::STREAM_PENDING_BYTES_HIGH / 2
+}
+
 /// A message's `x-stream-filter-value` header, if it has one (a byte search first: most
 /// messages have none, and skip the table parse).
 #[must_use]
@@ -561,9 +737,10 @@ pub fn decode(record: &Bytes, offset: u64, table_depth_max: usize) -> Option<Mes
         return None;
     }
     let n = usize::from(record[take(1)?][0]);
-    let exchange = String::from_utf8(record[take(n)?].to_vec()).ok()?;
+    // Lossy: a name cut at 255 bytes may end inside a character; it must still deliver.
+    let exchange = String::from_utf8_lossy(&record[take(n)?]).into_owned();
     let n = usize::from(record[take(1)?][0]);
-    let routing_key = String::from_utf8(record[take(n)?].to_vec()).ok()?;
+    let routing_key = String::from_utf8_lossy(&record[take(n)?]).into_owned();
     let len = record[take(4)?].try_into().ok().map(u32::from_be_bytes)?;
     let props = record.slice(take(usize::try_from(len).ok()?)?);
     let body = record.slice(at..);
@@ -654,5 +831,191 @@ mod tests {
                 assert!(decode(&record.slice(..cut), 0, 16).is_none(), "cut {cut}");
             }
         }
+    }
+
+    /// Run `f` to completion on this thread (for the outbox's notification).
+    fn block_on<F: std::future::Future>(f: F, deadline: std::time::Instant) -> F::Output {
+        struct Unpark(std::thread::Thread);
+        impl std::task::Wake for Unpark {
+            fn wake(self: Arc<Self>) {
+                self.0.unpark();
+            }
+        }
+        let waker = std::task::Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = std::task::Context::from_waker(&waker);
+        let mut f = std::pin::pin!(f);
+        loop {
+            if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+                return v;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            assert!(!left.is_zero(), "no wake-up in time: a reader stalled");
+            std::thread::park_timeout(left);
+        }
+    }
+
+    /// Publishers on three threads and consumers attached before and during the publishing:
+    /// every consumer gets every offset once, in order, within its credit, each message
+    /// carrying its own offset; none stalls (the park / wake hand-off loses no append).
+    #[test]
+    fn concurrent_publishers_and_consumers_see_every_offset_once_in_order() {
+        const PER_PUBLISHER: u64 = 300;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let args = crate::args::table(&[("x-queue-type", AMQPValue::LongString("stream".into()))]);
+        let q = Queue::new(
+            1,
+            "s",
+            "/",
+            true,
+            false,
+            None,
+            args,
+            crate::queue::QueueEnv::default(),
+        );
+        q.open_stream(dir.path(), 16).expect("open");
+        let stream = Arc::clone(q.stream().expect("opened"));
+        let outbox = Arc::new(crate::outbox::Outbox::default());
+        let first =
+            crate::args::table(&[("x-stream-offset", AMQPValue::LongString("first".into()))]);
+        let attach = |id: ConsumerId, prefetch: u16| {
+            let spec =
+                super::super::reader::consume_spec(&first, prefetch, false, "s").expect("spec");
+            let sink = ConsumerSink {
+                outbox: Arc::clone(&outbox),
+                channel: 1,
+                limiter: None,
+            };
+            stream
+                .consume(id, &spec, prefetch, sink, 0)
+                .expect("consume");
+        };
+        attach(1, 5);
+        attach(2, 50);
+        let publishers: Vec<_> = (0..3)
+            .map(|p| {
+                let stream = Arc::clone(&stream);
+                std::thread::spawn(move || {
+                    for k in 0..PER_PUBLISHER {
+                        let m = Message {
+                            exchange: String::new(),
+                            routing_key: "s".into(),
+                            properties: Properties::parse(Bytes::from_static(&[0, 0]), 16)
+                                .expect("props"),
+                            body: Bytes::from(format!("p{p}-{k}")),
+                        };
+                        stream.append(&m, Box::new(|r| assert!(r.is_ok())));
+                    }
+                })
+            })
+            .collect();
+        let total = 3 * PER_PUBLISHER;
+        let mut got: HashMap<ConsumerId, Vec<u64>> = HashMap::new();
+        let mut items = Vec::new();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let mut late_attached = false;
+        while got.values().map(Vec::len).sum::<usize>() < 3 * total as usize || got.len() < 3 {
+            if !late_attached && got.get(&1).is_some_and(|g| g.len() > 100) {
+                attach(3, 1);
+                late_attached = true;
+            }
+            outbox.drain(&mut items);
+            if items.is_empty() {
+                block_on(outbox.notified(), deadline);
+                continue;
+            }
+            for item in items.drain(..) {
+                let Outbound::StreamReady { consumer, .. } = item else {
+                    panic!("only wake-ups are pushed");
+                };
+                for d in stream.pump(consumer) {
+                    let Outgoing::Mem(m) = &d.message else {
+                        panic!("stream deliveries are in memory");
+                    };
+                    let h = m.properties.headers().expect("headers");
+                    assert_eq!(
+                        h.inner().get("x-stream-offset"),
+                        Some(&AMQPValue::LongLongInt(
+                            i64::try_from(d.id).expect("offset")
+                        ))
+                    );
+                    got.entry(consumer).or_default().push(d.id);
+                    stream.settle(consumer, &[d.id]);
+                }
+            }
+        }
+        for p in publishers {
+            p.join().expect("publisher");
+        }
+        for (consumer, offsets) in &got {
+            assert_eq!(
+                offsets,
+                &(0..total).collect::<Vec<_>>(),
+                "consumer {consumer}"
+            );
+        }
+        assert_eq!(stream.stats(0).messages, total);
+        assert_eq!(stream.stats(0).unacked, 0);
+    }
+
+    /// A named consumer's tracked offset is its lowest unacked offset: acks out of order do
+    /// not skip, acks after its cancel still count, released deliveries never move it.
+    #[test]
+    fn tracked_offsets_never_pass_an_unacked_delivery() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let args = crate::args::table(&[("x-queue-type", AMQPValue::LongString("stream".into()))]);
+        let q = Queue::new(
+            1,
+            "s",
+            "/",
+            true,
+            false,
+            None,
+            args,
+            crate::queue::QueueEnv::default(),
+        );
+        q.open_stream(dir.path(), 16).expect("open");
+        let stream = Arc::clone(q.stream().expect("opened"));
+        let (tx, rx) = std::sync::mpsc::channel();
+        for k in 0..10u8 {
+            let m = Message {
+                exchange: String::new(),
+                routing_key: "s".into(),
+                properties: Properties::parse(Bytes::from_static(&[0, 0]), 16).expect("props"),
+                body: Bytes::from(vec![k]),
+            };
+            let tx = tx.clone();
+            stream.append(&m, Box::new(move |r| tx.send(r.is_ok()).expect("send")));
+        }
+        assert!(rx.iter().take(10).all(|ok| ok));
+        let outbox = Arc::new(crate::outbox::Outbox::default());
+        let args = crate::args::table(&[
+            ("x-stream-offset", AMQPValue::LongString("first".into())),
+            ("x-stream-consumer-name", AMQPValue::LongString("c".into())),
+        ]);
+        let spec = super::super::reader::consume_spec(&args, 5, false, "s").expect("spec");
+        let sink = ConsumerSink {
+            outbox: Arc::clone(&outbox),
+            channel: 1,
+            limiter: None,
+        };
+        stream.consume(7, &spec, 5, sink, 0).expect("consume");
+        let got: Vec<u64> = stream.pump(7).iter().map(|d| d.id).collect();
+        assert_eq!(got, vec![0, 1, 2, 3, 4]);
+        let tracked = || stream.stats(0).tracked.first().map(|t| t.offset);
+        stream.settle(7, &[1, 2]);
+        assert_eq!(tracked(), Some(0), "0 is still unacked");
+        stream.settle(7, &[0]);
+        assert_eq!(tracked(), Some(3));
+        stream.cancel(7);
+        stream.release(7, &[4]);
+        assert_eq!(tracked(), Some(3), "a released delivery moves nothing");
+        stream.settle(7, &[3]);
+        assert_eq!(
+            tracked(),
+            Some(4),
+            "an ack after the cancel counts, up to the released 4"
+        );
+        stream.settle(7, &[3]);
+        assert_eq!(tracked(), Some(4));
     }
 }

@@ -46,13 +46,14 @@ pub fn consume_spec(
     if prefetch == 0 {
         return Err(AmqpError::channel(
             ReplyCode::PreconditionFailed,
-            format!("consumer prefetch count is not set for stream {what}"),
+            // RabbitMQ's text, quotes and all ('~ts' around the resource string).
+            format!("consumer prefetch count is not set for '{what}'"),
         ));
     }
     if no_ack {
         return Err(AmqpError::channel(
             ReplyCode::NotImplemented,
-            format!("automatic acknowledgement not supported by stream {what}"),
+            format!("automatic acknowledgement not supported by stream queues {what}"),
         ));
     }
     let table = args.inner();
@@ -212,14 +213,14 @@ mod tests {
         assert_eq!(e.code, ReplyCode::PreconditionFailed);
         assert!(
             e.to_string()
-                .contains("consumer prefetch count is not set for stream queue 's'"),
+                .contains("consumer prefetch count is not set for 'queue 's' in vhost '/''"),
             "{e}"
         );
         let e = consume_spec(&FieldTable::default(), 10, true, WHAT).unwrap_err();
         assert_eq!(e.code, ReplyCode::NotImplemented);
         assert!(
             e.to_string()
-                .contains("automatic acknowledgement not supported by stream"),
+                .contains("automatic acknowledgement not supported by stream queues queue 's'"),
             "{e}"
         );
         let e = consume_spec(

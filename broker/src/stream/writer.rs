@@ -40,6 +40,10 @@ pub struct SharedStream {
     on_durable: std::sync::OnceLock<Box<dyn Fn() + Send + Sync>>,
     /// Tracked offsets changed since they were last saved.
     offsets_dirty: std::sync::atomic::AtomicBool,
+    /// The stream was deleted: the writer removes its directory when it exits.
+    remove_on_exit: std::sync::atomic::AtomicBool,
+    /// Serialises saves of the offsets file (the tick and a shutdown).
+    saving: Mutex<()>,
 }
 
 impl std::fmt::Debug for SharedStream {
@@ -66,13 +70,27 @@ impl SharedStream {
     /// # Errors
     /// The file could not be written (they stay marked as changed).
     pub fn save_offsets(&self) -> Result<(), StoreError> {
-        if self.offsets_dirty.swap(false, Ordering::AcqRel)
-            && let Err(e) = self.disk.lock().save_offsets()
+        let _saving = self.saving.lock();
+        if self.remove_on_exit.load(Ordering::Acquire)
+            || !self.offsets_dirty.swap(false, Ordering::AcqRel)
         {
+            return Ok(());
+        }
+        // Encoded under the lock, written and fsynced outside it (appends and reads go on).
+        let (dir, bytes) = {
+            let disk = self.disk.lock();
+            (disk.dir().to_path_buf(), disk.offsets_bytes())
+        };
+        if let Err(e) = super::disk::write_offsets(&dir, &bytes) {
             self.offsets_dirty.store(true, Ordering::Release);
             return Err(e);
         }
         Ok(())
+    }
+
+    /// The stream was deleted: its writer removes the directory once it has finished.
+    pub fn remove_on_exit(&self) {
+        self.remove_on_exit.store(true, Ordering::Release);
     }
 
     /// One past the last offset that is durable (readers stop there).
@@ -115,6 +133,8 @@ impl StreamWriter {
             durable_next: AtomicU64::new(durable),
             on_durable: std::sync::OnceLock::new(),
             offsets_dirty: std::sync::atomic::AtomicBool::new(false),
+            remove_on_exit: std::sync::atomic::AtomicBool::new(false),
+            saving: Mutex::new(()),
         });
         let (tx, rx) = mpsc::sync_channel(SUBMISSIONS_MAX);
         let stream = Arc::clone(&shared);
@@ -212,7 +232,12 @@ fn run(stream: &SharedStream, rx: &mpsc::Receiver<Job>, now_ms: &dyn Fn() -> u64
         }
     }
     // Every handle is gone (the stream was deleted or the broker stops).
-    if let Err(e) = stream.save_offsets() {
+    if stream.remove_on_exit.load(Ordering::Acquire) {
+        let dir = stream.disk.lock().dir().to_path_buf();
+        if let Err(e) = std::fs::remove_dir_all(&dir) {
+            tracing::warn!(dir = %dir.display(), error = %e, "a deleted stream's files were not removed");
+        }
+    } else if let Err(e) = stream.save_offsets() {
         tracing::error!(error = %e, "saving stream offsets failed");
     }
 }
