@@ -582,6 +582,12 @@ SCENARIOS = [
     ("q10", "10 quorum queues, 10 producers, 1 consumer each", "cb10",
      ["--queues", "10", "--producers", "10", "--consumers", "1"],
      lambda p: [f"{p}-{i}" for i in range(10)]),
+    # A stream: the same publisher (confirms, window 1000) and three consumers reading it
+    # independently from `first` (every consumer gets every message).
+    ("s1", "1 stream, 1 → 3 consumers from first", "cbs",
+     ["--queue-arg", "x-queue-type=stream", "--consumers", "3",
+      "--consumer-arg", "x-stream-offset=first"],
+     lambda p: [f"{p}-0"]),
 ]
 
 

@@ -1061,16 +1061,6 @@ fn handle_queue(
                 crate::args::validate_queue_args(&d.arguments, &rs("queue", &name, &vhost.name))?;
                 let what = rs("queue", &name, &vhost.name);
                 if crate::stream::is_stream(&d.arguments) {
-                    if vhost.cluster().is_some() {
-                        // A stream on one node of a cluster would be invisible to the others
-                        // and lost with that node: refused until streams are replicated.
-                        return Err(AmqpError::channel(
-                            ReplyCode::PreconditionFailed,
-                            format!(
-                                "invalid arg 'x-queue-type' for {what}: \"queue type 'stream' is not replicated in a cluster yet\""
-                            ),
-                        ));
-                    }
                     crate::stream::config_from_args(&d.arguments, &what)?;
                 }
                 if crate::args::is_quorum(&d.arguments) || crate::stream::is_stream(&d.arguments) {

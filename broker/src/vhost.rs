@@ -979,7 +979,7 @@ impl VHost {
         on_commit: OnCommit<'_>,
     ) -> Result<(Arc<Queue>, bool), AmqpError> {
         let candidate = make();
-        if candidate.is_quorum
+        if (candidate.is_quorum || candidate.is_stream)
             && let Some(cluster) = self.cluster()
         {
             if let Some(q) = self.queue(&candidate.name) {

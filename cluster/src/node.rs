@@ -181,6 +181,10 @@ pub struct ClusterNode {
     /// serves clients).
     booting: Mutex<Option<Vec<tokio::task::JoinHandle<()>>>>,
     raft_config: Arc<Config>,
+    /// A stream group's: no snapshots (its state is its files, and a snapshot of them is not
+    /// built yet), so its log is never purged and a member that falls behind catches up
+    /// from the log.
+    stream_raft_config: Arc<Config>,
     secret: Secret,
     /// Where this node dials each peer (its `--peers`).
     addresses: Addresses,
@@ -244,6 +248,14 @@ impl ClusterNode {
                 .validate()
                 .map_err(|e| NodeError::Config(e.to_string()))?,
         );
+        let stream_raft_config = Arc::new(
+            Config {
+                snapshot_policy: openraft::SnapshotPolicy::Never,
+                ..self::raft_config()
+            }
+            .validate()
+            .map_err(|e| NodeError::Config(e.to_string()))?,
+        );
         std::fs::create_dir_all(config.data_dir.join("queues"))
             .map_err(|e| NodeError::Io(e.to_string()))?;
         let listener = tokio::net::TcpListener::bind(config.listen)
@@ -289,6 +301,7 @@ impl ClusterNode {
             meta_changing: std::sync::atomic::AtomicBool::new(false),
             booting: Mutex::new(Some(Vec::new())),
             raft_config,
+            stream_raft_config,
             secret: Secret::new(&config.secret),
             broker,
             groups: Groups::default(),
@@ -831,6 +844,14 @@ impl ClusterNode {
         }
     }
 
+    /// Where this node keeps its copy of a replicated stream's files.
+    fn stream_dir(&self, incarnation: u64) -> PathBuf {
+        self.config
+            .data_dir
+            .join("streams")
+            .join(format!("{incarnation:016x}"))
+    }
+
     fn queue_log_path(&self, incarnation: u64) -> PathBuf {
         self.config
             .data_dir
@@ -863,6 +884,13 @@ impl ClusterNode {
         // to its own consumers and routes to the queue) but does not vote or count towards
         // the majority. The leader adds it ([`add_learners`]).
         let queue = vhost.replicated_queue(self.broker.next_id(), &record.name, record.arguments);
+        if queue.is_stream {
+            // Its files are this node's copy, appended as entries apply (before the log
+            // replays into it below).
+            queue
+                .open_stream_replica(&self.stream_dir(incarnation))
+                .map_err(|e| NodeError::Io(e.to_string()))?;
+        }
         let group = GroupId {
             name: format!("{}/{}", record.vhost, record.name),
             incarnation,
@@ -890,9 +918,14 @@ impl ClusterNode {
         queue.attach_replica(Arc::clone(&replica) as Arc<dyn Replicator>);
         let path = self.queue_log_path(incarnation);
         let log = LogStore::open(&path).map_err(|e| NodeError::Log(path.clone(), e))?;
+        let config = if queue.is_stream {
+            Arc::clone(&self.stream_raft_config)
+        } else {
+            Arc::clone(&self.raft_config)
+        };
         let raft = Raft::new(
             self.me,
-            Arc::clone(&self.raft_config),
+            config,
             TcpNetwork::new(self.me, group.clone(), self.secret.clone())
                 .resolving(self.addresses.clone()),
             log,
@@ -996,10 +1029,12 @@ impl ClusterHooks for ClusterNode {
                 queue.name,
                 warren_broker::timers::wall_ms()
             ));
+        // A stream's initial group size is `x-initial-cluster-size`, as in RabbitMQ.
         let size = queue
             .arguments
             .inner()
             .get("x-quorum-initial-group-size")
+            .or_else(|| queue.arguments.inner().get("x-initial-cluster-size"))
             .and_then(warren_broker::args::int_value)
             .and_then(|n| usize::try_from(n).ok())
             .unwrap_or(GROUP_SIZE_DEFAULT);

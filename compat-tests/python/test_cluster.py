@@ -163,17 +163,6 @@ def test_quorum_queue_declared_on_one_node_is_visible_on_all(cluster3):
     leaders = {info["leader"] for info in infos}
     assert len(leaders) == 1, f"the nodes disagree on the leader: {leaders}"
     assert c.node_index(leaders.pop()) is not None
-    # Streams are not replicated yet: a cluster refuses them rather than keep one on one
-    # node that the others cannot see (docs/streams.md).
-    conn = c.connect(0)
-    try:
-        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as info:
-            conn.channel().queue_declare(f"{queue}.stream", durable=True,
-                                         arguments={"x-queue-type": "stream"})
-        assert info.value.reply_code == 406
-        assert "not replicated in a cluster yet" in info.value.reply_text
-    finally:
-        conn.close()
 
 
 def test_publish_through_follower_consume_through_other_follower_in_order(cluster3):

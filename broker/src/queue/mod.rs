@@ -259,6 +259,29 @@ impl Queue {
         Ok(())
     }
 
+    /// Open this node's replica of a cluster's stream in `dir` (appended to by its group's
+    /// committed entries, [`Queue::apply_committed`]); once.
+    ///
+    /// # Errors
+    /// Its files do not recover.
+    pub fn open_stream_replica(
+        self: &Arc<Self>,
+        dir: &std::path::Path,
+    ) -> Result<(), warren_store::StoreError> {
+        let table_depth_max = warren_amqp::limits::TABLE_DEPTH_MAX;
+        let Some(slot) = &self.stream else {
+            return Ok(());
+        };
+        if slot.open.get().is_some() {
+            return Ok(());
+        }
+        let config = slot.config.lock().clone();
+        let stream =
+            crate::stream::queue::StreamQueue::open_replica(self, dir, config, table_depth_max)?;
+        let _ = slot.open.set(stream);
+        Ok(())
+    }
+
     /// Make this queue a replica of its Raft group (once; false if it already is one).
     pub fn attach_replica(&self, replica: Arc<dyn Replicator>) -> bool {
         self.replica.set(replica).is_ok()
@@ -280,6 +303,9 @@ impl Queue {
     /// never reads its own clock for them, so every replica reaches the same state). This
     /// node delivers to the consumers attached here; the others' deliveries are theirs.
     pub fn apply_committed(self: &Arc<Self>, at: u64, commands: Vec<Command<Entry>>) -> Replies {
+        if let Some(stream) = self.stream() {
+            return stream.apply_replicated(at, commands);
+        }
         let leader = self.replica().is_some_and(|r| r.is_leader());
         let here = self.replica().map_or(0, |r| r.local_node());
         let replies = {
@@ -828,7 +854,7 @@ impl Queue {
     /// Enqueue a routed message that needs no store write (transient, or this queue has no
     /// store).
     pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> Enqueued {
-        if self.is_stream {
+        if self.is_stream && !self.is_replicated() {
             return match self.stream() {
                 Some(stream) if stream.is_deleted() => Enqueued::Gone,
                 Some(stream) => {
@@ -1308,6 +1334,7 @@ pub fn publish_routed(
     done: impl FnOnce() -> Completion,
 ) -> (Enqueued, bool) {
     if !targets.iter().any(|q| q.is_replicated() || q.is_stream) {
+        // (A replicated stream is replicated: its messages go through its group's log.)
         return publish_local(targets, message, done);
     }
     // Replicated queues take every message through their log (persistent or not, as
@@ -1316,7 +1343,7 @@ pub fn publish_routed(
     let join = Join::new(done());
     let mut outcome = Enqueued::Gone;
     for q in targets {
-        if q.is_stream {
+        if q.is_stream && !q.is_replicated() {
             outcome = outcome.and(match q.stream() {
                 // Deleted meanwhile: as a classic queue deleted meanwhile, not routed.
                 Some(stream) if stream.is_deleted() => Enqueued::Gone,

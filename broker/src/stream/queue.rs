@@ -29,6 +29,7 @@ use super::disk::StreamDisk;
 use super::log::{Lag, StreamConfig};
 use super::reader::{ConsumeSpec, Cursor};
 use super::writer::{SharedStream, StreamWriter};
+
 use crate::message::{Message, Outgoing};
 use crate::outbox::{Delivery, Outbound};
 use crate::queue::machine::ConsumerId;
@@ -149,6 +150,11 @@ pub struct StreamQueue {
     /// Named consumers cancelled with deliveries outstanding: their later acks still move
     /// their tracked offsets (until every outstanding delivery is acked or released).
     departed: Mutex<HashMap<ConsumerId, Departed>>,
+    /// A replica (of a cluster's stream): appends come from its group's committed entries,
+    /// and this is the offset the next entry's first message gets, counted from the start of
+    /// the log as entries are applied (an entry the files already hold, replayed after a
+    /// restart, is skipped).
+    replica: Option<Mutex<u64>>,
 }
 
 /// A cancelled named consumer's deliveries still unacked.
@@ -187,11 +193,67 @@ impl StreamQueue {
                 path: dir.to_path_buf(),
                 source: e,
             })?;
+        Ok(Self::over(
+            owner,
+            dir,
+            shared,
+            Some(writer),
+            table_depth_max,
+        ))
+    }
+
+    /// Open (or create) this node's replica of a cluster's stream in `dir`: no writer of its
+    /// own, its group's committed entries append ([`StreamQueue::apply_replicated`]); a
+    /// ticker thread applies age retention and saves tracked offsets once a [`TICK`] until
+    /// the stream is deleted.
+    ///
+    /// # Errors
+    /// The directory's files do not recover, or the ticker cannot start.
+    ///
+    /// [`TICK`]: super::writer::TICK
+    pub fn open_replica(
+        owner: &Arc<Queue>,
+        dir: &Path,
+        config: StreamConfig,
+        table_depth_max: usize,
+    ) -> Result<Arc<Self>, StoreError> {
+        let disk = StreamDisk::open(dir, config, crate::timers::wall_ms())?;
+        let stream = Self::over(owner, dir, SharedStream::new(disk), None, table_depth_max);
+        let weak = Arc::downgrade(&stream);
+        std::thread::Builder::new()
+            .name("stream-ticker".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(super::writer::TICK);
+                    let Some(s) = weak.upgrade() else { return };
+                    if s.is_deleted() {
+                        s.remove_files();
+                        return;
+                    }
+                    super::writer::tick(&s.shared, crate::timers::wall_ms());
+                }
+            })
+            .map_err(|e| StoreError::Io {
+                context: "starting a stream ticker",
+                path: dir.to_path_buf(),
+                source: e,
+            })?;
+        Ok(stream)
+    }
+
+    fn over(
+        owner: &Arc<Queue>,
+        dir: &Path,
+        shared: Arc<SharedStream>,
+        writer: Option<StreamWriter>,
+        table_depth_max: usize,
+    ) -> Arc<Self> {
+        let replica = writer.is_none().then(|| Mutex::new(0));
         let stream = Arc::new(Self {
             owner: Arc::downgrade(owner),
             what: crate::vhost::rs("queue", &owner.name, &owner.vhost),
             dir: dir.to_path_buf(),
-            writer: Mutex::new(Some(writer)),
+            writer: Mutex::new(writer),
             shared,
             readers: Mutex::new(HashMap::new()),
             cache: Mutex::new(VecDeque::new()),
@@ -202,6 +264,7 @@ impl StreamQueue {
             pending: AtomicU64::new(0),
             pending_bytes: AtomicU64::new(0),
             departed: Mutex::new(HashMap::new()),
+            replica,
         });
         let weak = Arc::downgrade(&stream);
         stream.shared.set_on_durable(Box::new(move || {
@@ -209,7 +272,70 @@ impl StreamQueue {
                 s.wake_parked();
             }
         }));
-        Ok(stream)
+        stream
+    }
+
+    /// Apply what a replica's group committed, at the entry's time `at`: its messages
+    /// (`Enqueue`s) become one chunk stamped `at`, so every member holds the same offsets and
+    /// chunks. Other commands mean nothing to a stream. Replayed entries the files already
+    /// hold are skipped.
+    pub fn apply_replicated(
+        &self,
+        at: u64,
+        commands: Vec<crate::queue::machine::Command<crate::message::Entry>>,
+    ) -> crate::replication::Replies {
+        use crate::queue::machine::{Command, Reply};
+        let mut messages = Vec::new();
+        let mut replies = Vec::with_capacity(commands.len());
+        for c in commands {
+            if let Command::Enqueue(crate::message::Entry::Mem(m)) = &c {
+                messages.push(StreamMessage {
+                    filter_value: filter_value(&m.properties),
+                    body: encode(m),
+                });
+            }
+            replies.push(Ok(Reply::Ok));
+        }
+        let Some(replay) = &self.replica else {
+            return replies;
+        };
+        if messages.is_empty() || self.is_deleted() {
+            return replies;
+        }
+        let k = messages.len() as u64;
+        let mut expected = replay.lock();
+        let appended = {
+            let mut disk = self.shared.disk.lock();
+            let held = disk.log().next_offset();
+            if *expected + k <= held {
+                // Applied before a restart: the files hold it.
+                *expected += k;
+                return replies;
+            }
+            if *expected != held {
+                tracing::error!(stream = %self.what, expected = *expected, held, "a stream replica's files do not match its log; appending where they end");
+            }
+            self.published.fetch_add(k, Ordering::Relaxed);
+            disk.append(at, &messages)
+        };
+        match appended {
+            Ok(range) => {
+                *expected = range.end;
+                drop(expected);
+                self.shared.advance(range.end);
+            }
+            Err(e) => {
+                tracing::error!(stream = %self.what, error = %e, "a stream replica cannot append");
+            }
+        }
+        replies
+    }
+
+    /// Remove the stream's directory (a deleted replica's ticker).
+    fn remove_files(&self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            tracing::warn!(stream = %self.what, error = %e, "a deleted stream's files were not removed");
+        }
     }
 
     /// Append a routed message; `done` runs once it is durable (its confirm) or failed.
@@ -1017,5 +1143,79 @@ mod tests {
         );
         stream.settle(7, &[3]);
         assert_eq!(tracked(), Some(4));
+    }
+
+    /// A replica appends each committed entry as one chunk at the entry's time; after a
+    /// restart the log replays from its start and what the files already hold is skipped,
+    /// so offsets stay as every member has them.
+    #[test]
+    fn a_replica_applies_entries_once_across_a_replay() {
+        use crate::message::Entry;
+        use crate::queue::machine::Command;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let args = crate::args::table(&[("x-queue-type", AMQPValue::LongString("stream".into()))]);
+        let entry = |k: u64| {
+            (0..3)
+                .map(|i| {
+                    Command::Enqueue(Entry::Mem(Arc::new(Message {
+                        exchange: String::new(),
+                        routing_key: "s".into(),
+                        properties: Properties::parse(Bytes::from_static(&[0, 0]), 16)
+                            .expect("props"),
+                        body: Bytes::from(format!("e{k}-{i}")),
+                    })))
+                })
+                .chain([Command::Cancel(9)])
+                .collect::<Vec<_>>()
+        };
+        let open = || {
+            let q = Queue::new(
+                1,
+                "s",
+                "/",
+                true,
+                false,
+                None,
+                args.clone(),
+                crate::queue::QueueEnv::default(),
+            );
+            q.open_stream_replica(dir.path()).expect("open");
+            q
+        };
+        let q = open();
+        for k in 0..4 {
+            let replies = q.apply_committed(1000 + k, entry(k));
+            assert_eq!(replies.len(), 4, "one reply per command");
+        }
+        let stream = Arc::clone(q.stream().expect("opened"));
+        assert_eq!(stream.stats(0).next_offset, 12);
+        let chunks: Vec<(u64, u64)> = stream
+            .shared
+            .disk
+            .lock()
+            .log()
+            .chunks()
+            .map(|(_, c)| (c.first, c.timestamp_ms))
+            .collect();
+        assert_eq!(chunks, vec![(0, 1000), (3, 1001), (6, 1002), (9, 1003)]);
+        drop(stream);
+        drop(q);
+        // Restart: the whole log replays, then one more entry.
+        let q = open();
+        for k in 0..5 {
+            q.apply_committed(1000 + k, entry(k));
+        }
+        let stream = Arc::clone(q.stream().expect("opened"));
+        assert_eq!(stream.stats(0).next_offset, 15);
+        let (first, messages) = stream
+            .shared
+            .disk
+            .lock()
+            .read_chunk(12)
+            .expect("read")
+            .expect("held");
+        assert_eq!(first, 12);
+        let m = decode(&messages[1].body, 13, 16).expect("decodes");
+        assert_eq!(&m.body[..], b"e4-1");
     }
 }

@@ -55,6 +55,29 @@ impl std::fmt::Debug for SharedStream {
 }
 
 impl SharedStream {
+    /// `disk` shared, readable up to what it holds (everything in it is durable or, for a
+    /// replica, committed).
+    #[must_use]
+    pub fn new(disk: StreamDisk) -> Arc<Self> {
+        let durable = disk.log().next_offset();
+        Arc::new(Self {
+            disk: Mutex::new(disk),
+            durable_next: AtomicU64::new(durable),
+            on_durable: std::sync::OnceLock::new(),
+            offsets_dirty: std::sync::atomic::AtomicBool::new(false),
+            remove_on_exit: std::sync::atomic::AtomicBool::new(false),
+            saving: Mutex::new(()),
+        })
+    }
+
+    /// Readers may read up to `next` now (a replica applied a committed append): wake them.
+    pub fn advance(&self, next: u64) {
+        self.durable_next.store(next, Ordering::SeqCst);
+        if let Some(hook) = self.on_durable.get() {
+            hook();
+        }
+    }
+
     /// Set (once) what the writer calls whenever the durable end moves.
     pub fn set_on_durable(&self, hook: Box<dyn Fn() + Send + Sync>) {
         let _ = self.on_durable.set(hook);
@@ -127,15 +150,7 @@ impl StreamWriter {
         disk: StreamDisk,
         now_ms: Arc<dyn Fn() -> u64 + Send + Sync>,
     ) -> std::io::Result<(Self, Arc<SharedStream>)> {
-        let durable = disk.log().next_offset();
-        let shared = Arc::new(SharedStream {
-            disk: Mutex::new(disk),
-            durable_next: AtomicU64::new(durable),
-            on_durable: std::sync::OnceLock::new(),
-            offsets_dirty: std::sync::atomic::AtomicBool::new(false),
-            remove_on_exit: std::sync::atomic::AtomicBool::new(false),
-            saving: Mutex::new(()),
-        });
+        let shared = SharedStream::new(disk);
         let (tx, rx) = mpsc::sync_channel(SUBMISSIONS_MAX);
         let stream = Arc::clone(&shared);
         std::thread::Builder::new()
@@ -242,8 +257,9 @@ fn run(stream: &SharedStream, rx: &mpsc::Receiver<Job>, now_ms: &dyn Fn() -> u64
     }
 }
 
-/// What an idle writer does once a [`TICK`]: age retention, tracked offsets saved.
-fn tick(stream: &SharedStream, now_ms: u64) {
+/// What an idle writer does once a [`TICK`]: age retention, tracked offsets saved (a
+/// replica's ticker thread does the same).
+pub fn tick(stream: &SharedStream, now_ms: u64) {
     if let Err(e) = stream.disk.lock().retain(now_ms) {
         tracing::error!(error = %e, "stream retention failed");
     }
