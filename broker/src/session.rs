@@ -1188,13 +1188,7 @@ fn handle_queue(
             let q = usable_queue(ctx, &name)?;
             if q.is_stream {
                 // rabbit_stream_queue:purge is not supported (rabbitmq-server#2483).
-                return Err(AmqpError::connection(
-                    ReplyCode::NotImplemented,
-                    format!(
-                        "queue.purge not supported by stream queues {}",
-                        rs("queue", &q.name, &ctx.vhost.name)
-                    ),
-                ));
+                return Err(stream_unsupported(&q, "queue.purge"));
             }
             let n = q.purge(&mut || ctx.on_commit());
             if !p.nowait {
@@ -1946,13 +1940,7 @@ fn handle_basic(
             ctx.allow(Perm::Read, Resource::Queue, &name)?;
             let q = usable_queue(ctx, &name)?;
             if q.is_stream {
-                return Err(AmqpError::connection(
-                    ReplyCode::NotImplemented,
-                    format!(
-                        "basic.get not supported by stream queues {}",
-                        rs("queue", &q.name, &ctx.vhost.name)
-                    ),
-                ));
+                return Err(stream_unsupported(&q, "basic.get"));
             }
             if q.is_replicated() {
                 // Its reply comes with the commit (see `Outbound::Got`).
@@ -2073,15 +2061,21 @@ fn requeue_undelivered(item: Outbound) {
     }
 }
 
-/// RabbitMQ's refusal of anything but an ack for a stream's deliveries (540).
-fn stream_requeue_refused(q: &Queue) -> AmqpError {
+/// RabbitMQ's refusal of a method a stream does not support (540, which closes the
+/// connection): `what not supported by stream queues queue 'q' in vhost 'v'`.
+fn stream_unsupported(q: &Queue, what: &str) -> AmqpError {
     AmqpError::connection(
         ReplyCode::NotImplemented,
         format!(
-            "basic.nack and basic.reject not supported by stream queues {}",
+            "{what} not supported by stream queues {}",
             rs("queue", &q.name, &q.vhost)
         ),
     )
+}
+
+/// RabbitMQ's refusal of anything but an ack for a stream's deliveries.
+fn stream_requeue_refused(q: &Queue) -> AmqpError {
+    stream_unsupported(q, "basic.nack and basic.reject")
 }
 
 fn recover(chan: &mut Channel, requeue: bool) -> Result<(), AmqpError> {

@@ -908,6 +908,37 @@ mod tests {
     use super::*;
     use amq_protocol::types::AMQPValue;
 
+    /// A stream queue with no broker around it, its files in `dir` (a replica: no writer).
+    fn stream_queue(dir: &Path, replica: bool) -> Arc<Queue> {
+        let args = crate::args::table(&[("x-queue-type", AMQPValue::LongString("stream".into()))]);
+        let q = Queue::new(
+            1,
+            "s",
+            "/",
+            true,
+            false,
+            None,
+            args,
+            crate::queue::QueueEnv::default(),
+        );
+        if replica {
+            q.open_stream_replica(dir).expect("open");
+        } else {
+            q.open_stream(dir, 16).expect("open");
+        }
+        q
+    }
+
+    /// A message with no properties and `body`.
+    fn message(body: impl Into<Bytes>) -> Message {
+        Message {
+            exchange: String::new(),
+            routing_key: "s".into(),
+            properties: Properties::parse(Bytes::from_static(&[0, 0]), 16).expect("props"),
+            body: body.into(),
+        }
+    }
+
     fn props(headers: Option<&[(&str, AMQPValue)]>) -> Properties {
         // flags: headers present (bit 13) or nothing; then the table.
         let mut raw = Vec::new();
@@ -987,18 +1018,7 @@ mod tests {
     fn concurrent_publishers_and_consumers_see_every_offset_once_in_order() {
         const PER_PUBLISHER: u64 = 300;
         let dir = tempfile::tempdir().expect("tempdir");
-        let args = crate::args::table(&[("x-queue-type", AMQPValue::LongString("stream".into()))]);
-        let q = Queue::new(
-            1,
-            "s",
-            "/",
-            true,
-            false,
-            None,
-            args,
-            crate::queue::QueueEnv::default(),
-        );
-        q.open_stream(dir.path(), 16).expect("open");
+        let q = stream_queue(dir.path(), false);
         let stream = Arc::clone(q.stream().expect("opened"));
         let outbox = Arc::new(crate::outbox::Outbox::default());
         let first =
@@ -1022,13 +1042,7 @@ mod tests {
                 let stream = Arc::clone(&stream);
                 std::thread::spawn(move || {
                     for k in 0..PER_PUBLISHER {
-                        let m = Message {
-                            exchange: String::new(),
-                            routing_key: "s".into(),
-                            properties: Properties::parse(Bytes::from_static(&[0, 0]), 16)
-                                .expect("props"),
-                            body: Bytes::from(format!("p{p}-{k}")),
-                        };
+                        let m = message(format!("p{p}-{k}"));
                         stream.append(&m, Box::new(|r| assert!(r.is_ok())));
                     }
                 })
@@ -1088,27 +1102,11 @@ mod tests {
     #[test]
     fn tracked_offsets_never_pass_an_unacked_delivery() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let args = crate::args::table(&[("x-queue-type", AMQPValue::LongString("stream".into()))]);
-        let q = Queue::new(
-            1,
-            "s",
-            "/",
-            true,
-            false,
-            None,
-            args,
-            crate::queue::QueueEnv::default(),
-        );
-        q.open_stream(dir.path(), 16).expect("open");
+        let q = stream_queue(dir.path(), false);
         let stream = Arc::clone(q.stream().expect("opened"));
         let (tx, rx) = std::sync::mpsc::channel();
         for k in 0..10u8 {
-            let m = Message {
-                exchange: String::new(),
-                routing_key: "s".into(),
-                properties: Properties::parse(Bytes::from_static(&[0, 0]), 16).expect("props"),
-                body: Bytes::from(vec![k]),
-            };
+            let m = message(vec![k]);
             let tx = tx.clone();
             stream.append(&m, Box::new(move |r| tx.send(r.is_ok()).expect("send")));
         }
@@ -1153,35 +1151,13 @@ mod tests {
         use crate::message::Entry;
         use crate::queue::machine::Command;
         let dir = tempfile::tempdir().expect("tempdir");
-        let args = crate::args::table(&[("x-queue-type", AMQPValue::LongString("stream".into()))]);
         let entry = |k: u64| {
             (0..3)
-                .map(|i| {
-                    Command::Enqueue(Entry::Mem(Arc::new(Message {
-                        exchange: String::new(),
-                        routing_key: "s".into(),
-                        properties: Properties::parse(Bytes::from_static(&[0, 0]), 16)
-                            .expect("props"),
-                        body: Bytes::from(format!("e{k}-{i}")),
-                    })))
-                })
+                .map(|i| Command::Enqueue(Entry::Mem(Arc::new(message(format!("e{k}-{i}"))))))
                 .chain([Command::Cancel(9)])
                 .collect::<Vec<_>>()
         };
-        let open = || {
-            let q = Queue::new(
-                1,
-                "s",
-                "/",
-                true,
-                false,
-                None,
-                args.clone(),
-                crate::queue::QueueEnv::default(),
-            );
-            q.open_stream_replica(dir.path()).expect("open");
-            q
-        };
+        let open = || stream_queue(dir.path(), true);
         let q = open();
         for k in 0..4 {
             let replies = q.apply_committed(1000 + k, entry(k));
