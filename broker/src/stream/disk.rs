@@ -310,15 +310,14 @@ impl StreamDisk {
     /// # Errors
     /// The chunk could not be read or does not verify.
     pub fn read_chunk(&self, offset: u64) -> Result<Option<(u64, Vec<StreamMessage>)>, StoreError> {
-        let Some((segment, chunk)) = self.log.chunk_of(offset) else {
+        let Some((segment, index, chunk)) = self.log.chunk_at(offset) else {
             return Ok(None);
         };
-        let index = self
-            .log
-            .segments()
-            .find(|s| s.id == segment)
-            .and_then(|s| s.chunks.iter().position(|c| c.first == chunk.first));
-        let Some(pos) = index.and_then(|i| self.positions.get(&segment)?.get(i).copied()) else {
+        let Some(pos) = self
+            .positions
+            .get(&segment)
+            .and_then(|p| p.get(index).copied())
+        else {
             return Ok(None);
         };
         let (info, messages) =

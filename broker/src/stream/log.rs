@@ -400,17 +400,51 @@ impl StreamLog {
             .flat_map(|s| s.chunks.iter().map(move |c| (s.id, c)))
     }
 
+    /// (segment index, chunk index) of the first chunk that ends after `offset`, by binary
+    /// search (a stream of single-message chunks has millions; readers look up every one).
+    fn locate(&self, offset: u64) -> Option<(usize, usize)> {
+        // Segments are named by their first offset, in order.
+        let si = self
+            .segments
+            .partition_point(|s| s.id <= offset)
+            .saturating_sub(1);
+        let segment = self.segments.get(si)?;
+        let ci = segment.chunks.partition_point(|c| c.end() <= offset);
+        if ci < segment.chunks.len() {
+            Some((si, ci))
+        } else {
+            (si + 1 < self.segments.len()).then_some((si + 1, 0))
+        }
+    }
+
     /// The chunks from the one holding `offset` on (all of them if `offset` was dropped).
     pub fn chunks_from(&self, offset: u64) -> impl Iterator<Item = (u64, &Chunk)> {
-        self.chunks().skip_while(move |(_, c)| c.end() <= offset)
+        let (si, ci) = self.locate(offset).unwrap_or((self.segments.len(), 0));
+        self.segments
+            .range(si..)
+            .enumerate()
+            .flat_map(move |(k, s)| {
+                let skip = if k == 0 { ci.min(s.chunks.len()) } else { 0 };
+                s.chunks[skip..].iter().map(move |c| (s.id, c))
+            })
     }
 
     /// The chunk holding `offset`, with its segment's id.
     #[must_use]
     pub fn chunk_of(&self, offset: u64) -> Option<(u64, &Chunk)> {
-        self.chunks_from(offset)
-            .next()
-            .filter(|(_, c)| c.first <= offset)
+        self.chunk_at(offset).map(|(segment, _, c)| (segment, c))
+    }
+
+    /// The chunk holding `offset`: its segment's id, its index in that segment, the chunk.
+    #[must_use]
+    pub fn chunk_at(&self, offset: u64) -> Option<(u64, usize, &Chunk)> {
+        let (si, ci) = self.locate(offset)?;
+        let segment = self.segments.get(si)?;
+        segment
+            .chunks
+            .get(ci)
+            .filter(|c| c.first <= offset)
+            .map(|c| (segment.id, ci, c))
     }
 
     /// Where a consumer attaching at `now_ms` with `spec` starts reading.
@@ -707,6 +741,15 @@ mod tests {
                     } else {
                         prop_assert!(chunk.filter.may_match(&["zzz".into()], true));
                     }
+                }
+                // The binary searches agree with a scan of every chunk, for every offset
+                // (dropped, held, at the end and beyond).
+                for o in 0..=l.next_offset() + 1 {
+                    let scan: Vec<u64> = l.chunks().filter(|(_, c)| c.end() > o).map(|(_, c)| c.first).collect();
+                    let found: Vec<u64> = l.chunks_from(o).map(|(_, c)| c.first).collect();
+                    prop_assert_eq!(&found, &scan, "chunks_from({})", o);
+                    let held = l.chunks().find(|(_, c)| c.first <= o && o < c.end()).map(|(s, c)| (s, c.first));
+                    prop_assert_eq!(l.chunk_of(o).map(|(s, c)| (s, c.first)), held, "chunk_of({})", o);
                 }
                 // Resolution stays within what is held.
                 for spec in [OffsetSpec::First, OffsetSpec::Last, OffsetSpec::Next,
