@@ -16,9 +16,10 @@ STREAM = {"x-queue-type": "stream"}
 LEADER_DEADLINE = 30.0
 
 
-def read_all(cluster, i, queue, n, deadline=20.0):
+def read_all(cluster, i, queue, n, deadline=20.0, arguments=None, ack=True):
     """[(offset, body)] of the first `n` messages of `queue` read through node i from
-    `first` (prefetch n, acked after the cancel: see test_streams.read)."""
+    `first` unless `arguments` say otherwise (prefetch n, acked after the cancel unless
+    `ack` is false: see test_streams.read)."""
     end = time.monotonic() + deadline
     while True:
         conn = None
@@ -30,12 +31,14 @@ def read_all(cluster, i, queue, n, deadline=20.0):
             tag = ch.basic_consume(
                 queue, lambda c, m, p, b: got.append((p.headers["x-stream-offset"],
                                                       b.decode(), m.delivery_tag)),
-                arguments={"x-stream-offset": "first"})
+                arguments=arguments or {"x-stream-offset": "first"})
             while len(got) < n:
                 assert time.monotonic() < end, f"{len(got)} of {n} read through node {i}"
                 conn.process_data_events(time_limit=0.1)
             ch.basic_cancel(tag)
-            ch.basic_ack(got[-1][2], multiple=True)
+            if ack:
+                ch.basic_ack(got[-1][2], multiple=True)
+                ch.basic_qos(prefetch_count=n)  # a round trip: the ack was handled
             return [g[:2] for g in got]
         except CLIENT_ERRORS:
             if time.monotonic() > end:
@@ -71,6 +74,18 @@ def test_replicated_stream_survives_leader_kill9_and_a_member_catches_up(cluster
     assert views[0] == views[1] == views[2]
     assert [o for o, _ in views[0]] == list(range(100))
     assert [b for _, b in views[0]] == first
+
+    # A named consumer's offset is replicated: acked through one node, it resumes on another.
+    named = {"x-stream-consumer-name": "billing"}
+    read_all(c, f1, queue, 30, arguments={**named, "x-stream-offset": "first"})
+
+    def tracked_on(i):
+        info = c.queue_info(i, queue) or {}
+        return {t["name"]: t["offset"] for t in info.get("stream", {}).get("consumers", [])}
+
+    eventually(lambda: tracked_on(f2), lambda t: t.get("billing") == 30,
+               what="billing's offset replicated to another node")
+    assert read_all(c, f2, queue, 1, arguments=named, ack=False) == [(30, first[30])]
 
     c.kill9(leader)
     new_leader = c.wait_for_leader(queue, exclude={leader}, deadline=LEADER_DEADLINE)

@@ -193,6 +193,15 @@ pub enum Command<M> {
         /// Only consumer ids below this.
         before: ConsumerId,
     },
+    /// A replicated stream's named consumer has handled everything before `next` (its
+    /// tracked offset, replicated so it resumes there on any member). Nothing to a queue.
+    /// Last, so logs written before it existed still decode.
+    TrackOffset {
+        /// The consumer's `x-stream-consumer-name`.
+        name: String,
+        /// Its first offset not acked.
+        next: u64,
+    },
 }
 
 impl<M> Command<M> {
@@ -229,6 +238,7 @@ impl<M> Command<M> {
             Self::Grant(c) => Command::Grant(c),
             Self::SetLimited(c, l) => Command::SetLimited(c, l),
             Self::Down { node, before } => Command::Down { node, before },
+            Self::TrackOffset { name, next } => Command::TrackOffset { name, next },
         })
     }
 }
@@ -821,6 +831,7 @@ impl<M: MessageRef> QueueMachine<M> {
                 }
                 Reply::Ok
             }
+            Command::TrackOffset { .. } => Reply::Ok,
             Command::Down { node, before } => {
                 let of_node = |c: ConsumerId| consumer_node(c) == node && c < before;
                 let mut gone: Vec<ConsumerId> = self

@@ -155,7 +155,15 @@ pub struct StreamQueue {
     /// the log as entries are applied (an entry the files already hold, replayed after a
     /// restart, is skipped).
     replica: Option<Mutex<u64>>,
+    /// A replica's named consumers: when each last proposed its offset to the group, and the
+    /// newer offset waiting for the next proposal (proposals are at most one per
+    /// [`TRACK_PROPOSE_EVERY`] per name; a cancel sends what waits).
+    proposals: Mutex<HashMap<String, (std::time::Instant, Option<u64>)>>,
 }
+
+/// How often a replicated stream's named consumer proposes its offset to the group at most
+/// (each proposal is a log entry on every member).
+pub const TRACK_PROPOSE_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// A cancelled named consumer's deliveries still unacked.
 #[derive(Debug)]
@@ -231,6 +239,7 @@ impl StreamQueue {
                         return;
                     }
                     super::writer::tick(&s.shared, crate::timers::wall_ms());
+                    s.propose_due();
                 }
             })
             .map_err(|e| StoreError::Io {
@@ -265,6 +274,7 @@ impl StreamQueue {
             pending_bytes: AtomicU64::new(0),
             departed: Mutex::new(HashMap::new()),
             replica,
+            proposals: Mutex::new(HashMap::new()),
         });
         let weak = Arc::downgrade(&stream);
         stream.shared.set_on_durable(Box::new(move || {
@@ -287,18 +297,32 @@ impl StreamQueue {
         use crate::queue::machine::{Command, Reply};
         let mut messages = Vec::new();
         let mut replies = Vec::with_capacity(commands.len());
+        let mut tracked = Vec::new();
         for c in commands {
-            if let Command::Enqueue(crate::message::Entry::Mem(m)) = &c {
-                messages.push(StreamMessage {
-                    filter_value: filter_value(&m.properties),
-                    body: encode(m),
-                });
+            match c {
+                Command::Enqueue(crate::message::Entry::Mem(m)) => {
+                    messages.push(StreamMessage {
+                        filter_value: filter_value(&m.properties),
+                        body: encode(&m),
+                    });
+                }
+                Command::TrackOffset { name, next } => tracked.push((name, next)),
+                _ => {}
             }
             replies.push(Ok(Reply::Ok));
         }
         let Some(replay) = &self.replica else {
             return replies;
         };
+        if !tracked.is_empty() {
+            let mut disk = self.shared.disk.lock();
+            for (name, next) in &tracked {
+                // A name the log cannot track is refused alike on every member.
+                let _ = disk.store_offset(name, *next);
+            }
+            drop(disk);
+            self.shared.offsets_changed();
+        }
         if messages.is_empty() || self.is_deleted() {
             return replies;
         }
@@ -454,6 +478,10 @@ impl StreamQueue {
             return;
         };
         let r = slot.reader.lock();
+        if let Some(name) = r.name.as_deref().filter(|_| !r.untracked) {
+            // What waited for its next proposal goes now.
+            self.propose_pending(name);
+        }
         if let Some(name) = r.name.clone().filter(|_| !r.untracked)
             && !r.outstanding.is_empty()
         {
@@ -532,27 +560,106 @@ impl StreamQueue {
         }
         let next = d.outstanding.first().map_or(d.next, |o| d.next.min(*o));
         let name = d.name.clone();
-        if d.outstanding.is_empty() {
+        let last = d.outstanding.is_empty();
+        if last {
             departed.remove(&id);
         }
         drop(departed);
         if acked && n > 0 {
             self.track(&name, next);
         }
+        if last {
+            self.propose_pending(&name);
+        }
     }
 
-    /// Record `name`'s tracked offset; false (warned) if the stream cannot track it.
+    /// Record `name`'s tracked offset (here at once; a replica also proposes it to its
+    /// group, throttled, so the consumer resumes there on any member); false (warned) if the
+    /// stream cannot track it.
     fn track(&self, name: &str, next: u64) -> bool {
         let stored = self.shared.disk.lock().store_offset(name, next);
         match stored {
             Ok(()) => {
                 self.shared.offsets_changed();
+                if self.replica.is_some() {
+                    self.propose(name, next);
+                }
                 true
             }
             Err(e) => {
                 tracing::warn!(stream = %self.what, consumer = %name, error = %e, "offset not tracked");
                 false
             }
+        }
+    }
+
+    /// Propose `name`'s offset to the group now, or keep it for later if the last proposal
+    /// was less than [`TRACK_PROPOSE_EVERY`] ago.
+    fn propose(&self, name: &str, next: u64) {
+        let now = std::time::Instant::now();
+        {
+            let mut proposals = self.proposals.lock();
+            match proposals.get_mut(name) {
+                Some((at, pending)) if now.duration_since(*at) < TRACK_PROPOSE_EVERY => {
+                    *pending = Some(next);
+                    return;
+                }
+                Some(entry) => *entry = (now, None),
+                None => {
+                    proposals.insert(name.to_string(), (now, None));
+                }
+            }
+        }
+        self.submit_offset(name, next);
+    }
+
+    /// Propose what has waited at least [`TRACK_PROPOSE_EVERY`] (the ticker: a consumer
+    /// that stopped acking still gets its last offset replicated).
+    fn propose_due(&self) {
+        let now = std::time::Instant::now();
+        let due: Vec<(String, u64)> = self
+            .proposals
+            .lock()
+            .iter_mut()
+            .filter(|(_, (at, pending))| {
+                pending.is_some() && now.duration_since(*at) >= TRACK_PROPOSE_EVERY
+            })
+            .filter_map(|(name, (at, pending))| {
+                *at = now;
+                pending.take().map(|next| (name.clone(), next))
+            })
+            .collect();
+        for (name, next) in due {
+            self.submit_offset(&name, next);
+        }
+    }
+
+    /// Propose what waits for `name`, if anything.
+    fn propose_pending(&self, name: &str) {
+        let pending = self
+            .proposals
+            .lock()
+            .get_mut(name)
+            .and_then(|(at, pending)| {
+                *at = std::time::Instant::now();
+                pending.take()
+            });
+        if let Some(next) = pending {
+            self.submit_offset(name, next);
+        }
+    }
+
+    fn submit_offset(&self, name: &str, next: u64) {
+        if let Some(q) = self.owner.upgrade()
+            && let Some(replica) = q.replica()
+        {
+            replica.submit(
+                vec![crate::queue::machine::Command::TrackOffset {
+                    name: name.to_string(),
+                    next,
+                }],
+                Box::new(|_| {}),
+            );
         }
     }
 
@@ -1165,6 +1272,22 @@ mod tests {
         }
         let stream = Arc::clone(q.stream().expect("opened"));
         assert_eq!(stream.stats(0).next_offset, 12);
+        // A replicated tracked offset lands in the log of every member.
+        q.apply_committed(
+            1004,
+            vec![Command::TrackOffset {
+                name: "c".into(),
+                next: 5,
+            }],
+        );
+        assert_eq!(
+            stream
+                .stats(0)
+                .tracked
+                .first()
+                .map(|t| (t.name.as_str(), t.offset)),
+            Some(("c", 5))
+        );
         let chunks: Vec<(u64, u64)> = stream
             .shared
             .disk
