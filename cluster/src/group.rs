@@ -33,6 +33,19 @@ pub trait Applied: Send + Sync + 'static {
     /// # Errors
     /// When the bytes do not decode.
     fn install(&self, bytes: &[u8]) -> Result<(), String>;
+    /// Whether [`Applied::snapshot`] leaves data out that a snapshot sent to another member
+    /// must carry ([`Applied::expand`]): a stream's snapshot is where its log is, its files
+    /// being the state.
+    fn expands(&self) -> bool {
+        false
+    }
+    /// The snapshot `state` with what a member that receives it needs (the stream's chunks).
+    ///
+    /// # Errors
+    /// When the data cannot be read.
+    fn expand(&self, state: &[u8]) -> Result<Vec<u8>, String> {
+        Ok(state.to_vec())
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -264,13 +277,21 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
         meta: &SnapshotMeta<NodeId, BasicNode>,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
-        let bytes = snapshot.into_inner();
-        let data: SnapshotData =
+        let mut bytes = snapshot.into_inner();
+        let mut data: SnapshotData =
             crate::codec::decode(&bytes).map_err(|e| sm_error(ErrorVerb::Write, e))?;
         let mut inner = self.lock();
         self.applied
             .install(&data.state)
             .map_err(|e| sm_error(ErrorVerb::Write, e))?;
+        if self.applied.expands() {
+            // What was sent carried the data, now in the state's own files: keep the short form.
+            data.state = self
+                .applied
+                .snapshot()
+                .map_err(|e| sm_error(ErrorVerb::Write, e))?;
+            bytes = crate::codec::encode(&data).map_err(|e| sm_error(ErrorVerb::Write, e))?;
+        }
         inner.tracked = data.tracked;
         self.persist(meta, &bytes)?;
         inner.snapshot = Some((meta.clone(), bytes));
@@ -279,9 +300,24 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<QueueRaft>>, StorageError> {
         let inner = self.lock();
-        Ok(inner.snapshot.as_ref().map(|(meta, bytes)| Snapshot {
+        let Some((meta, bytes)) = inner.snapshot.as_ref() else {
+            return Ok(None);
+        };
+        let bytes = if self.applied.expands() {
+            // Sent to a member behind the purged log: with the data it needs.
+            let mut data: SnapshotData =
+                crate::codec::decode(bytes).map_err(|e| sm_error(ErrorVerb::Read, e))?;
+            data.state = self
+                .applied
+                .expand(&data.state)
+                .map_err(|e| sm_error(ErrorVerb::Read, e))?;
+            crate::codec::encode(&data).map_err(|e| sm_error(ErrorVerb::Read, e))?
+        } else {
+            bytes.clone()
+        };
+        Ok(Some(Snapshot {
             meta: meta.clone(),
-            snapshot: Box::new(Cursor::new(bytes.clone())),
+            snapshot: Box::new(Cursor::new(bytes)),
         }))
     }
 }

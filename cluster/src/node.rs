@@ -155,6 +155,30 @@ pub fn raft_config() -> Config {
     }
 }
 
+/// Entries of a stream's group between two snapshots ([`STREAM_SNAPSHOT_EVERY_ENV`]
+/// overrides it): a snapshot lets Raft purge what it covers, the stream's files holding it.
+pub const STREAM_SNAPSHOT_EVERY: u64 = 5000;
+/// Environment variable overriding [`STREAM_SNAPSHOT_EVERY`] (tests make it small to make a
+/// member catch up from a snapshot).
+pub const STREAM_SNAPSHOT_EVERY_ENV: &str = "WARREN_STREAM_SNAPSHOT_EVERY";
+
+/// A stream group's Raft settings: the queue groups', with its own snapshot interval; the
+/// entries kept after a snapshot are at most a tenth of it (a member further behind gets the
+/// snapshot, with the chunks it lacks).
+#[must_use]
+pub fn stream_raft_config() -> Config {
+    let every = std::env::var(STREAM_SNAPSHOT_EVERY_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(STREAM_SNAPSHOT_EVERY);
+    Config {
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(every),
+        max_in_snapshot_log_to_keep: every / 10,
+        ..raft_config()
+    }
+}
+
 /// A node of the cluster as this node knows it.
 #[derive(Debug, Clone)]
 struct Member {
@@ -181,9 +205,7 @@ pub struct ClusterNode {
     /// serves clients).
     booting: Mutex<Option<Vec<tokio::task::JoinHandle<()>>>>,
     raft_config: Arc<Config>,
-    /// A stream group's: no snapshots (its state is its files, and a snapshot of them is not
-    /// built yet), so its log is never purged and a member that falls behind catches up
-    /// from the log.
+    /// A stream group's ([`stream_raft_config`]).
     stream_raft_config: Arc<Config>,
     secret: Secret,
     /// Where this node dials each peer (its `--peers`).
@@ -249,12 +271,9 @@ impl ClusterNode {
                 .map_err(|e| NodeError::Config(e.to_string()))?,
         );
         let stream_raft_config = Arc::new(
-            Config {
-                snapshot_policy: openraft::SnapshotPolicy::Never,
-                ..self::raft_config()
-            }
-            .validate()
-            .map_err(|e| NodeError::Config(e.to_string()))?,
+            stream_raft_config()
+                .validate()
+                .map_err(|e| NodeError::Config(e.to_string()))?,
         );
         std::fs::create_dir_all(config.data_dir.join("queues"))
             .map_err(|e| NodeError::Io(e.to_string()))?;
@@ -1761,16 +1780,39 @@ impl Applied for QueueApplied {
     }
 
     fn snapshot(&self) -> Result<Vec<u8>, String> {
+        if let Some(stream) = self.queue.stream() {
+            let snapshot = stream.snapshot().map_err(|e| e.to_string())?;
+            return crate::codec::encode(&snapshot).map_err(|e| e.to_string());
+        }
         self.queue
             .with_machine(crate::codec::encode)
             .map_err(|e| e.to_string())
     }
 
     fn install(&self, bytes: &[u8]) -> Result<(), String> {
+        if let Some(stream) = self.queue.stream() {
+            let snapshot: warren_broker::stream::queue::StreamSnapshot =
+                crate::codec::decode(bytes).map_err(|e| e.to_string())?;
+            return stream.install(snapshot).map_err(|e| e.to_string());
+        }
         let machine: QueueMachine<Entry> =
             crate::codec::decode(bytes).map_err(|e| e.to_string())?;
         self.queue.install_machine(machine);
         Ok(())
+    }
+
+    fn expands(&self) -> bool {
+        self.queue.is_stream
+    }
+
+    fn expand(&self, state: &[u8]) -> Result<Vec<u8>, String> {
+        let Some(stream) = self.queue.stream() else {
+            return Ok(state.to_vec());
+        };
+        let snapshot: warren_broker::stream::queue::StreamSnapshot =
+            crate::codec::decode(state).map_err(|e| e.to_string())?;
+        let full = stream.expand(snapshot).map_err(|e| e.to_string())?;
+        crate::codec::encode(&full).map_err(|e| e.to_string())
     }
 }
 

@@ -112,3 +112,34 @@ def test_replicated_stream_survives_leader_kill9_and_a_member_catches_up(cluster
         tail = c.log_tail(i, lines=5000)
         assert "do not match its log" not in tail, tail
         assert "cannot append" not in tail, tail
+
+
+@pytest.mark.timeout(180)
+def test_a_member_behind_the_purged_log_catches_up_from_a_snapshot(cluster_factory, monkeypatch):
+    """With snapshots every 20 entries (and 2 kept), a member that was down while 150
+    one-message entries were committed is behind the leader's purged log: it gets a snapshot
+    with the chunks it lacks, and then holds exactly what the others hold."""
+    monkeypatch.setenv("WARREN_STREAM_SNAPSHOT_EVERY", "20")
+    c = cluster_factory(3)
+    queue = f"cluster.stream.{uuid.uuid4().hex[:10]}"
+    declare_quorum(c, 0, queue, arguments=STREAM)
+    wait_visible(c, queue, range(3), deadline=10.0)
+    leader = c.wait_for_leader(queue, deadline=LEADER_DEADLINE)
+    behind = next(i for i in range(3) if i != leader)
+    other = next(i for i in range(3) if i not in (leader, behind))
+    history = History()
+    publish_with_retry(c, [leader], queue, [f"a-{k}" for k in range(30)], history)
+    c.kill9(behind)
+    # One confirmed publish at a time: one entry (one chunk) each.
+    publish_with_retry(c, [leader, other], queue, [f"b-{k}" for k in range(150)], history)
+    total = eventually(lambda: stream_len(c, leader, queue), lambda n: n and n >= 180,
+                       what="180 messages on the leader")
+    want = read_all(c, leader, queue, total)
+    c.restart(behind)
+    eventually(lambda: stream_len(c, behind, queue), lambda n: n == total, deadline=60.0,
+               what="the member that was down holding every message")
+    assert read_all(c, behind, queue, total) == want
+    assert [o for o, _ in want] == list(range(total))
+    tail = c.log_tail(behind, lines=5000)
+    assert "catches up from a snapshot" in tail, "the member caught up from the log instead"
+    assert "cannot append" not in tail, tail

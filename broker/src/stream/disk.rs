@@ -185,6 +185,37 @@ impl StreamDisk {
             .map(|_| ())
     }
 
+    /// Drop every segment and start again, empty, at offset `next` (a replica whose files end
+    /// before the first chunk a snapshot brings). Tracked offsets are kept.
+    ///
+    /// # Errors
+    /// A file could not be deleted, or the log refuses the restart.
+    pub fn reset(&mut self, next: u64) -> Result<(), StoreError> {
+        let ids: Vec<u64> = self.log.segments().map(|s| s.id).collect();
+        self.open = None;
+        for id in ids {
+            let path = stream_file::file_path(&self.dir, id);
+            std::fs::remove_file(&path).map_err(|e| StoreError::Io {
+                context: "deleting a stream segment",
+                path,
+                source: e,
+            })?;
+        }
+        self.positions.clear();
+        let offsets = self
+            .log
+            .stored_offsets()
+            .map(|(n, o)| (n.to_string(), o))
+            .collect();
+        self.log = StreamLog::restore(self.log.config().clone(), Vec::new(), next, offsets)
+            .map_err(|detail| StoreError::Corrupt {
+                path: self.dir.clone(),
+                offset: next,
+                detail,
+            })?;
+        Ok(())
+    }
+
     /// Its directory.
     #[must_use]
     pub fn dir(&self) -> &Path {

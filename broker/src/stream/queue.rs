@@ -161,6 +161,37 @@ pub struct StreamQueue {
     proposals: Mutex<HashMap<String, (std::time::Instant, Option<u64>)>>,
 }
 
+/// A replicated stream's snapshot. Kept on disk it is only where the log was (the stream's
+/// files are its state, synced before the snapshot is taken, so Raft may purge the entries
+/// it covers); sent to a member that is behind the purged log, it carries the chunks too, and
+/// that member appends the ones its files lack ("catches up from segments").
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StreamSnapshot {
+    /// The offset the next entry's first message gets.
+    pub next: u64,
+    /// Tracked consumer offsets.
+    pub offsets: Vec<(String, u64)>,
+    /// The chunks from the stream's first offset to `next` (in a snapshot being sent).
+    pub chunks: Option<Vec<SnapshotChunk>>,
+}
+
+/// One chunk of a [`StreamSnapshot`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SnapshotChunk {
+    /// Its first offset.
+    pub first: u64,
+    /// Its time (the entry's).
+    pub timestamp_ms: u64,
+    /// Its messages' filter values.
+    pub filters: Vec<Option<String>>,
+    /// Its messages' records.
+    pub records: Vec<SnapshotRecord>,
+}
+
+/// A message record in a [`SnapshotChunk`], as one byte string.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SnapshotRecord(#[serde(with = "crate::replication::raw_bytes")] pub Vec<u8>);
+
 /// How often a replicated stream's named consumer proposes its offset to the group at most
 /// (each proposal is a log entry on every member).
 pub const TRACK_PROPOSE_EVERY: std::time::Duration = std::time::Duration::from_millis(200);
@@ -353,6 +384,111 @@ impl StreamQueue {
             }
         }
         replies
+    }
+
+    /// A replica's snapshot: its files synced, where its log is, the tracked offsets.
+    ///
+    /// # Errors
+    /// The files could not be synced (the snapshot must not let Raft purge what they lack).
+    pub fn snapshot(&self) -> Result<StreamSnapshot, StoreError> {
+        let expected = self.replica.as_ref().map_or(0, |r| *r.lock());
+        let disk = self.shared.disk.lock();
+        disk.sync()?;
+        Ok(StreamSnapshot {
+            next: expected,
+            offsets: disk
+                .log()
+                .stored_offsets()
+                .map(|(n, o)| (n.to_string(), o))
+                .collect(),
+            chunks: None,
+        })
+    }
+
+    /// `snapshot` with the chunks it covers, read from the files (to send to a member behind
+    /// the purged log).
+    ///
+    /// # Errors
+    /// A chunk could not be read.
+    pub fn expand(&self, mut snapshot: StreamSnapshot) -> Result<StreamSnapshot, StoreError> {
+        let disk = self.shared.disk.lock();
+        let firsts: Vec<(u64, u64)> = disk
+            .log()
+            .chunks()
+            .filter(|(_, c)| c.first < snapshot.next)
+            .map(|(_, c)| (c.first, c.timestamp_ms))
+            .collect();
+        let mut chunks = Vec::with_capacity(firsts.len());
+        for (first, timestamp_ms) in firsts {
+            let Some((_, messages)) = disk.read_chunk(first)? else {
+                continue;
+            };
+            chunks.push(SnapshotChunk {
+                first,
+                timestamp_ms,
+                filters: messages.iter().map(|m| m.filter_value.clone()).collect(),
+                records: messages
+                    .into_iter()
+                    .map(|m| SnapshotRecord(m.body.to_vec()))
+                    .collect(),
+            });
+        }
+        snapshot.chunks = Some(chunks);
+        Ok(snapshot)
+    }
+
+    /// Take a snapshot's state: where the log is and the tracked offsets, and, from a sent
+    /// snapshot, the chunks the files lack (the files are reset first if they end before the
+    /// snapshot's first chunk).
+    ///
+    /// # Errors
+    /// The files could not be written.
+    pub fn install(&self, snapshot: StreamSnapshot) -> Result<(), StoreError> {
+        let Some(replay) = &self.replica else {
+            return Ok(());
+        };
+        let mut expected = replay.lock();
+        let mut disk = self.shared.disk.lock();
+        if let Some(chunks) = snapshot.chunks {
+            let mut held = disk.log().next_offset();
+            tracing::info!(stream = %self.what, held, next = snapshot.next, chunks = chunks.len(), "a stream replica catches up from a snapshot");
+            for c in chunks {
+                let count = c.records.len() as u64;
+                if c.first + count <= held || count == 0 {
+                    continue;
+                }
+                if c.first != held {
+                    // Not a continuation of these files (they end before it, or elsewhere):
+                    // start again where the sender's files start.
+                    tracing::warn!(stream = %self.what, held, first = c.first, "a stream replica resets its files to a snapshot");
+                    disk.reset(c.first)?;
+                }
+                let messages: Vec<StreamMessage> = c
+                    .records
+                    .into_iter()
+                    .zip(c.filters)
+                    .map(|(r, filter_value)| StreamMessage {
+                        filter_value,
+                        body: Bytes::from(r.0),
+                    })
+                    .collect();
+                held = disk.append(c.timestamp_ms, &messages)?.end;
+            }
+            disk.sync()?;
+        }
+        let held = disk.log().next_offset();
+        if held < snapshot.next {
+            tracing::error!(stream = %self.what, held, next = snapshot.next, "a stream replica's files end before its snapshot");
+        }
+        for (name, next) in &snapshot.offsets {
+            let _ = disk.store_offset(name, *next);
+        }
+        drop(disk);
+        *expected = snapshot.next;
+        drop(expected);
+        self.cache.lock().clear();
+        self.shared.advance(held);
+        Ok(())
     }
 
     /// Remove the stream's directory (a deleted replica's ticker).
@@ -1316,5 +1452,62 @@ mod tests {
         assert_eq!(first, 12);
         let m = decode(&messages[1].body, 13, 16).expect("decodes");
         assert_eq!(&m.body[..], b"e4-1");
+    }
+
+    /// A member behind the leader's purged log installs the leader's snapshot with its
+    /// chunks: it appends what its files lack (from empty, or continuing a prefix), keeps
+    /// the chunks' times, and goes on applying entries after it at the same offsets.
+    #[test]
+    fn a_sent_snapshot_brings_a_member_to_the_same_chunks() {
+        use crate::message::Entry;
+        use crate::queue::machine::Command;
+        let entry = |k: u64| {
+            (0..3)
+                .map(|i| Command::Enqueue(Entry::Mem(Arc::new(message(format!("e{k}-{i}"))))))
+                .collect::<Vec<_>>()
+        };
+        let chunks = |q: &Arc<Queue>| -> Vec<(u64, u64)> {
+            let s = q.stream().expect("opened");
+            s.shared
+                .disk
+                .lock()
+                .log()
+                .chunks()
+                .map(|(_, c)| (c.first, c.timestamp_ms))
+                .collect()
+        };
+        let (da, db, dc) = (
+            tempfile::tempdir().expect("tempdir"),
+            tempfile::tempdir().expect("tempdir"),
+            tempfile::tempdir().expect("tempdir"),
+        );
+        let (a, b, c) = (
+            stream_queue(da.path(), true),
+            stream_queue(db.path(), true),
+            stream_queue(dc.path(), true),
+        );
+        for k in 0..5 {
+            a.apply_committed(1000 + k, entry(k));
+        }
+        for k in 0..2 {
+            c.apply_committed(1000 + k, entry(k));
+        }
+        let sa = a.stream().expect("opened");
+        let kept = sa.snapshot().expect("snapshot");
+        assert_eq!((kept.next, kept.chunks.is_none()), (15, true));
+        let sent = sa.expand(kept).expect("expand");
+        assert_eq!(sent.chunks.as_ref().map(Vec::len), Some(5));
+        for q in [&b, &c] {
+            q.stream()
+                .expect("opened")
+                .install(sent.clone())
+                .expect("install");
+            assert_eq!(chunks(q), chunks(&a));
+            q.apply_committed(1005, entry(5));
+        }
+        a.apply_committed(1005, entry(5));
+        assert_eq!(chunks(&b), chunks(&a));
+        assert_eq!(chunks(&c), chunks(&a));
+        assert_eq!(b.stream().expect("opened").stats(0).next_offset, 18);
     }
 }
