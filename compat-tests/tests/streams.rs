@@ -241,3 +241,87 @@ async fn confirmed_messages_and_saved_offsets_survive_kill9() {
     let next_one = read(&ch, "ledger", 1, resume, 1).await;
     assert_eq!(next_one, vec![(50, "l50".to_string())]);
 }
+
+#[tokio::test]
+async fn declare_rules_and_refused_methods() {
+    //! RabbitMQ's rules: a stream must be durable (406 closes the channel); basic.get is
+    //! refused with 540, which closes the connection.
+    let b = Broker::start();
+    let conn = connect(&b).await;
+    let ch = conn.create_channel().await.unwrap();
+    let e = ch
+        .queue_declare(
+            "transient".into(),
+            QueueDeclareOptions::default(),
+            stream_args(),
+        )
+        .await
+        .expect_err("a non-durable stream is refused");
+    assert!(
+        e.to_string().contains("invalid property 'non-durable'"),
+        "{e}"
+    );
+    let ch = conn.create_channel().await.unwrap();
+    declare_stream(&ch, "rules").await;
+    let e = ch
+        .basic_get("rules".into(), BasicGetOptions::default())
+        .await
+        .expect_err("basic.get is refused");
+    assert!(
+        e.to_string()
+            .contains("basic.get not supported by stream queues"),
+        "{e}"
+    );
+}
+
+#[tokio::test]
+async fn size_retention_drops_whole_old_segments() {
+    //! With 2000-byte segments and 6000 bytes kept, the oldest segments go as the stream
+    //! grows: a reader from `first` starts well past offset 0, and what it reads is the
+    //! newest messages, contiguous to the end.
+    let b = Broker::start();
+    let conn = connect(&b).await;
+    let ch = confirm_channel(&conn).await;
+    let mut args = stream_args();
+    args.insert(
+        "x-stream-max-segment-size-bytes".into(),
+        AMQPValue::LongLongInt(2000),
+    );
+    args.insert("x-max-length-bytes".into(), AMQPValue::LongLongInt(6000));
+    ch.queue_declare(
+        "bounded".into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    let bodies: Vec<(String, Option<&str>)> =
+        (0..100).map(|i| (format!("{i:0>200}"), None)).collect();
+    publish_all(&ch, "bounded", &bodies).await;
+    let first = read(
+        &ch,
+        "bounded",
+        1,
+        offset_arg(AMQPValue::LongString(LongString::from("first"))),
+        1,
+    )
+    .await;
+    let start = first[0].0;
+    assert!(
+        start > 50,
+        "the oldest segments were kept: first offset {start}"
+    );
+    let rest = read(
+        &ch,
+        "bounded",
+        usize::try_from(100 - start).unwrap(),
+        offset_arg(AMQPValue::LongString(LongString::from("first"))),
+        100,
+    )
+    .await;
+    let want: Vec<(i64, String)> = (start..100).map(|i| (i, format!("{i:0>200}"))).collect();
+    assert_eq!(rest, want);
+}
