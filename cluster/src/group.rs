@@ -66,6 +66,9 @@ struct Inner {
     tracked: Tracked,
     snapshot: Option<(SnapshotMeta<NodeId, BasicNode>, Vec<u8>)>,
     snapshots_built: u64,
+    /// Snapshots read from here now go to other members ([`Applied::expand`] applies):
+    /// openraft also reads the current one while it starts, for its metadata only.
+    sending: bool,
 }
 
 /// One replica's state machine. Clones share it (the snapshot builder is a clone).
@@ -124,6 +127,7 @@ impl<A: Applied> GroupStateMachine<A> {
                 tracked: Tracked::default(),
                 snapshot: None,
                 snapshots_built: 0,
+                sending: false,
             })),
             applied,
             snapshot_path: None,
@@ -173,6 +177,12 @@ impl<A: Applied> GroupStateMachine<A> {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The group's Raft instance has started: a current snapshot read from now on is one to
+    /// send, and [`Applied::expand`] applies to it.
+    pub fn started(&self) {
+        self.lock().sending = true;
     }
 
     /// The state entries are applied into.
@@ -303,15 +313,22 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
         let Some((meta, bytes)) = inner.snapshot.as_ref() else {
             return Ok(None);
         };
-        let bytes = if self.applied.expands() {
-            // Sent to a member behind the purged log: with the data it needs.
+        let bytes = if self.applied.expands() && inner.sending {
+            // Sent to a member behind the purged log: with the data it needs. If that
+            // cannot be built, the short form goes (the member then starts its copy again
+            // at the snapshot's end) rather than an error that would stop the group.
             let mut data: SnapshotData =
                 crate::codec::decode(bytes).map_err(|e| sm_error(ErrorVerb::Read, e))?;
-            data.state = self
-                .applied
-                .expand(&data.state)
-                .map_err(|e| sm_error(ErrorVerb::Read, e))?;
-            crate::codec::encode(&data).map_err(|e| sm_error(ErrorVerb::Read, e))?
+            match self.applied.expand(&data.state).and_then(|state| {
+                data.state = state;
+                crate::codec::encode(&data).map_err(|e| e.to_string())
+            }) {
+                Ok(full) => full,
+                Err(e) => {
+                    tracing::error!(error = %e, "a snapshot is sent without its data");
+                    bytes.clone()
+                }
+            }
         } else {
             bytes.clone()
         };

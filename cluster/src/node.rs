@@ -162,9 +162,12 @@ pub const STREAM_SNAPSHOT_EVERY: u64 = 5000;
 /// member catch up from a snapshot).
 pub const STREAM_SNAPSHOT_EVERY_ENV: &str = "WARREN_STREAM_SNAPSHOT_EVERY";
 
-/// A stream group's Raft settings: the queue groups', with its own snapshot interval; the
-/// entries kept after a snapshot are at most a tenth of it (a member further behind gets the
-/// snapshot, with the chunks it lacks).
+/// How long sending and installing a stream's snapshot (with its chunks) may take.
+pub const STREAM_SNAPSHOT_TIMEOUT_MS: u64 = 30_000;
+
+/// A stream group's Raft settings: the queue groups', with its own snapshot interval; as many
+/// entries are kept after a snapshot (a member further behind gets the snapshot, with the
+/// chunks it lacks).
 #[must_use]
 pub fn stream_raft_config() -> Config {
     let every = std::env::var(STREAM_SNAPSHOT_EVERY_ENV)
@@ -174,7 +177,10 @@ pub fn stream_raft_config() -> Config {
         .unwrap_or(STREAM_SNAPSHOT_EVERY);
     Config {
         snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(every),
-        max_in_snapshot_log_to_keep: every / 10,
+        // A member briefly away catches up from the log, not from a whole-stream snapshot.
+        max_in_snapshot_log_to_keep: every,
+        // A snapshot with data takes longer to send and install than a queue's.
+        install_snapshot_timeout: STREAM_SNAPSHOT_TIMEOUT_MS,
         ..raft_config()
     }
 }
@@ -952,6 +958,7 @@ impl ClusterNode {
         )
         .await
         .map_err(|e| NodeError::Io(e.to_string()))?;
+        replica.machine.started();
         let proposer = self.groups.insert(group.clone(), raft.clone());
         let weak = Arc::downgrade(self);
         self.groups.set_transfer(

@@ -191,15 +191,23 @@ impl StreamDisk {
     /// # Errors
     /// A file could not be deleted, or the log refuses the restart.
     pub fn reset(&mut self, next: u64) -> Result<(), StoreError> {
-        let ids: Vec<u64> = self.log.segments().map(|s| s.id).collect();
-        self.open = None;
-        for id in ids {
-            let path = stream_file::file_path(&self.dir, id);
-            std::fs::remove_file(&path).map_err(|e| StoreError::Io {
-                context: "deleting a stream segment",
+        let io = |context: &'static str, path: &Path| {
+            let path = path.to_path_buf();
+            move |source| StoreError::Io {
+                context,
                 path,
-                source: e,
-            })?;
+                source,
+            }
+        };
+        self.open = None;
+        // Every segment file, also one the log never knew (an empty newest one).
+        let entries =
+            std::fs::read_dir(&self.dir).map_err(io("listing a stream directory", &self.dir))?;
+        for e in entries.flatten() {
+            if e.file_name().to_str().is_some_and(|n| n.ends_with(".str")) {
+                std::fs::remove_file(e.path())
+                    .map_err(io("deleting a stream segment", &e.path()))?;
+            }
         }
         self.positions.clear();
         let offsets = self
@@ -213,7 +221,12 @@ impl StreamDisk {
                 offset: next,
                 detail,
             })?;
-        Ok(())
+        // An empty segment named `next`: a restart reopens the stream there, not at 0.
+        self.open = Some(StreamFile::create(&self.dir, next)?);
+        self.positions.insert(next, Vec::new());
+        std::fs::File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io("syncing a stream directory", &self.dir))
     }
 
     /// Its directory.

@@ -159,6 +159,8 @@ pub struct StreamQueue {
     /// newer offset waiting for the next proposal (proposals are at most one per
     /// [`TRACK_PROPOSE_EVERY`] per name; a cancel sends what waits).
     proposals: Mutex<HashMap<String, (std::time::Instant, Option<u64>)>>,
+    /// A replica whose files failed to take an append: it applies nothing more.
+    failed: AtomicBool,
 }
 
 /// A replicated stream's snapshot. Kept on disk it is only where the log was (the stream's
@@ -266,7 +268,6 @@ impl StreamQueue {
                     std::thread::sleep(super::writer::TICK);
                     let Some(s) = weak.upgrade() else { return };
                     if s.is_deleted() {
-                        s.remove_files();
                         return;
                     }
                     super::writer::tick(&s.shared, crate::timers::wall_ms());
@@ -306,6 +307,7 @@ impl StreamQueue {
             departed: Mutex::new(HashMap::new()),
             replica,
             proposals: Mutex::new(HashMap::new()),
+            failed: AtomicBool::new(false),
         });
         let weak = Arc::downgrade(&stream);
         stream.shared.set_on_durable(Box::new(move || {
@@ -354,7 +356,7 @@ impl StreamQueue {
             drop(disk);
             self.shared.offsets_changed();
         }
-        if messages.is_empty() || self.is_deleted() {
+        if messages.is_empty() || self.is_deleted() || self.failed.load(Ordering::Acquire) {
             return replies;
         }
         let k = messages.len() as u64;
@@ -380,7 +382,11 @@ impl StreamQueue {
                 self.shared.advance(range.end);
             }
             Err(e) => {
-                tracing::error!(stream = %self.what, error = %e, "a stream replica cannot append");
+                // The files' tail is unknown now: this member stops applying until it is
+                // restarted (its log replays into files reopened from disk). The entry is
+                // committed in the group: the other members hold it.
+                tracing::error!(stream = %self.what, error = %e, "a stream replica cannot append; it stops applying until restarted");
+                self.failed.store(true, Ordering::Release);
             }
         }
         replies
@@ -421,7 +427,9 @@ impl StreamQueue {
         let mut chunks = Vec::with_capacity(firsts.len());
         for (first, timestamp_ms) in firsts {
             let Some((_, messages)) = disk.read_chunk(first)? else {
-                continue;
+                return Err(StoreError::Replication(format!(
+                    "chunk {first} of a stream snapshot is gone"
+                )));
             };
             chunks.push(SnapshotChunk {
                 first,
@@ -454,7 +462,12 @@ impl StreamQueue {
             tracing::info!(stream = %self.what, held, next = snapshot.next, chunks = chunks.len(), "a stream replica catches up from a snapshot");
             for c in chunks {
                 let count = c.records.len() as u64;
-                if c.first + count <= held || count == 0 {
+                if c.filters.len() != c.records.len() {
+                    return Err(StoreError::Replication(
+                        "a stream snapshot's chunk does not add up".into(),
+                    ));
+                }
+                if count == 0 || c.first.checked_add(count).is_none_or(|end| end <= held) {
                     continue;
                 }
                 if c.first != held {
@@ -476,10 +489,14 @@ impl StreamQueue {
             }
             disk.sync()?;
         }
-        let held = disk.log().next_offset();
-        if held < snapshot.next {
-            tracing::error!(stream = %self.what, held, next = snapshot.next, "a stream replica's files end before its snapshot");
+        if disk.log().next_offset() < snapshot.next {
+            // What the snapshot covers is not here (the sender's retention dropped it, or it
+            // came without its data): start again where it ends, so the offsets of what
+            // follows agree with every other member's.
+            tracing::warn!(stream = %self.what, held = disk.log().next_offset(), next = snapshot.next, "a stream replica resets its files to a snapshot's end");
+            disk.reset(snapshot.next)?;
         }
+        let held = disk.log().next_offset();
         for (name, next) in &snapshot.offsets {
             let _ = disk.store_offset(name, *next);
         }
@@ -973,7 +990,12 @@ impl StreamQueue {
         // then removes the directory as it exits: nothing it still writes can outlive it,
         // and the removal is off this thread (it may hold the vhost's lock).
         self.shared.remove_on_exit();
-        drop(self.writer.lock().take());
+        let had_writer = self.writer.lock().take().is_some();
+        if !had_writer {
+            // A replica has no writer to remove them once done; nothing appends after this
+            // (applies check `deleted`).
+            self.remove_files();
+        }
         held
     }
 
@@ -1509,5 +1531,57 @@ mod tests {
         assert_eq!(chunks(&b), chunks(&a));
         assert_eq!(chunks(&c), chunks(&a));
         assert_eq!(b.stream().expect("opened").stats(0).next_offset, 18);
+    }
+
+    /// A snapshot whose data is gone (the sender's retention dropped it) still leaves the
+    /// member at the snapshot's end, also after a restart, so later offsets agree.
+    #[test]
+    fn a_snapshot_without_its_chunks_restarts_the_files_at_its_end() {
+        use crate::message::Entry;
+        use crate::queue::machine::Command;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let q = stream_queue(dir.path(), true);
+        q.apply_committed(
+            1000,
+            vec![Command::Enqueue(Entry::Mem(Arc::new(message("old"))))],
+        );
+        let snapshot = StreamSnapshot {
+            next: 15,
+            offsets: vec![("c".into(), 12)],
+            chunks: Some(Vec::new()),
+        };
+        q.stream()
+            .expect("opened")
+            .install(snapshot)
+            .expect("install");
+        assert_eq!(q.stream().expect("opened").stats(0).next_offset, 15);
+        drop(q);
+        let q = stream_queue(dir.path(), true);
+        let s = Arc::clone(q.stream().expect("opened"));
+        assert_eq!((s.stats(0).first_offset, s.stats(0).next_offset), (15, 15));
+        // After a restart the log replays from the snapshot: its end is where entries go.
+        s.install(StreamSnapshot {
+            next: 15,
+            offsets: Vec::new(),
+            chunks: None,
+        })
+        .expect("install");
+        q.apply_committed(
+            1001,
+            vec![Command::Enqueue(Entry::Mem(Arc::new(message("new"))))],
+        );
+        assert_eq!(s.stats(0).next_offset, 16);
+        let (first, m) = s
+            .shared
+            .disk
+            .lock()
+            .read_chunk(15)
+            .expect("read")
+            .expect("held");
+        assert_eq!(first, 15);
+        assert_eq!(
+            &decode(&m[0].body, 15, 16).expect("decodes").body[..],
+            b"new"
+        );
     }
 }
