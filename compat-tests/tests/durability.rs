@@ -954,8 +954,11 @@ async fn crash_cycles_lose_no_confirmed_message_and_resurrect_no_acked_one() {
     eprintln!(
         "crash cycles: {cycles}, confirmed messages: {total}, messages checked after restarts: {checked}"
     );
+    // Only that the checks above were not vacuous: how many confirms fit in a cycle is a
+    // speed (a debug build on a loaded 2-core machine confirms about 10 a cycle, a release
+    // build 80), and speed belongs in the benchmarks.
     assert!(
-        total > cycles * 20,
+        total > cycles * 5,
         "the publishers made progress ({total} confirmed)"
     );
     assert!(checked > cycles * 10, "the checks saw messages ({checked})");
