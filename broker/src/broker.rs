@@ -1109,6 +1109,39 @@ fn check_queue_type(t: Option<&str>) -> Result<(), UserError> {
 mod tests {
     use super::*;
 
+    /// Directories under `streams/` that no recovered stream owns go at start (a crash in a
+    /// deletion, a declare whose record never committed); others stay.
+    #[test]
+    fn start_up_removes_stream_directories_no_stream_owns() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for name in ["7", "12", "notes"] {
+            std::fs::create_dir(dir.path().join(name)).expect("mkdir");
+        }
+        let b = Broker::new(BrokerConfig::default());
+        let vh = b.vhost(DEFAULT_VHOST).expect("default vhost");
+        let args = crate::args::table(&[(
+            "x-queue-type",
+            amq_protocol::types::AMQPValue::LongString("stream".into()),
+        )]);
+        vh.restore_queue(crate::queue::Queue::new(
+            12,
+            "kept",
+            DEFAULT_VHOST,
+            true,
+            false,
+            None,
+            args,
+            crate::queue::QueueEnv::default(),
+        ));
+        assert_eq!(b.sweep_stream_dirs(dir.path()), 1);
+        assert!(!dir.path().join("7").exists());
+        assert!(dir.path().join("12").exists());
+        assert!(
+            dir.path().join("notes").exists(),
+            "not a stream's: left alone"
+        );
+    }
+
     #[test]
     fn external_login_needs_an_existing_user_and_keeps_the_loopback_rule() {
         let b = Broker::new(BrokerConfig::default());

@@ -253,6 +253,19 @@ fn reply(out: &mut FrameWriter, ch: u16, m: AMQPClass) {
     out.method(ch, &m);
 }
 
+/// basic.consume-ok for `tag`, unless the consume was nowait.
+fn consume_ok(out: &mut FrameWriter, ch: u16, nowait: bool, tag: &str) {
+    if !nowait {
+        reply(
+            out,
+            ch,
+            AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+                consumer_tag: tag.into(),
+            })),
+        );
+    }
+}
+
 /// Group unacked entries by queue. A stream's go to it at once, by consumer: acks (`acked`)
 /// give credit back and move a named consumer's offset; anything else (a closed channel:
 /// nack and reject are refused earlier) only releases the credit.
@@ -1745,15 +1758,7 @@ fn handle_basic(
                 .replies
                 .register(&name, &ctx.outbox, ch, chan.epoch);
             chan.reply_consumer = Some((tag.clone(), name));
-            if !c.nowait {
-                reply(
-                    out,
-                    ch,
-                    AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
-                        consumer_tag: tag.as_str().into(),
-                    })),
-                );
-            }
+            consume_ok(out, ch, c.nowait, &tag);
             Ok(())
         }
         basic::AMQPMethod::Consume(c) => {
@@ -1865,15 +1870,7 @@ fn handle_basic(
                         no_ack: false,
                     },
                 );
-                if !c.nowait {
-                    reply(
-                        out,
-                        ch,
-                        AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
-                            consumer_tag: tag.as_str().into(),
-                        })),
-                    );
-                }
+                consume_ok(out, ch, c.nowait, &tag);
                 return Ok(());
             }
             chan.consumers.insert(
@@ -1900,15 +1897,7 @@ fn handle_basic(
                 ));
             }
             // Deliveries reach the socket only when the outbox is drained, after this reply.
-            if !c.nowait {
-                reply(
-                    out,
-                    ch,
-                    AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
-                        consumer_tag: tag.as_str().into(),
-                    })),
-                );
-            }
+            consume_ok(out, ch, c.nowait, &tag);
             Ok(())
         }
         basic::AMQPMethod::Cancel(c) => {

@@ -191,14 +191,6 @@ impl StreamDisk {
     /// # Errors
     /// A file could not be deleted, or the log refuses the restart.
     pub fn reset(&mut self, next: u64) -> Result<(), StoreError> {
-        let io = |context: &'static str, path: &Path| {
-            let path = path.to_path_buf();
-            move |source| StoreError::Io {
-                context,
-                path,
-                source,
-            }
-        };
         self.open = None;
         // Every segment file, also one the log never knew (an empty newest one).
         let entries =
@@ -382,20 +374,22 @@ const OFFSETS_FILE: &str = "offsets";
 /// Its first bytes (and format version).
 const OFFSETS_MAGIC: &[u8; 8] = b"WARROFF1";
 
+/// `map_err` for an I/O failure of `context` on `path`.
+fn io(context: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> StoreError {
+    let path = path.to_path_buf();
+    move |source| StoreError::Io {
+        context,
+        path,
+        source,
+    }
+}
+
 /// Write a stream's `offsets` file (from [`StreamDisk::offsets_bytes`]) durably: a temporary
 /// file, fsync, rename, directory fsync, so a restart resumes named consumers where they were.
 ///
 /// # Errors
 /// The file could not be written.
 pub fn write_offsets(dir: &Path, bytes: &[u8]) -> Result<(), StoreError> {
-    let io = |context: &'static str, path: &Path| {
-        let path = path.to_path_buf();
-        move |source| StoreError::Io {
-            context,
-            path,
-            source,
-        }
-    };
     let tmp = dir.join("offsets.tmp");
     let path = dir.join(OFFSETS_FILE);
     {
