@@ -477,7 +477,7 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
     let mut flow: Option<(Arc<warren_broker::queue::Queue>, Instant)> = None;
 
     loop {
-        if conn.is_closed() {
+        if conn.is_closed() || conn.is_lingering() {
             break;
         }
         let timer = earliest(
@@ -687,10 +687,55 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         if may_write && out.pending() > 0 {
             let _ = wr.write_all(out.as_slice()).await;
+            out.consume(out.pending());
         }
-        let _ = wr.shutdown().await;
+        if !conn.is_lingering() {
+            let _ = wr.shutdown().await;
+        }
     })
     .await;
+    if conn.is_lingering() && may_write {
+        linger(&mut conn, &mut rd, &mut wr, &mut input, &mut out, &*broker).await;
+    }
+}
+
+/// After close-ok for the peer's connection.close: keep reading (the connection machine
+/// discards everything but further closes, which it answers) until the peer closes the
+/// socket or the machine's linger deadline passes, so the peer's frames still in flight never
+/// meet a closed socket.
+async fn linger<R, W>(
+    conn: &mut Connection,
+    rd: &mut R,
+    wr: &mut W,
+    input: &mut BytesMut,
+    out: &mut FrameWriter,
+    gate: &dyn warren_amqp::connection::Gatekeeper,
+) where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    while conn.is_lingering() {
+        let deadline = conn.poll_timeout().map(Instant::from_std);
+        tokio::select! {
+            read = rd.read_buf(input) => match read {
+                Ok(n) if n > 0 => {
+                    conn.handle_input(input, out, Instant::now().into_std(), gate);
+                    if out.pending() > 0 {
+                        if wr.write_all(out.as_slice()).await.is_err() {
+                            break;
+                        }
+                        let _ = wr.flush().await;
+                        out.consume(out.pending());
+                    }
+                }
+                _ => break,
+            },
+            () = sleep_until(deadline) => conn.handle_timeout(Instant::now().into_std(), out),
+        }
+        // Bounded: discarded input is never kept.
+        input.clear();
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(1), wr.shutdown()).await;
 }
 
 fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {

@@ -166,6 +166,14 @@ enum State {
     CloseSent {
         deadline: Instant,
     },
+    /// We answered the peer's connection.close with close-ok. Every channel is released; the
+    /// socket stays open until the peer closes it or the deadline passes, so frames the peer
+    /// still has in flight (a second close from a concurrent closer, publishes queued ahead of
+    /// its close) are read and discarded instead of failing its writes. Each further
+    /// connection.close is answered with close-ok again, as RabbitMQ does.
+    Lingering {
+        deadline: Instant,
+    },
     /// Nothing more to read; flush and drop the socket.
     Closed,
 }
@@ -258,6 +266,14 @@ impl Connection {
     #[must_use]
     pub fn is_closed(&self) -> bool {
         self.state == State::Closed
+    }
+
+    /// Whether we answered the peer's connection.close and only wait for it to close the
+    /// socket: the session is done, the shell keeps reading (and discarding) until EOF or
+    /// [`Connection::poll_timeout`].
+    #[must_use]
+    pub fn is_lingering(&self) -> bool {
+        matches!(self.state, State::Lingering { .. })
     }
 
     /// Whether the channel is open (not closing) from the peer's point of view.
@@ -399,10 +415,20 @@ impl Connection {
                     match m.class {
                         AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => self.finish(),
                         AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
-                            self.answer_peer_close(out);
+                            self.answer_peer_close(out, now);
                         }
                         _ => {}
                     }
+                }
+                Ok(())
+            }
+            State::Lingering { .. } => {
+                if frame.channel == 0
+                    && frame.kind == FRAME_METHOD
+                    && let Ok(m) = method::decode(&frame.payload, self.config.table_depth_max)
+                    && let AMQPClass::Connection(connection::AMQPMethod::Close(_)) = m.class
+                {
+                    Self::send_close_ok(out);
                 }
                 Ok(())
             }
@@ -447,7 +473,7 @@ impl Connection {
         let m = self.expect_method(&frame, expected)?;
         match (self.state, m.class) {
             (_, AMQPClass::Connection(connection::AMQPMethod::Close(_))) => {
-                self.answer_peer_close(out);
+                self.answer_peer_close(out, now);
                 Ok(())
             }
             (
@@ -579,7 +605,7 @@ impl Connection {
             .map_err(AmqpError::into_connection)?;
         match m.class {
             AMQPClass::Connection(connection::AMQPMethod::Close(_)) => {
-                self.answer_peer_close(out);
+                self.answer_peer_close(out, now);
                 Ok(())
             }
             AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => Ok(()),
@@ -619,6 +645,15 @@ impl Connection {
         };
         match self.channels.get_mut(&ch) {
             None => {
+                if frame.kind == FRAME_METHOD
+                    && let Ok(m) = method::decode(&frame.payload, self.config.table_depth_max)
+                    && let AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) = m.class
+                {
+                    // A close-ok for a channel already gone (the two sides' closes crossed
+                    // and were both answered): nothing is owed, and it must not cost the peer
+                    // its other channels.
+                    return Ok(());
+                }
                 if frame.kind != FRAME_METHOD {
                     return Err(AmqpError::connection(
                         ReplyCode::ChannelError,
@@ -668,13 +703,16 @@ impl Connection {
                             self.channels.remove(&ch);
                         }
                         AMQPClass::Channel(channel::AMQPMethod::Close(_)) => {
+                            // The peer's close crossed ours: answer it, and keep waiting for
+                            // the close-ok it owes for ours (RabbitMQ's closing channel does
+                            // the same), so that close-ok is not taken for a frame on an
+                            // unopened channel.
                             out.method(
                                 ch,
                                 &AMQPClass::Channel(channel::AMQPMethod::CloseOk(
                                     channel::CloseOk {},
                                 )),
                             );
-                            self.channels.remove(&ch);
                         }
                         _ => {}
                     }
@@ -742,7 +780,10 @@ impl Connection {
 
     /// Close the connection with `e` (a connection error, or 320 on shutdown).
     pub fn close_with(&mut self, e: AmqpError, out: &mut FrameWriter, now: Instant) {
-        if matches!(self.state, State::CloseSent { .. } | State::Closed) {
+        if matches!(
+            self.state,
+            State::CloseSent { .. } | State::Lingering { .. } | State::Closed
+        ) {
             return;
         }
         if self.state == State::AwaitHeader {
@@ -775,14 +816,24 @@ impl Connection {
             .extend(ids.into_iter().map(Event::ChannelClosed));
     }
 
-    /// The peer sent connection.close: answer close-ok and finish, releasing every channel.
-    fn answer_peer_close(&mut self, out: &mut FrameWriter) {
-        let close_ok = connection::CloseOk {};
+    /// The peer sent connection.close: answer close-ok, release every channel and linger
+    /// until the peer closes the socket (see [`State::Lingering`]).
+    fn answer_peer_close(&mut self, out: &mut FrameWriter, now: Instant) {
+        Self::send_close_ok(out);
+        self.release_channels();
+        // RabbitMQ waits for the heartbeat interval when it is shorter than its own bound.
+        let linger_max = Duration::from_millis(limits::CLOSE_LINGER_MAX_MS);
+        let linger = self.heartbeat.map_or(linger_max, |hb| hb.min(linger_max));
+        self.state = State::Lingering {
+            deadline: now + linger,
+        };
+    }
+
+    fn send_close_ok(out: &mut FrameWriter) {
         out.method(
             0,
-            &AMQPClass::Connection(connection::AMQPMethod::CloseOk(close_ok)),
+            &AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
         );
-        self.finish();
     }
 
     fn finish(&mut self) {
@@ -812,7 +863,7 @@ impl Connection {
             State::Open => self
                 .heartbeat
                 .map(|hb| (self.last_send + hb / 2).min(self.last_recv + hb * 2)),
-            State::CloseSent { deadline } => Some(deadline),
+            State::CloseSent { deadline } | State::Lingering { deadline } => Some(deadline),
             State::Closed => None,
         }
     }
@@ -839,7 +890,7 @@ impl Connection {
                     self.last_send = now;
                 }
             }
-            State::CloseSent { deadline } => {
+            State::CloseSent { deadline } | State::Lingering { deadline } => {
                 if now >= deadline {
                     self.finish();
                 }
@@ -1014,6 +1065,91 @@ mod tests {
         c.handle_input(&mut input, &mut out, now, &Open);
         assert_eq!(c.poll_event(), Some(Event::ChannelOpened(1)));
         assert!(c.channel_is_open(1));
+    }
+
+    fn client_frames(f: impl FnOnce(&mut FrameWriter)) -> BytesMut {
+        let mut w = FrameWriter::new();
+        f(&mut w);
+        BytesMut::from(w.as_slice())
+    }
+
+    fn connection_close() -> AMQPClass {
+        AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+            reply_code: 200,
+            reply_text: "bye".into(),
+            class_id: 0,
+            method_id: 0,
+        }))
+    }
+
+    #[test]
+    fn peer_close_lingers_answering_each_close_until_the_deadline() {
+        let now = Instant::now();
+        let mut c = Connection::new(ConnectionConfig::default(), true, now);
+        let mut out = FrameWriter::new();
+        let mut input = handshake();
+        drive(&mut c, &mut input, &mut out, now);
+        c.heartbeat = Some(Duration::from_secs(5));
+        out.consume(out.pending());
+        let mut input = client_frames(|w| {
+            w.method(0, &connection_close());
+            w.method(0, &connection_close());
+        });
+        drive(&mut c, &mut input, &mut out, now);
+        assert!(c.is_lingering() && !c.is_open() && !c.is_closed());
+        let mut written = BytesMut::from(out.as_slice());
+        for _ in 0..2 {
+            let f = crate::frame::decode_frame(&mut written, u32::MAX)
+                .ok()
+                .flatten()
+                .expect("a close-ok for each close");
+            let m = method::decode(&f.payload, 8).expect("decodes");
+            assert!(matches!(
+                m.class,
+                AMQPClass::Connection(connection::AMQPMethod::CloseOk(_))
+            ));
+        }
+        assert!(written.is_empty(), "nothing but the two close-oks");
+        // The heartbeat interval (5 s) is shorter than CLOSE_LINGER_MAX_MS, so it bounds the wait.
+        assert_eq!(c.poll_timeout(), Some(now + Duration::from_secs(5)));
+        c.handle_timeout(now + Duration::from_secs(4), &mut out);
+        assert!(c.is_lingering());
+        c.handle_timeout(now + Duration::from_secs(5), &mut out);
+        assert!(c.is_closed());
+    }
+
+    #[test]
+    fn crossing_channel_closes_wait_for_the_peers_close_ok() {
+        let now = Instant::now();
+        let mut c = Connection::new(ConnectionConfig::default(), true, now);
+        let mut out = FrameWriter::new();
+        let mut input = handshake();
+        drive(&mut c, &mut input, &mut out, now);
+        c.close_channel(
+            1,
+            AmqpError::channel(ReplyCode::NotFound, "NOT_FOUND - no exchange"),
+            &mut out,
+        );
+        let close = AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+            reply_code: 200,
+            reply_text: "bye".into(),
+            class_id: 0,
+            method_id: 0,
+        }));
+        let close_ok = AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}));
+        let mut input = client_frames(|w| w.method(1, &close));
+        drive(&mut c, &mut input, &mut out, now);
+        assert!(
+            matches!(c.channels.get(&1), Some(ChannelState::Closing)),
+            "still owed the peer's close-ok"
+        );
+        let mut input = client_frames(|w| {
+            w.method(1, &close_ok);
+            w.method(1, &close_ok); // stray, for a channel already gone
+        });
+        drive(&mut c, &mut input, &mut out, now);
+        assert!(c.channels.is_empty());
+        assert!(c.is_open(), "a stray close-ok never closes the connection");
     }
 
     #[test]

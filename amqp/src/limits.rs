@@ -18,6 +18,10 @@ pub const TABLE_DEPTH_MAX: usize = 32;
 pub const HANDSHAKE_TIMEOUT_MS: u64 = 10_000;
 /// Time we wait for close-ok after sending connection.close, in milliseconds.
 pub const CLOSE_OK_TIMEOUT_MS: u64 = 3_000;
+/// Longest we keep the socket open after answering the peer's connection.close with
+/// close-ok, waiting for the peer to close it, in milliseconds (RabbitMQ's `CLOSING_TIMEOUT`;
+/// it waits the heartbeat interval instead when that is shorter).
+pub const CLOSE_LINGER_MAX_MS: u64 = 30_000;
 
 /// The limits one connection runs with (server side of the negotiation).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

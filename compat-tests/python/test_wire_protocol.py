@@ -443,3 +443,54 @@ def test_fuzz_random_bytes_after_handshake_do_not_break_broker(addr, params):
         for fut in [pool.submit(_fuzz_one, addr, p) for p in payloads]:
             fut.result(timeout=30)
     assert_broker_alive(params)
+
+
+# ----------------------------------------------------------------------------- closing
+
+def test_client_close_is_answered_every_time_and_socket_waits_for_client(addr):
+    """Goal: a client's frames in flight after its connection.close never meet a closed socket
+    (amqp091-go's TestConcurrentClose, amqplib's close callback). Method: send two
+    connection.close frames and a publish after them in one write; both closes get close-ok,
+    the socket stays open (a read times out, no EOF), and it ends once we close our side."""
+    c = WireClient(*addr)
+    try:
+        c.handshake()
+        c.open_channel(1)
+        c.send(wire.connection_close() + wire.connection_close()
+               + wire.basic_publish(1, "", "nowhere") + wire.content_header(1, 0))
+        c.expect_method(wire.CONNECTION_CLOSE_OK, channel=0)
+        c.expect_method(wire.CONNECTION_CLOSE_OK, channel=0)
+        with pytest.raises(socket.timeout):
+            c.read_frame(timeout=1.0)
+        c.send(wire.connection_close())  # a late close is still answered, not refused
+        c.expect_method(wire.CONNECTION_CLOSE_OK, channel=0)
+        c.sock.shutdown(socket.SHUT_WR)
+        assert c.expect_eof(timeout=EOF_AFTER_CLOSE_S) == []
+    finally:
+        c.close()
+    assert_raw_broker_alive(addr)
+
+
+def test_crossing_channel_closes_keep_the_connection(addr):
+    """Goal: when the server's channel.close and the client's cross (amqp091-go's
+    TestChannelExceptionWithCloseIssue43), either order of close and close-ok is accepted and
+    the connection survives. Method: publish to a missing exchange and close the channel in the
+    same write; answer the server's 404 close with close-ok after our own close; the server
+    answers our close, then a stray close-ok is ignored and the channel number can be reused."""
+    c = WireClient(*addr)
+    try:
+        c.handshake()
+        c.open_channel(1)
+        c.send(wire.basic_publish(1, "no-such-exchange-" + uuid.uuid4().hex, "k")
+               + wire.content_header(1, 0) + wire.channel_close(1))
+        close = c.expect_close()
+        assert (close.kind, close.channel, close.reply_code) == ("channel", 1, 404), close
+        c.send(wire.channel_close_ok(1))
+        c.expect_method(wire.CHANNEL_CLOSE_OK, channel=1)
+        c.send(wire.channel_close_ok(1))  # stray: the channel is gone
+        c.open_channel(1)
+        c.send(wire.queue_declare(1, "", exclusive=True))
+        c.expect_method(wire.QUEUE_DECLARE_OK, channel=1)
+        c.open_channel(2)
+    finally:
+        c.close()

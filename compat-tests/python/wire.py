@@ -117,6 +117,14 @@ def connection_close_ok():
     return method(0, CONNECTION_CLOSE_OK)
 
 
+def connection_close(code=200, text="Goodbye"):
+    return method(0, CONNECTION_CLOSE, struct.pack(">H", code) + shortstr(text) + struct.pack(">HH", 0, 0))
+
+
+def channel_close(channel, code=200, text="Goodbye"):
+    return method(channel, CHANNEL_CLOSE, struct.pack(">H", code) + shortstr(text) + struct.pack(">HH", 0, 0))
+
+
 def channel_open(channel):
     return method(channel, CHANNEL_OPEN, shortstr(""))
 
