@@ -14,7 +14,7 @@ pub struct ServerArgs {
     /// tls_fail_if_no_peer_cert, ssl_cert_login_from, vm_memory_high_watermark,
     /// vm_memory_high_watermark_absolute, disk_free_limit, disk_free_limit_mem_relative,
     /// connection_max, consumer_max_per_channel, management_listen, prometheus_listen,
-    /// log_format.
+    /// log_format, product_name, product_version.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Address for AMQP 0-9-1 clients [default: 0.0.0.0:5672].
@@ -132,6 +132,8 @@ struct FileConfig {
     cluster_tls_key: Option<PathBuf>,
     cluster_tls_ca: Option<PathBuf>,
     join: Option<bool>,
+    product_name: Option<String>,
+    product_version: Option<String>,
 }
 
 /// Effective configuration.
@@ -162,6 +164,9 @@ pub struct ServerConfig {
     /// `--cluster-listen`) that `warren ctl join_cluster` can make join a cluster (its
     /// `peers` are empty).
     pub standalone: Option<ClusterConfig>,
+    /// The product and version advertised to clients (connection.start, `/api/overview`):
+    /// RabbitMQ's by default, as RabbitMQ's `product.name` / `product.version` settings.
+    pub identity: warren_amqp::connection::ServerIdentity,
 }
 
 /// `--node-name`, `--cluster-listen`, `--peers`, `--cluster-secret`.
@@ -353,7 +358,15 @@ impl ServerConfig {
                 (Some(c), None)
             }
         };
+        let mut identity = warren_amqp::connection::ServerIdentity::default();
+        if let Some(v) = file.product_name.filter(|v| !v.is_empty()) {
+            identity.product = v;
+        }
+        if let Some(v) = file.product_version.filter(|v| !v.is_empty()) {
+            identity.version = v;
+        }
         Ok(Self {
+            identity,
             cluster,
             standalone,
             log_format: args.log_format.or(file.log_format).unwrap_or_default(),

@@ -175,6 +175,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
             .as_ref()
             .map_or_else(|| format!("warren@{}", hostname()), |c| c.node_name.clone()),
         cluster_name: "warren".into(),
+        identity: cfg.identity.clone(),
         listeners: std::iter::once(("amqp".to_string(), local))
             .chain(
                 amqps
@@ -204,6 +205,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
 
     let conn_config = ConnectionConfig {
         limits: cfg.limits,
+        server_properties: warren_amqp::connection::server_properties(&cfg.identity, "warren"),
         ..ConnectionConfig::default()
     };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);

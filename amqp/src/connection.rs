@@ -94,15 +94,45 @@ impl Default for ConnectionConfig {
         Self {
             limits: ConnectionLimits::default(),
             table_depth_max: limits::TABLE_DEPTH_MAX,
-            server_properties: server_properties("Warren", env!("CARGO_PKG_VERSION"), "warren"),
+            server_properties: server_properties(&ServerIdentity::default(), "warren"),
             handshake_timeout: Duration::from_millis(limits::HANDSHAKE_TIMEOUT_MS),
+        }
+    }
+}
+
+/// What the broker calls itself in connection.start's `product` and `version` (and the
+/// management API's `product_name` / `product_version`).
+///
+/// The default is RabbitMQ's name and the version whose behaviour Warren follows, because
+/// clients decide behaviour from it: kombu's `qos_semantics_matches_spec` applies prefetch
+/// per consumer only when `product == "RabbitMQ"`, which changes how Celery workers prefetch.
+/// Warren's own name and version are always in `platform` and `information`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServerIdentity {
+    /// `product` (RabbitMQ's `rabbit:product_name()`).
+    pub product: String,
+    /// `version` (RabbitMQ's `rabbit:product_version()`).
+    pub version: String,
+}
+
+/// The RabbitMQ release whose observable behaviour Warren matches.
+pub const RABBITMQ_COMPATIBLE_VERSION: &str = "4.2.0";
+
+/// Warren's own version.
+pub const WARREN_VERSION: &str = env!("CARGO_PKG_VERSION");
+
+impl Default for ServerIdentity {
+    fn default() -> Self {
+        Self {
+            product: "RabbitMQ".into(),
+            version: RABBITMQ_COMPATIBLE_VERSION.into(),
         }
     }
 }
 
 /// The server-properties table with RabbitMQ's keys and capabilities.
 #[must_use]
-pub fn server_properties(product: &str, version: &str, cluster_name: &str) -> FieldTable {
+pub fn server_properties(identity: &ServerIdentity, cluster_name: &str) -> FieldTable {
     let mut caps = FieldTable::default();
     for cap in [
         "publisher_confirms",
@@ -124,14 +154,20 @@ pub fn server_properties(product: &str, version: &str, cluster_name: &str) -> Fi
     t.insert("copyright".into(), s("Copyright (c) the Warren authors"));
     t.insert(
         "information".into(),
-        s("Licensed under the Apache License 2.0. An AMQP 0-9-1 broker."),
+        s(&format!(
+            "Warren {WARREN_VERSION}, an AMQP 0-9-1 broker compatible with RabbitMQ \
+             {RABBITMQ_COMPATIBLE_VERSION}. Licensed under the Apache License 2.0."
+        )),
     );
     t.insert(
         "platform".into(),
-        s(&format!("Rust / {}", std::env::consts::OS)),
+        s(&format!(
+            "Warren {WARREN_VERSION} (Rust, {})",
+            std::env::consts::OS
+        )),
     );
-    t.insert("product".into(), s(product));
-    t.insert("version".into(), s(version));
+    t.insert("product".into(), s(&identity.product));
+    t.insert("version".into(), s(&identity.version));
     t
 }
 

@@ -94,6 +94,40 @@ def test_overview_counts_queues_and_messages(api, ch, names):
     assert status == 200 and me["name"] == "guest" and "administrator" in me["tags"]
 
 
+# The keys rabbit_mgmt_wm_overview:to_json/2 (RabbitMQ 4.2) emits for an administrator, with
+# the JSON type of each: management clients (rabbitmq-http-api-rs among them) deserialize them.
+OVERVIEW_KEYS = {
+    "management_version": str, "rates_mode": str, "sample_retention_policies": dict,
+    "exchange_types": list, "product_version": str, "product_name": str,
+    "rabbitmq_version": str, "cluster_name": str, "cluster_tags": (dict, list),
+    "node_tags": (dict, list), "erlang_version": str, "erlang_full_version": str,
+    "disable_stats": bool, "default_queue_type": str, "is_op_policy_updating_enabled": bool,
+    "enable_queue_totals": bool, "message_stats": dict, "churn_rates": dict,
+    "queue_totals": dict, "object_totals": dict, "statistics_db_event_queue": int,
+    "node": str, "listeners": list, "contexts": list,
+}
+
+
+@pytest.mark.rabbitmq4
+def test_overview_has_every_key_rabbitmq_emits(api):
+    """Goal: /api/overview deserializes in clients written against RabbitMQ 4.2. Method: check
+    every key rabbit_mgmt_wm_overview emits is present with its JSON type, and the values
+    clients read for their defaults."""
+    status, o, _ = api("GET", "/api/overview")
+    assert status == 200
+    for key, kind in OVERVIEW_KEYS.items():
+        assert isinstance(o.get(key), kind), (key, o.get(key))
+    assert o["rates_mode"] in ("basic", "detailed", "none")
+    assert set(o["sample_retention_policies"]) == {"global", "basic", "detailed"}
+    assert o["default_queue_type"] == "classic"
+    names = [t["name"] for t in o["exchange_types"]]
+    assert names == sorted(names) and {"direct", "fanout", "headers", "topic"} <= set(names)
+    for key in ("connection_created", "channel_closed", "queue_declared"):
+        assert isinstance(o["churn_rates"][key], int), o["churn_rates"]
+    for key in ("messages", "messages_ready", "messages_unacknowledged"):
+        assert "rate" in o["queue_totals"][f"{key}_details"], o["queue_totals"]
+
+
 def test_authentication_and_tags(api, ctl, prefix):
     status, body, headers = api("GET", "/api/overview", user=None)
     assert status == 401 and "WWW-Authenticate" in headers

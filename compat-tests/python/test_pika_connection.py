@@ -48,6 +48,55 @@ def test_connect_and_server_capabilities(conn):
         assert isinstance(props.get(key), str) and props[key], (key, props)
 
 
+def test_server_identity_is_rabbitmq_compatible(conn):
+    """Goal: clients that branch on the server's identity behave as with RabbitMQ (kombu's
+    qos_semantics_matches_spec needs product == "RabbitMQ", which changes Celery's prefetch).
+    Method: read connection.start's product and version, and ask kombu what it concluded."""
+    import os
+    import kombu
+    props = conn._impl.server_properties
+    assert props["product"] == "RabbitMQ", props
+    major = int(props["version"].split(".")[0])
+    assert major >= 3, props
+    if not os.environ.get("WARREN_TEST_AMQP_URL"):
+        assert props["version"] == "4.2.0", props
+        # Warren names itself where RabbitMQ names Erlang/OTP and its licence.
+        assert props["platform"].startswith("Warren "), props
+        assert "Warren" in props["information"], props
+    p = conn._impl.params
+    with kombu.Connection(f"amqp://guest:guest@{p.host}:{p.port}//") as k:
+        k.connect()
+        # kombu 5.7: RabbitMQ 3.3-3.x applies prefetch per channel, 4.x per consumer.
+        assert k.qos_semantics_matches_spec is (major >= 4)
+
+
+@pytest.mark.warren_only
+def test_advertised_identity_is_a_setting(tmp_path):
+    """Goal: an operator can make Warren advertise its own name (RabbitMQ's product.name and
+    product.version settings). Method: start a Warren whose file sets product_name and
+    product_version; connection.start and /api/overview report them."""
+    import json
+    import urllib.request
+    from base64 import b64encode
+    from conftest import warren_process
+    cfg = tmp_path / "warren.toml"
+    cfg.write_text('product_name = "Warren"\nproduct_version = "0.1.0"\n')
+    with warren_process("--config", str(cfg)) as w:
+        c = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", w["port"]))
+        try:
+            props = c._impl.server_properties
+            assert (props["product"], props["version"]) == ("Warren", "0.1.0"), props
+        finally:
+            c.close()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{w['management_port']}/api/overview",
+            headers={"Authorization": "Basic " + b64encode(b"guest:guest").decode()})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            overview = json.load(r)
+        assert (overview["product_name"], overview["product_version"]) == ("Warren", "0.1.0")
+        assert overview["rabbitmq_version"] == "4.2.0"
+
+
 def test_channel_open_close_many(conn):
     """Many channels can be opened and closed on one connection and each gets a distinct number."""
     chans = [conn.channel() for _ in range(20)]

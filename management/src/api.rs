@@ -24,7 +24,8 @@ use crate::direct::Direct;
 use crate::json::{json_to_table, table_to_json};
 use crate::rates::MessageRates;
 use crate::{ApiError, AppState, REQUEST_BODY_MAX, queue_message_stats};
-use warren_broker::stats::MessageStats;
+use warren_amqp::connection::WARREN_VERSION;
+use warren_broker::stats::{Lifecycle, MessageStats};
 
 mod leadership;
 
@@ -368,26 +369,28 @@ async fn overview(State(state): State<AppState>, caller: Caller) -> ApiResult {
                    "ip_address": addr.ip().to_string(), "port": addr.port()})
         })
         .collect();
+    let contexts: Vec<Value> = state
+        .node
+        .listeners
+        .iter()
+        .filter(|(protocol, _)| protocol == "http")
+        .map(|(_, addr)| {
+            json!({"node": state.node.node, "description": "RabbitMQ Management",
+                   "path": "/", "port": addr.port().to_string()})
+        })
+        .collect();
+    let events = state.broker.stats();
+    let count = |e| events.events(e);
+    let zero_rate = json!({"rate": 0.0});
     ok_json(json!({
         "management_version": RABBITMQ_API_VERSION,
-        "rabbitmq_version": RABBITMQ_API_VERSION,
-        "product_name": "Warren",
-        "product_version": env!("CARGO_PKG_VERSION"),
-        "cluster_name": state.node.cluster_name,
-        "node": state.node.node,
-        "object_totals": {
-            "connections": state.broker.connection_count(),
-            "channels": state.broker.channel_count(),
-            "exchanges": t.exchanges,
-            "queues": t.queues,
-            "consumers": t.consumers,
+        "rates_mode": "basic",
+        // RabbitMQ's defaults (max ages in seconds), sorted as rabbit_mgmt_wm_overview does.
+        "sample_retention_policies": {
+            "global": [600, 3600, 28800, 86400],
+            "basic": [600, 3600],
+            "detailed": [600],
         },
-        "queue_totals": {
-            "messages": t.ready + t.unacked,
-            "messages_ready": t.ready,
-            "messages_unacknowledged": t.unacked,
-        },
-        "listeners": listeners,
         "exchange_types": [
             {"name": "direct", "description": "AMQP direct exchange, as per the AMQP specification", "enabled": true},
             {"name": "fanout", "description": "AMQP fanout exchange, as per the AMQP specification", "enabled": true},
@@ -395,7 +398,60 @@ async fn overview(State(state): State<AppState>, caller: Caller) -> ApiResult {
             {"name": "topic", "description": "AMQP topic exchange, as per the AMQP specification", "enabled": true},
             {"name": "x-delayed-message", "description": "Delayed Message Exchange", "enabled": true},
         ],
+        "product_version": state.node.identity.version,
+        "product_name": state.node.identity.product,
+        "rabbitmq_version": RABBITMQ_API_VERSION,
+        "cluster_name": state.node.cluster_name,
+        "cluster_tags": {},
+        "node_tags": {},
+        // There is no Erlang runtime: these name the broker and its platform instead, for
+        // clients that require the keys (docs/compatibility.md).
+        "erlang_version": format!("Warren {WARREN_VERSION}"),
+        "erlang_full_version": format!(
+            "Warren {WARREN_VERSION} (Rust, {} {}); no Erlang runtime",
+            std::env::consts::OS,
+            std::env::consts::ARCH
+        ),
+        "disable_stats": false,
+        "default_queue_type": "classic",
+        "is_op_policy_updating_enabled": true,
+        "enable_queue_totals": false,
         "message_stats": message_stats(&state),
+        "churn_rates": {
+            "connection_created": count(Lifecycle::ConnectionOpened),
+            "connection_created_details": zero_rate,
+            "connection_closed": count(Lifecycle::ConnectionClosed),
+            "connection_closed_details": zero_rate,
+            "channel_created": count(Lifecycle::ChannelOpened),
+            "channel_created_details": zero_rate,
+            "channel_closed": count(Lifecycle::ChannelClosed),
+            "channel_closed_details": zero_rate,
+            "queue_declared": count(Lifecycle::QueueDeclared),
+            "queue_declared_details": zero_rate,
+            "queue_created": count(Lifecycle::QueueCreated),
+            "queue_created_details": zero_rate,
+            "queue_deleted": count(Lifecycle::QueueDeleted),
+            "queue_deleted_details": zero_rate,
+        },
+        "queue_totals": {
+            "messages": t.ready + t.unacked,
+            "messages_details": zero_rate,
+            "messages_ready": t.ready,
+            "messages_ready_details": zero_rate,
+            "messages_unacknowledged": t.unacked,
+            "messages_unacknowledged_details": zero_rate,
+        },
+        "object_totals": {
+            "connections": state.broker.connection_count(),
+            "channels": state.broker.channel_count(),
+            "exchanges": t.exchanges,
+            "queues": t.queues,
+            "consumers": t.consumers,
+        },
+        "statistics_db_event_queue": 0,
+        "node": state.node.node,
+        "listeners": listeners,
+        "contexts": contexts,
     }))
 }
 
@@ -2498,12 +2554,12 @@ fn insert_defs(m: &mut serde_json::Map<String, Value>, d: VhostDefs) {
     m.insert("bindings".into(), Value::Array(d.bindings));
 }
 
-fn versions() -> serde_json::Map<String, Value> {
+fn versions(state: &AppState) -> serde_json::Map<String, Value> {
     let mut m = serde_json::Map::new();
     m.insert("rabbit_version".into(), json!(RABBITMQ_API_VERSION));
     m.insert("rabbitmq_version".into(), json!(RABBITMQ_API_VERSION));
-    m.insert("product_name".into(), json!("Warren"));
-    m.insert("product_version".into(), json!(env!("CARGO_PKG_VERSION")));
+    m.insert("product_name".into(), json!(state.node.identity.product));
+    m.insert("product_version".into(), json!(state.node.identity.version));
     m
 }
 
@@ -2537,7 +2593,7 @@ async fn export_definitions(State(state): State<AppState>, caller: Caller) -> Ap
                    "limits": serde_json::to_value(&u.limits).unwrap_or_else(|_| json!({}))})
         })
         .collect();
-    let mut m = versions();
+    let mut m = versions(&state);
     m.insert("users".into(), Value::Array(users));
     m.insert("vhosts".into(), Value::Array(vhosts));
     m.insert(
@@ -2574,7 +2630,7 @@ async fn export_vhost_definitions(
 ) -> ApiResult {
     caller.require_admin()?;
     let vh = vhost_for(&state, &caller, &vhost)?;
-    let mut m = versions();
+    let mut m = versions(&state);
     insert_defs(&mut m, vhost_definitions(&vh, false));
     ok_json(Value::Object(m))
 }

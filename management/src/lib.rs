@@ -46,6 +46,8 @@ pub struct NodeInfo {
     pub listeners: Vec<(String, SocketAddr)>,
     /// The largest message accepted (publishes through the API are held to it too).
     pub message_size_max: u64,
+    /// The product and version advertised (`product_name`, `product_version`).
+    pub identity: warren_amqp::connection::ServerIdentity,
 }
 
 /// Shared state of the HTTP handlers.

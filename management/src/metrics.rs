@@ -144,9 +144,18 @@ fn identity(state: &AppState, s: &Scrape) {
             "product_version",
         ],
     ) {
-        let v = env!("CARGO_PKG_VERSION");
-        g.with_label_values(&[crate::RABBITMQ_API_VERSION, v, v, "none", "Warren", v])
-            .set(1.0);
+        let v = warren_amqp::connection::WARREN_VERSION;
+        let id = &state.node.identity;
+        let erlang = format!("Warren {v}");
+        g.with_label_values(&[
+            crate::RABBITMQ_API_VERSION,
+            v,
+            v,
+            &erlang,
+            &id.product,
+            &id.version,
+        ])
+        .set(1.0);
     }
 }
 
