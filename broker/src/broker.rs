@@ -374,6 +374,14 @@ impl Broker {
             crate::replication::DefinitionChange::DeleteUser(name.to_string())
         });
         self.permissions_changed();
+        drop(users);
+        // rabbit_connection_tracking's user_deleted: that user's connections, and only those,
+        // are closed (on every node: a replicated deletion runs this too).
+        for c in self.connections.list() {
+            if c.info.user == name {
+                c.request_close(format!("user '{name}' is deleted"));
+            }
+        }
         Ok(())
     }
 
@@ -865,6 +873,12 @@ impl Broker {
     #[must_use]
     pub fn list_users(&self) -> Vec<UserRecord> {
         self.users.read().list()
+    }
+
+    /// Whether an internal user of that name exists.
+    #[must_use]
+    pub fn user_exists(&self, name: &str) -> bool {
+        self.users.read().get(name).is_some()
     }
 
     /// Whether the user exists and carries `tag` (tags are read when a connection opens, as

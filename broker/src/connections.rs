@@ -39,7 +39,7 @@ pub struct ConnectionInfo {
 }
 
 /// One channel as the management API shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ChannelInfo {
     /// Channel number.
     pub number: u16,
@@ -58,7 +58,7 @@ pub struct ChannelInfo {
 }
 
 /// One consumer as the management API shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ConsumerInfo {
     /// Consumer tag.
     pub tag: String,
@@ -66,6 +66,12 @@ pub struct ConsumerInfo {
     pub queue: String,
     /// Whether deliveries need acks.
     pub ack_required: bool,
+    /// basic.consume's `exclusive`.
+    pub exclusive: bool,
+    /// basic.consume's arguments as the client gave them.
+    pub arguments: FieldTable,
+    /// The per-consumer prefetch it runs with (0: unlimited).
+    pub prefetch_count: u32,
 }
 
 /// A pending request for a connection's channels.

@@ -51,6 +51,15 @@ impl Replies {
         self.routes.write().remove(name);
     }
 
+    /// Whether `name` leads to a live reply consumer.
+    #[must_use]
+    pub fn contains(&self, name: &str) -> bool {
+        self.routes
+            .read()
+            .get(name)
+            .is_some_and(|r| r.outbox.strong_count() > 0)
+    }
+
     /// Hand `message` to the requester named by its routing key; false if there is none.
     pub fn deliver(&self, message: &Arc<Message>) -> bool {
         let route = self.routes.read().get(&message.routing_key).cloned();

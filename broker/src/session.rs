@@ -95,6 +95,13 @@ struct ConsumerEntry {
     id: ConsumerId,
     queue: Arc<Queue>,
     no_ack: bool,
+    /// basic.consume's `exclusive`, for the management API.
+    exclusive: bool,
+    /// basic.consume's arguments as given, for the management API (a consumer's arguments
+    /// are a few small fields).
+    arguments: FieldTable,
+    /// The channel's per-consumer prefetch when it subscribed.
+    prefetch: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -757,6 +764,9 @@ impl Session {
                         tag: tag.clone(),
                         queue: e.queue.name.clone(),
                         ack_required: !e.no_ack,
+                        exclusive: e.exclusive,
+                        arguments: e.arguments.clone(),
+                        prefetch_count: e.prefetch,
                     })
                     .collect();
                 consumers.sort_by(|a, b| a.tag.cmp(&b.tag));
@@ -1034,6 +1044,27 @@ fn handle_queue(
 ) -> Result<(), AmqpError> {
     let vhost = &ctx.vhost;
     match m {
+        queue::AMQPMethod::Declare(d) if d.queue.as_str().starts_with(REPLY_TO) => {
+            // rabbit_channel: every declare of a reply-to name is in effect passive; the
+            // pseudo-queue, and a name handed out to a live reply consumer, exist with one
+            // consumer (rabbit_volatile_queue:declare/2).
+            let name = d.queue.as_str();
+            if name != REPLY_TO && !vhost.replies.contains(name) {
+                return Err(vhost.not_found("queue", name));
+            }
+            if !d.nowait {
+                reply(
+                    out,
+                    ch,
+                    AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+                        queue: name.into(),
+                        message_count: 0,
+                        consumer_count: 1,
+                    })),
+                );
+            }
+            Ok(())
+        }
         queue::AMQPMethod::Declare(mut d) => {
             // The vhost's default queue type stands in for a missing x-queue-type on queues a
             // quorum queue can be (durable, neither exclusive nor auto-delete).
@@ -1736,10 +1767,26 @@ fn handle_basic(
             Ok(())
         }
         basic::AMQPMethod::Consume(c) if c.queue.as_str() == REPLY_TO => {
+            // rabbit_channel's reply-to clause, in its order.
+            if chan.consumers.contains_key(c.consumer_tag.as_str()) {
+                return Err(AmqpError::channel(
+                    ReplyCode::NotAllowed,
+                    format!(
+                        "attempt to reuse consumer tag '{}'",
+                        c.consumer_tag.as_str()
+                    ),
+                ));
+            }
             if !c.no_ack {
                 return Err(AmqpError::channel(
                     ReplyCode::PreconditionFailed,
                     "reply consumer cannot acknowledge",
+                ));
+            }
+            if chan.reply_consumer.is_some() {
+                return Err(AmqpError::channel(
+                    ReplyCode::PreconditionFailed,
+                    "reply consumer already set",
                 ));
             }
             let tag = if c.consumer_tag.as_str().is_empty() {
@@ -1747,12 +1794,6 @@ fn handle_basic(
             } else {
                 c.consumer_tag.as_str().to_string()
             };
-            if chan.consumers.contains_key(&tag) || chan.reply_consumer.is_some() {
-                return Err(AmqpError::channel(
-                    ReplyCode::NotAllowed,
-                    format!("attempt to reuse consumer tag '{tag}'"),
-                ));
-            }
             let name = format!("{REPLY_TO_PREFIX}{}", ctx.broker.unique_name(""));
             ctx.vhost
                 .replies
@@ -1868,6 +1909,9 @@ fn handle_basic(
                         id,
                         queue: Arc::clone(&q),
                         no_ack: false,
+                        exclusive: c.exclusive,
+                        arguments: c.arguments.clone(),
+                        prefetch,
                     },
                 );
                 consume_ok(out, ch, c.nowait, &tag);
@@ -1879,6 +1923,9 @@ fn handle_basic(
                     id,
                     queue: Arc::clone(&q),
                     no_ack: c.no_ack,
+                    exclusive: c.exclusive,
+                    arguments: c.arguments.clone(),
+                    prefetch,
                 },
             );
             if let Err(MachineError::ExclusiveInUse | MachineError::DuplicateConsumer) = q.consume(

@@ -136,14 +136,17 @@ impl ExchangeDecl {
     }
 }
 
-/// Predeclared exchanges every vhost has.
-const PREDECLARED: &[(&str, ExchangeKind)] = &[
-    ("", ExchangeKind::Direct),
-    ("amq.direct", ExchangeKind::Direct),
-    ("amq.fanout", ExchangeKind::Fanout),
-    ("amq.topic", ExchangeKind::Topic),
-    ("amq.headers", ExchangeKind::Headers),
-    ("amq.match", ExchangeKind::Headers),
+/// Predeclared exchanges every vhost has (rabbit_vhost:declare_default_exchanges/2): name,
+/// type, internal. `amq.rabbitmq.trace` is the firehose's exchange; Warren declares it so
+/// clients and tools find it, and publishes nothing into it (docs/compatibility.md).
+const PREDECLARED: &[(&str, ExchangeKind, bool)] = &[
+    ("", ExchangeKind::Direct, false),
+    ("amq.direct", ExchangeKind::Direct, false),
+    ("amq.fanout", ExchangeKind::Fanout, false),
+    ("amq.topic", ExchangeKind::Topic, false),
+    ("amq.headers", ExchangeKind::Headers, false),
+    ("amq.match", ExchangeKind::Headers, false),
+    ("amq.rabbitmq.trace", ExchangeKind::Topic, true),
 ];
 
 /// `kind 'name' in vhost 'v'`, as RabbitMQ's `rabbit_misc:rs/1`.
@@ -186,10 +189,10 @@ impl VHost {
         stats: Arc<crate::stats::GlobalStats>,
     ) -> Arc<Self> {
         let mut t = Topology::default();
-        for (ex, kind) in PREDECLARED {
+        for (ex, kind, internal) in PREDECLARED {
             t.exchanges.insert(
                 (*ex).to_string(),
-                Exchange::new(ex, *kind, true, false, false, FieldTable::default()),
+                Exchange::new(ex, *kind, true, false, *internal, FieldTable::default()),
             );
         }
         Arc::new_cyclic(|me| Self {
@@ -419,7 +422,7 @@ impl VHost {
             }
     }
 
-    fn not_found(&self, kind: &str, name: &str) -> AmqpError {
+    pub(crate) fn not_found(&self, kind: &str, name: &str) -> AmqpError {
         AmqpError::channel(
             ReplyCode::NotFound,
             format!("no {}", rs(kind, name, &self.name)),

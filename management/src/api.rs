@@ -669,6 +669,21 @@ async fn put_vhost(
                 .set_default_queue_type(&name, Some(t), done)
                 .map_err(|e| user_error(&e))?;
         }
+        // The creator may use what it created (rabbit_vhost:maybe_grant_full_permissions/2);
+        // `warren ctl`, like rabbitmqctl and definitions imports, acts as no user.
+        if new && !caller.internal && state.broker.user_exists(&caller.name) {
+            let full = PermissionRecord {
+                user: caller.name.clone(),
+                vhost: name.clone(),
+                configure: ".*".into(),
+                write: ".*".into(),
+                read: ".*".into(),
+            };
+            state
+                .broker
+                .set_permissions(full, done)
+                .map_err(|e| grant_error(&e))?;
+        }
         Ok(new)
     })
     .await?;
@@ -1952,7 +1967,7 @@ async fn publish(
 
 fn connection_json(node: &str, h: &warren_broker::connections::ConnectionHandle) -> Value {
     let i = &h.info;
-    json!({
+    let mut v = json!({
         "name": i.name,
         "node": node,
         "vhost": i.vhost,
@@ -1971,7 +1986,23 @@ fn connection_json(node: &str, h: &warren_broker::connections::ConnectionHandle)
         "timeout": i.heartbeat_s,
         "connected_at": i.connected_at_ms,
         "client_properties": table_to_json(&i.client_properties),
-    })
+    });
+    if let Some(name) = user_provided_name(i) {
+        v["user_provided_name"] = json!(name);
+    }
+    v
+}
+
+/// The client's `connection_name` property (a long string), which RabbitMQ reports as
+/// `user_provided_name` (rabbit_reader's augment_infos_with_user_provided_connection_name).
+fn user_provided_name(i: &warren_broker::connections::ConnectionInfo) -> Option<String> {
+    match i.client_properties.inner().get("connection_name") {
+        Some(amq_protocol::types::AMQPValue::LongString(s)) => {
+            Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+        }
+        Some(amq_protocol::types::AMQPValue::ShortString(s)) => Some(s.as_str().to_string()),
+        _ => None,
+    }
 }
 
 /// Connections the caller may see: all for monitoring and administrator, else its own.
@@ -2933,6 +2964,11 @@ fn channel_name(h: &Handle, number: u16) -> String {
 }
 
 fn channel_json(node: &str, h: &Handle, c: &warren_broker::connections::ChannelInfo) -> Value {
+    let mut details = json!({"name": h.info.name, "peer_host": h.info.peer.ip().to_string(),
+                             "peer_port": h.info.peer.port()});
+    if let Some(name) = user_provided_name(&h.info) {
+        details["user_provided_name"] = json!(name);
+    }
     json!({
         "name": channel_name(h, c.number),
         "number": c.number,
@@ -2940,8 +2976,7 @@ fn channel_json(node: &str, h: &Handle, c: &warren_broker::connections::ChannelI
         "user": h.info.user,
         "vhost": h.info.vhost,
         "state": "running",
-        "connection_details": {"name": h.info.name, "peer_host": h.info.peer.ip().to_string(),
-                               "peer_port": h.info.peer.port()},
+        "connection_details": details,
         "consumer_count": c.consumers.len(),
         "prefetch_count": c.prefetch_count,
         "global_prefetch_count": c.global_prefetch_count,
@@ -3017,9 +3052,9 @@ async fn consumers_filtered(state: &AppState, caller: &Caller, vhost: Option<&st
                     "node": state.node.node,
                 },
                 "ack_required": k.ack_required,
-                "exclusive": false,
-                "prefetch_count": c.prefetch_count,
-                "arguments": {},
+                "exclusive": k.exclusive,
+                "prefetch_count": k.prefetch_count,
+                "arguments": table_to_json(&k.arguments),
                 "active": true,
                 "activity_status": "up",
             }));

@@ -15,6 +15,7 @@ mod json;
 pub mod listing;
 mod metrics;
 mod process;
+mod prom_text;
 mod properties;
 pub mod rates;
 mod ui;

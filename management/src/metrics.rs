@@ -15,10 +15,10 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::extract::{RawQuery, State};
-use axum::http::{StatusCode, header};
+use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use prometheus::{Encoder, GaugeVec, IntCounterVec, Opts, Registry, TextEncoder};
+use prometheus::{GaugeVec, IntCounterVec, Opts, Registry};
 use warren_broker::queue::{Queue, QueueStats};
 use warren_broker::stats::Lifecycle;
 use warren_store::histogram::HistogramSnapshot;
@@ -98,14 +98,9 @@ impl Scrape {
     }
 
     fn render(&self) -> Response {
-        let mut buf = Vec::new();
-        if TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
-            .is_err()
-        {
-            return StatusCode::INTERNAL_SERVER_ERROR.into_response();
-        }
-        buf.extend_from_slice(self.histograms.as_bytes());
+        let mut buf = String::new();
+        crate::prom_text::encode(&self.registry.gather(), &mut buf);
+        buf.push_str(&self.histograms);
         (
             [(
                 header::CONTENT_TYPE,
