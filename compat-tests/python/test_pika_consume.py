@@ -12,6 +12,7 @@ from amqp_helpers import (
     get_all,
     pump,
     wait_until,
+    wait_get,
 )
 
 
@@ -530,3 +531,41 @@ def test_consumer_timeout_closes_the_channel_and_requeues(conn, names):
     wait_until(conn, lambda: ch.is_closed, timeout=10)
     assert got == [b"slow"]
     wait_until(conn, lambda: counts(conn, q) == (1, 0))
+
+
+def test_direct_reply_to_declares_answer_with_one_consumer(conn, names):
+    """Goal: clients that declare the reply-to pseudo-queue (passive or not) before consuming
+    it, or check a reply name exists, get RabbitMQ's answers (rabbit_channel's reply-to clause
+    of queue.declare). Method: declare amq.rabbitmq.reply-to both ways; declare the name a
+    reply consumer was given, from another channel, while the consumer lives and after."""
+    ch = conn.channel()
+    for passive in (True, False):
+        ok = ch.queue_declare("amq.rabbitmq.reply-to", passive=passive)
+        assert (ok.method.queue, ok.method.message_count, ok.method.consumer_count) == \
+            ("amq.rabbitmq.reply-to", 0, 1)
+    client = conn.channel()
+    tag = client.basic_consume("amq.rabbitmq.reply-to", lambda *a: None, auto_ack=True)
+    q = names.q("rpc")
+    client.queue_declare(q)
+    client.basic_publish("", q, b"request", pika.BasicProperties(reply_to="amq.rabbitmq.reply-to"))
+    _, props, _ = wait_get(conn, client, q)
+    reply_name = props.reply_to
+    other = conn.channel()
+    ok = other.queue_declare(reply_name, passive=True)
+    assert (ok.method.queue, ok.method.message_count, ok.method.consumer_count) == (reply_name, 0, 1)
+    client.basic_cancel(tag)
+    with channel_closed(404, f"NOT_FOUND - no queue '{reply_name}' in vhost '/'"):
+        other.queue_declare(reply_name, passive=True)
+
+
+def test_second_reply_consumer_on_a_channel_is_406_and_the_connection_survives(conn):
+    """Goal: a channel has at most one reply consumer, and asking for a second costs that
+    channel only (rabbit_channel: "reply consumer already set"). Method: consume
+    amq.rabbitmq.reply-to twice with new tags; the second closes the channel with 406 and the
+    connection still opens channels."""
+    ch = conn.channel()
+    ch.basic_consume("amq.rabbitmq.reply-to", lambda *a: None, auto_ack=True, consumer_tag="r1")
+    with channel_closed(406, "PRECONDITION_FAILED - reply consumer already set"):
+        ch.basic_consume("amq.rabbitmq.reply-to", lambda *a: None, auto_ack=True, consumer_tag="r2")
+    assert conn.is_open
+    assert conn.channel().is_open

@@ -175,3 +175,14 @@ def test_headers_binding_with_invalid_x_match_is_406(conn, ch, names, x_match, n
     ch.queue_declare(q)
     with channel_closed(406, needle):
         ch.queue_bind(q, x, arguments={"x-match": x_match, "k": "v"})
+
+
+def test_trace_exchange_is_predeclared_internal_topic(ch, conn):
+    """Goal: every vhost has amq.rabbitmq.trace as RabbitMQ declares it
+    (rabbit_vhost:declare_default_exchanges/2): durable, internal, topic. Method: passive
+    declare finds it; declaring it as topic with internal set matches; publishing to it
+    directly is refused as for any internal exchange."""
+    ch.exchange_declare("amq.rabbitmq.trace", passive=True)
+    with channel_closed(403, "ACCESS_REFUSED"):
+        ch.basic_publish("amq.rabbitmq.trace", "publish.x", b"x")
+        ch.queue_declare("", exclusive=True)  # the close has arrived by this reply

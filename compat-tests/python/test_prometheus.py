@@ -223,3 +223,17 @@ def test_oldest_ready_age_metric(prometheus_url, ch, names):
     assert total(scrape(prometheus_url), name) >= 0.2
     ch.queue_purge(queue)
     assert series(scrape(prometheus_url, "/metrics/per-object"), name)[mine] == 0
+
+
+def test_per_object_labels_are_in_rabbitmq_order(prometheus_url, ch, names):
+    """Goal: per-object series read as RabbitMQ writes them, `vhost` then `queue`
+    (prometheus_rabbitmq_core_metrics_collector:label/1), for tools that match series as
+    text. Method: scrape /metrics/per-object and find the queue's lines verbatim."""
+    queue = names.q()
+    ch.queue_declare(queue)
+    ch.basic_publish("", queue, b"x")
+    counts(ch.connection, queue)
+    text = scrape(prometheus_url, "/metrics/per-object")
+    prefix = f'rabbitmq_queue_messages_ready{{vhost="/",queue="{queue}"}} '
+    assert any(line.startswith(prefix) for line in text.splitlines()), prefix
+    assert f'queue="{queue}",vhost="/"' not in text
