@@ -66,17 +66,27 @@ def test_vhost_creator_gets_full_permissions(api, params, fresh_user):
         api("DELETE", f"/api/vhosts/{q(vhost)}")
 
 
-def test_definitions_import_keeps_its_own_permissions(api):
-    """Definitions are imported as the internal user (rabbit_vhost: ?INTERNAL_USER), so the
-    importer gets no permissions the file does not give."""
-    vhost = "parity-def-" + uuid.uuid4().hex[:8]
-    status, _, _ = api("POST", "/api/definitions", body={"vhosts": [{"name": vhost}]})
+def test_definitions_import_grants_the_importer_and_keeps_the_files_permissions(api):
+    """rabbit_definitions:apply_defs/2 adds vhosts as the acting user (so put_vhost grants the
+    importer full permissions on the vhosts it creates), then applies the file's permissions,
+    which win. Checked on RabbitMQ 4.0.5."""
+    granted = "parity-def-" + uuid.uuid4().hex[:8]
+    given = "parity-def-" + uuid.uuid4().hex[:8]
+    status, _, _ = api("POST", "/api/definitions", body={
+        "vhosts": [{"name": granted}, {"name": given}],
+        "permissions": [{"user": "guest", "vhost": given,
+                         "configure": "^cfg$", "write": "^w$", "read": "^r$"}],
+    })
     assert status in (200, 201, 204), status
     try:
-        assert api("GET", f"/api/vhosts/{q(vhost)}")[0] == 200
-        assert api("GET", f"/api/permissions/{q(vhost)}/guest")[0] == 404
+        status, perm, _ = api("GET", f"/api/permissions/{q(granted)}/guest")
+        assert status == 200 and (perm["configure"], perm["write"], perm["read"]) == (".*",) * 3
+        status, perm, _ = api("GET", f"/api/permissions/{q(given)}/guest")
+        assert status == 200
+        assert (perm["configure"], perm["write"], perm["read"]) == ("^cfg$", "^w$", "^r$")
     finally:
-        api("DELETE", f"/api/vhosts/{q(vhost)}")
+        api("DELETE", f"/api/vhosts/{q(granted)}")
+        api("DELETE", f"/api/vhosts/{q(given)}")
 
 
 def test_deleting_a_user_closes_its_connections_only(api, params, fresh_user, conn):
@@ -139,3 +149,43 @@ def test_consumer_listings_show_arguments_and_exclusive(api, conn, names):
     details = [c for c in qo["consumer_details"] if c["consumer_tag"] == tag]
     assert details and details[0]["arguments"] == {"x-priority": 2}
     assert details[0]["exclusive"] is True
+
+
+def test_quorum_and_stream_objects_name_their_members(api, conn, names):
+    """rabbit_quorum_queue / rabbit_stream_queue info: leader, members and online, also for a
+    queue whose only member is this node."""
+    ch = conn.channel()
+    node = api("GET", "/api/overview")[1]["node"]
+    for kind in ("quorum", "stream"):
+        queue = names.q(kind)
+        ch.queue_declare(queue, durable=True, arguments={"x-queue-type": kind})
+        status, info, _ = eventually(lambda: api("GET", f"/api/queues/%2F/{q(queue)}"),
+                                     lambda r: r[1].get("leader"))
+        assert status == 200, info
+        assert info["type"] == kind
+        assert isinstance(info["members"], list) and info["members"], info
+        assert info["leader"] in info["members"]
+        assert set(info["online"]) <= set(info["members"]) and info["online"]
+        if len(info["members"]) == 1:
+            assert info["members"] == [node] and info["leader"] == node
+
+
+@pytest.mark.rabbitmq4
+def test_queue_arguments_list_the_effective_queue_type(api, conn, names):
+    """rabbit_amqqueue:augment_declare_args/5 (RabbitMQ 4): a queue declared without
+    x-queue-type lists the type it got among its arguments."""
+    ch = conn.channel()
+    queue = names.q()
+    ch.queue_declare(queue, arguments={"x-max-length": 3})
+    status, info, _ = eventually(lambda: api("GET", f"/api/queues/%2F/{q(queue)}"),
+                                 lambda r: r[0] == 200)
+    assert info["arguments"] == {"x-max-length": 3, "x-queue-type": "classic"}
+
+
+@pytest.mark.rabbitmq4
+def test_whoami_says_the_user_is_internal(api):
+    """rabbit_mgmt_format:user/1 (what /api/whoami returns): name, tags, is_internal_user."""
+    status, me, _ = api("GET", "/api/whoami")
+    assert status == 200
+    assert me["name"] == "guest" and me["is_internal_user"] is True
+    assert "administrator" in me["tags"]

@@ -365,3 +365,39 @@ def test_tracked_consumer_lag_in_the_api_and_prometheus(conn, ch, names, managem
     assert series(text, "warren_stream_consumer_offset")[mine] == 4
     stream = frozenset({("vhost", "/"), ("queue", q)})
     assert series(text, "warren_stream_next_offset")[stream] == 10
+
+
+@pytest.mark.parametrize("prefetch,named", [(1, False), (50, False), (1000, True)])
+def test_counts_after_every_message_is_acked(conn, ch, names, management_url, prefetch, named):
+    """Goal: a stream reports what it holds, not what was delivered: 300 published and all
+    acked is 300 messages, 300 ready, 0 unacknowledged, with the consumer attached and after
+    (checked on RabbitMQ 4.0.5). Method: publish 300 with confirms, consume from first with
+    the given prefetch acking each, then read the queue object twice."""
+    queue = names.q()
+    ch.queue_declare(queue, durable=True, arguments=STREAM)
+    publish(ch, queue, [f"m{i}" for i in range(300)])
+    consumer = conn.channel()
+    consumer.basic_qos(prefetch_count=prefetch)
+    got = []
+
+    def on(c, m, p, body):
+        got.append(body)
+        c.basic_ack(m.delivery_tag)
+
+    args = {"x-stream-offset": "first"}
+    if named:
+        args["x-stream-consumer-name"] = queue + "-reader"
+    consumer.basic_consume(queue, on, arguments=args)
+    wait_until(conn, lambda: len(got) == 300, timeout=30)
+    consumer.basic_qos(prefetch_count=prefetch)  # a round trip: every ack was handled
+
+    def counts_of(r):
+        o = r[1]
+        return o.get("messages"), o.get("messages_ready"), o.get("messages_unacknowledged")
+
+    path = management_url + f"/api/queues/%2F/{quote(queue)}"
+    r = eventually(lambda: http("GET", path), lambda r: counts_of(r) == (300, 300, 0))
+    assert counts_of(r) == (300, 300, 0), r[1]
+    consumer.close()
+    r = eventually(lambda: http("GET", path), lambda r: counts_of(r) == (300, 300, 0))
+    assert counts_of(r) == (300, 300, 0), r[1]

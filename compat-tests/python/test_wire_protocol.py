@@ -476,7 +476,7 @@ def test_crossing_channel_closes_keep_the_connection(addr):
     TestChannelExceptionWithCloseIssue43), either order of close and close-ok is accepted and
     the connection survives. Method: publish to a missing exchange and close the channel in the
     same write; answer the server's 404 close with close-ok after our own close; the server
-    answers our close, then a stray close-ok is ignored and the channel number can be reused."""
+    answers our close, and the channel number can be reused."""
     c = WireClient(*addr)
     try:
         c.handshake()
@@ -487,10 +487,25 @@ def test_crossing_channel_closes_keep_the_connection(addr):
         assert (close.kind, close.channel, close.reply_code) == ("channel", 1, 404), close
         c.send(wire.channel_close_ok(1))
         c.expect_method(wire.CHANNEL_CLOSE_OK, channel=1)
-        c.send(wire.channel_close_ok(1))  # stray: the channel is gone
         c.open_channel(1)
         c.send(wire.queue_declare(1, "", exclusive=True))
         c.expect_method(wire.QUEUE_DECLARE_OK, channel=1)
         c.open_channel(2)
     finally:
         c.close()
+
+
+@pytest.mark.warren_only
+def test_stray_channel_close_ok_is_ignored(client):
+    """Goal: a close-ok for a channel that is already gone costs nothing (RabbitMQ 4.0.5
+    answers it with 504 CHANNEL_ERROR - expected 'channel.open' and closes the connection;
+    Warren is lenient here by design, issue 20). Method: send close-ok on channels never
+    opened and on one just closed; the connection still opens channels."""
+    client.send(wire.channel_close_ok(7))
+    client.open_channel(1)
+    client.send(wire.channel_close(1))
+    client.expect_method(wire.CHANNEL_CLOSE_OK, channel=1)
+    client.send(wire.channel_close_ok(1))
+    client.open_channel(2)
+    client.send(wire.queue_declare(2, "", exclusive=True))
+    client.expect_method(wire.QUEUE_DECLARE_OK, channel=2)

@@ -489,7 +489,8 @@ fn message_stats_json(t: &MessageStats, r: &MessageRates, with_confirm: bool) ->
 }
 
 async fn whoami(caller: Caller) -> ApiResult {
-    ok_json(json!({"name": caller.name, "tags": caller.tags}))
+    // rabbit_mgmt_format:user/1: every Warren user is an internal (database) user.
+    ok_json(json!({"name": caller.name, "tags": caller.tags, "is_internal_user": true}))
 }
 
 async fn cluster_name(State(state): State<AppState>, _caller: Caller) -> ApiResult {
@@ -669,25 +670,37 @@ async fn put_vhost(
                 .set_default_queue_type(&name, Some(t), done)
                 .map_err(|e| user_error(&e))?;
         }
-        // The creator may use what it created (rabbit_vhost:maybe_grant_full_permissions/2);
-        // `warren ctl`, like rabbitmqctl and definitions imports, acts as no user.
-        if new && !caller.internal && state.broker.user_exists(&caller.name) {
-            let full = PermissionRecord {
-                user: caller.name.clone(),
-                vhost: name.clone(),
-                configure: ".*".into(),
-                write: ".*".into(),
-                read: ".*".into(),
-            };
-            state
-                .broker
-                .set_permissions(full, done)
-                .map_err(|e| grant_error(&e))?;
+        if new {
+            grant_creator(&state, &caller, &name, done)?;
         }
         Ok(new)
     })
     .await?;
     created(new)
+}
+
+/// The user who created a vhost may use it (rabbit_vhost:maybe_grant_full_permissions/2).
+/// `warren ctl`, like rabbitmqctl and a definitions file loaded at boot, acts as no user.
+fn grant_creator(
+    state: &AppState,
+    caller: &Caller,
+    vhost: &str,
+    done: &mut dyn FnMut() -> warren_store::writer::Completion,
+) -> Result<(), ApiError> {
+    if caller.internal || !state.broker.user_exists(&caller.name) {
+        return Ok(());
+    }
+    let full = PermissionRecord {
+        user: caller.name.clone(),
+        vhost: vhost.to_string(),
+        configure: ".*".into(),
+        write: ".*".into(),
+        read: ".*".into(),
+    };
+    state
+        .broker
+        .set_permissions(full, done)
+        .map_err(|e| grant_error(&e))
 }
 
 async fn delete_vhost(
@@ -1016,13 +1029,7 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
         "auto_delete": q.auto_delete,
         "exclusive": q.exclusive_owner.is_some(),
         "arguments": table_to_json(&q.arguments),
-        "type": if q.is_stream {
-            "stream"
-        } else if q.is_quorum {
-            "quorum"
-        } else {
-            "classic"
-        },
+        "type": queue_type_name(q),
         "state": "running",
         "node": node,
         "messages": s.ready + s.unacked,
@@ -1046,15 +1053,42 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
         obj.insert("message_bytes".into(), json!(st.bytes));
         obj.insert("stream".into(), stream_json(&st));
     }
-    if let (Some(replica), Some(obj)) = (q.replica(), v.as_object_mut()) {
-        // rabbit_quorum_queue's fields: the queue's node is its leader.
-        let p = replica.placement();
-        obj.insert("leader".into(), json!(p.leader));
-        obj.insert("node".into(), json!(p.leader));
-        obj.insert("online".into(), json!(p.online));
-        obj.insert("members".into(), json!(p.members));
+    if let Some(obj) = v.as_object_mut() {
+        if let Some(replica) = q.replica() {
+            // rabbit_quorum_queue's fields: the queue's node is its leader.
+            let p = replica.placement();
+            obj.insert("leader".into(), json!(p.leader));
+            obj.insert("node".into(), json!(p.leader));
+            obj.insert("online".into(), json!(p.online));
+            obj.insert("members".into(), json!(p.members));
+        } else if q.is_quorum || q.is_stream {
+            // A single node's quorum queue or stream has one member, this node, as
+            // RabbitMQ's does.
+            obj.insert("leader".into(), json!(node));
+            obj.insert("online".into(), json!([node]));
+            obj.insert("members".into(), json!([node]));
+        }
+        // RabbitMQ 4 stores the effective x-queue-type among a queue's arguments
+        // (rabbit_amqqueue:augment_declare_args/5).
+        if let Some(Value::Object(args)) = obj.get_mut("arguments")
+            && !args.contains_key("x-queue-type")
+        {
+            let kind = queue_type_name(q);
+            args.insert("x-queue-type".into(), json!(kind));
+        }
     }
     v
+}
+
+/// A queue's type as RabbitMQ names it.
+fn queue_type_name(q: &Queue) -> &'static str {
+    if q.is_stream {
+        "stream"
+    } else if q.is_quorum {
+        "quorum"
+    } else {
+        "classic"
+    }
 }
 
 /// Warren's `stream` object of a stream queue: offsets, segments and tracked consumers.
@@ -2866,8 +2900,14 @@ async fn import_definitions(
             .or_else(|| v.get("metadata").and_then(|m| m.get("default_queue_type")))
             .and_then(Value::as_str)
             .filter(|t| *t != "undefined");
-        b.add_vhost(&name, dqt, &mut commits.next())
+        let new = b
+            .add_vhost(&name, dqt, &mut commits.next())
             .map_err(|e| user_error(&e))?;
+        // As rabbit_definitions (the importer is the acting user): the file's own
+        // permissions, applied next, win over this grant.
+        if new {
+            grant_creator(&state, &caller, &name, &mut commits.next())?;
+        }
         vhosts.push(name);
     }
     for p in list(&defs, "permissions") {
