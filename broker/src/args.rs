@@ -281,9 +281,142 @@ const DECLARE_ARGS: &[(&str, Check)] = &[
     ("x-queue-mode", check_queue_mode),
     ("x-single-active-consumer", check_bool),
     ("x-queue-type", check_queue_type),
-    ("x-delivery-limit", check_non_neg_int),
+    // RabbitMQ validates no value here: any integer (negative: unlimited, 0: no redelivery).
+    ("x-delivery-limit", check_any_int),
     ("x-queue-leader-locator", check_leader_locator),
 ];
+
+fn check_any_int(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+    check_int(v).map(|_| ())
+}
+
+/// A queue type, as `queue.declare`'s `x-queue-type` selects it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueType {
+    /// `classic` (the default).
+    Classic,
+    /// `quorum`.
+    Quorum,
+    /// `stream`.
+    Stream,
+}
+
+impl QueueType {
+    /// The type `args` declare (classic without an `x-queue-type`).
+    #[must_use]
+    pub fn of(args: &FieldTable) -> Self {
+        match args
+            .inner()
+            .get("x-queue-type")
+            .and_then(string_like)
+            .as_deref()
+        {
+            Some(b"quorum") => Self::Quorum,
+            Some(b"stream") => Self::Stream,
+            _ => Self::Classic,
+        }
+    }
+
+    /// RabbitMQ's module name for the type, as its error texts print it.
+    #[must_use]
+    pub fn module(self) -> &'static str {
+        match self {
+            Self::Classic => "rabbit_classic_queue",
+            Self::Quorum => "rabbit_quorum_queue",
+            Self::Stream => "rabbit_stream_queue",
+        }
+    }
+
+    /// The declare arguments the type takes (each type's `capabilities/0`, RabbitMQ 4.2).
+    #[must_use]
+    pub fn arguments(self) -> &'static [&'static str] {
+        match self {
+            Self::Classic => CLASSIC_ARGS,
+            Self::Quorum => QUORUM_ARGS,
+            Self::Stream => STREAM_ARGS,
+        }
+    }
+
+    /// Whether a server-named (empty name) queue of this type can be declared.
+    #[must_use]
+    pub fn server_named(self) -> bool {
+        self == Self::Classic
+    }
+}
+
+/// `rabbit_classic_queue:capabilities/0`'s `queue_arguments`.
+const CLASSIC_ARGS: &[&str] = &[
+    "x-expires",
+    "x-message-ttl",
+    "x-dead-letter-exchange",
+    "x-dead-letter-routing-key",
+    "x-max-length",
+    "x-max-length-bytes",
+    "x-max-priority",
+    "x-overflow",
+    "x-queue-mode",
+    "x-queue-version",
+    "x-single-active-consumer",
+    "x-queue-type",
+    "x-queue-master-locator",
+    "x-queue-leader-locator",
+];
+
+/// `rabbit_quorum_queue:capabilities/0`'s `queue_arguments`.
+const QUORUM_ARGS: &[&str] = &[
+    "x-dead-letter-exchange",
+    "x-dead-letter-routing-key",
+    "x-dead-letter-strategy",
+    "x-expires",
+    "x-max-length",
+    "x-max-length-bytes",
+    "x-max-in-memory-length",
+    "x-max-in-memory-bytes",
+    "x-overflow",
+    "x-single-active-consumer",
+    "x-queue-type",
+    "x-quorum-initial-group-size",
+    "x-delivery-limit",
+    "x-message-ttl",
+    "x-queue-leader-locator",
+];
+
+/// `rabbit_stream_queue:capabilities/0`'s `queue_arguments`.
+const STREAM_ARGS: &[&str] = &[
+    "x-max-length-bytes",
+    "x-queue-type",
+    "x-max-age",
+    "x-stream-max-segment-size-bytes",
+    "x-initial-cluster-size",
+    "x-queue-leader-locator",
+];
+
+/// Refuse an argument that some queue type takes but this one does not
+/// (`rabbit_amqqueue:check_arguments_key/4`); arguments no type knows are left alone.
+fn check_type_arguments(
+    args: &FieldTable,
+    kind: QueueType,
+    what: &str,
+) -> Result<(), warren_amqp::AmqpError> {
+    let known = |k: &str| {
+        [QueueType::Classic, QueueType::Quorum, QueueType::Stream]
+            .iter()
+            .any(|t| t.arguments().contains(&k))
+    };
+    for key in args.inner().keys() {
+        let key = key.as_str();
+        if known(key) && !kind.arguments().contains(&key) {
+            return Err(warren_amqp::AmqpError::channel(
+                warren_amqp::ReplyCode::PreconditionFailed,
+                format!(
+                    "invalid arg '{key}' for {what} of queue type {}",
+                    kind.module()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// Validate the x-arguments of a new queue as RabbitMQ does (type and range), with its texts.
 ///
@@ -301,12 +434,21 @@ pub fn validate_queue_args(args: &FieldTable, what: &str) -> Result<(), warren_a
             ),
         ));
     }
+    // rabbit_amqqueue:check_declare_arguments/3: the type first, then the values of the
+    // arguments that type takes, then the arguments it does not take.
+    if let Some(v) = args.inner().get("x-queue-type") {
+        check_queue_type(v, args).map_err(|term| invalid("x-queue-type", what, &term))?;
+    }
+    let kind = QueueType::of(args);
     for (key, check) in DECLARE_ARGS {
+        if !kind.arguments().contains(key) {
+            continue;
+        }
         if let Some(v) = args.inner().get(*key) {
             check(v, args).map_err(|term| invalid(key, what, &term))?;
         }
     }
-    Ok(())
+    check_type_arguments(args, kind, what)
 }
 
 /// Validate a headers-exchange binding's `x-match` (RabbitMQ's
@@ -374,11 +516,12 @@ pub fn queue_config(args: &FieldTable) -> crate::queue::machine::QueueConfig {
             args.inner().get("x-single-active-consumer"),
             Some(AMQPValue::Boolean(true))
         ),
-        // Only quorum queues count deliveries (20 by default, RabbitMQ 4); 0 means none.
+        // Only quorum queues count deliveries (20 by default, RabbitMQ 4); a negative limit
+        // means none (rabbit_fifo), 0 allows no redelivery.
         delivery_limit: if is_quorum(args) {
             match int("x-delivery-limit") {
-                Some(n) if n <= 0 => None,
-                Some(n) => u32::try_from(n).ok(),
+                Some(n) if n < 0 => None,
+                Some(n) => Some(u32::try_from(n).unwrap_or(u32::MAX)),
                 None => Some(QUORUM_DELIVERY_LIMIT_DEFAULT),
             }
         } else {

@@ -1082,6 +1082,17 @@ fn handle_queue(
                 );
             }
             let requested = d.queue.as_str();
+            let kind = crate::args::QueueType::of(&d.arguments);
+            if requested.is_empty() && !d.passive && !kind.server_named() {
+                // rabbit_channel, before any other check of the declare.
+                return Err(AmqpError::channel(
+                    ReplyCode::PreconditionFailed,
+                    format!(
+                        "Cannot declare a server-named queue for type {}",
+                        kind.module()
+                    ),
+                ));
+            }
             let name = if requested.is_empty() {
                 ctx.broker.unique_name("amq.gen-")
             } else {
@@ -1296,10 +1307,12 @@ fn check_queue_equivalence(
     args: &FieldTable,
 ) -> Result<(), AmqpError> {
     let what = rs("queue", &q.name, &ctx.vhost.name);
-    match q.exclusive_owner {
-        Some(owner) if owner != ctx.conn_id => return Err(locked(q, &ctx.vhost.name)),
-        None if exclusive => return Err(locked(q, &ctx.vhost.name)),
-        _ => {}
+    // rabbit_amqqueue:check_exclusive_access(Q, Owner, strict): the declare's owner (this
+    // connection when exclusive, else none) must be the queue's, so the owner redeclaring
+    // its exclusive queue as non-exclusive is refused too.
+    let declared_owner = exclusive.then_some(ctx.conn_id);
+    if q.exclusive_owner != declared_owner {
+        return Err(locked(q, &ctx.vhost.name));
     }
     for (arg, want, have) in [
         ("durable", durable, q.durable),

@@ -186,3 +186,27 @@ def test_trace_exchange_is_predeclared_internal_topic(ch, conn):
     with channel_closed(403, "ACCESS_REFUSED"):
         ch.basic_publish("amq.rabbitmq.trace", "publish.x", b"x")
         ch.queue_declare("", exclusive=True)  # the close has arrived by this reply
+
+
+@pytest.mark.rabbitmq4
+@pytest.mark.parametrize("binding,header,routed", [
+    ("abc", b"abc", True),          # a longstr binding and a byte-array header: same bytes
+    (b"abc", "abc", True),
+    (7, 7, True),                   # integers by value (pika picks each one's width)
+    (2 ** 40, 2 ** 40, True),
+    (1, True, False),               # booleans never equal integers
+    (True, 1, False),
+    ("1", 1, False),                # strings never equal numbers
+    (1, "1", False),
+])
+def test_headers_exchange_compares_decoded_values(ch, names, binding, header, routed):
+    """Goal: a headers binding matches as rabbit_exchange_type_headers:match/2 compares the
+    decoded values (mc_amqpl:routing_headers/2), whatever the field types. Checked on
+    RabbitMQ 4.0.5. Method: bind with one value, publish with another, see if it arrives."""
+    x = names.x()
+    ch.exchange_declare(x, "headers", auto_delete=True)
+    q = ch.queue_declare("", exclusive=True).method.queue
+    ch.queue_bind(q, x, arguments={"x-match": "all", "k": binding})
+    ch.confirm_delivery()
+    ch.basic_publish(x, "", b"m", pika.BasicProperties(headers={"k": header}))
+    assert (ch.queue_declare(q, passive=True).method.message_count == 1) is routed

@@ -228,3 +228,47 @@ def test_invalid_queue_arguments_are_406(ch, names, args, needle):
     """A new queue with an x-argument of a bad value or type is refused with 406 naming it."""
     with channel_closed(406, needle):
         ch.queue_declare(names.q(), arguments=args)
+
+
+def test_owner_redeclaring_its_exclusive_queue_as_shared_is_405(conn, ch, names):
+    """Goal: the exclusive flag is part of a queue's identity even for its owner
+    (rabbit_amqqueue:check_exclusive_access/3, strict; Bunny's queue_declare_spec). Method:
+    declare exclusive, redeclare from the same connection with exclusive=False."""
+    q = names.q()
+    ch.queue_declare(q, exclusive=True)
+    with channel_closed(405, "RESOURCE_LOCKED - cannot obtain exclusive access to locked queue"):
+        conn.channel().queue_declare(q, exclusive=False)
+    ch.queue_declare(q, exclusive=True)  # the same declaration still matches
+
+
+@pytest.mark.rabbitmq4
+@pytest.mark.parametrize("kind,arg,value", [
+    ("quorum", "x-max-priority", 5),
+    ("quorum", "x-queue-mode", "lazy"),
+    ("stream", "x-max-length", 10),
+    ("stream", "x-message-ttl", 1000),
+    ("stream", "x-max-priority", 5),
+    ("classic", "x-delivery-limit", 3),
+    ("classic", "x-max-age", "1D"),
+])
+def test_arguments_of_other_queue_types_are_406(ch, names, kind, arg, value):
+    """Goal: an argument that only other queue types take is refused, as
+    rabbit_amqqueue:check_declare_arguments/3 refuses it (each type's capabilities/0).
+    Method: declare a queue of `kind` with it."""
+    q = names.q()
+    module = {"classic": "rabbit_classic_queue", "quorum": "rabbit_quorum_queue",
+              "stream": "rabbit_stream_queue"}[kind]
+    with channel_closed(406, f"PRECONDITION_FAILED - invalid arg '{arg}' for queue '{q}' "
+                             f"in vhost '/' of queue type {module}"):
+        ch.queue_declare(q, durable=True, arguments={"x-queue-type": kind, arg: value})
+
+
+@pytest.mark.rabbitmq4
+@pytest.mark.parametrize("kind", ["quorum", "stream"])
+def test_server_named_quorum_queues_and_streams_are_406(ch, kind):
+    """Goal: only classic queues may be server-named (rabbit_channel's queue.declare: "Cannot
+    declare a server-named queue for type ..."). Method: declare one with an empty name."""
+    module = {"quorum": "rabbit_quorum_queue", "stream": "rabbit_stream_queue"}[kind]
+    with channel_closed(406, f"PRECONDITION_FAILED - Cannot declare a server-named queue "
+                             f"for type {module}"):
+        ch.queue_declare("", durable=True, arguments={"x-queue-type": kind})

@@ -72,3 +72,40 @@ def test_global_qos_is_refused_for_quorum_queues(connect, names):
     c2 = connect()
     c2.channel().queue_delete(q)
     c2.close()
+
+
+@pytest.mark.rabbitmq4
+def test_negative_delivery_limit_is_unlimited(conn, ch, names):
+    """Goal: x-delivery-limit takes any integer, and a negative one means no limit (rabbit_fifo
+    sets none). Method: declare with -1 and return a message more times than the default
+    limit (20) would allow; it is still delivered."""
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments={**QUORUM, "x-delivery-limit": -1})
+    ch.confirm_delivery()
+    ch.basic_publish("", q, b"again", pika.BasicProperties(delivery_mode=2))
+    for _ in range(22):
+        m, _, body = wait_get(conn, ch, q, auto_ack=False)
+        assert body == b"again"
+        ch.basic_nack(m.delivery_tag, requeue=True)
+    assert counts(conn, q)[0] == 1
+    ch.queue_delete(q)
+
+
+@pytest.mark.rabbitmq4
+def test_zero_delivery_limit_allows_no_redelivery(conn, ch, names):
+    """Goal: x-delivery-limit 0 dead-letters a message the first time it is returned (rabbit_fifo
+    compares the acquired count with the limit). Method: get, nack with requeue, find it in
+    the dead-letter queue."""
+    q, dead = names.q(), names.q("dead")
+    ch.queue_declare(dead)
+    ch.queue_declare(q, durable=True, arguments={**QUORUM, "x-delivery-limit": 0,
+                                                  "x-dead-letter-exchange": "",
+                                                  "x-dead-letter-routing-key": dead})
+    ch.confirm_delivery()
+    ch.basic_publish("", q, b"once", pika.BasicProperties(delivery_mode=2))
+    m, _, _ = wait_get(conn, ch, q, auto_ack=False)
+    ch.basic_nack(m.delivery_tag, requeue=True)
+    _, props, body = wait_get(conn, ch, dead)
+    assert body == b"once" and props.headers["x-death"][0]["reason"] == "delivery_limit"
+    assert counts(conn, q)[0] == 0
+    ch.queue_delete(q)

@@ -38,19 +38,42 @@ impl XMatch {
     }
 }
 
-/// RabbitMQ compares header values with `==`, so integers match across widths (`I` 42 equals
-/// `l` 42) and short and long strings match by content.
-fn same_value(a: &AMQPValue, b: &AMQPValue) -> bool {
-    if let (Some(x), Some(y)) = (crate::args::int_value(a), crate::args::int_value(b)) {
-        return x == y;
-    }
-    match (a, b) {
-        (AMQPValue::LongString(x), AMQPValue::ShortString(y))
-        | (AMQPValue::ShortString(y), AMQPValue::LongString(x)) => {
-            x.as_bytes() == y.as_str().as_bytes()
+/// A header or binding value as RabbitMQ holds it after decoding, which is what
+/// `rabbit_exchange_type_headers:match/2` compares with `=:=`: the field type is gone, so
+/// long strings, short strings and byte arrays are all binaries, integers of every width are
+/// integers, 32- and 64-bit floats are floats. Booleans, strings and numbers never equal
+/// one another; an integer never equals a float.
+#[derive(Debug, PartialEq)]
+enum Decoded<'a> {
+    Int(i128),
+    Bytes(&'a [u8]),
+    Float(f64),
+    Bool(bool),
+    /// Decimals, arrays, tables and void compare as the field values they are.
+    Other(&'a AMQPValue),
+}
+
+impl<'a> Decoded<'a> {
+    /// `message` is true for the published message's side: `mc_amqpl:routing_headers/2`
+    /// turns a timestamp into milliseconds there, while a binding's timestamp stays in
+    /// seconds (so the two only meet at 0, as in RabbitMQ).
+    fn of(v: &'a AMQPValue, message: bool) -> Self {
+        match v {
+            AMQPValue::Timestamp(t) => Self::Int(i128::from(*t) * if message { 1000 } else { 1 }),
+            AMQPValue::LongString(s) => Self::Bytes(s.as_bytes()),
+            AMQPValue::ShortString(s) => Self::Bytes(s.as_str().as_bytes()),
+            AMQPValue::ByteArray(b) => Self::Bytes(b.as_slice()),
+            AMQPValue::Float(f) => Self::Float(f64::from(*f)),
+            AMQPValue::Double(d) => Self::Float(*d),
+            AMQPValue::Boolean(b) => Self::Bool(*b),
+            other => crate::args::int_value(other).map_or(Self::Other(other), Self::Int),
         }
-        _ => a == b,
     }
+}
+
+/// Whether a message's header value equals a binding's.
+fn same_value(binding: &AMQPValue, message: &AMQPValue) -> bool {
+    Decoded::of(binding, false) == Decoded::of(message, true)
 }
 
 /// Whether message `headers` satisfy a binding's `args`.
@@ -139,5 +162,38 @@ mod tests {
         let n = table(&[("n", AMQPValue::LongLongInt(42))]);
         assert!(matches(&table(&[("n", AMQPValue::LongInt(42))]), Some(&n)));
         assert!(!matches(&table(&[("n", s("42"))]), Some(&n)));
+    }
+
+    #[test]
+    fn values_compare_as_rabbitmq_decodes_them() {
+        use amq_protocol::types::ByteArray;
+        let bytes = |v: &str| AMQPValue::ByteArray(ByteArray::from(v.as_bytes().to_vec()));
+        let short = |v: &str| AMQPValue::ShortString(v.into());
+        let one =
+            |k: AMQPValue, v: AMQPValue| matches(&table(&[("k", k)]), Some(&table(&[("k", v)])));
+        // The same bytes match whatever the string type.
+        for (a, b) in [
+            (s("abc"), short("abc")),
+            (short("abc"), bytes("abc")),
+            (bytes("abc"), s("abc")),
+        ] {
+            assert!(one(a.clone(), b.clone()), "{a:?} = {b:?}");
+            assert!(one(b.clone(), a.clone()), "{b:?} = {a:?}");
+        }
+        assert!(!one(s("abc"), bytes("abd")));
+        // Integers of every width by value.
+        assert!(one(AMQPValue::ShortShortUInt(7), AMQPValue::LongLongInt(7)));
+        assert!(one(AMQPValue::ShortInt(-3), AMQPValue::LongInt(-3)));
+        assert!(!one(AMQPValue::ShortInt(-3), AMQPValue::LongInt(3)));
+        // Booleans never equal integers, strings never numbers, integers never floats.
+        assert!(!one(AMQPValue::Boolean(true), AMQPValue::ShortShortInt(1)));
+        assert!(!one(AMQPValue::ShortShortInt(1), AMQPValue::Boolean(true)));
+        assert!(!one(s("1"), AMQPValue::LongInt(1)));
+        assert!(!one(AMQPValue::LongInt(1), AMQPValue::Double(1.0)));
+        assert!(one(AMQPValue::Float(1.5), AMQPValue::Double(1.5)));
+        assert!(one(AMQPValue::Boolean(false), AMQPValue::Boolean(false)));
+        // A message's timestamp is in milliseconds by the time RabbitMQ compares it.
+        assert!(one(AMQPValue::LongLongInt(5000), AMQPValue::Timestamp(5)));
+        assert!(!one(AMQPValue::Timestamp(5), AMQPValue::Timestamp(5)));
     }
 }
