@@ -195,6 +195,8 @@ struct Channel {
     deadlines: BTreeSet<(u64, u64)>,
     /// Closed by a consumer timeout (waiting for the client's close-ok).
     timed_out: bool,
+    /// Has published (counted once in the node's publishers).
+    publishing: bool,
     route_buf: Vec<Arc<Queue>>,
 }
 
@@ -238,6 +240,7 @@ impl Channel {
             last_queue: None,
             reply_consumer: None,
             deadlines: BTreeSet::new(),
+            publishing: false,
             timed_out: false,
             route_buf: Vec::new(),
         }
@@ -446,6 +449,9 @@ impl Session {
         }
         if let Some((_, name)) = &chan.reply_consumer {
             self.ctx.vhost.replies.unregister(name);
+        }
+        if chan.publishing {
+            self.ctx.broker.stats().publisher(false);
         }
         if let Mode::Confirm {
             last_seq,
@@ -1647,10 +1653,18 @@ fn handle_basic(
     match m {
         basic::AMQPMethod::Publish(p) => {
             ctx.publishes.set(ctx.publishes.get() + 1);
-            ctx.count(|s| s.published += 1);
             let content = content.ok_or_else(|| {
                 AmqpError::connection(ReplyCode::FrameError, "publish without content")
             })?;
+            let size = content.body.len() as u64;
+            ctx.count(|s| {
+                s.published += 1;
+                s.observe_message_size(size);
+            });
+            if !chan.publishing {
+                chan.publishing = true;
+                ctx.broker.stats().publisher(true);
+            }
             if p.immediate {
                 return Err(AmqpError::channel(
                     ReplyCode::NotImplemented,

@@ -40,9 +40,37 @@ pub struct MessageStats {
     pub nacked: u64,
     /// Confirm-mode publishes whose channel closed before they were confirmed.
     pub confirm_abandoned: u64,
+    /// Published messages by body size: `message_sizes[i]` counts those of at most
+    /// [`MESSAGE_SIZE_BOUNDS`]`[i]` bytes and more than the bound before (not cumulative).
+    pub message_sizes: [u64; MESSAGE_SIZE_BUCKETS],
+    /// Body bytes of all published messages.
+    pub message_bytes: u64,
 }
 
+/// Upper bounds of `rabbitmq_message_size_bytes` in bytes (rabbit_msg_size_metrics; the last
+/// bucket, +Inf, is RabbitMQ's `infinity`, at most the 512 MiB a message can have).
+pub const MESSAGE_SIZE_BOUNDS: [u64; MESSAGE_SIZE_BUCKETS - 1] = [
+    100,
+    1_000,
+    10_000,
+    100_000,
+    1_000_000,
+    10_000_000,
+    50_000_000,
+    100_000_000,
+];
+
+/// Buckets of the message size histogram, +Inf included.
+pub const MESSAGE_SIZE_BUCKETS: usize = 9;
+
 impl MessageStats {
+    /// Count one published message of `size` body bytes in the size histogram.
+    pub fn observe_message_size(&mut self, size: u64) {
+        let i = MESSAGE_SIZE_BOUNDS.partition_point(|&b| b < size);
+        self.message_sizes[i] += 1;
+        self.message_bytes += size;
+    }
+
     /// Confirm-mode publishes not yet acked or nacked (RabbitMQ's `messages_unconfirmed`).
     #[must_use]
     pub fn unconfirmed(&self) -> u64 {
@@ -53,11 +81,12 @@ impl MessageStats {
 
 impl MessageStats {
     /// How many counts there are.
-    pub const FIELDS: usize = 15;
+    pub const FIELDS: usize = 16 + MESSAGE_SIZE_BUCKETS;
 
     /// The counts in field order (what [`GlobalStats`] keeps as atomics).
     #[must_use]
     pub fn to_array(&self) -> [u64; Self::FIELDS] {
+        let s = &self.message_sizes;
         [
             self.published,
             self.delivered,
@@ -74,6 +103,16 @@ impl MessageStats {
             self.received_confirm,
             self.nacked,
             self.confirm_abandoned,
+            self.message_bytes,
+            s[0],
+            s[1],
+            s[2],
+            s[3],
+            s[4],
+            s[5],
+            s[6],
+            s[7],
+            s[8],
         ]
     }
 
@@ -96,6 +135,10 @@ impl MessageStats {
             received_confirm: c[12],
             nacked: c[13],
             confirm_abandoned: c[14],
+            message_bytes: c[15],
+            message_sizes: [
+                c[16], c[17], c[18], c[19], c[20], c[21], c[22], c[23], c[24],
+            ],
         }
     }
 
@@ -114,6 +157,9 @@ pub struct GlobalStats {
     /// Connection, channel and queue lifecycle totals (counted where they happen: rare
     /// compared with messages, so one atomic add each).
     lifecycle: [AtomicU64; Lifecycle::COUNT],
+    /// Channels that have published at least once and are open (RabbitMQ's
+    /// `rabbitmq_global_publishers`): counted at a channel's first publish and when it closes.
+    publishers: AtomicU64,
     /// Publish-to-confirm latency of confirm-mode publishes, in seconds. A publish's time is
     /// the end of the read that brought it, its confirm's the flush that writes basic.ack
     /// (or nack).
@@ -125,6 +171,7 @@ impl Default for GlobalStats {
         Self {
             counts: Default::default(),
             lifecycle: Default::default(),
+            publishers: AtomicU64::new(0),
             confirm_seconds: Histogram::new(LATENCY_BOUNDS),
         }
     }
@@ -174,6 +221,24 @@ impl GlobalStats {
     /// Count one lifecycle event.
     pub fn event(&self, e: Lifecycle) {
         self.lifecycle[e as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A channel published for the first time (`up`) or such a channel closed.
+    pub fn publisher(&self, up: bool) {
+        if up {
+            self.publishers.fetch_add(1, Ordering::Relaxed);
+        } else {
+            // Never below zero, whatever the order of a close and a count.
+            let _ = self
+                .publishers
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        }
+    }
+
+    /// Open channels that have published.
+    #[must_use]
+    pub fn publishers(&self) -> u64 {
+        self.publishers.load(Ordering::Relaxed)
     }
 
     /// How many `e` events happened since start.

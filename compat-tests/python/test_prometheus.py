@@ -12,23 +12,50 @@ import pytest
 from amqp_helpers import counts
 from test_management import eventually, http, series
 
-# Every metric the RabbitMQ-Overview dashboard (rabbitmq-server, deps/rabbitmq_prometheus/
-# docker/grafana/dashboards/RabbitMQ-Overview.json) queries; it joins them on identity_info.
-DASHBOARD_METRICS = """
-rabbitmq_build_info rabbitmq_identity_info rabbitmq_channel_consumers rabbitmq_channel_get_ack_total
-rabbitmq_channel_get_empty_total rabbitmq_channel_get_total rabbitmq_channel_messages_acked_total
-rabbitmq_channel_messages_confirmed_total rabbitmq_channel_messages_delivered_ack_total
-rabbitmq_channel_messages_delivered_total rabbitmq_channel_messages_published_total
-rabbitmq_channel_messages_redelivered_total rabbitmq_channel_messages_unconfirmed
-rabbitmq_channel_messages_unroutable_dropped_total rabbitmq_channel_messages_unroutable_returned_total
-rabbitmq_channels rabbitmq_channels_closed_total rabbitmq_channels_opened_total rabbitmq_connections
-rabbitmq_connections_closed_total rabbitmq_connections_opened_total rabbitmq_disk_space_available_bytes
-rabbitmq_process_max_fds rabbitmq_process_max_tcp_sockets rabbitmq_process_open_fds
-rabbitmq_process_open_tcp_sockets rabbitmq_process_resident_memory_bytes
-rabbitmq_queue_messages_published_total rabbitmq_queue_messages_ready rabbitmq_queue_messages_unacked
-rabbitmq_queues rabbitmq_queues_created_total rabbitmq_queues_declared_total rabbitmq_queues_deleted_total
+# Every metric the official dashboards query (rabbitmq-server deps/rabbitmq_prometheus/
+# docker/grafana/dashboards/), extracted with scripts/dashboard_metrics.py from each
+# dashboard's JSON (label names such as rabbitmq_node are left out). They join on
+# rabbitmq_identity_info.
+# RabbitMQ-Overview.json of v3.10.8 and of v4.2.0:
+OVERVIEW_METRICS = """
+rabbitmq_build_info rabbitmq_channel_consumers rabbitmq_channels rabbitmq_channels_closed_total
+rabbitmq_channels_opened_total rabbitmq_connections rabbitmq_connections_closed_total
+rabbitmq_connections_opened_total rabbitmq_consumers rabbitmq_disk_space_available_bytes
+rabbitmq_erlang_uptime_seconds rabbitmq_global_consumers
+rabbitmq_global_messages_acknowledged_total rabbitmq_global_messages_confirmed_total
+rabbitmq_global_messages_delivered_consume_auto_ack_total
+rabbitmq_global_messages_delivered_consume_manual_ack_total
+rabbitmq_global_messages_delivered_get_auto_ack_total
+rabbitmq_global_messages_delivered_get_manual_ack_total rabbitmq_global_messages_delivered_total
+rabbitmq_global_messages_get_empty_total rabbitmq_global_messages_received_confirm_total
+rabbitmq_global_messages_received_total rabbitmq_global_messages_redelivered_total
+rabbitmq_global_messages_routed_total rabbitmq_global_messages_unroutable_dropped_total
+rabbitmq_global_messages_unroutable_returned_total rabbitmq_global_publishers
+rabbitmq_identity_info rabbitmq_message_size_bytes_bucket rabbitmq_message_size_bytes_count
+rabbitmq_message_size_bytes_sum rabbitmq_process_max_fds rabbitmq_process_max_tcp_sockets
+rabbitmq_process_open_fds rabbitmq_process_open_tcp_sockets
+rabbitmq_process_resident_memory_bytes rabbitmq_queue_messages_ready
+rabbitmq_queue_messages_unacked rabbitmq_queues rabbitmq_queues_created_total
+rabbitmq_queues_declared_total rabbitmq_queues_deleted_total
 rabbitmq_resident_memory_limit_bytes
 """.split()
+# RabbitMQ-Quorum-Queues-Raft.json of v3.13.7 and v4.2.0, plus the 4.x names of the same
+# series (prometheus_rabbitmq_raft_metrics_collector, from ra's counters):
+RAFT_METRICS = """
+rabbitmq_raft_entry_commit_latency_seconds rabbitmq_raft_log_commit_index
+rabbitmq_raft_log_last_written_index rabbitmq_raft_log_snapshot_index rabbitmq_raft_term_total
+rabbitmq_raft_commit_latency_seconds rabbitmq_raft_term rabbitmq_raft_commit_index
+rabbitmq_raft_last_written_index rabbitmq_raft_snapshot_index
+""".split()
+# The older list this suite checked (a 3.x Overview with the per-channel series).
+DASHBOARD_METRICS = sorted(set(OVERVIEW_METRICS) | set("""
+rabbitmq_channel_get_ack_total rabbitmq_channel_get_empty_total rabbitmq_channel_get_total
+rabbitmq_channel_messages_acked_total rabbitmq_channel_messages_confirmed_total
+rabbitmq_channel_messages_delivered_ack_total rabbitmq_channel_messages_delivered_total
+rabbitmq_channel_messages_published_total rabbitmq_channel_messages_redelivered_total
+rabbitmq_channel_messages_unconfirmed rabbitmq_channel_messages_unroutable_dropped_total
+rabbitmq_channel_messages_unroutable_returned_total rabbitmq_queue_messages_published_total
+""".split()))
 
 
 def scrape(prometheus_url, path="/metrics"):
@@ -43,7 +70,11 @@ def total(text, name):
     return sum(series(text, name).values())
 
 
+@pytest.mark.warren_only
 def test_every_dashboard_metric_is_exposed(prometheus_url, ch, names):
+    """Goal: every panel of both generations of the Overview dashboard has data. Warren-only:
+    no one RabbitMQ serves them all (3.x has the tcp_sockets series, 4.1+ the message-size
+    histogram)."""
     # Some series only appear once there is something to count (RabbitMQ omits per-channel and
     # per-queue series of objects that do not exist).
     queue = names.q()
@@ -237,3 +268,79 @@ def test_per_object_labels_are_in_rabbitmq_order(prometheus_url, ch, names):
     prefix = f'rabbitmq_queue_messages_ready{{vhost="/",queue="{queue}"}} '
     assert any(line.startswith(prefix) for line in text.splitlines()), prefix
     assert f'queue="{queue}",vhost="/"' not in text
+
+
+@pytest.mark.warren_only
+def test_quorum_queues_raft_dashboard_has_data(prometheus_url, conn, names):
+    """Goal: every series of the Quorum-Queues-Raft dashboard (3.x and 4.x names) is served,
+    also for a quorum queue on a single node, and the indices move with its traffic
+    (Warren-only: each RabbitMQ serves one generation's names; 4.0.5 has the 3.x ones).
+    Method:
+    declare a quorum queue, scrape, publish, scrape again."""
+    ch = conn.channel()
+    queue = names.q()
+    ch.queue_declare(queue, durable=True, arguments={"x-queue-type": "quorum"})
+    mine = frozenset({("vhost", "/"), ("queue", queue)})
+    before = scrape(prometheus_url, "/metrics/per-object")
+    missing = [m for m in RAFT_METRICS if mine not in series(before, m)]
+    assert not missing, missing
+    ch.confirm_delivery()
+    for _ in range(3):
+        ch.basic_publish("", queue, b"x", pika.BasicProperties(delivery_mode=2))
+    after = eventually(lambda: scrape(prometheus_url, "/metrics/per-object"),
+                       lambda t: series(t, "rabbitmq_raft_commit_index")[mine]
+                       >= series(before, "rabbitmq_raft_commit_index")[mine] + 3)
+    for m in ("rabbitmq_raft_commit_index", "rabbitmq_raft_log_commit_index",
+              "rabbitmq_raft_last_written_index"):
+        assert series(after, m)[mine] >= series(before, m)[mine] + 3, m
+    assert series(after, "rabbitmq_raft_term")[mine] >= 1
+    aggregated = scrape(prometheus_url)
+    assert all(series(aggregated, m) for m in RAFT_METRICS)
+
+
+@pytest.mark.warren_only
+def test_publishers_consumers_and_message_sizes(prometheus_url, connect, names):
+    """Goal: the Overview dashboard's publisher, consumer and message-size panels count what
+    happens (rabbit_global_counters, rabbit_msg_size_metrics; the histogram is RabbitMQ 4.1+,
+    so 4.0.5 cannot run this). Method: open a publishing
+    channel and a consumer, publish a 50-byte and a 5000-byte body, compare with a scrape
+    taken before; closing the publisher's connection takes it off the gauge."""
+    def gauge(t, name):
+        return series(t, name).get(frozenset({("protocol", "amqp091")}), 0)
+
+    def bucket(t, le):
+        return series(t, "rabbitmq_message_size_bytes_bucket").get(
+            frozenset({("protocol", "amqp091"), ("le", le)}), 0)
+
+    queue = names.q()
+    before = scrape(prometheus_url)
+    pub = connect()
+    ch = pub.channel()
+    ch.queue_declare(queue)
+    ch.confirm_delivery()
+    ch.basic_publish("", queue, b"a" * 50)
+    ch.basic_publish("", queue, b"b" * 5000)
+    sub = connect()
+    sub.channel().basic_consume(queue, lambda *a: None)
+    t = eventually(lambda: scrape(prometheus_url),
+                   lambda t: gauge(t, "rabbitmq_global_publishers")
+                   >= gauge(before, "rabbitmq_global_publishers") + 1
+                   and gauge(t, "rabbitmq_global_consumers")
+                   >= gauge(before, "rabbitmq_global_consumers") + 1)
+    assert gauge(t, "rabbitmq_global_publishers") >= gauge(before, "rabbitmq_global_publishers") + 1
+    assert gauge(t, "rabbitmq_global_consumers") >= gauge(before, "rabbitmq_global_consumers") + 1
+    assert bucket(t, "100") >= bucket(before, "100") + 1
+    assert bucket(t, "10000") >= bucket(before, "10000") + 2
+    assert bucket(t, "+Inf") >= bucket(before, "+Inf") + 2
+    count = lambda x: series(x, "rabbitmq_message_size_bytes_count").get(
+        frozenset({("protocol", "amqp091")}), 0)
+    total_bytes = lambda x: series(x, "rabbitmq_message_size_bytes_sum").get(
+        frozenset({("protocol", "amqp091")}), 0)
+    assert count(t) >= count(before) + 2
+    assert total_bytes(t) >= total_bytes(before) + 5050
+    publishers = gauge(t, "rabbitmq_global_publishers")
+    pub.close()
+    sub.close()
+    t = eventually(lambda: scrape(prometheus_url),
+                   lambda t: gauge(t, "rabbitmq_global_publishers") <= publishers - 1)
+    assert gauge(t, "rabbitmq_global_publishers") <= publishers - 1

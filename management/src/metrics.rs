@@ -212,6 +212,23 @@ fn node(state: &AppState, s: &mut Scrape, queues: &[QueueRow]) {
     ] {
         s.set(name, help, f64::from(u8::from(on)));
     }
+    // rabbit_global_counters' gauges, labelled by protocol as RabbitMQ labels them.
+    for (name, help, v) in [
+        (
+            "rabbitmq_global_publishers",
+            "Current number of publishers",
+            b.stats().publishers(),
+        ),
+        (
+            "rabbitmq_global_consumers",
+            "Current number of consumers",
+            consumers,
+        ),
+    ] {
+        if let Some(g) = s.gauge(name, help, &[PROTOCOL.0]) {
+            g.with_label_values(&[PROTOCOL.1]).set(v as f64);
+        }
+    }
     message_counters(state, s);
     lifecycle(state, s);
     histograms(state, s);
@@ -469,7 +486,38 @@ fn lifecycle(state: &AppState, s: &Scrape) {
     }
 }
 
+/// `rabbitmq_message_size_bytes{protocol="amqp091"}` (rabbit_msg_size_metrics): the body
+/// sizes of published messages.
+fn message_sizes(state: &AppState, s: &mut Scrape) {
+    let t = state.broker.stats().snapshot();
+    let name = "rabbitmq_message_size_bytes";
+    let out = &mut s.histograms;
+    let _ = writeln!(
+        out,
+        "# HELP {name} Size of messages received from publishers\n# TYPE {name} histogram"
+    );
+    let mut cumulative = 0;
+    for (i, n) in t.message_sizes.iter().enumerate() {
+        cumulative += n;
+        let le = warren_broker::stats::MESSAGE_SIZE_BOUNDS
+            .get(i)
+            .map_or_else(|| "+Inf".to_string(), u64::to_string);
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{protocol=\"{}\",le=\"{le}\"}} {cumulative}",
+            PROTOCOL.1
+        );
+    }
+    let _ = writeln!(
+        out,
+        "{name}_sum{{protocol=\"{p}\"}} {}\n{name}_count{{protocol=\"{p}\"}} {cumulative}",
+        t.message_bytes,
+        p = PROTOCOL.1
+    );
+}
+
 fn histograms(state: &AppState, s: &mut Scrape) {
+    message_sizes(state, s);
     let confirm = state.broker.stats().confirm_seconds.snapshot();
     s.histogram(
         "warren_publish_confirm_seconds",
@@ -621,7 +669,7 @@ fn oldest_ready_seconds(s: &QueueStats) -> f64 {
 
 /// Per-queue series: labelled (`vhost`, `queue`) when `per_object`, else summed into one
 /// series each (the oldest age takes the maximum instead: a sum of ages means nothing).
-fn queues(s: &Scrape, rows: &[QueueRow], per_object: bool) {
+fn queues(state: &AppState, s: &Scrape, rows: &[QueueRow], per_object: bool) {
     let labels: &[&str] = if per_object { &["vhost", "queue"] } else { &[] };
     for (name, help, _, counter, value) in QUEUE_SERIES {
         let name = format!("rabbitmq_{name}");
@@ -669,7 +717,7 @@ fn queues(s: &Scrape, rows: &[QueueRow], per_object: bool) {
         }
     }
     s.set("rabbitmq_queues", "Queues available", rows.len() as f64);
-    raft(s, rows, labels, per_object);
+    raft(state, s, rows, labels, per_object);
     streams(s, rows);
 }
 
@@ -762,44 +810,129 @@ fn streams(s: &Scrape, rows: &[QueueRow]) {
     }
 }
 
-/// rabbitmq_prometheus' Raft series of quorum queues (this node's replica of each).
-type RaftSeries = (
-    &'static str,
-    &'static str,
-    bool,
-    fn(&warren_broker::replication::ReplicaState) -> f64,
-);
+/// rabbitmq_prometheus' Raft series of quorum queues (this node's replica of each), under
+/// RabbitMQ 3.x's names (`rabbitmq_raft_log_*_index`, `rabbitmq_raft_term_total`,
+/// `rabbitmq_raft_entry_commit_latency_seconds`) and 4.x's (`rabbitmq_raft_*_index`,
+/// `rabbitmq_raft_term`, `rabbitmq_raft_commit_latency_seconds`), so both generations of the
+/// Quorum-Queues-Raft dashboard have data. (name, help, counter, value)
+type RaftSeries = (&'static str, &'static str, bool, fn(&RaftView) -> f64);
+
+/// What the Raft series report of one quorum queue on this node.
+struct RaftView {
+    term: u64,
+    /// The last index applied here (Warren's replicas apply what commits, so this is also
+    /// the commit index they report).
+    applied: u64,
+    last_written: u64,
+    snapshot: u64,
+    /// The node's mean publish-to-confirm time in seconds (quorum queues confirm once the
+    /// entry committed): Warren keeps no commit latency per queue.
+    commit_latency_s: f64,
+}
 
 const RAFT_SERIES: &[RaftSeries] = &[
     ("raft_term_total", "Current Raft term number", true, |r| {
+        r.term as f64
+    }),
+    ("raft_term", "Current Raft term number", false, |r| {
         r.term as f64
     }),
     (
         "raft_log_last_applied_index",
         "Raft log last applied index",
         false,
-        |r| r.applied_index as f64,
+        |r| r.applied as f64,
     ),
+    ("raft_last_applied", "Last applied index", false, |r| {
+        r.applied as f64
+    }),
+    (
+        "raft_log_commit_index",
+        "Raft log commit index",
+        false,
+        |r| r.applied as f64,
+    ),
+    ("raft_commit_index", "Commit index", false, |r| {
+        r.applied as f64
+    }),
     (
         "raft_log_last_written_index",
         "Raft log last written index",
         false,
-        |r| r.last_written_index as f64,
+        |r| r.last_written as f64,
+    ),
+    (
+        "raft_last_written_index",
+        "Last written index",
+        false,
+        |r| r.last_written as f64,
     ),
     (
         "raft_log_snapshot_index",
         "Raft log snapshot index",
         false,
-        |r| r.snapshot_index as f64,
+        |r| r.snapshot as f64,
+    ),
+    ("raft_snapshot_index", "Snapshot index", false, |r| {
+        r.snapshot as f64
+    }),
+    (
+        "raft_entry_commit_latency_seconds",
+        "Time taken for an entry to be committed",
+        false,
+        |r| r.commit_latency_s,
+    ),
+    (
+        "raft_commit_latency_seconds",
+        "Time taken for an entry to be committed",
+        false,
+        |r| r.commit_latency_s,
     ),
 ];
 
 /// Per quorum queue when `per_object` (labelled `vhost`, `queue`), else summed, as
-/// rabbitmq_prometheus aggregates them.
-fn raft(s: &Scrape, rows: &[QueueRow], labels: &[&str], per_object: bool) {
-    let states: Vec<(&QueueRow, warren_broker::replication::ReplicaState)> = rows
+/// rabbitmq_prometheus aggregates them. A single node's quorum queue has no Raft log: it
+/// reports term 1, the state changes its machine applied (enqueues and removals) as its
+/// indices, and no snapshot.
+fn raft(state: &AppState, s: &Scrape, rows: &[QueueRow], labels: &[&str], per_object: bool) {
+    let confirm = state.broker.stats().confirm_seconds.snapshot();
+    let commit_latency_s = if confirm.count == 0 {
+        0.0
+    } else {
+        confirm.sum / confirm.count as f64
+    };
+    let states: Vec<(&QueueRow, RaftView)> = rows
         .iter()
-        .filter_map(|r| r.queue.replica().map(|x| (r, x.replica_state(false))))
+        .filter_map(|r| {
+            if let Some(x) = r.queue.replica() {
+                let st = x.replica_state(false);
+                return Some((
+                    r,
+                    RaftView {
+                        term: st.term,
+                        applied: st.applied_index,
+                        last_written: st.last_written_index,
+                        snapshot: st.snapshot_index,
+                        commit_latency_s,
+                    },
+                ));
+            }
+            if !r.queue.is_quorum {
+                return None;
+            }
+            let c = &r.stats.counters;
+            let applied = c.enqueued + c.settled + c.discarded + c.purged + c.dropped + c.expired;
+            Some((
+                r,
+                RaftView {
+                    term: 1,
+                    applied,
+                    last_written: applied,
+                    snapshot: 0,
+                    commit_latency_s,
+                },
+            ))
+        })
         .collect();
     if states.is_empty() {
         return;
@@ -828,6 +961,10 @@ fn raft(s: &Scrape, rows: &[QueueRow], labels: &[&str], per_object: bool) {
                     g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
                         .set(value(st));
                 }
+            } else if name.ends_with("latency_seconds") {
+                // Aggregated, a latency is the worst queue's (rabbitmq_prometheus' max_).
+                g.with_label_values::<&str>(&[])
+                    .set(states.iter().map(|(_, st)| value(st)).fold(0.0, f64::max));
             } else {
                 g.with_label_values::<&str>(&[])
                     .set(states.iter().map(|(_, st)| value(st)).sum());
@@ -840,7 +977,7 @@ async fn aggregated(State(state): State<AppState>) -> Response {
     let mut s = Scrape::new();
     let rows = queue_rows(&state, None);
     node(&state, &mut s, &rows);
-    queues(&s, &rows, false);
+    queues(&state, &s, &rows, false);
     s.render()
 }
 
@@ -848,7 +985,7 @@ async fn per_object(State(state): State<AppState>) -> Response {
     let mut s = Scrape::new();
     let rows = queue_rows(&state, None);
     node(&state, &mut s, &rows);
-    queues(&s, &rows, true);
+    queues(&state, &s, &rows, true);
     s.render()
 }
 
