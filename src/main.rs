@@ -117,8 +117,12 @@ fn init_logging(level: &str, format: config::LogFormat) -> Result<(), String> {
                 .map_err(|e| format!("openraft filter: {e}"))?,
         );
     }
+    // Colour only on a terminal: a file, a pipe or journald gets plain text (NO_COLOR too).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(ansi)
         .with_writer(std::io::stderr);
     match format {
         config::LogFormat::Text => builder.init(),

@@ -57,3 +57,46 @@ def test_an_invalid_log_filter_is_refused():
                        capture_output=True, text=True, timeout=30)
     assert p.returncode == 2
     assert "invalid --log-level" in p.stderr
+
+
+def test_text_logs_are_plain_unless_written_to_a_terminal(tmp_path):
+    """Goal: log files and pipes get no ANSI colour codes; a terminal still gets colour.
+    Method: run text logs into a file and read it; run the same broker with stderr on a
+    pseudo-terminal and read what reaches the terminal."""
+    with warren_process("--log-level", "info") as w:
+        conn = pika.BlockingConnection(pika.ConnectionParameters(host="127.0.0.1", port=w["port"]))
+        conn.close()
+        text = w["log"].read_text()
+    assert "AMQP 0-9-1 listener started" in text and "INFO" in text
+    assert "\x1b[" not in text, text[:500]
+
+    import pty
+    import select
+    import signal
+    import subprocess
+    import time
+    from conftest import free_port, warren_binary
+    leader, follower = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    p = subprocess.Popen(
+        [warren_binary(), "server", "--amqp-listen", f"127.0.0.1:{free_port()}",
+         "--management-listen", "off", "--prometheus-listen", "off",
+         "--data-dir", str(tmp_path / "data"), "--log-level", "info"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=follower, env=env)
+    os.close(follower)
+    seen = b""
+    try:
+        deadline = time.monotonic() + 20
+        while b"listener started" not in seen and time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], max(0.0, deadline - time.monotonic()))
+            if ready:
+                try:
+                    seen += os.read(leader, 4096)
+                except OSError:
+                    break
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=15)
+        os.close(leader)
+    assert b"listener started" in seen, seen
+    assert b"\x1b[" in seen, seen[:300]
