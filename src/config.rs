@@ -14,7 +14,9 @@ pub struct ServerArgs {
     /// tls_fail_if_no_peer_cert, ssl_cert_login_from, vm_memory_high_watermark,
     /// vm_memory_high_watermark_absolute, disk_free_limit, disk_free_limit_mem_relative,
     /// connection_max, consumer_max_per_channel, management_listen, prometheus_listen,
-    /// log_format, product_name, product_version.
+    /// log_format, product_name, product_version, default_user, default_pass, loopback_users;
+    /// or RabbitMQ's rabbitmq.conf (a `.conf` file, or one with dotted keys), of which the
+    /// keys Warren has are taken and the others reported at start.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Address for AMQP 0-9-1 clients [default: 0.0.0.0:5672].
@@ -100,40 +102,43 @@ pub struct ServerArgs {
 /// The file format; every key optional.
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct FileConfig {
-    amqp_listen: Option<SocketAddr>,
-    amqps_listen: Option<SocketAddr>,
-    tls_cert: Option<PathBuf>,
-    tls_key: Option<PathBuf>,
-    tls_ca: Option<PathBuf>,
-    tls_fail_if_no_peer_cert: Option<bool>,
-    ssl_cert_login_from: Option<crate::tls::CertLogin>,
-    vm_memory_high_watermark: Option<f64>,
-    vm_memory_high_watermark_absolute: Option<String>,
-    disk_free_limit: Option<String>,
-    disk_free_limit_mem_relative: Option<f64>,
-    connection_max: Option<u64>,
-    consumer_max_per_channel: Option<u64>,
-    management_listen: Option<String>,
-    prometheus_listen: Option<String>,
-    log_format: Option<LogFormat>,
-    data_dir: Option<PathBuf>,
-    log_level: Option<String>,
-    heartbeat_s: Option<u16>,
-    frame_max: Option<u32>,
-    channel_max: Option<u16>,
-    message_size_max: Option<u64>,
-    store_segment_bytes: Option<u64>,
-    node_name: Option<String>,
-    cluster_listen: Option<SocketAddr>,
-    peers: Option<String>,
-    cluster_secret: Option<String>,
-    cluster_tls_cert: Option<PathBuf>,
-    cluster_tls_key: Option<PathBuf>,
-    cluster_tls_ca: Option<PathBuf>,
-    join: Option<bool>,
-    product_name: Option<String>,
-    product_version: Option<String>,
+pub(crate) struct FileConfig {
+    pub(crate) amqp_listen: Option<SocketAddr>,
+    pub(crate) amqps_listen: Option<SocketAddr>,
+    pub(crate) tls_cert: Option<PathBuf>,
+    pub(crate) tls_key: Option<PathBuf>,
+    pub(crate) tls_ca: Option<PathBuf>,
+    pub(crate) tls_fail_if_no_peer_cert: Option<bool>,
+    pub(crate) ssl_cert_login_from: Option<crate::tls::CertLogin>,
+    pub(crate) vm_memory_high_watermark: Option<f64>,
+    pub(crate) vm_memory_high_watermark_absolute: Option<String>,
+    pub(crate) disk_free_limit: Option<String>,
+    pub(crate) disk_free_limit_mem_relative: Option<f64>,
+    pub(crate) connection_max: Option<u64>,
+    pub(crate) consumer_max_per_channel: Option<u64>,
+    pub(crate) management_listen: Option<String>,
+    pub(crate) prometheus_listen: Option<String>,
+    pub(crate) log_format: Option<LogFormat>,
+    pub(crate) data_dir: Option<PathBuf>,
+    pub(crate) log_level: Option<String>,
+    pub(crate) heartbeat_s: Option<u16>,
+    pub(crate) frame_max: Option<u32>,
+    pub(crate) channel_max: Option<u16>,
+    pub(crate) message_size_max: Option<u64>,
+    pub(crate) store_segment_bytes: Option<u64>,
+    pub(crate) node_name: Option<String>,
+    pub(crate) cluster_listen: Option<SocketAddr>,
+    pub(crate) peers: Option<String>,
+    pub(crate) cluster_secret: Option<String>,
+    pub(crate) cluster_tls_cert: Option<PathBuf>,
+    pub(crate) cluster_tls_key: Option<PathBuf>,
+    pub(crate) cluster_tls_ca: Option<PathBuf>,
+    pub(crate) join: Option<bool>,
+    pub(crate) product_name: Option<String>,
+    pub(crate) product_version: Option<String>,
+    pub(crate) default_user: Option<String>,
+    pub(crate) default_pass: Option<String>,
+    pub(crate) loopback_users: Option<Vec<String>>,
 }
 
 /// Effective configuration.
@@ -167,6 +172,12 @@ pub struct ServerConfig {
     /// The product and version advertised to clients (connection.start, `/api/overview`):
     /// RabbitMQ's by default, as RabbitMQ's `product.name` / `product.version` settings.
     pub identity: warren_amqp::connection::ServerIdentity,
+    /// The user a fresh node creates (name, password).
+    pub default_user: (String, String),
+    /// Users that may log in from loopback addresses only.
+    pub loopback_users: Vec<String>,
+    /// Keys of a `rabbitmq.conf` given as `--config` that Warren has no setting for.
+    pub ignored_keys: Vec<String>,
 }
 
 /// `--node-name`, `--cluster-listen`, `--peers`, `--cluster-secret`.
@@ -227,11 +238,19 @@ const MESSAGE_SIZE_MAX_CAP: u64 = 512 * 1024 * 1024;
 impl ServerConfig {
     /// Merge defaults, the file and the flags; refuse values outside the protocol's bounds.
     pub fn load(args: ServerArgs) -> anyhow::Result<Self> {
+        let mut ignored_keys = Vec::new();
         let file: FileConfig = match &args.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading {}", path.display()))?;
-                toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+                if crate::rabbitmq_conf::looks_like(path, &text) {
+                    let parsed = crate::rabbitmq_conf::parse(&text)
+                        .with_context(|| format!("parsing {}", path.display()))?;
+                    ignored_keys = parsed.ignored;
+                    parsed.file
+                } else {
+                    toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+                }
             }
             None => FileConfig::default(),
         };
@@ -365,8 +384,26 @@ impl ServerConfig {
         if let Some(v) = file.product_version.filter(|v| !v.is_empty()) {
             identity.version = v;
         }
+        let default_user = (
+            file.default_user
+                .clone()
+                .unwrap_or_else(|| warren_broker::limits::DEFAULT_USER.to_string()),
+            file.default_pass
+                .clone()
+                .unwrap_or_else(|| warren_broker::limits::DEFAULT_PASS.to_string()),
+        );
+        anyhow::ensure!(!default_user.0.is_empty(), "default_user must not be empty");
+        let loopback_users = file.loopback_users.clone().unwrap_or_else(|| {
+            warren_broker::limits::LOOPBACK_USERS
+                .iter()
+                .map(|u| (*u).to_string())
+                .collect()
+        });
         Ok(Self {
             identity,
+            default_user,
+            loopback_users,
+            ignored_keys,
             cluster,
             standalone,
             log_format: args.log_format.or(file.log_format).unwrap_or_default(),

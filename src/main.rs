@@ -5,6 +5,7 @@ mod config;
 mod ctl_api;
 mod ctl_cluster;
 mod join;
+mod rabbitmq_conf;
 mod resources;
 mod server;
 mod tls;

@@ -40,6 +40,9 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Run the broker until SIGINT or SIGTERM.
 pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
+    for key in &cfg.ignored_keys {
+        tracing::warn!(key, "rabbitmq.conf: Warren has no such setting; ignored");
+    }
     std::fs::create_dir_all(&cfg.data_dir)
         .with_context(|| format!("creating data dir {}", cfg.data_dir.display()))?;
     let started = std::time::Instant::now();
@@ -64,6 +67,8 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
         BrokerConfig {
             connection_max: cfg.connection_max,
             consumer_max_per_channel: cfg.consumer_max_per_channel,
+            default_user: cfg.default_user.clone(),
+            loopback_users: cfg.loopback_users.clone(),
             ..BrokerConfig::default()
         },
         Some(Arc::clone(&durable)),

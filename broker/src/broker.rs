@@ -30,6 +30,12 @@ pub struct BrokerConfig {
     /// Consumers one channel may hold (RabbitMQ's `consumer_max_per_channel`; None is
     /// infinity). A basic.consume over it closes the connection with 530.
     pub consumer_max_per_channel: Option<u64>,
+    /// The user a fresh node creates, with the administrator tag and full permissions on
+    /// "/" (RabbitMQ's `default_user` / `default_pass`; guest/guest by default). Used only
+    /// when the store holds no users yet.
+    pub default_user: (String, String),
+    /// Users that may log in only from a loopback address (RabbitMQ's `loopback_users`).
+    pub loopback_users: Vec<String>,
 }
 
 impl Default for BrokerConfig {
@@ -40,6 +46,14 @@ impl Default for BrokerConfig {
             consumer_timeout_ms: Some(crate::limits::CONSUMER_TIMEOUT_DEFAULT_MS),
             connection_max: None,
             consumer_max_per_channel: None,
+            default_user: (
+                crate::limits::DEFAULT_USER.to_string(),
+                crate::limits::DEFAULT_PASS.to_string(),
+            ),
+            loopback_users: crate::limits::LOOPBACK_USERS
+                .iter()
+                .map(|u| (*u).to_string())
+                .collect(),
         }
     }
 }
@@ -133,14 +147,13 @@ impl Broker {
                 Arc::clone(&b.stats),
             ),
         );
+        let (user, pass) = &b.config.default_user;
         b.users.write().put(crate::users::UserRecord::new(
-            crate::limits::DEFAULT_USER,
-            crate::limits::DEFAULT_PASS,
+            user,
+            pass,
             vec!["administrator".into()],
         ));
-        b.users
-            .write()
-            .set_permission(full_permission(crate::limits::DEFAULT_USER, "/"));
+        b.users.write().set_permission(full_permission(user, "/"));
         Arc::new(b)
     }
 
@@ -875,6 +888,12 @@ impl Broker {
         self.users.read().list()
     }
 
+    /// Whether `user` may log in from loopback addresses only (`loopback_users`).
+    #[must_use]
+    pub fn is_loopback_user(&self, user: &str) -> bool {
+        self.config.loopback_users.iter().any(|u| u == user)
+    }
+
     /// Whether an internal user of that name exists.
     #[must_use]
     pub fn user_exists(&self, name: &str) -> bool {
@@ -975,10 +994,8 @@ impl Broker {
         if users.is_empty() {
             let (user, perm) = {
                 let u = self.users.read();
-                (
-                    u.get(crate::limits::DEFAULT_USER).cloned(),
-                    u.permission("/", crate::limits::DEFAULT_USER).cloned(),
-                )
+                let name = &self.config.default_user.0;
+                (u.get(name).cloned(), u.permission("/", name).cloned())
             };
             let mut ops = vec![Op::Put {
                 table: MetaTable::Users,
@@ -1027,7 +1044,7 @@ impl Gatekeeper for Broker {
         let users = self.users.read();
         let u = users.get(user).ok_or(AccessError::LoginRefused)?;
         // RabbitMQ's default loopback_users: guest may log in from localhost only.
-        let loopback_only = crate::limits::LOOPBACK_USERS.contains(&user);
+        let loopback_only = self.is_loopback_user(user);
         if !u.verify(password) || (loopback_only && !peer_is_loopback) {
             return Err(AccessError::LoginRefused);
         }
@@ -1040,7 +1057,7 @@ impl Gatekeeper for Broker {
         let users = self.users.read();
         let u = users.get(user).ok_or(AccessError::LoginRefused)?;
         // rabbit_reader checks loopback_users after every mechanism, EXTERNAL included.
-        if crate::limits::LOOPBACK_USERS.contains(&user) && !peer_is_loopback {
+        if self.is_loopback_user(user) && !peer_is_loopback {
             return Err(AccessError::LoginRefused);
         }
         Ok(Login {

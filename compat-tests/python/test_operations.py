@@ -100,3 +100,46 @@ def test_text_logs_are_plain_unless_written_to_a_terminal(tmp_path):
         os.close(leader)
     assert b"listener started" in seen, seen
     assert b"\x1b[" in seen, seen[:300]
+
+
+def test_a_rabbitmq_conf_is_read_and_unknown_keys_are_reported(tmp_path):
+    """Goal: an operator can start Warren from an existing rabbitmq.conf (sysctl-style): the
+    keys Warren has take effect, the others are named in a warning. Method: a file with a
+    default user, a heartbeat, a message size limit and two keys Warren lacks; the fresh node
+    has that user (and no guest), offers that heartbeat, and its log names the two keys."""
+    from pika.exceptions import ProbableAuthenticationError
+    conf = tmp_path / "rabbitmq.conf"
+    conf.write_text(
+        "# from an existing RabbitMQ node\n"
+        "default_user = ops\n"
+        "default_pass = \"hunter2\"\n"
+        "heartbeat = 17\n"
+        "max_message_size = 1048576\n"
+        "collect_statistics_interval = 10000\n"
+        "cluster_formation.peer_discovery_backend = classic_config\n")
+    with warren_process("--config", str(conf)) as w:
+        params = pika.ConnectionParameters(
+            host="127.0.0.1", port=w["port"], connection_attempts=1,
+            credentials=pika.PlainCredentials("ops", "hunter2"))
+        conn = pika.BlockingConnection(params)
+        try:
+            assert conn._impl.params.heartbeat == 17  # the server's offer, taken by pika
+            ch = conn.channel()
+            q = ch.queue_declare("", exclusive=True).method.queue
+            ch.basic_publish("", q, b"x" * 1024)
+            assert ch.basic_get(q, auto_ack=True)[2] == b"x" * 1024
+            # max_message_size took effect: a body over it closes the channel with 406.
+            from pika.exceptions import ChannelClosedByBroker
+            with pytest.raises(ChannelClosedByBroker) as e:
+                ch.basic_publish("", q, b"y" * (1048576 + 1))
+                ch.queue_declare("", exclusive=True)
+            assert e.value.reply_code == 406
+        finally:
+            conn.close()
+        with pytest.raises(ProbableAuthenticationError):
+            pika.BlockingConnection(pika.ConnectionParameters(
+                host="127.0.0.1", port=w["port"], connection_attempts=1))
+        log = w["log"].read_text()
+    for key in ("collect_statistics_interval", "cluster_formation.peer_discovery_backend"):
+        assert key in log, log
+    assert "default_user" not in log and "heartbeat" not in log

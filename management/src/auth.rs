@@ -136,7 +136,7 @@ impl FromRequestParts<AppState> for Caller {
             .extensions
             .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
             .is_some_and(|c| c.0.ip().is_loopback());
-        if warren_broker::limits::LOOPBACK_USERS.contains(&name.as_str()) && !loopback {
+        if state.broker.is_loopback_user(&name) && !loopback {
             return Err(ApiError::unauthorised("User can only log in via localhost"));
         }
         let tags = state

@@ -77,7 +77,7 @@ fn number(v: f64) -> String {
 
 /// Backslash and newline escaped (and the double quote in label values).
 fn escape(v: &str, quote: bool) -> std::borrow::Cow<'_, str> {
-    if !v.contains(['\\', '\n']) && !(quote && v.contains('"')) {
+    if !(v.contains(['\\', '\n']) || quote && v.contains('"')) {
         return v.into();
     }
     let mut s = String::with_capacity(v.len() + 8);
