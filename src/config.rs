@@ -14,7 +14,8 @@ pub struct ServerArgs {
     /// tls_fail_if_no_peer_cert, ssl_cert_login_from, vm_memory_high_watermark,
     /// vm_memory_high_watermark_absolute, disk_free_limit, disk_free_limit_mem_relative,
     /// connection_max, consumer_max_per_channel, management_listen, prometheus_listen,
-    /// log_format, product_name, product_version, default_user, default_pass, loopback_users;
+    /// log_format, product_name, product_version, default_user, default_pass, loopback_users,
+    /// auth_mechanisms;
     /// or RabbitMQ's rabbitmq.conf (a `.conf` file, or one with dotted keys), of which the
     /// keys Warren has are taken and the others reported at start.
     #[arg(long)]
@@ -39,6 +40,11 @@ pub struct ServerArgs {
     /// Refuse TLS clients that present no certificate (needs --tls-ca).
     #[arg(long)]
     pub tls_fail_if_no_peer_cert: bool,
+    /// SASL mechanisms offered, in order, comma-separated (RabbitMQ's auth_mechanisms)
+    /// [default: PLAIN,AMQPLAIN]. EXTERNAL (TLS client certificates) must be listed to be
+    /// offered, as with RabbitMQ's rabbitmq_auth_mechanism_ssl.
+    #[arg(long, value_delimiter = ',')]
+    pub auth_mechanisms: Option<Vec<String>>,
     /// Where SASL EXTERNAL reads the user name from [default: distinguished-name].
     #[arg(long, value_enum)]
     pub ssl_cert_login_from: Option<crate::tls::CertLogin>,
@@ -139,6 +145,7 @@ pub(crate) struct FileConfig {
     pub(crate) default_user: Option<String>,
     pub(crate) default_pass: Option<String>,
     pub(crate) loopback_users: Option<Vec<String>>,
+    pub(crate) auth_mechanisms: Option<Vec<String>>,
 }
 
 /// Effective configuration.
@@ -172,6 +179,8 @@ pub struct ServerConfig {
     /// The product and version advertised to clients (connection.start, `/api/overview`):
     /// RabbitMQ's by default, as RabbitMQ's `product.name` / `product.version` settings.
     pub identity: warren_amqp::connection::ServerIdentity,
+    /// SASL mechanisms offered, in order.
+    pub mechanisms: Vec<warren_amqp::connection::Mechanism>,
     /// The user a fresh node creates (name, password).
     pub default_user: (String, String),
     /// Users that may log in from loopback addresses only.
@@ -399,8 +408,26 @@ impl ServerConfig {
                 .map(|u| (*u).to_string())
                 .collect()
         });
+        let mechanisms = args
+            .auth_mechanisms
+            .clone()
+            .or_else(|| file.auth_mechanisms.clone())
+            .map(|names| {
+                names
+                    .iter()
+                    .map(|n| {
+                        warren_amqp::connection::Mechanism::from_name(n.trim()).with_context(
+                            || format!("auth_mechanisms: unknown mechanism {n:?} (PLAIN, AMQPLAIN, EXTERNAL)"),
+                        )
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()
+            })
+            .transpose()?
+            .unwrap_or_else(|| warren_amqp::connection::Mechanism::DEFAULT.to_vec());
+        anyhow::ensure!(!mechanisms.is_empty(), "auth_mechanisms must not be empty");
         Ok(Self {
             identity,
+            mechanisms,
             default_user,
             loopback_users,
             ignored_keys,
@@ -520,6 +547,7 @@ mod tests {
             tls_ca: None,
             tls_fail_if_no_peer_cert: false,
             ssl_cert_login_from: None,
+            auth_mechanisms: None,
             vm_memory_high_watermark: None,
             vm_memory_high_watermark_absolute: None,
             disk_free_limit: None,

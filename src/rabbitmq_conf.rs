@@ -129,6 +129,11 @@ pub fn parse(text: &str) -> anyhow::Result<Parsed> {
                     f.log_level = Some(log_level(value).with_context(at)?);
                 }
             }
+            k if k.starts_with("auth_mechanisms.") => {
+                f.auth_mechanisms
+                    .get_or_insert_with(Vec::new)
+                    .push(value.to_string());
+            }
             "product.name" => f.product_name = Some(value.into()),
             "product.version" => f.product_version = Some(value.into()),
             _ => p.ignored.push(key.to_string()),
@@ -246,6 +251,8 @@ mod tests {
              ssl_options.verify = verify_peer\n\
              ssl_options.fail_if_no_peer_cert = true\n\
              log.console.level = warning\n\
+             auth_mechanisms.1 = PLAIN\n\
+             auth_mechanisms.2 = EXTERNAL\n\
              cluster_formation.peer_discovery_backend = classic_config\n\
              collect_statistics_interval = 10000\n",
         )
@@ -277,6 +284,10 @@ mod tests {
         );
         assert_eq!(f.tls_fail_if_no_peer_cert, Some(true));
         assert_eq!(f.log_level.as_deref(), Some("warn"));
+        assert_eq!(
+            f.auth_mechanisms.as_deref(),
+            Some(&["PLAIN".to_string(), "EXTERNAL".to_string()][..])
+        );
         assert_eq!(
             p.ignored,
             [

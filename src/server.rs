@@ -211,6 +211,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
     let conn_config = ConnectionConfig {
         limits: cfg.limits,
         server_properties: warren_amqp::connection::server_properties(&cfg.identity, "warren"),
+        mechanisms: cfg.mechanisms.clone(),
         ..ConnectionConfig::default()
     };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);

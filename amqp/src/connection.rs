@@ -87,6 +87,44 @@ pub struct ConnectionConfig {
     pub server_properties: FieldTable,
     /// Handshake deadline.
     pub handshake_timeout: Duration,
+    /// SASL mechanisms offered, in order (RabbitMQ's `auth_mechanisms`, `PLAIN AMQPLAIN` by
+    /// default). `EXTERNAL` is offered only where a verified client certificate gives an
+    /// identity; a mechanism not listed is refused as an unknown one.
+    pub mechanisms: Vec<Mechanism>,
+}
+
+/// A SASL mechanism Warren implements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mechanism {
+    /// `PLAIN` (RFC 4616).
+    Plain,
+    /// `AMQPLAIN` (a field table with LOGIN and PASSWORD).
+    Amqplain,
+    /// `EXTERNAL`: the identity of the verified TLS client certificate.
+    External,
+}
+
+impl Mechanism {
+    /// Its name on the wire.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Plain => "PLAIN",
+            Self::Amqplain => "AMQPLAIN",
+            Self::External => "EXTERNAL",
+        }
+    }
+
+    /// The mechanism of that name.
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Self::Plain, Self::Amqplain, Self::External]
+            .into_iter()
+            .find(|m| m.name() == name)
+    }
+
+    /// RabbitMQ's default `auth_mechanisms`.
+    pub const DEFAULT: [Mechanism; 2] = [Mechanism::Plain, Mechanism::Amqplain];
 }
 
 impl Default for ConnectionConfig {
@@ -96,6 +134,7 @@ impl Default for ConnectionConfig {
             table_depth_max: limits::TABLE_DEPTH_MAX,
             server_properties: server_properties(&ServerIdentity::default(), "warren"),
             handshake_timeout: Duration::from_millis(limits::HANDSHAKE_TIMEOUT_MS),
+            mechanisms: Mechanism::DEFAULT.to_vec(),
         }
     }
 }
@@ -518,12 +557,15 @@ impl Connection {
             ) => {
                 self.client_properties = start_ok.client_properties;
                 let mechanism = start_ok.mechanism.as_str().to_string();
-                let credentials = match (mechanism.as_str(), &self.external_identity) {
-                    ("PLAIN", _) => parse_plain(start_ok.response.as_bytes()),
-                    ("AMQPLAIN", _) => {
+                let offered = Mechanism::from_name(&mechanism).filter(|m| self.offers(*m));
+                let credentials = match (offered, &self.external_identity) {
+                    (Some(Mechanism::Plain), _) => parse_plain(start_ok.response.as_bytes()),
+                    (Some(Mechanism::Amqplain), _) => {
                         parse_amqplain(start_ok.response.as_bytes(), self.config.table_depth_max)
                     }
-                    ("EXTERNAL", Some(identity)) => Some((identity.clone(), Vec::new())),
+                    (Some(Mechanism::External), Some(identity)) => {
+                        Some((identity.clone(), Vec::new()))
+                    }
                     _ => {
                         // RabbitMQ sends no close method for an unknown mechanism; it drops the socket.
                         self.state = State::Closed;
@@ -940,6 +982,13 @@ impl Connection {
         self.finish();
     }
 
+    /// Whether `m` is offered on this connection: configured, and for EXTERNAL a verified
+    /// certificate identity.
+    fn offers(&self, m: Mechanism) -> bool {
+        self.config.mechanisms.contains(&m)
+            && (m != Mechanism::External || self.external_identity.is_some())
+    }
+
     fn send_start(&mut self, out: &mut FrameWriter) {
         out.method(
             0,
@@ -947,11 +996,16 @@ impl Connection {
                 version_major: 0,
                 version_minor: 9,
                 server_properties: self.config.server_properties.clone(),
-                mechanisms: LongString::from(if self.external_identity.is_some() {
-                    b"PLAIN AMQPLAIN EXTERNAL".to_vec()
-                } else {
-                    b"PLAIN AMQPLAIN".to_vec()
-                }),
+                mechanisms: LongString::from(
+                    self.config
+                        .mechanisms
+                        .iter()
+                        .filter(|m| self.offers(**m))
+                        .map(|m| m.name())
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                        .into_bytes(),
+                ),
                 locales: LongString::from(b"en_US".to_vec()),
             })),
         );
@@ -1254,8 +1308,12 @@ mod tests {
     fn external_is_offered_and_accepted_only_with_a_certificate_identity() {
         let now = Instant::now();
         // With a certificate identity: offered, and the identity logs in without a password.
-        let mut c = Connection::new(ConnectionConfig::default(), false, now)
-            .with_external_identity("CN=client".into());
+        let with_external = || ConnectionConfig {
+            mechanisms: vec![Mechanism::Plain, Mechanism::Amqplain, Mechanism::External],
+            ..ConnectionConfig::default()
+        };
+        let mut c =
+            Connection::new(with_external(), false, now).with_external_identity("CN=client".into());
         let mut out = FrameWriter::new();
         let mut input = start_ok("EXTERNAL", b"");
         drive(&mut c, &mut input, &mut out, now);
@@ -1263,7 +1321,7 @@ mod tests {
         assert_eq!(c.state, State::AwaitTuneOk, "EXTERNAL login succeeded");
 
         // A certificate naming an unknown user: 403, as a refused password.
-        let mut c = Connection::new(ConnectionConfig::default(), false, now)
+        let mut c = Connection::new(with_external(), false, now)
             .with_external_identity("CN=stranger".into());
         let mut out = FrameWriter::new();
         let mut input = start_ok("EXTERNAL", b"");
@@ -1275,12 +1333,25 @@ mod tests {
         );
 
         // Without a certificate EXTERNAL is not offered, and asking for it drops the socket.
-        let mut c = Connection::new(ConnectionConfig::default(), false, now);
+        let mut c = Connection::new(with_external(), false, now);
         let mut out = FrameWriter::new();
         let mut input = start_ok("EXTERNAL", b"");
         drive(&mut c, &mut input, &mut out, now);
         assert_eq!(offered_mechanisms(&out), "PLAIN AMQPLAIN");
         assert!(c.is_closed());
+
+        // Not configured (RabbitMQ's default auth_mechanisms): not offered even with a
+        // certificate, so clients that prefer EXTERNAL (py-amqp) log in with a password.
+        let mut c = Connection::new(ConnectionConfig::default(), false, now)
+            .with_external_identity("CN=client".into());
+        let mut out = FrameWriter::new();
+        let mut input = start_ok("EXTERNAL", b"");
+        drive(&mut c, &mut input, &mut out, now);
+        assert_eq!(offered_mechanisms(&out), "PLAIN AMQPLAIN");
+        assert!(
+            c.is_closed(),
+            "an unoffered mechanism is refused like an unknown one"
+        );
     }
 
     proptest::proptest! {

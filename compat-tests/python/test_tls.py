@@ -44,9 +44,12 @@ def subject_dn(cert_path):
 
 
 def tls_args(certs, amqps_port, *extra):
+    # EXTERNAL is offered only when listed, as RabbitMQ's auth_mechanisms (default PLAIN,
+    # AMQPLAIN); these tests exercise it.
     return ("--amqps-listen", f"127.0.0.1:{amqps_port}",
             "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
-            "--tls-ca", str(certs / "ca.pem"), *extra)
+            "--tls-ca", str(certs / "ca.pem"),
+            "--auth-mechanisms", "PLAIN,AMQPLAIN,EXTERNAL", *extra)
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +217,27 @@ def test_common_name_login(certs):
         ch.basic_publish("", q, b"x", pika.BasicProperties(user_id="warren-client"))
         ch.queue_declare(q, passive=True)
         conn.close()
+
+
+def test_external_is_not_offered_unless_configured(certs):
+    """Goal: with RabbitMQ's default auth_mechanisms (PLAIN, AMQPLAIN) a verified client
+    certificate does not bring EXTERNAL, so clients that prefer EXTERNAL when offered
+    (py-amqp, hence kombu and Celery over mutual TLS) log in with their password. Method: a
+    broker without --auth-mechanisms; py-amqp with a client certificate logs in as guest."""
+    import amqp
+    port = free_port()
+    args = ("--amqps-listen", f"127.0.0.1:{port}",
+            "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key"),
+            "--tls-ca", str(certs / "ca.pem"))
+    with warren_process(*args, wait_port=port):
+        conn = amqp.Connection(
+            f"127.0.0.1:{port}", userid="guest", password="guest",
+            ssl={"ca_certs": str(certs / "ca.pem"), "certfile": str(certs / "client.pem"),
+                 "keyfile": str(certs / "client.key"), "server_hostname": "localhost"})
+        conn.connect()
+        try:
+            assert b"EXTERNAL" not in conn.mechanisms
+            ch = conn.channel()
+            ch.queue_declare("", exclusive=True)
+        finally:
+            conn.close()
