@@ -149,3 +149,26 @@ def test_consumer_max_per_channel(tmp_path):
             ch.basic_consume(q, lambda *a: None)
         assert e.value.reply_code == 530
         assert e.value.reply_text == "NOT_ALLOWED - reached maximum (2) of consumers per channel"
+
+
+@pytest.mark.warren_only
+def test_message_size_max_can_be_raised_for_large_messages(tmp_path):
+    """Goal: the 16 MiB default (RabbitMQ 4's max_message_size) can be raised, as RabbitMQ
+    allows up to 512 MiB, for clients that publish large bodies (Bunny's suite publishes
+    32 MB). Method: a Warren with message_size_max = 40 MiB takes a 32 MB message and gives
+    it back whole; one past the limit is still refused with 406."""
+    with configured_broker(tmp_path, "message_size_max = 41943040\n") as params:
+        conn = connect(params)
+        try:
+            ch = conn.channel()
+            q = ch.queue_declare("", exclusive=True).method.queue
+            body = bytes(range(256)) * (32 * 1024 * 1024 // 256)
+            ch.basic_publish("", q, body)
+            _, _, got = ch.basic_get(q, auto_ack=True)
+            assert got == body
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+                ch.basic_publish("", q, b"x" * (41943040 + 1))
+                ch.queue_declare("", exclusive=True)
+            assert e.value.reply_code == 406
+        finally:
+            conn.close()
