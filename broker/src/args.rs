@@ -520,7 +520,7 @@ pub fn queue_config(args: &FieldTable) -> crate::queue::machine::QueueConfig {
         // means none (rabbit_fifo), 0 allows no redelivery.
         delivery_limit: if is_quorum(args) {
             match int("x-delivery-limit") {
-                Some(n) if n < 0 => None,
+                Some(n) if n < 0 => Some(crate::queue::machine::DELIVERY_LIMIT_NONE),
                 Some(n) => Some(u32::try_from(n).unwrap_or(u32::MAX)),
                 None => Some(QUORUM_DELIVERY_LIMIT_DEFAULT),
             }

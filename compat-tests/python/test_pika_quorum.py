@@ -92,6 +92,53 @@ def test_negative_delivery_limit_is_unlimited(conn, ch, names):
 
 
 @pytest.mark.rabbitmq4
+def test_without_a_delivery_limit_requeued_messages_go_to_the_back(conn, ch, names):
+    """Goal: as rabbit_fifo without a delivery limit, a message returned to a quorum queue
+    waits behind the ones already there (with a limit it keeps its place). Method: publish
+    a, b, c; take a and nack it with requeue; the queue now serves b, c, a."""
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments={**QUORUM, "x-delivery-limit": -1})
+    ch.confirm_delivery()
+    for body in (b"a", b"b", b"c"):
+        ch.basic_publish("", q, body, pika.BasicProperties(delivery_mode=2))
+    m, _, body = wait_get(conn, ch, q, auto_ack=False)
+    assert body == b"a"
+    ch.basic_nack(m.delivery_tag, requeue=True)
+    order = [wait_get(conn, ch, q)[2] for _ in range(3)]
+    assert order == [b"b", b"c", b"a"]
+    ch.queue_delete(q)
+
+
+@pytest.mark.warren_only
+def test_a_message_requeued_to_the_back_keeps_its_place_across_a_restart(tmp_path):
+    """Goal: the requeue to the back is durable (its store record moves to the new place).
+    Method: on a Warren of our own, publish a, b persistently, return a, restart the broker on
+    the same data directory; the queue serves b then a (marked redelivered)."""
+    from conftest import warren_process
+    data = tmp_path / "data"
+    data.mkdir()
+    with warren_process(data_dir=data) as w:
+        c = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", w["port"]))
+        ch = c.channel()
+        ch.queue_declare("back", durable=True, arguments={**QUORUM, "x-delivery-limit": -1})
+        ch.confirm_delivery()
+        for body in (b"a", b"b"):
+            ch.basic_publish("", "back", body, pika.BasicProperties(delivery_mode=2))
+        m, _, body = wait_get(c, ch, "back", auto_ack=False)
+        assert body == b"a"
+        ch.basic_nack(m.delivery_tag, requeue=True)
+        ch.queue_declare("back", durable=True, passive=True)  # the nack is handled
+        c.close()
+    with warren_process(data_dir=data) as w:
+        c = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", w["port"]))
+        ch = c.channel()
+        got = [ch.basic_get("back", auto_ack=True) for _ in range(2)]
+        assert [g[2] for g in got] == [b"b", b"a"]
+        assert got[1][0].redelivered
+        c.close()
+
+
+@pytest.mark.rabbitmq4
 def test_zero_delivery_limit_allows_no_redelivery(conn, ch, names):
     """Goal: x-delivery-limit 0 dead-letters a message the first time it is returned (rabbit_fifo
     compares the acquired count with the limit). Method: get, nack with requeue, find it in

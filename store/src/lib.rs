@@ -154,6 +154,16 @@ pub enum Op {
         /// Queue id.
         queue: u64,
     },
+    /// A message takes a new id in its queue (requeued to the back of the queue, which orders
+    /// by id): its index record moves, its body stays where it is. Absent is fine.
+    Renumber {
+        /// Queue id.
+        queue: u64,
+        /// The id it had.
+        from: u64,
+        /// The id it has now.
+        to: u64,
+    },
 }
 
 /// Work made durable together: one segment sync and one redb commit.
@@ -577,6 +587,22 @@ impl Store {
                             *delta.entry(old.segment).or_default() -= 1;
                         }
                     }
+                    Op::Renumber { queue, from, to } => {
+                        let record = messages
+                            .remove((*queue, *from))
+                            .map_err(|e| StoreError::db(&self.db_path, e))?
+                            .map(|g| g.value().to_vec());
+                        if let Some(record) = record {
+                            // The same body keeps the same number of references.
+                            let old = messages
+                                .insert((*queue, *to), record.as_slice())
+                                .map_err(|e| StoreError::db(&self.db_path, e))?
+                                .and_then(|g| decode_entry(g.value()));
+                            if let Some((old, _, _)) = old {
+                                *delta.entry(old.segment).or_default() -= 1;
+                            }
+                        }
+                    }
                     Op::DropQueue { queue } => {
                         let removed = messages
                             .extract_from_if((*queue, 0)..=(*queue, u64::MAX), |_, _| true)
@@ -688,6 +714,12 @@ fn cancelled_pairs(ops: &[Op]) -> Vec<bool> {
                 }
             }
             Op::DropQueue { queue } => open.retain(|(q, _), _| q != queue),
+            // An enqueue of this group renumbered later is settled under its new id.
+            Op::Renumber { queue, from, to } => {
+                if let Some(at) = open.remove(&(*queue, *from)) {
+                    open.insert((*queue, *to), at);
+                }
+            }
             Op::Put { .. } | Op::Delete { .. } => {}
         }
     }

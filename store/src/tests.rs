@@ -388,6 +388,8 @@ enum StoreOp {
     /// Enqueue a live message again with a new body (the same key twice in one group).
     Reenqueue(usize),
     Drop(u64),
+    /// Move a live message to a new id (requeued to the back of its queue).
+    Renumber(usize),
     /// Commit the ops gathered so far as one group (enqueues and settles of one message may
     /// share a group, as with group commit under load).
     Commit,
@@ -401,13 +403,14 @@ fn store_op() -> impl Strategy<Value = StoreOp> {
         3 => (0usize..16).prop_map(StoreOp::Settle),
         1 => (0usize..16).prop_map(StoreOp::Reenqueue),
         1 => (0u64..3).prop_map(StoreOp::Drop),
+        2 => (0usize..16).prop_map(StoreOp::Renumber),
         3 => Just(StoreOp::Commit),
         1 => Just(StoreOp::Reopen),
     ]
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(48))]
+    #![proptest_config(ProptestConfig::with_cases(64))]
 
     /// Against a map model: after any sequence of grouped commits and reopens, the index holds
     /// exactly the live (queue, id) pairs, every body reads back, and segments do not
@@ -445,6 +448,13 @@ proptest! {
                 StoreOp::Drop(q) => {
                     model.retain(|k, _| k.0 != q);
                     group.ops.push(Op::DropQueue { queue: q });
+                }
+                StoreOp::Renumber(i) => {
+                    let Some(key) = model.keys().nth(i % model.len().max(1)).copied() else { continue };
+                    let body = model.remove(&key).unwrap();
+                    model.insert((key.0, next_id), body);
+                    group.ops.push(Op::Renumber { queue: key.0, from: key.1, to: next_id });
+                    next_id += 1;
                 }
                 StoreOp::Commit => {
                     store.commit(&std::mem::take(&mut group)).unwrap();

@@ -88,7 +88,25 @@ pub struct QueueConfig {
     pub single_active: bool,
     /// `x-delivery-limit` (quorum queues; 20 by default there): a message returned more than
     /// this many times is removed (dead-lettered with reason `delivery_limit`).
+    /// [`DELIVERY_LIMIT_NONE`] is a quorum queue without a limit (a negative argument), whose
+    /// returned messages go to the back of the queue as in rabbit_fifo; `None` (classic
+    /// queues) keeps returned messages at the front, in their original order.
     pub delivery_limit: Option<u32>,
+}
+
+/// The `delivery_limit` of a quorum queue declared with a negative `x-delivery-limit`: no
+/// message reaches it (delivery counts saturate at `u32::MAX` and must exceed it), and
+/// returned messages are requeued at the back ([`Effect::Requeued`]). A value of the
+/// existing field, not a new one, so that replicas' snapshots keep their format.
+pub const DELIVERY_LIMIT_NONE: u32 = u32::MAX;
+
+impl QueueConfig {
+    /// Whether returned messages go to the back of the queue (rabbit_fifo without a
+    /// delivery limit) rather than back to their place.
+    #[must_use]
+    pub fn returns_to_back(&self) -> bool {
+        self.delivery_limit == Some(DELIVERY_LIMIT_NONE)
+    }
 }
 
 /// Why a message left the queue without being acknowledged or delivered.
@@ -278,6 +296,16 @@ pub enum Effect<M> {
         settled: bool,
         /// Times it was returned before (quorum queues report it in `x-delivery-count`).
         delivery_count: u32,
+    },
+    /// A returned message was requeued at the back of the queue under a new id (ready
+    /// messages wait in id order), so the driver moves what it stored under the old id.
+    Requeued {
+        /// The id it had.
+        old: MsgId,
+        /// The id it has now.
+        new: MsgId,
+        /// The message.
+        msg: M,
     },
     /// A message left the queue for good (acked, rejected without requeue, purged, dropped by
     /// a length limit, or taken by a no-ack `basic.get`), so the driver can release what it
@@ -875,6 +903,24 @@ impl<M: MessageRef> QueueMachine<M> {
                                 id,
                                 msg,
                                 reason: Removal::DeliveryLimit,
+                            });
+                            continue;
+                        }
+                        if self.config.returns_to_back() {
+                            let new = self.next_id;
+                            self.next_id += 1;
+                            effects.push(Effect::Requeued {
+                                old: id,
+                                new,
+                                msg: msg.clone(),
+                            });
+                            self.push_fresh(Ready {
+                                id: new,
+                                msg,
+                                redelivered: true,
+                                expires_at,
+                                delivery_count,
+                                enqueued_at,
                             });
                             continue;
                         }

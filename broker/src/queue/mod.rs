@@ -765,6 +765,15 @@ impl Queue {
                         st.store_ops.push(Op::Settle { queue: self.id, id });
                     }
                 }
+                Effect::Requeued { old, new, msg } => {
+                    if !st.deleted && self.persists(&msg) {
+                        st.store_ops.push(Op::Renumber {
+                            queue: self.id,
+                            from: old,
+                            to: new,
+                        });
+                    }
+                }
                 Effect::Deliver {
                     consumer,
                     id,

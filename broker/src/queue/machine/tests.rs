@@ -37,7 +37,7 @@ fn removed(effects: &[Effect<M>]) -> Vec<(MsgId, Removal)> {
         .iter()
         .filter_map(|e| match e {
             Effect::Removed { id, reason, .. } => Some((*id, *reason)),
-            Effect::Deliver { .. } => None,
+            Effect::Deliver { .. } | Effect::Requeued { .. } => None,
         })
         .collect()
 }
@@ -64,7 +64,7 @@ fn delivered(effects: &[Effect<M>]) -> Vec<(ConsumerId, MsgId, bool)> {
                 redelivered,
                 ..
             } => Some((*consumer, *id, *redelivered)),
-            Effect::Removed { .. } => None,
+            Effect::Removed { .. } | Effect::Requeued { .. } => None,
         })
         .collect()
 }
@@ -762,6 +762,7 @@ proptest! {
                     Effect::Deliver { id, settled, .. } => {
                         if *settled { gone += 1 } else { unacked.push(*id) }
                     }
+                    Effect::Requeued { .. } => {}
                 }
             }
             prop_assert_eq!(
@@ -799,4 +800,122 @@ fn oldest_ready_counts_from_first_enqueue_across_priorities_and_returns() {
     q.apply(80, Command::Settle(vec![again]), &mut fx).unwrap();
     let c = q.counters();
     assert_eq!((c.got, c.redelivered, c.acked), (3, 1, 1));
+}
+
+/// Requeues a quorum queue without a delivery limit makes (`Effect::Requeued`), as (old, new).
+fn requeued(effects: &[Effect<M>]) -> Vec<(MsgId, MsgId)> {
+    effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Requeued { old, new, .. } => Some((*old, *new)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn without_a_delivery_limit_returned_messages_go_to_the_back() {
+    // Goal: rabbit_fifo without a delivery limit requeues a returned message behind those
+    // already waiting, and counts its deliveries without ever removing it. Method: three
+    // messages, take the first, return it: the order is now 2, 3, 1, under a new id.
+    let mut q = QueueMachine::with_config(QueueConfig {
+        delivery_limit: Some(DELIVERY_LIMIT_NONE),
+        ..QueueConfig::default()
+    });
+    let mut fx = Vec::new();
+    for i in 1..=3 {
+        q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
+    }
+    let first = got_id(q.apply(0, Command::Get { no_ack: false }, &mut fx)).unwrap();
+    q.apply(0, Command::Return(vec![first]), &mut fx).unwrap();
+    assert_eq!(requeued(&fx), vec![(first, 4)]);
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        match q.apply(0, Command::Get { no_ack: false }, &mut fx).unwrap() {
+            Reply::Got(Some((id, msg, redelivered, _, count))) => {
+                order.push((id, msg.0, redelivered, count));
+            }
+            other => panic!("expected a message, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        order,
+        vec![(2, 2, false, 0), (3, 3, false, 0), (4, 1, true, 1)]
+    );
+    // Returned far more often than any limit allows: never removed, counted every time.
+    let (mut id, mut count) = (4, 1);
+    q.apply(0, Command::Settle(vec![2, 3]), &mut fx).unwrap();
+    for _ in 0..50 {
+        fx.clear();
+        q.apply(0, Command::Return(vec![id]), &mut fx).unwrap();
+        assert!(removed(&fx).is_empty());
+        id = requeued(&fx)[0].1;
+        count += 1;
+        match q.apply(0, Command::Get { no_ack: false }, &mut fx).unwrap() {
+            Reply::Got(Some((got, _, true, _, c))) => assert_eq!((got, c), (id, count)),
+            other => panic!("expected the requeued message, got {other:?}"),
+        }
+    }
+    q.check_invariants();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Without a delivery limit, against a FIFO model: every return puts the message at the
+    /// tail under a fresh, larger id (Requeued names both), every get takes the model's head,
+    /// nothing is ever removed but by a settle, and ids stay in increasing order.
+    #[test]
+    fn returns_to_the_back_match_a_fifo_model(
+        ops in proptest::collection::vec((0u8..4, 0usize..8), 1..150),
+    ) {
+        let mut q: QueueMachine<M> = QueueMachine::with_config(QueueConfig {
+            delivery_limit: Some(DELIVERY_LIMIT_NONE),
+            ..QueueConfig::default()
+        });
+        // (id, payload) in serving order; unacked (id -> payload).
+        let mut fifo: std::collections::VecDeque<(MsgId, u64)> = std::collections::VecDeque::new();
+        let mut unacked: BTreeMap<MsgId, u64> = BTreeMap::new();
+        let mut payload = 0u64;
+        for (kind, pick) in ops {
+            let mut fx = Vec::new();
+            match kind {
+                0 => {
+                    payload += 1;
+                    q.apply(0, Command::Enqueue(M(payload)), &mut fx).unwrap();
+                    fifo.push_back((q.next_id() - 1, payload));
+                }
+                1 => {
+                    let r = q.apply(0, Command::Get { no_ack: false }, &mut fx).unwrap();
+                    match (r, fifo.pop_front()) {
+                        (Reply::Got(None), None) => {}
+                        (Reply::Got(Some((id, msg, _, _, _))), Some((e, p))) => {
+                            prop_assert_eq!((id, msg.0), (e, p));
+                            unacked.insert(id, p);
+                        }
+                        (r, e) => prop_assert!(false, "get {:?} vs model {:?}", r, e),
+                    }
+                }
+                2 if !unacked.is_empty() => {
+                    let id = *unacked.keys().nth(pick % unacked.len()).unwrap();
+                    let p = unacked.remove(&id).unwrap();
+                    q.apply(0, Command::Return(vec![id]), &mut fx).unwrap();
+                    let moved = requeued(&fx);
+                    prop_assert_eq!(moved.len(), 1);
+                    prop_assert_eq!(moved[0].0, id);
+                    prop_assert!(fifo.back().is_none_or(|(b, _)| *b < moved[0].1));
+                    fifo.push_back((moved[0].1, p));
+                }
+                3 if !unacked.is_empty() => {
+                    let id = *unacked.keys().nth(pick % unacked.len()).unwrap();
+                    unacked.remove(&id);
+                    q.apply(0, Command::Settle(vec![id]), &mut fx).unwrap();
+                }
+                _ => {}
+            }
+            prop_assert!(removed(&fx).iter().all(|(_, r)| *r == Removal::Settled));
+            prop_assert_eq!(q.ready_len(), fifo.len());
+            prop_assert_eq!(q.unacked_len(), unacked.len());
+        }
+    }
 }
