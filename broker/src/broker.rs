@@ -823,10 +823,15 @@ impl Broker {
             .filter(|(k, _)| k.as_slice() != USERS_INITIALISED && k.as_slice() != DELAYED_SLOT_NEXT)
             .filter_map(|(k, v)| {
                 let name = String::from_utf8(k.clone()).ok()?;
-                let record = serde_json::from_slice(v).unwrap_or_else(|_| {
-                    tracing::warn!(vhost = %name, "unreadable vhost record; its limits and metadata are reset");
+                // A fresh store writes the default vhost with an empty record: its defaults.
+                let record = if v.is_empty() {
                     crate::users::VhostRecord::default()
-                });
+                } else {
+                    serde_json::from_slice(v).unwrap_or_else(|_| {
+                        tracing::warn!(vhost = %name, "unreadable vhost record; its limits and metadata are reset");
+                        crate::users::VhostRecord::default()
+                    })
+                };
                 Some((name, record))
             })
             .collect();

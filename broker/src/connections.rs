@@ -101,6 +101,13 @@ impl ConnectionHandle {
         self.channels.store(n, Ordering::Relaxed);
     }
 
+    /// Whether a close was requested: the connection is going, and listings leave it out (as
+    /// RabbitMQ's, where a connection closed through the API is gone from the next listing).
+    #[must_use]
+    pub fn is_closing(&self) -> bool {
+        self.close_reason.lock().is_some()
+    }
+
     /// Ask the connection to close with 320 CONNECTION_FORCED and `reason`.
     pub fn request_close(&self, reason: String) {
         *self.close_reason.lock() = Some(reason);
@@ -170,10 +177,16 @@ impl Connections {
         self.by_id.lock().remove(&id);
     }
 
-    /// Every open connection, sorted by name.
+    /// Every open connection not asked to close, sorted by name.
     #[must_use]
     pub fn list(&self) -> Vec<Arc<ConnectionHandle>> {
-        let mut v: Vec<_> = self.by_id.lock().values().cloned().collect();
+        let mut v: Vec<_> = self
+            .by_id
+            .lock()
+            .values()
+            .filter(|h| !h.is_closing())
+            .cloned()
+            .collect();
         v.sort_by(|a, b| a.info.name.cmp(&b.info.name));
         v
     }

@@ -189,3 +189,23 @@ def test_whoami_says_the_user_is_internal(api):
     assert status == 200
     assert me["name"] == "guest" and me["is_internal_user"] is True
     assert "administrator" in me["tags"]
+
+
+def test_a_connection_closed_through_the_api_is_gone_from_the_next_listing(api, params):
+    """Goal: once DELETE /api/connections/{name} has answered, the connection is no longer
+    listed (RabbitMQ's next listing does not show it; Bunny's recovery specs poll the listing
+    to see the client reconnect). Method: open a connection, DELETE it, list at once."""
+    label = "doomed-" + uuid.uuid4().hex[:6]
+    c = amqp(params, "guest", "guest", connection_name=label)
+    try:
+        conns = eventually(lambda: api("GET", "/api/connections")[1],
+                           lambda cs: any(x.get("user_provided_name") == label for x in cs))
+        name = next(x["name"] for x in conns if x.get("user_provided_name") == label)
+        assert api("DELETE", f"/api/connections/{q(name)}")[0] == 204
+        listed = api("GET", "/api/connections")[1]
+        assert not any(x["name"] == name for x in listed), listed
+    finally:
+        try:
+            c.close()
+        except Exception:
+            pass
