@@ -12,6 +12,8 @@
 #   kombu   kombu 5.7.0 t/integration/test_py_amqp.py (PyPI sdist), pytest
 #   pyamqp  amqp (py-amqp) 5.4.2 t/integration (PyPI sdist), pytest, incl. TLS variants (certs made with openssl)
 #   tools   librabbitmq amqp-tools 0.11 (Debian), smoke checks
+#   bunny   Bunny 2.19 (Debian ruby-bunny): compat-tests/ruby/bunny_checks.rb
+#   php     php-amqplib 3.5 (Debian): compat-tests/php/amqplib_checks.php
 # Only tests that pass against RabbitMQ 3.10.8 are run; EXCLUDED_* below lists the others with a reason.
 # Every failure these suites found in Warren was fixed in Warren, none is excluded.
 # Needs root (or sudo) for apt-get the first time; node/npm and python3 (with venv) must exist or are
@@ -25,7 +27,7 @@ AMQPS_PORT=${AMQPS_PORT:-5771}
 MGMT_PORT=${MGMT_PORT:-15673}
 PROM_PORT=${PROM_PORT:-15693}
 CACHE_DIR=${CACHE_DIR:-$PWD/.cache/client-suites}
-SUITES=${*:-go node kombu pyamqp tools}
+SUITES=${*:-go node kombu pyamqp tools bunny php}
 WARREN_BIN=$(readlink -f "${WARREN_BIN:-/nonexistent}")
 mkdir -p "$CACHE_DIR"; CACHE_DIR=$(readlink -f "$CACHE_DIR")
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/client-suites.XXXXXX")
@@ -259,13 +261,27 @@ suite_tools() {
   [ $fail -eq 0 ]
 }
 
+# ---------------------------------------------------------------- Bunny and php-amqplib (Warren's checks)
+# Their own suites are in no registry CI reaches (Debian ships the libraries without tests,
+# its source archives are not served, rubygems, packagist and GitHub are unreachable): the
+# one-off runs are in docs/compatibility.md. In CI, Warren's own checks drive the libraries.
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+suite_bunny() {
+  apt_install ruby ruby-bunny || return 1
+  timeout 120 ruby "$REPO/compat-tests/ruby/bunny_checks.rb" "$URL"
+}
+suite_php() {
+  apt_install php-cli php-amqplib php-bcmath php-mbstring || return 1
+  timeout 120 php "$REPO/compat-tests/php/amqplib_checks.php" 127.0.0.1 "$AMQP_PORT"
+}
+
 # ---------------------------------------------------------------- main
 start_warren || exit 1
 [ "$EXTERNAL_BROKER" = 1 ] && log "EXTERNAL_BROKER=1: testing the broker already on 127.0.0.1:$AMQP_PORT" ||
 log "warren $("$WARREN_BIN" --version 2>&1) on 127.0.0.1:$AMQP_PORT (amqps $AMQPS_PORT); work dir $WORK; cache $CACHE_DIR"
 for s in $SUITES; do
   case $s in
-    go|node|kombu|pyamqp|tools) run_suite "$s" "suite_$s" ;;
+    go|node|kombu|pyamqp|tools|bunny|php) run_suite "$s" "suite_$s" ;;
     *) echo "unknown suite $s"; exit 2 ;;
   esac
 done
