@@ -692,56 +692,78 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
     }
     // Best effort, bounded: deliver the close frames we owe, then drop the socket. A TLS
     // shutdown waits until rustls has written everything it holds, so it is bounded too.
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+    let flushed = tokio::time::timeout(Duration::from_secs(1), async {
         if may_write && out.pending() > 0 {
-            let _ = wr.write_all(out.as_slice()).await;
+            wr.write_all(out.as_slice()).await?;
             out.consume(out.pending());
         }
-        if !conn.is_lingering() {
-            let _ = wr.shutdown().await;
+        if conn.is_lingering() {
+            // TLS holds what it was given until flushed: the close-ok must reach the peer.
+            wr.flush().await
+        } else {
+            wr.shutdown().await
         }
     })
     .await;
-    if conn.is_lingering() && may_write {
-        linger(&mut conn, &mut rd, &mut wr, &mut input, &mut out, &*broker).await;
+    // Linger only with the output written whole (else the peer is not reading, or gone).
+    if conn.is_lingering() && may_write && matches!(flushed, Ok(Ok(()))) && !shutting_down {
+        linger(
+            &mut conn,
+            (&mut rd, &mut wr),
+            &mut input,
+            &mut out,
+            &*broker,
+            &mut shutdown,
+        )
+        .await;
     }
 }
 
 /// After close-ok for the peer's connection.close: keep reading (the connection machine
 /// discards everything but further closes, which it answers) until the peer closes the
-/// socket or the machine's linger deadline passes, so the peer's frames still in flight never
-/// meet a closed socket.
+/// socket, the machine's linger deadline passes or the node shuts down, so the peer's frames
+/// still in flight never meet a closed socket. Every write is bounded by the same deadline:
+/// a peer that sends closes and never reads cannot hold the task.
 async fn linger<R, W>(
     conn: &mut Connection,
-    rd: &mut R,
-    wr: &mut W,
+    (rd, wr): (&mut R, &mut W),
     input: &mut BytesMut,
     out: &mut FrameWriter,
     gate: &dyn warren_amqp::connection::Gatekeeper,
+    shutdown: &mut watch::Receiver<bool>,
 ) where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     while conn.is_lingering() {
-        let deadline = conn.poll_timeout().map(Instant::from_std);
+        let Some(deadline) = conn.poll_timeout().map(Instant::from_std) else {
+            break;
+        };
         tokio::select! {
+            // Partial frames stay in `input` for the next read; the machine discards whole
+            // ones, and one frame is at most frame_max.
             read = rd.read_buf(input) => match read {
                 Ok(n) if n > 0 => {
                     conn.handle_input(input, out, Instant::now().into_std(), gate);
                     if out.pending() > 0 {
-                        if wr.write_all(out.as_slice()).await.is_err() {
+                        let written = tokio::time::timeout_at(deadline, async {
+                            wr.write_all(out.as_slice()).await?;
+                            wr.flush().await
+                        })
+                        .await;
+                        if !matches!(written, Ok(Ok(()))) {
                             break;
                         }
-                        let _ = wr.flush().await;
                         out.consume(out.pending());
                     }
                 }
                 _ => break,
             },
-            () = sleep_until(deadline) => conn.handle_timeout(Instant::now().into_std(), out),
+            () = tokio::time::sleep_until(deadline) => {
+                conn.handle_timeout(Instant::now().into_std(), out);
+            }
+            _ = shutdown.changed() => break,
         }
-        // Bounded: discarded input is never kept.
-        input.clear();
     }
     let _ = tokio::time::timeout(Duration::from_secs(1), wr.shutdown()).await;
 }

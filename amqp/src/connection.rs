@@ -548,7 +548,10 @@ impl Connection {
         let m = self.expect_method(&frame, expected)?;
         match (self.state, m.class) {
             (_, AMQPClass::Connection(connection::AMQPMethod::Close(_))) => {
-                self.answer_peer_close(out, now);
+                // Before connection.open there is nothing in flight worth waiting for, and a
+                // peer that has not logged in must not hold a socket for the linger time.
+                Self::send_close_ok(out);
+                self.finish();
                 Ok(())
             }
             (

@@ -464,6 +464,13 @@ def test_client_close_is_answered_every_time_and_socket_waits_for_client(addr):
             c.read_frame(timeout=1.0)
         c.send(wire.connection_close())  # a late close is still answered, not refused
         c.expect_method(wire.CONNECTION_CLOSE_OK, channel=0)
+        # A close split across two segments (the pause lets the server read the first half
+        # alone) is reassembled, not lost.
+        late = wire.connection_close()
+        c.send(late[:5])
+        time.sleep(0.2)
+        c.send(late[5:])
+        c.expect_method(wire.CONNECTION_CLOSE_OK, channel=0)
         c.sock.shutdown(socket.SHUT_WR)
         assert c.expect_eof(timeout=EOF_AFTER_CLOSE_S) == []
     finally:
