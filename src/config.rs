@@ -252,13 +252,19 @@ impl ServerConfig {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("reading {}", path.display()))?;
-                if crate::rabbitmq_conf::looks_like(path, &text) {
-                    let parsed = crate::rabbitmq_conf::parse(&text)
-                        .with_context(|| format!("parsing {}", path.display()))?;
-                    ignored_keys = parsed.ignored;
-                    parsed.file
-                } else {
-                    toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+                // Warren's TOML first: a rabbitmq.conf never parses as it (unknown keys are
+                // refused), and a Warren file must never be half-read as a rabbitmq.conf.
+                match toml::from_str::<FileConfig>(&text) {
+                    Ok(file) => file,
+                    Err(_) if crate::rabbitmq_conf::looks_like(path, &text) => {
+                        let parsed = crate::rabbitmq_conf::parse(&text)
+                            .with_context(|| format!("parsing {}", path.display()))?;
+                        ignored_keys = parsed.ignored;
+                        parsed.file
+                    }
+                    Err(e) => {
+                        return Err(e).with_context(|| format!("parsing {}", path.display()));
+                    }
                 }
             }
             None => FileConfig::default(),
@@ -793,5 +799,29 @@ mod tests {
                 "{text} accepted"
             );
         }
+    }
+
+    #[test]
+    fn a_warren_file_named_conf_is_toml_and_a_rabbitmq_conf_is_recognised() {
+        let dir = tempfile::tempdir().unwrap();
+        let warren = dir.path().join("warren.conf");
+        std::fs::write(&warren, "data_dir = \"/srv/warren\"\nheartbeat_s = 9\n").unwrap();
+        let c = ServerConfig::load(args(Some(warren))).unwrap();
+        assert_eq!(c.data_dir, PathBuf::from("/srv/warren"));
+        assert!(c.ignored_keys.is_empty());
+        let rabbit = dir.path().join("rabbitmq.conf");
+        std::fs::write(
+            &rabbit,
+            "heartbeat = 9\ndefault_user = ops\nlog.file = false\n",
+        )
+        .unwrap();
+        let c = ServerConfig::load(args(Some(rabbit))).unwrap();
+        assert_eq!(c.limits.heartbeat_s, 9);
+        assert_eq!(c.default_user.0, "ops");
+        assert_eq!(c.ignored_keys, ["log.file"]);
+        // Neither form: the TOML error is reported.
+        let bad = dir.path().join("x.toml");
+        std::fs::write(&bad, "no_such_key = 1\n").unwrap();
+        assert!(ServerConfig::load(args(Some(bad))).is_err());
     }
 }

@@ -22,9 +22,9 @@ pub struct Parsed {
     pub ignored: Vec<String>,
 }
 
-/// Whether `text` is a `rabbitmq.conf` rather than Warren's TOML: the TOML file never has a
-/// dotted key outside a table header, the RabbitMQ file nearly always does
-/// (`listeners.tcp.default`), and a `.conf` name settles it.
+/// Whether `text`, which did not parse as Warren's TOML, is meant as a `rabbitmq.conf`: it
+/// has a `.conf` name or a dotted key (`listeners.tcp.default`), which Warren's TOML never
+/// has. The caller tries TOML first, so a Warren file named `warren.conf` stays TOML.
 #[must_use]
 pub fn looks_like(path: &std::path::Path, text: &str) -> bool {
     if path.extension().is_some_and(|e| e == "conf") {
@@ -47,6 +47,7 @@ pub fn parse(text: &str) -> anyhow::Result<Parsed> {
     let mut p = Parsed::default();
     let f = &mut p.file;
     let mut http = [(None::<String>, None::<u16>), (None, None)]; // management, prometheus
+    let mut mechanisms: Vec<(String, String)> = Vec::new(); // (key, name), sorted at the end
     for (n, raw) in text.lines().enumerate() {
         let line = raw.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -58,14 +59,29 @@ pub fn parse(text: &str) -> anyhow::Result<Parsed> {
         let (key, value) = (key.trim(), unquote(value.trim()));
         let at = || format!("rabbitmq.conf line {} ({key})", n + 1);
         match key {
+            // Refused rather than ignored: the operator asked for no plain listener, or for
+            // TLS on the management port, and ignoring it would open what they closed.
+            "listeners.tcp" => anyhow::bail!(
+                "{}: Warren always listens for plain AMQP (it cannot be turned off)",
+                at()
+            ),
+            k if k.starts_with("management.ssl.") => anyhow::bail!(
+                "{}: Warren's management API has no TLS listener; use a TLS-terminating proxy",
+                at()
+            ),
             k if k.starts_with("listeners.tcp.") => {
                 if f.amqp_listen.is_none() {
                     f.amqp_listen = Some(listener(value).with_context(at)?);
+                } else {
+                    // Warren has one plain listener: later ones are reported, not dropped.
+                    p.ignored.push(key.to_string());
                 }
             }
             k if k.starts_with("listeners.ssl.") => {
                 if f.amqps_listen.is_none() {
                     f.amqps_listen = Some(listener(value).with_context(at)?);
+                } else {
+                    p.ignored.push(key.to_string());
                 }
             }
             "management.tcp.port" | "management.listener.port" => {
@@ -99,12 +115,9 @@ pub fn parse(text: &str) -> anyhow::Result<Parsed> {
             k if k.starts_with("loopback_users.") => {
                 let user = &k["loopback_users.".len()..];
                 let on = boolean(value).with_context(at)?;
-                let list = f.loopback_users.get_or_insert_with(|| {
-                    warren_broker::limits::LOOPBACK_USERS
-                        .iter()
-                        .map(|u| (*u).to_string())
-                        .collect()
-                });
+                // The entries set to true are the whole list, as RabbitMQ's translation makes
+                // it (no entry at all keeps the default, guest).
+                let list = f.loopback_users.get_or_insert_with(Vec::new);
                 list.retain(|u| u != user);
                 if on {
                     list.push(user.to_string());
@@ -130,14 +143,22 @@ pub fn parse(text: &str) -> anyhow::Result<Parsed> {
                 }
             }
             k if k.starts_with("auth_mechanisms.") => {
-                f.auth_mechanisms
-                    .get_or_insert_with(Vec::new)
-                    .push(value.to_string());
+                if warren_amqp::connection::Mechanism::from_name(value).is_some() {
+                    mechanisms.push((k.to_string(), value.to_string()));
+                } else {
+                    // ANONYMOUS (in RabbitMQ 4's default list) and plugins' mechanisms.
+                    p.ignored.push(format!("{key} = {value}"));
+                }
             }
             "product.name" => f.product_name = Some(value.into()),
             "product.version" => f.product_version = Some(value.into()),
             _ => p.ignored.push(key.to_string()),
         }
+    }
+    if !mechanisms.is_empty() {
+        // RabbitMQ orders them by key.
+        mechanisms.sort();
+        f.auth_mechanisms = Some(mechanisms.into_iter().map(|(_, m)| m).collect());
     }
     for (i, (ip, port)) in http.into_iter().enumerate() {
         if ip.is_none() && port.is_none() {
@@ -251,8 +272,10 @@ mod tests {
              ssl_options.verify = verify_peer\n\
              ssl_options.fail_if_no_peer_cert = true\n\
              log.console.level = warning\n\
-             auth_mechanisms.1 = PLAIN\n\
              auth_mechanisms.2 = EXTERNAL\n\
+             auth_mechanisms.1 = PLAIN\n\
+             auth_mechanisms.3 = ANONYMOUS\n\
+             listeners.tcp.other = 5999\n\
              cluster_formation.peer_discovery_backend = classic_config\n\
              collect_statistics_interval = 10000\n",
         )
@@ -292,6 +315,8 @@ mod tests {
             p.ignored,
             [
                 "ssl_options.verify",
+                "auth_mechanisms.3 = ANONYMOUS",
+                "listeners.tcp.other",
                 "cluster_formation.peer_discovery_backend",
                 "collect_statistics_interval"
             ]
@@ -304,6 +329,12 @@ mod tests {
         assert!(format!("{e:#}").contains("line 1 (heartbeat)"), "{e:#}");
         assert!(parse("just words\n").is_err());
         assert!(parse("loopback_users.guest = maybe\n").is_err());
+        // Settings that would open what the operator closed are refused, not ignored.
+        assert!(parse("listeners.tcp = none\n").is_err());
+        assert!(parse("management.ssl.port = 15671\n").is_err());
+        // loopback_users entries are the whole list.
+        let p = parse("loopback_users.ops = true\n").unwrap();
+        assert_eq!(p.file.loopback_users, Some(vec!["ops".to_string()]));
         assert_eq!(
             listener("::1:5672").unwrap(),
             "[::1]:5672".parse::<SocketAddr>().unwrap()

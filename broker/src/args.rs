@@ -418,10 +418,15 @@ fn check_type_arguments(
     Ok(())
 }
 
-/// Validate the x-arguments of a new queue as RabbitMQ does (type and range), with its texts.
+/// Validate the x-arguments of a declare as RabbitMQ does (type and range), with its texts;
+/// when `creating`, also refuse arguments the queue type does not take.
 ///
 /// `what` is `queue 'q' in vhost '/'`.
-pub fn validate_queue_args(args: &FieldTable, what: &str) -> Result<(), warren_amqp::AmqpError> {
+pub fn validate_queue_args(
+    args: &FieldTable,
+    what: &str,
+    creating: bool,
+) -> Result<(), warren_amqp::AmqpError> {
     if let Some(v) = args.inner().get("x-dead-letter-exchange")
         && string_like(v).is_none()
     {
@@ -448,7 +453,12 @@ pub fn validate_queue_args(args: &FieldTable, what: &str) -> Result<(), warren_a
             check(v, args).map_err(|term| invalid(key, what, &term))?;
         }
     }
-    check_type_arguments(args, kind, what)
+    // RabbitMQ checks which arguments the type takes only when it creates the queue; a
+    // redeclare is compared with the queue as it is.
+    if creating {
+        check_type_arguments(args, kind, what)?;
+    }
+    Ok(())
 }
 
 /// Validate a headers-exchange binding's `x-match` (RabbitMQ's
@@ -519,14 +529,23 @@ pub fn queue_config(args: &FieldTable) -> crate::queue::machine::QueueConfig {
         // Only quorum queues count deliveries (20 by default, RabbitMQ 4); a negative limit
         // means none (rabbit_fifo), 0 allows no redelivery.
         delivery_limit: if is_quorum(args) {
-            match int("x-delivery-limit") {
-                Some(n) if n < 0 => Some(crate::queue::machine::DELIVERY_LIMIT_NONE),
-                Some(n) => Some(u32::try_from(n).unwrap_or(u32::MAX)),
-                None => Some(QUORUM_DELIVERY_LIMIT_DEFAULT),
-            }
+            Some(int("x-delivery-limit").map_or(QUORUM_DELIVERY_LIMIT_DEFAULT, delivery_limit_of))
         } else {
             None
         },
+    }
+}
+
+/// A quorum queue's delivery limit for an `x-delivery-limit` (or policy) value: a negative
+/// one is none ([`crate::queue::machine::DELIVERY_LIMIT_NONE`]); a positive one too large
+/// for the machine stays just below that, so it never turns requeue-to-back on.
+#[must_use]
+pub fn delivery_limit_of(v: i128) -> u32 {
+    use crate::queue::machine::DELIVERY_LIMIT_NONE;
+    if v < 0 {
+        DELIVERY_LIMIT_NONE
+    } else {
+        u32::try_from(v).map_or(DELIVERY_LIMIT_NONE - 1, |n| n.min(DELIVERY_LIMIT_NONE - 1))
     }
 }
 

@@ -161,13 +161,20 @@ impl Policy {
             "message-ttl",
             "max-length",
             "max-length-bytes",
-            "delivery-limit",
             "stream-max-segment-size-bytes",
             "stream-filter-size-bytes",
         ] {
             if def.definition.contains_key(key) && int(&def.definition, key).is_none() {
                 return Err(PolicyError(format!("{key} must be a non-negative integer")));
             }
+        }
+        // Any integer, as rabbit_policies takes it: a negative one turns the limit off.
+        if def
+            .definition
+            .get("delivery-limit")
+            .is_some_and(|v| v.as_i64().is_none())
+        {
+            return Err(PolicyError("delivery-limit must be an integer".into()));
         }
         if def.definition.contains_key("expires")
             && int(&def.definition, "expires").is_none_or(|v| v == 0)
@@ -271,9 +278,14 @@ pub fn queue_settings(
     let quorum = crate::args::is_quorum(args);
     if let Some(p) = policy {
         let d = &p.def.definition;
-        // A policy's delivery-limit replaces the quorum default unless the argument set one.
-        let delivery_arg = arg_int("x-delivery-limit").and_then(|n| u32::try_from(n).ok());
-        cap_limits(&mut config, &mut expires, d, quorum.then_some(delivery_arg));
+        cap_limits(&mut config, &mut expires, d, None);
+        if quorum && let Some(policy_limit) = d.get("delivery-limit").and_then(Value::as_i64) {
+            let arg = args
+                .inner()
+                .get("x-delivery-limit")
+                .and_then(crate::args::int_value);
+            config.delivery_limit = resolve_delivery_limit(i128::from(policy_limit), arg);
+        }
         if !args.inner().contains_key("x-overflow") {
             config.overflow = match text(d, "overflow").as_deref() {
                 Some("reject-publish") => Overflow::RejectPublish,
@@ -310,6 +322,19 @@ pub fn queue_settings(
         dead_letter,
         expires,
     }
+}
+
+/// A quorum queue's delivery limit from a policy's value and its argument, as
+/// rabbit_quorum_queue's `resolve_delivery_limit/2`: the larger when either is negative (a
+/// negative one is "none", so a policy can lift an argument's limit and the other way
+/// round), else the smaller; without an argument, the policy's.
+fn resolve_delivery_limit(policy: i128, arg: Option<i128>) -> Option<u32> {
+    let v = match arg {
+        Some(a) if a < 0 || policy < 0 => a.max(policy),
+        Some(a) => a.min(policy),
+        None => policy,
+    };
+    Some(crate::args::delivery_limit_of(v))
 }
 
 /// Lower the numeric limits of `config` (and `expires`) to those `d` sets: a policy's limits
@@ -476,6 +501,23 @@ mod tests {
             .unwrap_or_default();
         let s = queue_settings(&quorum, Some(&lenient), Some(&strict));
         assert_eq!(s.config.delivery_limit, Some(30));
+        // resolve_delivery_limit: a negative value on either side lifts the limit (the
+        // larger wins), else the smaller does.
+        let off = policy("off", ".*", 0, serde_json::json!({"delivery-limit": -1}));
+        let mut limited = quorum.clone();
+        limited.insert("x-delivery-limit".into(), AMQPValue::LongInt(5));
+        let s = queue_settings(&limited, Some(&off), None);
+        assert_eq!(s.config.delivery_limit, Some(5), "max(-1, 5)");
+        let mut unlimited = quorum.clone();
+        unlimited.insert("x-delivery-limit".into(), AMQPValue::LongInt(-1));
+        let s = queue_settings(&unlimited, Some(&lenient), None);
+        assert_eq!(s.config.delivery_limit, Some(50), "max(50, -1)");
+        let s = queue_settings(&quorum, Some(&off), None);
+        assert_eq!(
+            s.config.delivery_limit,
+            Some(crate::queue::machine::DELIVERY_LIMIT_NONE),
+            "a policy alone turns the default limit off"
+        );
         let s = queue_settings(&FieldTable::default(), None, Some(&strict));
         assert_eq!(
             s.config.delivery_limit, None,

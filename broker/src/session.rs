@@ -121,7 +121,10 @@ struct Unacked {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum AckAction {
     Settle,
+    /// The client asked for a requeue (nack, reject, recover).
     Requeue,
+    /// Back without the client asking (its channel closed).
+    Release,
     Discard,
 }
 
@@ -331,6 +334,7 @@ fn apply_acks(
                 q.settle(ids, on_commit.as_mut().map(|f| &mut **f as OnCommit<'_>))
             }
             AckAction::Requeue => q.requeue(ids),
+            AckAction::Release => q.give_back(ids),
             AckAction::Discard => {
                 q.discard(ids, on_commit.as_mut().map(|f| &mut **f as OnCommit<'_>));
             }
@@ -479,7 +483,7 @@ impl Session {
         if let Mode::Tx(buf) = chan.mode {
             pending.extend(buf.acks.into_iter().map(|(_, _, u)| u));
         }
-        apply_acks(&chan.limiter, AckAction::Requeue, pending, None);
+        apply_acks(&chan.limiter, AckAction::Release, pending, None);
     }
 
     /// The connection is gone: release every channel and delete exclusive queues.
@@ -827,7 +831,7 @@ impl Session {
     fn deliver(&mut self, d: Delivery, out: &mut FrameWriter) {
         let Some(chan) = self.channels.get_mut(&d.channel) else {
             // The channel closed after the queue chose its consumer: the message goes back.
-            d.queue.requeue(vec![d.id]);
+            d.queue.give_back(vec![d.id]);
             return;
         };
         // One lookup gives both the tag to write and the ack mode.
@@ -838,7 +842,7 @@ impl Session {
             .map(|(t, e)| (t.as_str(), e.no_ack))
         else {
             // The consumer went away after the queue chose it: the message goes back.
-            d.queue.requeue(vec![d.id]);
+            d.queue.give_back(vec![d.id]);
             if d.counted {
                 chan.limiter.release(1).run();
             }
@@ -850,7 +854,7 @@ impl Session {
                 // The message goes back to its queue; the connection closes with 541.
                 tracing::error!(queue = %d.queue.name, error = %e, "cannot read a stored message");
                 self.store_failed = true;
-                d.queue.requeue(vec![d.id]);
+                d.queue.give_back(vec![d.id]);
                 return;
             }
         };
@@ -1119,7 +1123,11 @@ fn handle_queue(
                     ctx.allow(Perm::Write, Resource::Exchange, &dlx)?;
                     ctx.allow(Perm::Read, Resource::Queue, &name)?;
                 }
-                crate::args::validate_queue_args(&d.arguments, &rs("queue", &name, &vhost.name))?;
+                crate::args::validate_queue_args(
+                    &d.arguments,
+                    &rs("queue", &name, &vhost.name),
+                    vhost.queue(&name).is_none(),
+                )?;
                 let what = rs("queue", &name, &vhost.name);
                 if crate::stream::is_stream(&d.arguments) {
                     crate::stream::config_from_args(&d.arguments, &what)?;
@@ -2113,13 +2121,13 @@ fn write_get(
 /// message it holds goes back to its queue.
 fn requeue_undelivered(item: Outbound) {
     match item {
-        Outbound::Deliver(d) => d.queue.requeue(vec![d.id]),
+        Outbound::Deliver(d) => d.queue.give_back(vec![d.id]),
         Outbound::Got {
             queue,
             no_ack: false,
             got: Some((id, ..)),
             ..
-        } => queue.requeue(vec![id]),
+        } => queue.give_back(vec![id]),
         _ => {}
     }
 }

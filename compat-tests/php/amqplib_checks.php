@@ -117,14 +117,10 @@ check('exchange to exchange binding routes', function () use ($conn) {
     $ch->exchange_bind($dst, $src);
     [$q] = $ch->queue_declare('', false, false, true, true);
     $ch->queue_bind($q, $dst, 'k');
+    $ch->confirm_select();
     $ch->basic_publish(new AMQPMessage('via e2e'), $src, 'k');
-    $m = null;
-    for ($i = 0; $i < 50 && $m === null; $i++) {
-        $m = $ch->basic_get($q, true);
-        if ($m === null) {
-            usleep(20000);
-        }
-    }
+    $ch->wait_for_pending_acks(5); // confirmed: routed and enqueued
+    $m = $ch->basic_get($q, true);
     expect($m !== null && $m->getBody() === 'via e2e', 'not routed');
     $ch->close();
 });

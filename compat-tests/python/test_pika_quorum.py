@@ -109,6 +109,26 @@ def test_without_a_delivery_limit_requeued_messages_go_to_the_back(conn, ch, nam
     ch.queue_delete(q)
 
 
+@pytest.mark.rabbitmq4
+def test_without_a_delivery_limit_a_closed_channels_messages_keep_their_place(conn, ch, names):
+    """Goal: only a requeue the client asks for goes to the back; messages returned because
+    their channel closed come back first, as rabbit_fifo's returns (checked on 4.0.5).
+    Method: publish a, b; take a on a second channel without acking and close that channel;
+    the queue serves a, then b."""
+    q = names.q()
+    ch.queue_declare(q, durable=True, arguments={**QUORUM, "x-delivery-limit": -1})
+    ch.confirm_delivery()
+    for body in (b"a", b"b"):
+        ch.basic_publish("", q, body, pika.BasicProperties(delivery_mode=2))
+    other = conn.channel()
+    _, _, body = wait_get(conn, other, q, auto_ack=False)
+    assert body == b"a"
+    other.close()
+    order = [wait_get(conn, ch, q)[2] for _ in range(2)]
+    assert order == [b"a", b"b"]
+    ch.queue_delete(q)
+
+
 @pytest.mark.warren_only
 def test_a_message_requeued_to_the_back_keeps_its_place_across_a_restart(tmp_path):
     """Goal: the requeue to the back is durable (its store record moves to the new place).

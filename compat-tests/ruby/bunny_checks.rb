@@ -105,14 +105,10 @@ check("large message round trip") do
   ch = conn.create_channel
   q = ch.queue(name("big"), exclusive: true)
   body = SecureRandom.random_bytes(4 * 1024 * 1024)
+  ch.confirm_select
   ch.default_exchange.publish(body, routing_key: q.name)
-  _i, _p, got = Timeout.timeout(10) do
-    loop do
-      m = q.pop
-      break m if m[2]
-      sleep 0.05
-    end
-  end
+  expect(ch.wait_for_confirms, "nacked") # confirmed: it is in the queue
+  _i, _p, got = q.pop
   expect(got == body, "body differs")
   ch.close
 end

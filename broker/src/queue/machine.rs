@@ -220,6 +220,12 @@ pub enum Command<M> {
         /// Its first offset not acked.
         next: u64,
     },
+    /// The client asked for unacked messages back (basic.nack or basic.reject with requeue,
+    /// basic.recover): as [`Command::Return`], except that a quorum queue without a delivery
+    /// limit requeues them at the back, as rabbit_fifo's requeue does (returns after a
+    /// channel close, cancel or node loss keep their place there too). After `TrackOffset`,
+    /// so older logs still decode.
+    Requeue(Vec<MsgId>),
 }
 
 impl<M> Command<M> {
@@ -257,6 +263,7 @@ impl<M> Command<M> {
             Self::SetLimited(c, l) => Command::SetLimited(c, l),
             Self::Down { node, before } => Command::Down { node, before },
             Self::TrackOffset { name, next } => Command::TrackOffset { name, next },
+            Self::Requeue(ids) => Command::Requeue(ids),
         })
     }
 }
@@ -559,6 +566,63 @@ impl<M: MessageRef> QueueMachine<M> {
         self.config
             .max_priority
             .map_or(0, |max| msg.priority().min(max))
+    }
+
+    /// Put unacked messages back, marked redelivered, counting a delivery each: removed
+    /// past the delivery limit; at the back under new ids when `to_back`, else in their
+    /// original place.
+    fn return_messages(&mut self, ids: Vec<MsgId>, to_back: bool, effects: &mut Vec<Effect<M>>) {
+        for id in ids {
+            if let Some(Unacked {
+                msg,
+                expires_at,
+                delivery_count: count,
+                enqueued_at,
+                ..
+            }) = self.take_unacked(id)
+            {
+                let delivery_count = count.saturating_add(1);
+                if self
+                    .config
+                    .delivery_limit
+                    .is_some_and(|limit| delivery_count > limit)
+                {
+                    self.counters.discarded += 1;
+                    effects.push(Effect::Removed {
+                        id,
+                        msg,
+                        reason: Removal::DeliveryLimit,
+                    });
+                    continue;
+                }
+                if to_back {
+                    let new = self.next_id;
+                    self.next_id += 1;
+                    effects.push(Effect::Requeued {
+                        old: id,
+                        new,
+                        msg: msg.clone(),
+                    });
+                    self.push_fresh(Ready {
+                        id: new,
+                        msg,
+                        redelivered: true,
+                        expires_at,
+                        delivery_count,
+                        enqueued_at,
+                    });
+                    continue;
+                }
+                self.push_returned(Ready {
+                    id,
+                    msg,
+                    redelivered: true,
+                    expires_at,
+                    delivery_count,
+                    enqueued_at,
+                });
+            }
+        }
     }
 
     fn push_fresh(&mut self, r: Ready<M>) {
@@ -883,57 +947,12 @@ impl<M: MessageRef> QueueMachine<M> {
                 return self.apply(now_ms, Command::Return(held), effects);
             }
             Command::Return(ids) => {
-                for id in ids {
-                    if let Some(Unacked {
-                        msg,
-                        expires_at,
-                        delivery_count: count,
-                        enqueued_at,
-                        ..
-                    }) = self.take_unacked(id)
-                    {
-                        let delivery_count = count.saturating_add(1);
-                        if self
-                            .config
-                            .delivery_limit
-                            .is_some_and(|limit| delivery_count > limit)
-                        {
-                            self.counters.discarded += 1;
-                            effects.push(Effect::Removed {
-                                id,
-                                msg,
-                                reason: Removal::DeliveryLimit,
-                            });
-                            continue;
-                        }
-                        if self.config.returns_to_back() {
-                            let new = self.next_id;
-                            self.next_id += 1;
-                            effects.push(Effect::Requeued {
-                                old: id,
-                                new,
-                                msg: msg.clone(),
-                            });
-                            self.push_fresh(Ready {
-                                id: new,
-                                msg,
-                                redelivered: true,
-                                expires_at,
-                                delivery_count,
-                                enqueued_at,
-                            });
-                            continue;
-                        }
-                        self.push_returned(Ready {
-                            id,
-                            msg,
-                            redelivered: true,
-                            expires_at,
-                            delivery_count,
-                            enqueued_at,
-                        });
-                    }
-                }
+                self.return_messages(ids, false, effects);
+                Reply::Ok
+            }
+            Command::Requeue(ids) => {
+                let to_back = self.config.returns_to_back();
+                self.return_messages(ids, to_back, effects);
                 Reply::Ok
             }
             Command::Get { no_ack } => match self.pop_live(effects) {

@@ -1094,18 +1094,29 @@ impl Queue {
         self.dead_letter_pending();
     }
 
-    /// Requeue (nack/reject with requeue, recover, channel close).
+    /// The client asked for these back (nack/reject with requeue, recover):
+    /// [`Command::Requeue`].
     pub fn requeue(self: &Arc<Self>, ids: Vec<MsgId>) {
+        self.put_back(Command::Requeue(ids));
+    }
+
+    /// Unacked or undelivered messages come back without the client asking (its channel
+    /// closed, a delivery its consumer can no longer take): [`Command::Return`], in place.
+    pub fn give_back(self: &Arc<Self>, ids: Vec<MsgId>) {
+        self.put_back(Command::Return(ids));
+    }
+
+    fn put_back(self: &Arc<Self>, command: Command<Entry>) {
         if self.is_stream {
             return;
         }
         if let Some(replica) = self.replica() {
-            self.submit_quietly(replica, vec![Command::Return(ids)]);
+            self.submit_quietly(replica, vec![command]);
             return;
         }
         {
             let mut st = self.state.lock();
-            let _ = self.run(&mut st, Command::Return(ids));
+            let _ = self.run(&mut st, command);
         }
         self.dead_letter_pending();
     }

@@ -815,9 +815,10 @@ fn requeued(effects: &[Effect<M>]) -> Vec<(MsgId, MsgId)> {
 
 #[test]
 fn without_a_delivery_limit_returned_messages_go_to_the_back() {
-    // Goal: rabbit_fifo without a delivery limit requeues a returned message behind those
-    // already waiting, and counts its deliveries without ever removing it. Method: three
-    // messages, take the first, return it: the order is now 2, 3, 1, under a new id.
+    // Goal: rabbit_fifo without a delivery limit requeues a message the client gives back
+    // behind those already waiting, and counts its deliveries without ever removing it; a
+    // return the client did not ask for keeps its place. Method: three messages, take the
+    // first, requeue it: the order is now 2, 3, 1, under a new id.
     let mut q = QueueMachine::with_config(QueueConfig {
         delivery_limit: Some(DELIVERY_LIMIT_NONE),
         ..QueueConfig::default()
@@ -827,7 +828,7 @@ fn without_a_delivery_limit_returned_messages_go_to_the_back() {
         q.apply(0, Command::Enqueue(M(i)), &mut fx).unwrap();
     }
     let first = got_id(q.apply(0, Command::Get { no_ack: false }, &mut fx)).unwrap();
-    q.apply(0, Command::Return(vec![first]), &mut fx).unwrap();
+    q.apply(0, Command::Requeue(vec![first]), &mut fx).unwrap();
     assert_eq!(requeued(&fx), vec![(first, 4)]);
     let mut order = Vec::new();
     for _ in 0..3 {
@@ -842,12 +843,20 @@ fn without_a_delivery_limit_returned_messages_go_to_the_back() {
         order,
         vec![(2, 2, false, 0), (3, 3, false, 0), (4, 1, true, 1)]
     );
+    // Returned without the client asking (a channel closed): back in its place, first.
+    let mut back = Vec::new();
+    q.apply(0, Command::Return(vec![3]), &mut back).unwrap();
+    assert!(requeued(&back).is_empty(), "{back:?}");
+    assert_eq!(
+        got_id(q.apply(0, Command::Get { no_ack: false }, &mut fx)),
+        Some(3)
+    );
     // Returned far more often than any limit allows: never removed, counted every time.
     let (mut id, mut count) = (4, 1);
     q.apply(0, Command::Settle(vec![2, 3]), &mut fx).unwrap();
     for _ in 0..50 {
         fx.clear();
-        q.apply(0, Command::Return(vec![id]), &mut fx).unwrap();
+        q.apply(0, Command::Requeue(vec![id]), &mut fx).unwrap();
         assert!(removed(&fx).is_empty());
         id = requeued(&fx)[0].1;
         count += 1;
@@ -899,7 +908,7 @@ proptest! {
                 2 if !unacked.is_empty() => {
                     let id = *unacked.keys().nth(pick % unacked.len()).unwrap();
                     let p = unacked.remove(&id).unwrap();
-                    q.apply(0, Command::Return(vec![id]), &mut fx).unwrap();
+                    q.apply(0, Command::Requeue(vec![id]), &mut fx).unwrap();
                     let moved = requeued(&fx);
                     prop_assert_eq!(moved.len(), 1);
                     prop_assert_eq!(moved[0].0, id);
