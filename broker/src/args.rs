@@ -555,10 +555,7 @@ pub const QUORUM_DELIVERY_LIMIT_DEFAULT: u32 = 20;
 /// Whether the arguments declare a quorum queue.
 #[must_use]
 pub fn is_quorum(args: &FieldTable) -> bool {
-    args.inner()
-        .get("x-queue-type")
-        .and_then(string_like)
-        .is_some_and(|t| t == b"quorum")
+    QueueType::of(args) == QueueType::Quorum
 }
 
 /// Validate a message's `expiration` property as RabbitMQ's `rabbit_basic:parse_expiration`

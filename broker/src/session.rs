@@ -1129,10 +1129,10 @@ fn handle_queue(
                     vhost.queue(&name).is_none(),
                 )?;
                 let what = rs("queue", &name, &vhost.name);
-                if crate::stream::is_stream(&d.arguments) {
+                if kind == crate::args::QueueType::Stream {
                     crate::stream::config_from_args(&d.arguments, &what)?;
                 }
-                if crate::args::is_quorum(&d.arguments) || crate::stream::is_stream(&d.arguments) {
+                if kind != crate::args::QueueType::Classic {
                     // rabbit_quorum_queue:declare's checks, in its order (rabbit_stream_queue
                     // makes the same ones).
                     for (bad, property) in [

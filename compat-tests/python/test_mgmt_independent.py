@@ -25,6 +25,8 @@ import pika
 import pytest
 from pika.exceptions import ConnectionClosedByBroker
 
+from test_management import declared_args
+
 POLL_TIMEOUT = 15.0
 HTTP_TIMEOUT = 30.0
 
@@ -95,15 +97,6 @@ class Api:
         r = self.get(path)
         assert r.status == 200, (path, r)
         return r.json()
-
-
-def declared_args(queue):
-    """A queue object's arguments without the effective x-queue-type RabbitMQ 4 adds to them
-    (rabbit_amqqueue:augment_declare_args/5; 3.10 lists only what was declared). When present
-    it must be the queue's type."""
-    args = dict(queue["arguments"])
-    assert args.pop("x-queue-type", queue["type"]) == queue["type"], queue
-    return args
 
 
 def poll(fetch, pred, timeout=POLL_TIMEOUT, step=0.2, what="condition"):

@@ -77,10 +77,7 @@ pub fn config_from_args(args: &FieldTable, what: &str) -> Result<log::StreamConf
 /// Whether the arguments declare a stream.
 #[must_use]
 pub fn is_stream(args: &FieldTable) -> bool {
-    args.inner()
-        .get("x-queue-type")
-        .and_then(crate::args::text_value)
-        .is_some_and(|t| t == "stream")
+    crate::args::QueueType::of(args) == crate::args::QueueType::Stream
 }
 
 /// A stream's effective retention: its declare arguments, overridden by a policy's
