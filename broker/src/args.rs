@@ -595,6 +595,12 @@ pub fn check_expiration(raw: &[u8]) -> Result<u64, warren_amqp::AmqpError> {
     u64::try_from(n).map_err(|_| fail("no_integer".into()))
 }
 
+/// `kind 'name' in vhost 'v'`, as RabbitMQ's `rabbit_misc:rs/1`.
+#[must_use]
+pub fn rs(kind: &str, name: &str, vhost: &str) -> String {
+    format!("{kind} '{name}' in vhost '{vhost}'")
+}
+
 #[cfg(test)]
 mod expiration_tests {
     use super::check_expiration;

@@ -10,14 +10,17 @@
 use std::sync::Arc;
 
 use amq_protocol::types::FieldTable;
-use bytes::Bytes;
 use warren_amqp::table::{decode_table, encode_table};
 use warren_store::writer::Completion;
-use warren_store::{Batch, Location, MetaTable, Op, Segments, StoreError, StoredMessage, Writer};
+use warren_store::{Batch, Location, MetaTable, Op, Segments, StoreError, Writer};
 
+use crate::exchange::ExchangeDecl;
 use crate::exchange::{Destination, ExchangeKind};
-use crate::message::Message;
-use crate::vhost::ExchangeDecl;
+pub use crate::message::codec::stored;
+use crate::message::{Entry, Outgoing};
+
+/// Produces the completion for a submitted change (called only when something was submitted).
+pub type OnCommit<'a> = &'a mut dyn FnMut() -> Completion;
 
 /// Field-table nesting accepted when decoding stored records (the wire limit).
 const TABLE_DEPTH: usize = warren_amqp::limits::TABLE_DEPTH_MAX;
@@ -68,7 +71,7 @@ impl Durable {
 
     /// Queue metadata ops (no bodies) whose durability a reply waits for: `on_commit` is asked
     /// for the completion only when there is something to write.
-    pub fn submit_meta(&self, ops: Vec<Op>, on_commit: crate::vhost::OnCommit<'_>) {
+    pub fn submit_meta(&self, ops: Vec<Op>, on_commit: OnCommit<'_>) {
         if !ops.is_empty() {
             self.writer.submit(
                 Batch {
@@ -435,14 +438,22 @@ impl BindingRecord {
     }
 }
 
-/// The stored form of a message (the body is shared, not copied).
+/// Make a queued message deliverable: in memory already, or its record pinned (its segment held
+/// open) so that it can still be read after its settle is committed and the segment deleted.
+/// Call while the message is still referenced (under the queue lock, before its removal is
+/// submitted).
 #[must_use]
-pub fn stored(message: &Message) -> StoredMessage {
-    StoredMessage {
-        exchange: Bytes::copy_from_slice(message.exchange.as_bytes()),
-        routing_key: Bytes::copy_from_slice(message.routing_key.as_bytes()),
-        properties: message.properties.raw.clone(),
-        body: message.body.clone(),
+pub fn pin(entry: &Entry, store: Option<&Durable>) -> Outgoing {
+    match entry {
+        Entry::Mem(m) => Outgoing::Mem(Arc::clone(m)),
+        Entry::Stored { location, size, .. } => match store.map(|s| s.pin(*location)) {
+            Some(Ok(pinned)) => Outgoing::Stored {
+                pinned,
+                size: *size,
+            },
+            Some(Err(e)) => Outgoing::Unreadable(e.to_string()),
+            None => Outgoing::Unreadable("stored message without a store".into()),
+        },
     }
 }
 

@@ -74,7 +74,7 @@ pub struct VhostRecord {
     )]
     pub default_queue_type: Option<String>,
     /// Which store id holds the vhost's scheduled delayed messages (see
-    /// [`crate::delayed::store_id`]); 0 is vhost "/", and records from before slots existed.
+    /// [`crate::routing::delayed::store_id`]); 0 is vhost "/", and records from before slots existed.
     #[serde(default, rename = "delayed-slot", skip_serializing_if = "is_zero")]
     pub delayed_slot: u32,
 }

@@ -1798,7 +1798,7 @@ impl Applied for QueueApplied {
 
     fn install(&self, bytes: &[u8]) -> Result<(), String> {
         if let Some(stream) = self.queue.stream() {
-            let snapshot: warren_broker::stream::queue::StreamSnapshot =
+            let snapshot: warren_broker::queue::stream::StreamSnapshot =
                 crate::codec::decode(bytes).map_err(|e| e.to_string())?;
             return stream.install(snapshot).map_err(|e| e.to_string());
         }
@@ -1816,7 +1816,7 @@ impl Applied for QueueApplied {
         let Some(stream) = self.queue.stream() else {
             return Ok(state.to_vec());
         };
-        let snapshot: warren_broker::stream::queue::StreamSnapshot =
+        let snapshot: warren_broker::queue::stream::StreamSnapshot =
             crate::codec::decode(state).map_err(|e| e.to_string())?;
         let full = stream.expand(snapshot).map_err(|e| e.to_string())?;
         crate::codec::encode(&full).map_err(|e| e.to_string())

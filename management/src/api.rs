@@ -1092,7 +1092,7 @@ fn queue_type_name(q: &Queue) -> &'static str {
 }
 
 /// Warren's `stream` object of a stream queue: offsets, segments and tracked consumers.
-fn stream_json(st: &warren_broker::stream::queue::StreamStats) -> Value {
+fn stream_json(st: &warren_broker::queue::stream::StreamStats) -> Value {
     json!({
         "first_offset": st.first_offset,
         "next_offset": st.next_offset,

@@ -727,7 +727,7 @@ fn queues(state: &AppState, s: &Scrape, rows: &[QueueRow], per_object: bool) {
 /// consumers would mean nothing, so there is no aggregated form.
 fn streams(s: &Scrape, rows: &[QueueRow]) {
     let now = warren_broker::timers::wall_ms();
-    let stats: Vec<(&QueueRow, warren_broker::stream::queue::StreamStats)> = rows
+    let stats: Vec<(&QueueRow, warren_broker::queue::stream::StreamStats)> = rows
         .iter()
         .filter_map(|r| r.queue.stream().map(|st| (r, st.stats(now))))
         .collect();
@@ -737,7 +737,7 @@ fn streams(s: &Scrape, rows: &[QueueRow]) {
     type PerStream = (
         &'static str,
         &'static str,
-        fn(&warren_broker::stream::queue::StreamStats) -> f64,
+        fn(&warren_broker::queue::stream::StreamStats) -> f64,
     );
     const PER_STREAM: &[PerStream] = &[
         (
@@ -770,7 +770,7 @@ fn streams(s: &Scrape, rows: &[QueueRow]) {
     type PerConsumer = (
         &'static str,
         &'static str,
-        fn(&warren_broker::stream::queue::TrackedLag) -> f64,
+        fn(&warren_broker::queue::stream::TrackedLag) -> f64,
     );
     const PER_CONSUMER: &[PerConsumer] = &[
         (

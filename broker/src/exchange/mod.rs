@@ -252,6 +252,50 @@ impl Exchange {
     }
 }
 
+/// The declaration flags of an exchange.
+#[derive(Debug, Clone)]
+pub struct ExchangeDecl {
+    /// Type.
+    pub kind: ExchangeKind,
+    /// Durable.
+    pub durable: bool,
+    /// Auto-delete.
+    pub auto_delete: bool,
+    /// Internal.
+    pub internal: bool,
+    /// `x-delayed-message` with `kind` as its `x-delayed-type`.
+    pub delayed: bool,
+    /// Arguments.
+    pub arguments: FieldTable,
+}
+
+impl ExchangeDecl {
+    /// Its type name as clients see it (`x-delayed-message` for delayed exchanges).
+    #[must_use]
+    pub fn type_name(&self) -> &'static str {
+        if self.delayed {
+            DELAYED_TYPE
+        } else {
+            self.kind.as_str()
+        }
+    }
+
+    /// The exchange these flags declare.
+    #[must_use]
+    pub fn build(&self, name: &str) -> Exchange {
+        let mut ex = Exchange::new(
+            name,
+            self.kind,
+            self.durable,
+            self.auto_delete,
+            self.internal,
+            self.arguments.clone(),
+        );
+        ex.delayed = self.delayed;
+        ex
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,7 +9,23 @@
 //! purge, no-ack delivery) are submitted under the same lock, so the store sees every message's
 //! enqueue before its settle.
 
+mod consume;
+mod dead_letter;
+mod expiry;
+pub mod host;
+pub mod limiter;
 pub mod machine;
+pub mod outbox;
+mod publish;
+pub mod replica;
+mod replicated;
+mod settle;
+pub mod stream;
+
+pub use host::{NoHost, QueueHost};
+use publish::below_flow_release;
+pub use publish::{Enqueued, publish_routed};
+use replicated::replicated_outcome;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,13 +38,13 @@ use warren_store::writer::Completion;
 use warren_store::{Batch, BodyRef, Location, Op};
 
 use crate::deadletter::{self, DeadLetterTarget};
+use crate::durable::OnCommit;
 use crate::durable::{Durable, stored};
 use crate::exchange::RoutingHeaders;
-use crate::limiter::{Limiter, Wake};
 use crate::message::{Entry, Message, Outgoing};
-use crate::outbox::{Delivery, Outbound, Outbox};
-use crate::replication::{ReplicationError, Replicator, Replies};
-use crate::vhost::OnCommit;
+use crate::queue::limiter::{Limiter, Wake};
+use crate::queue::outbox::{Delivery, Outbound, Outbox};
+use crate::queue::replica::{ReplicationError, Replicator, Replies};
 use machine::{
     Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, Overflow, QueueMachine,
     Removal, Reply,
@@ -104,21 +120,31 @@ struct State {
 }
 
 /// What a queue is connected to in its broker.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct QueueEnv {
     /// The node's store (used only by durable, non-exclusive queues).
     pub store: Option<Arc<Durable>>,
     /// The node's timer thread (message expiry).
     pub timers: Option<Arc<crate::timers::Timers>>,
-    /// The vhost, for dead-lettering.
-    pub vhost: std::sync::Weak<crate::vhost::VHost>,
+    /// The vhost, for dead-lettering and `x-expires`.
+    pub vhost: std::sync::Weak<dyn QueueHost>,
+}
+
+impl Default for QueueEnv {
+    fn default() -> Self {
+        Self {
+            store: None,
+            timers: None,
+            vhost: std::sync::Weak::<NoHost>::new(),
+        }
+    }
 }
 
 /// A stream queue's settings and, once opened, its log and readers.
 #[derive(Debug)]
 struct StreamSlot {
     config: Mutex<crate::stream::log::StreamConfig>,
-    open: std::sync::OnceLock<Arc<crate::stream::queue::StreamQueue>>,
+    open: std::sync::OnceLock<Arc<crate::queue::stream::StreamQueue>>,
 }
 
 /// A queue with its declaration and delivery state.
@@ -141,7 +167,7 @@ pub struct Queue {
     /// Where persistent messages go (durable, non-exclusive queues of a broker with a store).
     store: Option<Arc<Durable>>,
     timers: Option<Arc<crate::timers::Timers>>,
-    vhost_ref: std::sync::Weak<crate::vhost::VHost>,
+    vhost_ref: std::sync::Weak<dyn QueueHost>,
     /// Set when `State::dead_letters` has work (checked without the lock).
     dead_letters_pending: AtomicBool,
     /// The machine's ready bytes as of its last command, read without the lock by the store
@@ -234,7 +260,7 @@ impl Queue {
 
     /// The stream of a stream queue, once opened ([`Queue::open_stream`]).
     #[must_use]
-    pub fn stream(&self) -> Option<&Arc<crate::stream::queue::StreamQueue>> {
+    pub fn stream(&self) -> Option<&Arc<crate::queue::stream::StreamQueue>> {
         self.stream.as_ref().and_then(|s| s.open.get())
     }
 
@@ -254,7 +280,7 @@ impl Queue {
             return Ok(());
         }
         let config = slot.config.lock().clone();
-        let stream = crate::stream::queue::StreamQueue::open(self, dir, config, table_depth_max)?;
+        let stream = crate::queue::stream::StreamQueue::open(self, dir, config, table_depth_max)?;
         let _ = slot.open.set(stream);
         Ok(())
     }
@@ -277,7 +303,7 @@ impl Queue {
         }
         let config = slot.config.lock().clone();
         let stream =
-            crate::stream::queue::StreamQueue::open_replica(self, dir, config, table_depth_max)?;
+            crate::queue::stream::StreamQueue::open_replica(self, dir, config, table_depth_max)?;
         let _ = slot.open.set(stream);
         Ok(())
     }
@@ -299,52 +325,6 @@ impl Queue {
         self.replica.get().is_some()
     }
 
-    /// Apply commands the queue's Raft group committed, at the entry's time `at` (a replica
-    /// never reads its own clock for them, so every replica reaches the same state). This
-    /// node delivers to the consumers attached here; the others' deliveries are theirs.
-    pub fn apply_committed(self: &Arc<Self>, at: u64, commands: Vec<Command<Entry>>) -> Replies {
-        if let Some(stream) = self.stream() {
-            return stream.apply_replicated(at, commands);
-        }
-        let leader = self.replica().is_some_and(|r| r.is_leader());
-        let here = self.replica().map_or(0, |r| r.local_node());
-        let replies = {
-            let mut st = self.state.lock();
-            st.dead_letters_here = leader;
-            commands
-                .into_iter()
-                .map(|c| {
-                    if let Command::Down { node, before } = c
-                        && node == here
-                    {
-                        // The cluster took this node's consumers for gone (it was silent):
-                        // their clients hear it, as when a queue goes away. Only those the
-                        // Down detaches, as the machine stands at this entry: a consumer
-                        // whose checkout commits later (one that subscribed after the node
-                        // came back) keeps its sink.
-                        let gone: Vec<ConsumerId> = st
-                            .sinks
-                            .keys()
-                            .copied()
-                            .filter(|id| *id < before && st.machine.has_consumer(*id))
-                            .collect();
-                        for id in gone {
-                            if let Some(sink) = st.sinks.remove(&id) {
-                                sink.outbox.push(Outbound::Cancel {
-                                    channel: sink.channel,
-                                    consumer: id,
-                                });
-                            }
-                        }
-                    }
-                    self.apply_at(&mut st, c, at)
-                })
-                .collect()
-        };
-        self.dead_letter_pending();
-        replies
-    }
-
     /// Read the machine (a replicated queue's snapshot).
     pub fn with_machine<T>(&self, f: impl FnOnce(&QueueMachine<Entry>) -> T) -> T {
         f(&self.state.lock().machine)
@@ -359,60 +339,9 @@ impl Queue {
         self.update_hints(&st);
     }
 
-    /// Submit to the group, fire and forget: the outcome shows in the applied state (a lost
-    /// submission is like a client whose command never arrived).
-    fn submit_quietly(&self, replica: &Arc<dyn Replicator>, commands: Vec<Command<Entry>>) {
-        replica.submit(commands, Box::new(|_| {}));
-    }
-
-    /// A replicated command whose caller waits for it (purge-ok, tx.commit-ok): `on_commit`'s
-    /// completion runs once the group committed it.
-    fn submit_then(
-        replica: &Arc<dyn Replicator>,
-        commands: Vec<Command<Entry>>,
-        on_commit: Option<OnCommit<'_>>,
-    ) {
-        let done = on_commit.map(|f| f());
-        replica.submit(
-            commands,
-            Box::new(move |r| {
-                if let Some(done) = done {
-                    done(replicated_outcome(r).map(|_| Vec::new()));
-                }
-            }),
-        );
-    }
-
     /// The machine's time: wall-clock milliseconds (absolute, so expiry times can be stored).
     fn now_ms(&self) -> u64 {
         crate::timers::wall_ms()
-    }
-
-    /// Make sure the timer thread wakes this queue when its next message expires.
-    fn arm_timer(self: &Arc<Self>, st: &mut State) {
-        if st.deleted {
-            return;
-        }
-        let next = match (st.machine.next_expiry(), self.unused_until(st)) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        };
-        if let (Some(timers), Some(next)) = (&self.timers, next)
-            && st.timer_at.is_none_or(|armed| next < armed)
-        {
-            st.timer_at = Some(next);
-            let weak: std::sync::Weak<Self> = Arc::downgrade(self);
-            let target: std::sync::Weak<dyn crate::timers::TimerTarget> = weak;
-            timers.schedule(next, target);
-        }
-    }
-
-    /// `x-expires`: when the queue is deleted if nobody uses it until then (None while it has
-    /// consumers or no such argument).
-    fn unused_until(&self, st: &State) -> Option<u64> {
-        st.expires
-            .filter(|_| st.machine.consumer_count() == 0 && !st.deleted)
-            .map(|ms| st.last_used.saturating_add(ms))
     }
 
     /// Apply the queue's policy and operator policy (None: none matches any more): its
@@ -424,7 +353,7 @@ impl Queue {
         operator: Option<&crate::policy::Policy>,
     ) {
         if let Some(slot) = &self.stream {
-            let what = crate::vhost::rs("queue", &self.name, &self.vhost);
+            let what = crate::args::rs("queue", &self.name, &self.vhost);
             let config = crate::stream::config_with_policy(&self.arguments, policy, &what);
             *slot.config.lock() = config.clone();
             if let Some(stream) = slot.open.get() {
@@ -458,141 +387,6 @@ impl Queue {
             crate::policy::Applies::QuorumQueue
         } else {
             crate::policy::Applies::ClassicQueue
-        }
-    }
-
-    /// The queue was used (declared, consumed from, read with basic.get): `x-expires` starts
-    /// again.
-    pub fn touch(self: &Arc<Self>) {
-        let mut st = self.state.lock();
-        st.last_used = self.now_ms();
-        self.arm_timer(&mut st);
-    }
-
-    /// Called by the timer thread: expire messages that are due, delete the queue if it has
-    /// been unused for its `x-expires`, then re-arm.
-    pub fn on_timer(self: &Arc<Self>) {
-        if let Some(replica) = self.replica() {
-            // Expiry is a command like any other: the leader proposes it, at its time.
-            self.state.lock().timer_at = None;
-            if replica.is_leader() {
-                self.submit_quietly(replica, vec![Command::Expire]);
-            }
-            return;
-        }
-        let unused = {
-            let mut st = self.state.lock();
-            st.timer_at = None;
-            let _ = self.run(&mut st, Command::Expire);
-            self.unused_until(&st).is_some_and(|at| at <= self.now_ms())
-        };
-        self.dead_letter_pending();
-        if unused && let Some(vhost) = self.vhost_ref.upgrade() {
-            // Checked again under the vhost lock: a consumer or declare may have come since.
-            vhost.delete_queue_if(self, Self::is_unused_now, &mut || Box::new(|_| {}));
-        }
-    }
-
-    /// Whether `x-expires` has run out right now.
-    fn is_unused_now(&self) -> bool {
-        let st = self.state.lock();
-        self.unused_until(&st).is_some_and(|at| at <= self.now_ms())
-    }
-
-    fn hold_dead_letter(&self, st: &mut State, msg: &Entry, reason: Removal) {
-        if !st.dead_letters_here {
-            return;
-        }
-        st.dead_letters
-            .push((msg.pin(self.store.as_deref()), reason));
-        self.dead_letters_pending.store(true, Ordering::Release);
-    }
-
-    /// Republish what this queue dead-lettered to its dead-letter exchange. Call with no
-    /// queue lock held (routing takes the vhost lock, publishing takes other queues' locks).
-    ///
-    /// Dead-lettering into a queue can make that queue dead-letter in turn (a full drop-head
-    /// queue): such nested work is queued on this thread and drained by the outermost call, so
-    /// the stack does not grow with the length of the chain.
-    pub fn dead_letter_pending(self: &Arc<Self>) {
-        if !self.dead_letters_pending.load(Ordering::Acquire) {
-            return;
-        }
-        let nested = DEAD_LETTER_WORK.with(|w| {
-            let mut w = w.borrow_mut();
-            match w.as_mut() {
-                Some(queue) => {
-                    queue.push_back(Arc::clone(self));
-                    true
-                }
-                None => {
-                    *w = Some(std::collections::VecDeque::new());
-                    false
-                }
-            }
-        });
-        if nested {
-            return;
-        }
-        let mut next = Some(Arc::clone(self));
-        while let Some(q) = next {
-            q.dead_letter_now();
-            next = DEAD_LETTER_WORK.with(|w| w.borrow_mut().as_mut().and_then(|v| v.pop_front()));
-        }
-        DEAD_LETTER_WORK.with(|w| *w.borrow_mut() = None);
-    }
-
-    fn dead_letter_now(self: &Arc<Self>) {
-        if !self.dead_letters_pending.swap(false, Ordering::AcqRel) {
-            return;
-        }
-        let (items, target) = {
-            let mut st = self.state.lock();
-            (std::mem::take(&mut st.dead_letters), st.dead_letter.clone())
-        };
-        let (Some(target), Some(vhost)) = (target.as_ref(), self.vhost_ref.upgrade()) else {
-            return;
-        };
-        let now_s = crate::timers::wall_ms() / 1000;
-        let mut targets = Vec::new();
-        for (out, reason) in items {
-            let Some(reason) = deadletter::reason_name(reason) else {
-                continue;
-            };
-            let loaded = match out.load() {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::error!(queue = %self.name, error = %e, "cannot read a message to dead-letter");
-                    continue;
-                }
-            };
-            let depth = warren_amqp::limits::TABLE_DEPTH_MAX;
-            let Some(msg) =
-                deadletter::dead_lettered(&loaded, &self.name, reason, now_s, target, depth)
-            else {
-                continue;
-            };
-            let headers = RoutingHeaders::new(&msg.properties);
-            targets.clear();
-            // A missing dead-letter exchange drops the message, as in RabbitMQ.
-            if vhost
-                .route_internal(&msg.exchange, &msg.routing_key, &headers, &mut targets)
-                .is_err()
-            {
-                continue;
-            }
-            // Without x-dead-letter-routing-key the message keeps all its keys, CC included.
-            if target.routing_key.is_none() {
-                for cc in deadletter::sender_selected(&msg.properties).0 {
-                    let _ = vhost.route_internal(&msg.exchange, &cc, &headers, &mut targets);
-                }
-                let mut seen = std::collections::HashSet::new();
-                targets.retain(|q| seen.insert(Arc::as_ptr(q)));
-            }
-            let deaths = deadletter::deaths(headers.get());
-            targets.retain(|q| !deadletter::is_cycle(&deaths, &q.name));
-            let msg = Arc::new(msg);
-            let _ = publish_routed(&targets, &msg, || Box::new(|_| {}));
         }
     }
 
@@ -660,21 +454,6 @@ impl Queue {
         }
     }
 
-    /// Whether publishers into this queue should pause: it is over the flow limits while its
-    /// consumers are receiving (see [`crate::limits::FLOW_READY_HIGH`]).
-    #[must_use]
-    pub fn flow_pressure(&self) -> bool {
-        if let Some(stream) = self.stream() {
-            return stream.flow_pressure();
-        }
-        let over = self.ready_len_hint.load(Ordering::Relaxed) >= crate::limits::FLOW_READY_HIGH
-            || self.ready_bytes_hint.load(Ordering::Relaxed)
-                >= crate::limits::FLOW_READY_BYTES_HIGH;
-        over && crate::timers::wall_ms()
-            .saturating_sub(self.last_delivery_ms.load(Ordering::Relaxed))
-            < crate::limits::FLOW_CONSUMER_IDLE_MS
-    }
-
     /// Resolves once the queue is below half of the flow limits (at once if it already is).
     pub async fn flow_released(&self) {
         let notified = self.flow_drained.notified();
@@ -691,11 +470,6 @@ impl Queue {
             return;
         }
         notified.await;
-    }
-
-    /// Wake the publishers paused on this queue (a stream's writer caught up).
-    pub fn flow_drained(&self) {
-        self.flow_drained.notify_waiters();
     }
 
     /// Whether `entry` is kept in the store while in this queue.
@@ -808,418 +582,13 @@ impl Queue {
                         consumer,
                         queue: Arc::clone(self),
                         id,
-                        message: msg.pin(self.store.as_deref()),
+                        message: crate::durable::pin(&msg, self.store.as_deref()),
                         redelivered,
                         counted: st.machine.is_limited(consumer),
                         delivery_count,
                     }));
                 }
             }
-        }
-    }
-
-    /// A limiter has room again: offer its waiting consumers here a slot.
-    pub fn regrant(self: &Arc<Self>) {
-        if self.is_replicated() {
-            return;
-        }
-        {
-            let mut st = self.state.lock();
-            let mut effects = std::mem::take(&mut st.effects);
-            self.offer_grants(&mut st, &mut effects);
-            st.effects = effects;
-            self.submit_store_ops(&mut st, None);
-        }
-        self.dead_letter_pending();
-    }
-
-    /// Put a consumer under its channel's shared limit or release it from it.
-    pub fn set_limited(self: &Arc<Self>, consumer: ConsumerId, limited: bool) {
-        if self.is_replicated() {
-            // Quorum queues take no consumers under a channel-wide limit.
-            return;
-        }
-        let wake = {
-            let mut st = self.state.lock();
-            let wake = Self::release_grant(&st, consumer);
-            let _ = self.run(&mut st, Command::SetLimited(consumer, limited));
-            wake
-        };
-        wake.run();
-        self.dead_letter_pending();
-    }
-
-    /// An unused grant goes back to the limiter (the consumer is leaving or changing mode).
-    fn release_grant(st: &State, consumer: ConsumerId) -> Wake {
-        if st.machine.holds_grant(consumer)
-            && let Some(l) = st.sinks.get(&consumer).and_then(|s| s.limiter.as_ref())
-        {
-            l.release(1)
-        } else {
-            Wake::default()
-        }
-    }
-
-    /// Enqueue a routed message that needs no store write (transient, or this queue has no
-    /// store).
-    pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> Enqueued {
-        if self.is_stream && !self.is_replicated() {
-            return match self.stream() {
-                Some(stream) if stream.is_deleted() => Enqueued::Gone,
-                Some(stream) => {
-                    stream.append(&message, Box::new(|_| {}));
-                    Enqueued::Accepted
-                }
-                None => Enqueued::Rejected,
-            };
-        }
-        if let Some(replica) = self.replica() {
-            // Unconfirmed (a dead-lettered message, a publisher without confirms).
-            self.submit_quietly(replica, vec![Command::Enqueue(Entry::Mem(message))]);
-            return Enqueued::Accepted;
-        }
-        let outcome = {
-            let mut st = self.state.lock();
-            if st.deleted {
-                return Enqueued::Gone;
-            }
-            let r = self.run(&mut st, Command::Enqueue(Entry::Mem(message)));
-            self.enqueued(&mut st, r)
-        };
-        self.dead_letter_pending();
-        outcome
-    }
-
-    /// The outcome of an `Enqueue`; a refusal under reject-publish-dlx is dead-lettered.
-    fn enqueued(&self, st: &mut State, reply: Result<Reply<Entry>, MachineError>) -> Enqueued {
-        match reply {
-            Ok(Reply::Rejected(entry)) => {
-                if st.dead_letter.is_some()
-                    && st.machine.config().overflow == Overflow::RejectPublishDlx
-                {
-                    self.hold_dead_letter(st, &entry, Removal::MaxLen);
-                }
-                Enqueued::Rejected
-            }
-            _ => Enqueued::Accepted,
-        }
-    }
-
-    /// A persistent message is durable at `location`: beyond the head of a long queue, keep
-    /// only that (the body is read back on delivery), so a backlog costs little memory.
-    fn stored_at(self: &Arc<Self>, id: MsgId, location: Location, size: u32, priority: u8) {
-        // A stale hint only keeps a body in memory a little longer (or takes the lock for
-        // nothing); it cannot lose a message.
-        if self.ready_bytes_hint.load(Ordering::Relaxed) <= crate::limits::QUEUE_HEAD_CACHE_BYTES {
-            return;
-        }
-        {
-            let mut st = self.state.lock();
-            if st.machine.ready_bytes() <= crate::limits::QUEUE_HEAD_CACHE_BYTES {
-                return;
-            }
-            // Through apply: the command also expires heads, whose effects must be carried out.
-            let _ = self.run(
-                &mut st,
-                Command::Swap {
-                    id,
-                    msg: Entry::Stored {
-                        location,
-                        size,
-                        priority,
-                    },
-                },
-            );
-        }
-        self.dead_letter_pending();
-    }
-
-    /// Put a message recovered from the store back, with its stored id, marked redelivered
-    /// (it may have been delivered before the restart: the conservative reading, as AMQP
-    /// allows).
-    pub fn restore(
-        self: &Arc<Self>,
-        id: MsgId,
-        location: Location,
-        priority: u8,
-        expires_at: Option<u64>,
-    ) {
-        let mut st = self.state.lock();
-        let _ = self.run(
-            &mut st,
-            Command::Restore {
-                id,
-                msg: Entry::Stored {
-                    location,
-                    size: location.len,
-                    priority,
-                },
-                redelivered: true,
-                expires_at,
-            },
-        );
-    }
-
-    /// Attach a consumer.
-    pub fn consume(
-        self: &Arc<Self>,
-        id: ConsumerId,
-        spec: ConsumerSpec,
-        sink: ConsumerSink,
-    ) -> Result<(), MachineError> {
-        if let Some(replica) = self.replica() {
-            return self.consume_replicated(replica, id, spec, sink);
-        }
-        {
-            let mut st = self.state.lock();
-            st.sinks.insert(id, sink);
-            if let Err(e) = self.run(&mut st, Command::Checkout(id, spec)) {
-                st.sinks.remove(&id);
-                return Err(e);
-            }
-            st.had_consumer = true;
-            st.last_used = self.now_ms();
-        }
-        self.dead_letter_pending();
-        Ok(())
-    }
-
-    /// [`Queue::consume`] of a replicated queue: the checkout is proposed, and deliveries
-    /// start when it commits. A refusal found at commit (another node's exclusive consumer
-    /// got there first) cancels the consumer with basic.cancel.
-    fn consume_replicated(
-        self: &Arc<Self>,
-        replica: &Arc<dyn Replicator>,
-        id: ConsumerId,
-        spec: ConsumerSpec,
-        sink: ConsumerSink,
-    ) -> Result<(), MachineError> {
-        {
-            let mut st = self.state.lock();
-            // The local replica may lag by an entry or two; a conflict it already sees is
-            // certain, the commit decides the rest.
-            if st.machine.has_exclusive_consumer()
-                || (spec.exclusive && st.machine.consumer_count() > 0)
-            {
-                return Err(MachineError::ExclusiveInUse);
-            }
-            st.sinks.insert(id, sink.clone());
-            st.had_consumer = true;
-        }
-        // Prefetch bounds what a consumer holds; a socket window would cost a log entry per
-        // write, so replicated consumers have none.
-        let spec = ConsumerSpec {
-            window: u32::MAX,
-            window_bytes: u64::MAX,
-            limited: false,
-            ..spec
-        };
-        let weak = Arc::downgrade(self);
-        replica.submit(
-            vec![Command::Checkout(id, spec)],
-            Box::new(move |r| {
-                let refused = !matches!(r.as_deref(), Ok([Ok(_)]));
-                if refused && let Some(q) = weak.upgrade() {
-                    q.state.lock().sinks.remove(&id);
-                    sink.outbox.push(Outbound::Cancel {
-                        channel: sink.channel,
-                        consumer: id,
-                    });
-                }
-            }),
-        );
-        Ok(())
-    }
-
-    /// Detach a consumer. Returns true when the queue is auto-delete and this was its last
-    /// consumer (the caller deletes it).
-    pub fn cancel(self: &Arc<Self>, id: ConsumerId) -> bool {
-        if let Some(stream) = self.stream() {
-            stream.cancel(id);
-            return false;
-        }
-        if let Some(replica) = self.replica() {
-            if self.state.lock().sinks.remove(&id).is_some() {
-                self.submit_quietly(replica, vec![Command::Cancel(id)]);
-            }
-            return false;
-        }
-        let (last, wake) = {
-            let mut st = self.state.lock();
-            let wake = Self::release_grant(&st, id);
-            if st.sinks.remove(&id).is_none() {
-                return false;
-            }
-            st.last_used = self.now_ms();
-            let _ = self.run(&mut st, Command::Cancel(id));
-            let last = self.auto_delete
-                && st.had_consumer
-                && st.machine.consumer_count() == 0
-                && !st.deleted;
-            (last, wake)
-        };
-        wake.run();
-        self.dead_letter_pending();
-        last
-    }
-
-    /// Deliveries to `consumer` were written to its socket: restore its window.
-    pub fn written(self: &Arc<Self>, consumer: ConsumerId, n: u32, bytes: u64) {
-        if self.is_replicated() || self.is_stream {
-            // Replicated consumers have no socket window (see `consume_replicated`).
-            return;
-        }
-        {
-            let mut st = self.state.lock();
-            let _ = self.run(&mut st, Command::Written(consumer, n, bytes));
-        }
-        self.dead_letter_pending();
-    }
-
-    /// Acknowledge.
-    pub fn settle(self: &Arc<Self>, ids: Vec<MsgId>, on_commit: Option<OnCommit<'_>>) {
-        if self.is_stream {
-            // A stream removes nothing; credit comes back by consumer (`settle_stream`).
-            return;
-        }
-        if let Some(replica) = self.replica() {
-            Self::submit_then(replica, vec![Command::Settle(ids)], on_commit);
-            return;
-        }
-        {
-            let mut st = self.state.lock();
-            let _ = self.apply(&mut st, Command::Settle(ids));
-            self.submit_store_ops(&mut st, on_commit);
-        }
-        self.dead_letter_pending();
-    }
-
-    /// The client asked for these back (nack/reject with requeue, recover):
-    /// [`Command::Requeue`].
-    pub fn requeue(self: &Arc<Self>, ids: Vec<MsgId>) {
-        self.put_back(Command::Requeue(ids));
-    }
-
-    /// Unacked or undelivered messages come back without the client asking (its channel
-    /// closed, a delivery its consumer can no longer take): [`Command::Return`], in place.
-    pub fn give_back(self: &Arc<Self>, ids: Vec<MsgId>) {
-        self.put_back(Command::Return(ids));
-    }
-
-    fn put_back(self: &Arc<Self>, command: Command<Entry>) {
-        if self.is_stream {
-            return;
-        }
-        if let Some(replica) = self.replica() {
-            self.submit_quietly(replica, vec![command]);
-            return;
-        }
-        {
-            let mut st = self.state.lock();
-            let _ = self.run(&mut st, command);
-        }
-        self.dead_letter_pending();
-    }
-
-    /// Drop (nack/reject without requeue).
-    pub fn discard(self: &Arc<Self>, ids: Vec<MsgId>, on_commit: Option<OnCommit<'_>>) {
-        if self.is_stream {
-            return;
-        }
-        if let Some(replica) = self.replica() {
-            Self::submit_then(replica, vec![Command::Discard(ids)], on_commit);
-            return;
-        }
-        {
-            let mut st = self.state.lock();
-            let _ = self.apply(&mut st, Command::Discard(ids));
-            self.submit_store_ops(&mut st, on_commit);
-        }
-        self.dead_letter_pending();
-    }
-
-    /// Consumer `consumer` of a stream settled (acked, nacked or rejected) the deliveries at
-    /// `offsets`: their credit comes back, and a named consumer's offset moves.
-    pub fn settle_stream(&self, consumer: ConsumerId, offsets: &[u64]) {
-        if let Some(stream) = self.stream() {
-            stream.settle(consumer, offsets);
-        }
-    }
-
-    /// Deliveries of a stream's consumer that will never be acked (their channel closed):
-    /// credit back, a named consumer's offset unmoved.
-    pub fn release_stream(&self, consumer: ConsumerId, offsets: &[u64]) {
-        if let Some(stream) = self.stream() {
-            stream.release(consumer, offsets);
-        }
-    }
-
-    /// basic.get on a replicated queue: proposed like any command, `done` gets what the
-    /// committed get took (None: empty, or no leader could be reached).
-    pub fn get_replicated(&self, no_ack: bool, done: Box<dyn FnOnce(Option<Got>) + Send>) {
-        let Some(replica) = self.replica() else {
-            done(None);
-            return;
-        };
-        replica.submit(
-            vec![Command::Get { no_ack }],
-            Box::new(move |r| {
-                let got = match r.as_deref() {
-                    Ok([Ok(Reply::Got(Some((id, entry, redelivered, left, count))))]) => {
-                        Some((*id, entry.pin(None), *redelivered, *left, *count))
-                    }
-                    _ => None,
-                };
-                done(got);
-            }),
-        );
-    }
-
-    /// basic.get: the head message, its redelivered flag, the ready count after it and its
-    /// delivery count.
-    pub fn get(self: &Arc<Self>, no_ack: bool) -> Option<Got> {
-        if self.is_replicated() {
-            // A replicated get is a log entry whose reply comes later: not served yet
-            // (documented), and never taken from this replica alone.
-            return None;
-        }
-        let got = {
-            let mut st = self.state.lock();
-            st.last_used = self.now_ms();
-            // Pinned before the settle of a no-ack get is submitted.
-            let got = match self.apply(&mut st, Command::Get { no_ack }) {
-                Ok(Reply::Got(Some((id, entry, redelivered, left, count)))) => Some((
-                    id,
-                    entry.pin(self.store.as_deref()),
-                    redelivered,
-                    left,
-                    count,
-                )),
-                _ => None,
-            };
-            self.submit_store_ops(&mut st, None);
-            got
-        };
-        self.dead_letter_pending();
-        got
-    }
-
-    /// Remove all ready messages; returns how many.
-    /// The removals of stored messages are submitted with `on_commit`'s completion, so the
-    /// caller can hold purge-ok until they are durable.
-    pub fn purge(self: &Arc<Self>, on_commit: OnCommit<'_>) -> u32 {
-        if let Some(replica) = self.replica() {
-            // purge-ok waits for the commit; its count is this replica's view just before.
-            let n = u32::try_from(self.state.lock().machine.ready_len()).unwrap_or(u32::MAX);
-            Self::submit_then(replica, vec![Command::Purge], Some(on_commit));
-            return n;
-        }
-        let mut st = self.state.lock();
-        let reply = self.apply(&mut st, Command::Purge);
-        self.submit_store_ops(&mut st, Some(on_commit));
-        match reply {
-            Ok(Reply::Purged(n)) => n,
-            _ => 0,
         }
     }
 
@@ -1273,317 +642,6 @@ impl Queue {
             consumers: u32::try_from(st.machine.consumer_count()).unwrap_or(u32::MAX),
         }
     }
-
-    /// Mark deleted and tell every consumer's connection to cancel it. Returns the ready count.
-    /// A stored queue's messages are dropped from the store (`more_ops`, e.g. its record and
-    /// bindings, go in the same submission; `done` runs when it is durable).
-    pub fn delete(self: &Arc<Self>, more_ops: Vec<Op>, on_commit: OnCommit<'_>) -> u32 {
-        let mut st = self.state.lock();
-        st.deleted = true;
-        if let Some(stream) = self.stream() {
-            drop(st);
-            let held = stream.delete();
-            if let Some(store) = &self.store {
-                store.submit_meta(more_ops, on_commit);
-            }
-            return u32::try_from(held).unwrap_or(u32::MAX);
-        }
-        // Its ready messages go with it (unacked ones are settled by their channels, to no
-        // effect): nothing expires or is dead-lettered from a deleted queue.
-        let ready = u32::try_from(st.machine.ready_len()).unwrap_or(u32::MAX);
-        let _ = st
-            .machine
-            .apply(self.now_ms(), Command::Purge, &mut Vec::new());
-        // Publishers paused on this queue's flow limits are released now, not at their bound.
-        self.update_hints(&st);
-        if let Some(store) = &self.store {
-            let mut ops = more_ops;
-            ops.push(Op::DropQueue { queue: self.id });
-            store.submit_meta(ops, on_commit);
-        }
-        let sinks: Vec<(ConsumerId, ConsumerSink)> = st.sinks.drain().collect();
-        let mut wakes = Vec::new();
-        for (consumer, sink) in sinks {
-            if st.machine.holds_grant(consumer)
-                && let Some(l) = &sink.limiter
-            {
-                wakes.push(l.release(1));
-            }
-            let _ = self.run(&mut st, Command::Cancel(consumer));
-            sink.outbox.push(Outbound::Cancel {
-                channel: sink.channel,
-                consumer,
-            });
-        }
-        drop(st);
-        for wake in wakes {
-            wake.run();
-        }
-        ready
-    }
-
-    /// Whether the queue was deleted.
-    #[must_use]
-    pub fn is_deleted(&self) -> bool {
-        self.state.lock().deleted
-    }
-}
-
-/// A replicated submission's outcome as the store's completions see it: a refusal or a lost
-/// leader is a failed write, so its publisher is nacked.
-fn replicated_outcome(
-    r: Result<Replies, ReplicationError>,
-) -> Result<Replies, Arc<warren_store::StoreError>> {
-    r.map_err(|e| Arc::new(warren_store::StoreError::Replication(e.to_string())))
-}
-
-/// Whether a queue this short releases publishers paused on it.
-fn below_flow_release(len: u64, bytes: u64) -> bool {
-    len < crate::limits::FLOW_READY_HIGH / 2 && bytes < crate::limits::FLOW_READY_BYTES_HIGH / 2
-}
-
-/// Enqueue a routed message into every queue of `targets`. A persistent message goes into the
-/// stored queues among them with one store write for all of them, and into the others in
-/// memory. The store submission happens while every stored target is locked (in id order, so
-/// concurrent publishers cannot deadlock) and before any of them can deliver the message;
-/// queues that will refuse it (reject-publish) are not written. Returns the combined outcome
-/// and whether `done` was submitted (when nothing was written, `done` is not called).
-pub fn publish_routed(
-    targets: &[Arc<Queue>],
-    message: &Arc<Message>,
-    done: impl FnOnce() -> Completion,
-) -> (Enqueued, bool) {
-    if !targets.iter().any(|q| q.is_replicated() || q.is_stream) {
-        // (A replicated stream is replicated: its messages go through its group's log.)
-        return publish_local(targets, message, done);
-    }
-    // Replicated queues take every message through their log (persistent or not, as
-    // RabbitMQ's quorum queues do), and streams store every message: the completion waits
-    // for all of them and the store.
-    let join = Join::new(done());
-    let mut outcome = Enqueued::Gone;
-    for q in targets {
-        if q.is_stream && !q.is_replicated() {
-            outcome = outcome.and(match q.stream() {
-                // Deleted meanwhile: as a classic queue deleted meanwhile, not routed.
-                Some(stream) if stream.is_deleted() => Enqueued::Gone,
-                Some(stream) => {
-                    stream.append(message, join.part());
-                    Enqueued::Accepted
-                }
-                // Its files did not open at start: never confirm what it cannot keep.
-                None => Enqueued::Rejected,
-            });
-            continue;
-        }
-        let Some(replica) = q.replica() else {
-            continue;
-        };
-        let part = join.part();
-        replica.submit(
-            vec![Command::Enqueue(Entry::Mem(Arc::clone(message)))],
-            Box::new(move |r| {
-                let r = replicated_outcome(r).and_then(|replies| match replies.first() {
-                    Some(Ok(Reply::Rejected(_))) => Err(Arc::new(
-                        warren_store::StoreError::Replication("rejected: queue full".into()),
-                    )),
-                    _ => Ok(Vec::new()),
-                });
-                part(r);
-            }),
-        );
-        outcome = outcome.and(Enqueued::Accepted);
-    }
-    let local: Vec<Arc<Queue>> = targets
-        .iter()
-        .filter(|q| !q.is_replicated() && !q.is_stream)
-        .cloned()
-        .collect();
-    let (local_outcome, _) = publish_local(&local, message, || join.part());
-    join.seal();
-    (outcome.and(local_outcome), true)
-}
-
-/// One completion for several writes (replicated queues and the store): it runs once all of
-/// them finished, with the first failure if any.
-struct Join {
-    /// The caller's completion, the parts still running (plus one until sealed), the first
-    /// failure.
-    inner: parking_lot::Mutex<(
-        Option<Completion>,
-        usize,
-        Option<Arc<warren_store::StoreError>>,
-    )>,
-}
-
-impl Join {
-    fn new(done: Completion) -> Arc<Self> {
-        Arc::new(Self {
-            inner: parking_lot::Mutex::new((Some(done), 1, None)),
-        })
-    }
-
-    fn part(self: &Arc<Self>) -> Completion {
-        self.inner.lock().1 += 1;
-        let me = Arc::clone(self);
-        Box::new(move |r| me.finish(r.err()))
-    }
-
-    /// No more parts will be added.
-    fn seal(&self) {
-        self.finish(None);
-    }
-
-    fn finish(&self, err: Option<Arc<warren_store::StoreError>>) {
-        let ready = {
-            let mut g = self.inner.lock();
-            if g.2.is_none() {
-                g.2 = err;
-            }
-            g.1 -= 1;
-            if g.1 == 0 {
-                g.0.take().map(|done| (done, g.2.take()))
-            } else {
-                None
-            }
-        };
-        if let Some((done, err)) = ready {
-            done(err.map_or(Ok(Vec::new()), Err));
-        }
-    }
-}
-
-/// [`publish_routed`] into queues that are not replicated.
-fn publish_local(
-    targets: &[Arc<Queue>],
-    message: &Arc<Message>,
-    done: impl FnOnce() -> Completion,
-) -> (Enqueued, bool) {
-    if !message.properties.persistent() {
-        let outcome = targets.iter().fold(Enqueued::Gone, |outcome, q| {
-            outcome.and(q.publish(Arc::clone(message)))
-        });
-        return (outcome, false);
-    }
-    let mut stored_targets: Vec<&Arc<Queue>> =
-        targets.iter().filter(|q| q.store.is_some()).collect();
-    stored_targets.sort_unstable_by_key(|q| q.id);
-    let mut outcome = Enqueued::Gone;
-    let mut submitted = false;
-    let entry = Entry::Mem(Arc::clone(message));
-    if let Some(store) = stored_targets.first().and_then(|q| q.store.clone()) {
-        let mut guards: Vec<_> = stored_targets.iter().map(|q| q.state.lock()).collect();
-        let mut batch = Batch {
-            bodies: vec![stored(message)],
-            ops: Vec::with_capacity(stored_targets.len()),
-        };
-        let priority = message.properties.priority.unwrap_or(0);
-        // One machine time for the whole publish: the store ops below predict what the
-        // Enqueue will do, and the machine is deterministic only for a given `now`.
-        let now = crate::timers::wall_ms();
-        // Expire first, as the Enqueue below will: a limit check on a queue still holding
-        // expired messages would leave out a message the queue then accepts.
-        for (q, st) in stored_targets.iter().zip(guards.iter_mut()) {
-            if !st.deleted {
-                let _ = q.apply_at(st, Command::Expire, now);
-            }
-        }
-        let mut stored_here = Vec::with_capacity(stored_targets.len());
-        // Once durable, long queues drop the body and keep only its place in the store.
-        let mut placed: Vec<(std::sync::Weak<Queue>, MsgId)> = Vec::new();
-        for (q, st) in stored_targets.iter().zip(&guards) {
-            let store_it = !st.deleted && !st.machine.would_reject(&entry);
-            stored_here.push(store_it);
-            if store_it {
-                let id = st.machine.next_id();
-                batch.ops.push(Op::Enqueue {
-                    queue: q.id,
-                    id,
-                    body: BodyRef::New(0),
-                    flags: u32::from(priority),
-                    expires_at: st.machine.expiry_at(&entry, now).unwrap_or(0),
-                });
-                placed.push((Arc::downgrade(q), id));
-            }
-        }
-        if !batch.ops.is_empty() {
-            let size = u32::try_from(message.body.len()).unwrap_or(u32::MAX);
-            let then = done();
-            store.submit(
-                batch,
-                Box::new(move |result| {
-                    if let Ok(locations) = &result
-                        && let Some(location) = locations.first()
-                    {
-                        for (q, id) in &placed {
-                            if let Some(q) = q.upgrade() {
-                                q.stored_at(*id, *location, size, priority);
-                            }
-                        }
-                    }
-                    then(result);
-                }),
-            );
-            submitted = true;
-        }
-        for ((q, st), stored) in stored_targets
-            .iter()
-            .zip(guards.iter_mut())
-            .zip(stored_here)
-        {
-            if !st.deleted {
-                let r = q.run_at(st, Command::Enqueue(entry.clone()), now);
-                let taken = q.enqueued(st, r);
-                // A message in a queue without its store record would be lost on a crash
-                // after its confirm; one in the store but not the queue would resurrect.
-                debug_assert_eq!(
-                    stored,
-                    taken == Enqueued::Accepted,
-                    "the store op must match the queue's decision"
-                );
-                outcome = outcome.and(taken);
-            }
-        }
-        drop(guards);
-        for q in &stored_targets {
-            q.dead_letter_pending();
-        }
-    }
-    for q in targets.iter().filter(|q| q.store.is_none()) {
-        outcome = outcome.and(q.publish(Arc::clone(message)));
-    }
-    (outcome, submitted)
-}
-
-/// What became of a publish to one queue, or (combined with [`Enqueued::and`]) to all the
-/// queues it was routed to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Enqueued {
-    /// No queue (or the queue was deleted meanwhile).
-    Gone,
-    /// Taken.
-    Accepted,
-    /// Refused by a length limit (reject-publish): the publisher gets a nack.
-    Rejected,
-}
-
-impl Enqueued {
-    /// Combine outcomes: a rejection anywhere wins (RabbitMQ nacks the publish), then any
-    /// acceptance.
-    #[must_use]
-    pub fn and(self, other: Self) -> Self {
-        match (self, other) {
-            (Self::Rejected, _) | (_, Self::Rejected) => Self::Rejected,
-            (Self::Accepted, _) | (_, Self::Accepted) => Self::Accepted,
-            _ => Self::Gone,
-        }
-    }
-}
-
-thread_local! {
-    /// Queues with dead letters waiting while this thread is already dead-lettering.
-    static DEAD_LETTER_WORK: std::cell::RefCell<Option<std::collections::VecDeque<Arc<Queue>>>> =
-        const { std::cell::RefCell::new(None) };
 }
 
 impl crate::timers::TimerTarget for Queue {
@@ -1614,7 +672,7 @@ mod flow_tests {
             QueueEnv {
                 store: None,
                 timers: None,
-                vhost: std::sync::Weak::new(),
+                vhost: std::sync::Weak::<NoHost>::new(),
             },
         )
     }

@@ -2,12 +2,11 @@
 //! without removing. The pure parts: where a consumer starts ([`spec`]), the per-chunk
 //! filters ([`filter`]), the log's state machine ([`log`]) and a consumer's cursor
 //! ([`reader`]). Their drivers: the files ([`disk`]), the group commit ([`writer`]) and the
-//! stream as a queue of a vhost ([`queue`]).
+//! stream as a queue of a vhost is `crate::queue::stream`, in the queue layer above.
 
 pub mod disk;
 pub mod filter;
 pub mod log;
-pub mod queue;
 pub mod reader;
 pub mod spec;
 pub mod writer;

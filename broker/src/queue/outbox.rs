@@ -50,7 +50,7 @@ pub enum Outbound {
         consumer: ConsumerId,
     },
     /// A stream consumer may have something to read: the connection task calls
-    /// [`crate::stream::queue::StreamQueue::pump`] and writes what it gives.
+    /// [`crate::queue::stream::StreamQueue::pump`] and writes what it gives.
     StreamReady {
         /// Channel of the consumer.
         channel: u16,

@@ -1,7 +1,7 @@
 //! Which quorum queue leaders to move so that every running node leads about as many queues
 //! (`rabbitmq-queues rebalance quorum`). Pure: it takes each queue's leader and members and
 //! the running nodes, and returns the moves; carrying them out is the cluster's business
-//! ([`crate::replication::ClusterHooks::transfer_leader`]).
+//! ([`crate::routing::cluster::ClusterHooks::transfer_leader`]).
 //!
 //! Invariants of a plan: each queue moves at most once, always to one of its own running
 //! members other than its leader, and each move narrows the gap between the node it leaves

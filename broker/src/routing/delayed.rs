@@ -21,9 +21,9 @@ use warren_store::{Batch, BodyRef, Location, Op};
 use crate::durable::{Durable, stored};
 use crate::exchange::RoutingHeaders;
 use crate::message::{Entry, Loaded, Message};
+use crate::queue::QueueHost;
 use crate::queue::publish_routed;
 use crate::timers::{TimerTarget, Timers, wall_ms};
-use crate::vhost::VHost;
 
 /// Store queue id under which vhost "/" indexes its scheduled persistent messages. Vhost
 /// number `slot` (persisted in its record) uses `DELAYED_QUEUE_ID - slot`; queue ids handed
@@ -66,7 +66,7 @@ struct State {
 /// One vhost's scheduled messages.
 #[derive(Debug)]
 pub struct Delayed {
-    vhost: Weak<VHost>,
+    vhost: Weak<dyn QueueHost>,
     store: Option<Arc<Durable>>,
     timers: Option<Arc<Timers>>,
     me: Weak<Delayed>,
@@ -79,7 +79,7 @@ impl Delayed {
     /// The store of `vhost`.
     #[must_use]
     pub fn new(
-        vhost: Weak<VHost>,
+        vhost: Weak<dyn QueueHost>,
         store: Option<Arc<Durable>>,
         timers: Option<Arc<Timers>>,
     ) -> Arc<Self> {
@@ -241,7 +241,7 @@ impl Delayed {
         let mut targets = Vec::new();
         for ((_, seq), (entry, stored)) in ready {
             // The record stays indexed until the settle below, so it is still readable.
-            let loaded = match entry.pin(self.store.as_deref()).load() {
+            let loaded = match crate::durable::pin(&entry, self.store.as_deref()).load() {
                 Ok(l) => l,
                 Err(e) => {
                     tracing::error!(error = %e, "cannot read a delayed message");
@@ -253,7 +253,7 @@ impl Delayed {
                 targets.clear();
                 // A deleted exchange drops the message, as the plugin does.
                 if vhost
-                    .route_internal(
+                    .route(
                         &message.exchange,
                         &message.routing_key,
                         &headers,

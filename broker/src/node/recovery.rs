@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering;
 
 use warren_store::{MetaTable, Op, Recovered, StoreError};
 
-use crate::broker::Broker;
 use crate::durable::{BindingRecord, DecodeError, ExchangeRecord, QueueRecord};
+use crate::node::broker::Broker;
 use crate::queue::Queue;
 
 /// Why recovery stopped the start-up.
@@ -143,15 +143,15 @@ impl Broker {
         }
         let store = self.durable().cloned();
         let mut orphaned: Vec<u64> = Vec::new();
-        let delayed_by_id: HashMap<u64, Arc<crate::vhost::VHost>> = self
+        let delayed_by_id: HashMap<u64, Arc<crate::routing::vhost::VHost>> = self
             .list_vhosts()
             .iter()
             .filter_map(|name| self.vhost(name))
-            .map(|vh| (crate::delayed::store_id(vh.delayed.slot()), vh))
+            .map(|vh| (crate::routing::delayed::store_id(vh.delayed.slot()), vh))
             .collect();
         let mut delayed_orphans: Vec<Op> = Vec::new();
         for (n, m) in recovered.messages.iter().enumerate() {
-            if m.queue >= crate::delayed::DELAYED_QUEUE_ID_MIN {
+            if m.queue >= crate::routing::delayed::DELAYED_QUEUE_ID_MIN {
                 match delayed_by_id.get(&m.queue) {
                     Some(vh) => {
                         vh.delayed.restore(m.id, m.location, m.expires_at);

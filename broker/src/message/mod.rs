@@ -1,6 +1,8 @@
 //! A published message as the broker holds it: shared, immutable, body never copied; or, for a
 //! persistent message in a long durable queue, only where the store keeps it.
 
+pub mod codec;
+
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -136,28 +138,7 @@ impl Loaded {
     }
 }
 
-impl Entry {
-    /// Make the message deliverable: in memory already, or its record pinned (its segment held
-    /// open) so that it can still be read after its settle is committed and the segment
-    /// deleted. Call while the message is still referenced (under the queue lock, before its
-    /// removal is submitted).
-    #[must_use]
-    pub fn pin(&self, store: Option<&crate::durable::Durable>) -> Outgoing {
-        match self {
-            Self::Mem(m) => Outgoing::Mem(Arc::clone(m)),
-            Self::Stored { location, size, .. } => match store.map(|s| s.pin(*location)) {
-                Some(Ok(pinned)) => Outgoing::Stored {
-                    pinned,
-                    size: *size,
-                },
-                Some(Err(e)) => Outgoing::Unreadable(e.to_string()),
-                None => Outgoing::Unreadable("stored message without a store".into()),
-            },
-        }
-    }
-}
-
-/// A message on its way to a client (see [`Entry::pin`]).
+/// A message on its way to a client (see `durable::pin`, which makes one from an [`Entry`]).
 #[derive(Debug, Clone)]
 pub enum Outgoing {
     /// In memory.

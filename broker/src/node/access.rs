@@ -20,7 +20,7 @@ use std::sync::Arc;
 use regex::Regex;
 use warren_amqp::{AmqpError, ReplyCode};
 
-use crate::broker::Broker;
+use crate::node::broker::Broker;
 
 /// Which of the three patterns an operation needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,7 +13,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::RwLock;
 
 use crate::message::Message;
-use crate::outbox::{Outbound, Outbox};
+use crate::queue::outbox::{Outbound, Outbox};
 
 /// The pseudo-queue clients consume from and put in `reply_to`.
 pub const REPLY_TO: &str = "amq.rabbitmq.reply-to";

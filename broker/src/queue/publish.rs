@@ -1,0 +1,380 @@
+//! Publishing into queues: one queue's enqueue (store first for persistent messages, then the
+//! machine), flow control, and [`publish_routed`], which publishes one message to every queue a
+//! route found and joins their store commits into one confirm.
+
+use super::*;
+
+impl Queue {
+    /// Whether publishers into this queue should pause: it is over the flow limits while its
+    /// consumers are receiving (see [`crate::limits::FLOW_READY_HIGH`]).
+    #[must_use]
+    pub fn flow_pressure(&self) -> bool {
+        if let Some(stream) = self.stream() {
+            return stream.flow_pressure();
+        }
+        let over = self.ready_len_hint.load(Ordering::Relaxed) >= crate::limits::FLOW_READY_HIGH
+            || self.ready_bytes_hint.load(Ordering::Relaxed)
+                >= crate::limits::FLOW_READY_BYTES_HIGH;
+        over && crate::timers::wall_ms()
+            .saturating_sub(self.last_delivery_ms.load(Ordering::Relaxed))
+            < crate::limits::FLOW_CONSUMER_IDLE_MS
+    }
+
+    /// Wake the publishers paused on this queue (a stream's writer caught up).
+    pub fn flow_drained(&self) {
+        self.flow_drained.notify_waiters();
+    }
+
+    /// Enqueue a routed message that needs no store write (transient, or this queue has no
+    /// store).
+    pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> Enqueued {
+        if self.is_stream && !self.is_replicated() {
+            return match self.stream() {
+                Some(stream) if stream.is_deleted() => Enqueued::Gone,
+                Some(stream) => {
+                    stream.append(&message, Box::new(|_| {}));
+                    Enqueued::Accepted
+                }
+                None => Enqueued::Rejected,
+            };
+        }
+        if let Some(replica) = self.replica() {
+            // Unconfirmed (a dead-lettered message, a publisher without confirms).
+            self.submit_quietly(replica, vec![Command::Enqueue(Entry::Mem(message))]);
+            return Enqueued::Accepted;
+        }
+        let outcome = {
+            let mut st = self.state.lock();
+            if st.deleted {
+                return Enqueued::Gone;
+            }
+            let r = self.run(&mut st, Command::Enqueue(Entry::Mem(message)));
+            self.enqueued(&mut st, r)
+        };
+        self.dead_letter_pending();
+        outcome
+    }
+
+    /// The outcome of an `Enqueue`; a refusal under reject-publish-dlx is dead-lettered.
+    pub(super) fn enqueued(
+        &self,
+        st: &mut State,
+        reply: Result<Reply<Entry>, MachineError>,
+    ) -> Enqueued {
+        match reply {
+            Ok(Reply::Rejected(entry)) => {
+                if st.dead_letter.is_some()
+                    && st.machine.config().overflow == Overflow::RejectPublishDlx
+                {
+                    self.hold_dead_letter(st, &entry, Removal::MaxLen);
+                }
+                Enqueued::Rejected
+            }
+            _ => Enqueued::Accepted,
+        }
+    }
+
+    /// A persistent message is durable at `location`: beyond the head of a long queue, keep
+    /// only that (the body is read back on delivery), so a backlog costs little memory.
+    pub(super) fn stored_at(
+        self: &Arc<Self>,
+        id: MsgId,
+        location: Location,
+        size: u32,
+        priority: u8,
+    ) {
+        // A stale hint only keeps a body in memory a little longer (or takes the lock for
+        // nothing); it cannot lose a message.
+        if self.ready_bytes_hint.load(Ordering::Relaxed) <= crate::limits::QUEUE_HEAD_CACHE_BYTES {
+            return;
+        }
+        {
+            let mut st = self.state.lock();
+            if st.machine.ready_bytes() <= crate::limits::QUEUE_HEAD_CACHE_BYTES {
+                return;
+            }
+            // Through apply: the command also expires heads, whose effects must be carried out.
+            let _ = self.run(
+                &mut st,
+                Command::Swap {
+                    id,
+                    msg: Entry::Stored {
+                        location,
+                        size,
+                        priority,
+                    },
+                },
+            );
+        }
+        self.dead_letter_pending();
+    }
+
+    /// Put a message recovered from the store back, with its stored id, marked redelivered
+    /// (it may have been delivered before the restart: the conservative reading, as AMQP
+    /// allows).
+    pub fn restore(
+        self: &Arc<Self>,
+        id: MsgId,
+        location: Location,
+        priority: u8,
+        expires_at: Option<u64>,
+    ) {
+        let mut st = self.state.lock();
+        let _ = self.run(
+            &mut st,
+            Command::Restore {
+                id,
+                msg: Entry::Stored {
+                    location,
+                    size: location.len,
+                    priority,
+                },
+                redelivered: true,
+                expires_at,
+            },
+        );
+    }
+}
+
+/// Whether a queue this short releases publishers paused on it.
+pub(super) fn below_flow_release(len: u64, bytes: u64) -> bool {
+    len < crate::limits::FLOW_READY_HIGH / 2 && bytes < crate::limits::FLOW_READY_BYTES_HIGH / 2
+}
+
+/// Enqueue a routed message into every queue of `targets`. A persistent message goes into the
+/// stored queues among them with one store write for all of them, and into the others in
+/// memory. The store submission happens while every stored target is locked (in id order, so
+/// concurrent publishers cannot deadlock) and before any of them can deliver the message;
+/// queues that will refuse it (reject-publish) are not written. Returns the combined outcome
+/// and whether `done` was submitted (when nothing was written, `done` is not called).
+pub fn publish_routed(
+    targets: &[Arc<Queue>],
+    message: &Arc<Message>,
+    done: impl FnOnce() -> Completion,
+) -> (Enqueued, bool) {
+    if !targets.iter().any(|q| q.is_replicated() || q.is_stream) {
+        // (A replicated stream is replicated: its messages go through its group's log.)
+        return publish_local(targets, message, done);
+    }
+    // Replicated queues take every message through their log (persistent or not, as
+    // RabbitMQ's quorum queues do), and streams store every message: the completion waits
+    // for all of them and the store.
+    let join = Join::new(done());
+    let mut outcome = Enqueued::Gone;
+    for q in targets {
+        if q.is_stream && !q.is_replicated() {
+            outcome = outcome.and(match q.stream() {
+                // Deleted meanwhile: as a classic queue deleted meanwhile, not routed.
+                Some(stream) if stream.is_deleted() => Enqueued::Gone,
+                Some(stream) => {
+                    stream.append(message, join.part());
+                    Enqueued::Accepted
+                }
+                // Its files did not open at start: never confirm what it cannot keep.
+                None => Enqueued::Rejected,
+            });
+            continue;
+        }
+        let Some(replica) = q.replica() else {
+            continue;
+        };
+        let part = join.part();
+        replica.submit(
+            vec![Command::Enqueue(Entry::Mem(Arc::clone(message)))],
+            Box::new(move |r| {
+                let r = replicated_outcome(r).and_then(|replies| match replies.first() {
+                    Some(Ok(Reply::Rejected(_))) => Err(Arc::new(
+                        warren_store::StoreError::Replication("rejected: queue full".into()),
+                    )),
+                    _ => Ok(Vec::new()),
+                });
+                part(r);
+            }),
+        );
+        outcome = outcome.and(Enqueued::Accepted);
+    }
+    let local: Vec<Arc<Queue>> = targets
+        .iter()
+        .filter(|q| !q.is_replicated() && !q.is_stream)
+        .cloned()
+        .collect();
+    let (local_outcome, _) = publish_local(&local, message, || join.part());
+    join.seal();
+    (outcome.and(local_outcome), true)
+}
+
+/// One completion for several writes (replicated queues and the store): it runs once all of
+/// them finished, with the first failure if any.
+struct Join {
+    /// The caller's completion, the parts still running (plus one until sealed), the first
+    /// failure.
+    inner: parking_lot::Mutex<(
+        Option<Completion>,
+        usize,
+        Option<Arc<warren_store::StoreError>>,
+    )>,
+}
+
+impl Join {
+    pub(super) fn new(done: Completion) -> Arc<Self> {
+        Arc::new(Self {
+            inner: parking_lot::Mutex::new((Some(done), 1, None)),
+        })
+    }
+
+    pub(super) fn part(self: &Arc<Self>) -> Completion {
+        self.inner.lock().1 += 1;
+        let me = Arc::clone(self);
+        Box::new(move |r| me.finish(r.err()))
+    }
+
+    /// No more parts will be added.
+    pub(super) fn seal(&self) {
+        self.finish(None);
+    }
+
+    pub(super) fn finish(&self, err: Option<Arc<warren_store::StoreError>>) {
+        let ready = {
+            let mut g = self.inner.lock();
+            if g.2.is_none() {
+                g.2 = err;
+            }
+            g.1 -= 1;
+            if g.1 == 0 {
+                g.0.take().map(|done| (done, g.2.take()))
+            } else {
+                None
+            }
+        };
+        if let Some((done, err)) = ready {
+            done(err.map_or(Ok(Vec::new()), Err));
+        }
+    }
+}
+
+/// [`publish_routed`] into queues that are not replicated.
+pub(super) fn publish_local(
+    targets: &[Arc<Queue>],
+    message: &Arc<Message>,
+    done: impl FnOnce() -> Completion,
+) -> (Enqueued, bool) {
+    if !message.properties.persistent() {
+        let outcome = targets.iter().fold(Enqueued::Gone, |outcome, q| {
+            outcome.and(q.publish(Arc::clone(message)))
+        });
+        return (outcome, false);
+    }
+    let mut stored_targets: Vec<&Arc<Queue>> =
+        targets.iter().filter(|q| q.store.is_some()).collect();
+    stored_targets.sort_unstable_by_key(|q| q.id);
+    let mut outcome = Enqueued::Gone;
+    let mut submitted = false;
+    let entry = Entry::Mem(Arc::clone(message));
+    if let Some(store) = stored_targets.first().and_then(|q| q.store.clone()) {
+        let mut guards: Vec<_> = stored_targets.iter().map(|q| q.state.lock()).collect();
+        let mut batch = Batch {
+            bodies: vec![stored(message)],
+            ops: Vec::with_capacity(stored_targets.len()),
+        };
+        let priority = message.properties.priority.unwrap_or(0);
+        // One machine time for the whole publish: the store ops below predict what the
+        // Enqueue will do, and the machine is deterministic only for a given `now`.
+        let now = crate::timers::wall_ms();
+        // Expire first, as the Enqueue below will: a limit check on a queue still holding
+        // expired messages would leave out a message the queue then accepts.
+        for (q, st) in stored_targets.iter().zip(guards.iter_mut()) {
+            if !st.deleted {
+                let _ = q.apply_at(st, Command::Expire, now);
+            }
+        }
+        let mut stored_here = Vec::with_capacity(stored_targets.len());
+        // Once durable, long queues drop the body and keep only its place in the store.
+        let mut placed: Vec<(std::sync::Weak<Queue>, MsgId)> = Vec::new();
+        for (q, st) in stored_targets.iter().zip(&guards) {
+            let store_it = !st.deleted && !st.machine.would_reject(&entry);
+            stored_here.push(store_it);
+            if store_it {
+                let id = st.machine.next_id();
+                batch.ops.push(Op::Enqueue {
+                    queue: q.id,
+                    id,
+                    body: BodyRef::New(0),
+                    flags: u32::from(priority),
+                    expires_at: st.machine.expiry_at(&entry, now).unwrap_or(0),
+                });
+                placed.push((Arc::downgrade(q), id));
+            }
+        }
+        if !batch.ops.is_empty() {
+            let size = u32::try_from(message.body.len()).unwrap_or(u32::MAX);
+            let then = done();
+            store.submit(
+                batch,
+                Box::new(move |result| {
+                    if let Ok(locations) = &result
+                        && let Some(location) = locations.first()
+                    {
+                        for (q, id) in &placed {
+                            if let Some(q) = q.upgrade() {
+                                q.stored_at(*id, *location, size, priority);
+                            }
+                        }
+                    }
+                    then(result);
+                }),
+            );
+            submitted = true;
+        }
+        for ((q, st), stored) in stored_targets
+            .iter()
+            .zip(guards.iter_mut())
+            .zip(stored_here)
+        {
+            if !st.deleted {
+                let r = q.run_at(st, Command::Enqueue(entry.clone()), now);
+                let taken = q.enqueued(st, r);
+                // A message in a queue without its store record would be lost on a crash
+                // after its confirm; one in the store but not the queue would resurrect.
+                debug_assert_eq!(
+                    stored,
+                    taken == Enqueued::Accepted,
+                    "the store op must match the queue's decision"
+                );
+                outcome = outcome.and(taken);
+            }
+        }
+        drop(guards);
+        for q in &stored_targets {
+            q.dead_letter_pending();
+        }
+    }
+    for q in targets.iter().filter(|q| q.store.is_none()) {
+        outcome = outcome.and(q.publish(Arc::clone(message)));
+    }
+    (outcome, submitted)
+}
+
+/// What became of a publish to one queue, or (combined with [`Enqueued::and`]) to all the
+/// queues it was routed to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enqueued {
+    /// No queue (or the queue was deleted meanwhile).
+    Gone,
+    /// Taken.
+    Accepted,
+    /// Refused by a length limit (reject-publish): the publisher gets a nack.
+    Rejected,
+}
+
+impl Enqueued {
+    /// Combine outcomes: a rejection anywhere wins (RabbitMQ nacks the publish), then any
+    /// acceptance.
+    #[must_use]
+    pub fn and(self, other: Self) -> Self {
+        match (self, other) {
+            (Self::Rejected, _) | (_, Self::Rejected) => Self::Rejected,
+            (Self::Accepted, _) | (_, Self::Accepted) => Self::Accepted,
+            _ => Self::Gone,
+        }
+    }
+}
