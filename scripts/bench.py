@@ -10,6 +10,9 @@ against the targets of the performance issue, and writes the table into docs/ben
     scripts/bench.py                      # everything, 3 runs, 10 s per timed scenario
     scripts/bench.py --scenarios durable,fanout8 --runs 1
     scripts/bench.py --warren-only        # no RabbitMQ (ratios left out)
+    scripts/bench.py --baseline /tmp/before --runs 3   # this Warren against an earlier build
+                                          # (DIR holds its warren and warren-perf), for a
+                                          # refactor's before/after; prints, leaves docs alone
 
 Needs: cargo, and for the comparison `apt-get install rabbitmq-server` (run as root).
 """
@@ -104,10 +107,13 @@ class Warren:
     name = "warren"
     uri = f"amqp://guest:guest@127.0.0.1:{WARREN_PORT}/%2F"
 
+    def __init__(self, binary=WARREN, perf=PERF, name="warren"):
+        self.binary, self.perf, self.name = binary, perf, name
+
     def start(self):
         self.dir = tempfile.mkdtemp(prefix="warren-bench-")
         self.proc = subprocess.Popen(
-            [str(WARREN), "server", "--amqp-listen", f"127.0.0.1:{WARREN_PORT}",
+            [str(self.binary), "server", "--amqp-listen", f"127.0.0.1:{WARREN_PORT}",
              "--data-dir", self.dir, "--log-level", "warn",
              "--management-listen", "off", "--prometheus-listen", "off"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -128,6 +134,7 @@ class Warren:
 
 class RabbitMQ:
     name = "rabbitmq"
+    perf = PERF
     uri = f"amqp://guest:guest@127.0.0.1:{RABBIT_PORT}/%2F"
 
     def start(self):
@@ -164,7 +171,7 @@ def run_one(broker, scenario, duration, run):
     pid = broker.start()
     try:
         out = OUT_DIR / f"{scenario}-{broker.name}-{run}.json"
-        cmd = [str(PERF), "--uri", broker.uri, "--broker-pid", str(pid), "--json", str(out)]
+        cmd = [str(broker.perf), "--uri", broker.uri, "--broker-pid", str(pid), "--json", str(out)]
         cmd += perf_args(scenario, duration)
         log(f"{broker.name} {scenario} run {run}")
         r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -258,6 +265,38 @@ def table(results, runs, duration):
     return "\n".join(head + rows) + "\n"
 
 
+def baseline_table(results, runs, duration, baseline):
+    rows = ["| Scenario | Metric | Before | After | After / Before |", "|---|---|---|---|---|"]
+    for scenario, label, get, _better, _target in METRICS:
+        if scenario not in results:
+            continue
+
+        def values(name):
+            out = []
+            for j in results[scenario].get(name, []):
+                try:
+                    out.append(get(j))
+                except (KeyError, TypeError):
+                    out.append(None)
+            return out
+
+        after, before = median(values("warren")), median(values("baseline"))
+        ratio = f"{after / before:.2f}x" if after is not None and before not in (None, 0) else "-"
+        spread = lambda name: "/".join(fmt(v) for v in values(name))
+        rows.append(f"| {scenario} | {label} | {fmt(before)} ({spread('baseline')}) | "
+                    f"{fmt(after)} ({spread('warren')}) | {ratio} |")
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    head = [
+        f"Measured {when} by `scripts/bench.py --baseline {baseline} --runs {runs} --duration "
+        f"{duration}`: medians (and each run) of {runs} runs per build, one broker running at a "
+        "time, alternating which goes first; each build drives itself with its own warren-perf.",
+        "",
+        f"Machine: {machine()}.",
+        "",
+    ]
+    return "\n".join(head + rows) + "\n"
+
+
 def write_doc(text):
     doc = DOC.read_text()
     block = f"{BEGIN}\n{text}{END}"
@@ -275,6 +314,8 @@ def main():
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--warren-only", action="store_true")
     p.add_argument("--no-doc", action="store_true", help="print the table, leave docs alone")
+    p.add_argument("--baseline", metavar="DIR",
+                   help="compare with the warren and warren-perf binaries in DIR instead of RabbitMQ")
     p.add_argument("--merge", action="store_true",
                    help="keep the other scenarios' results from target/bench/results.json")
     a = p.parse_args()
@@ -282,6 +323,8 @@ def main():
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
         sys.exit(f"unknown scenarios: {', '.join(sorted(unknown))}")
+    if a.baseline:
+        a.warren_only, a.no_doc = True, True
     if not a.warren_only and subprocess.run(["which", "rabbitmq-server"], capture_output=True).returncode:
         sys.exit("rabbitmq-server is not installed: apt-get install rabbitmq-server "
                  "(or pass --warren-only)")
@@ -289,6 +332,9 @@ def main():
                    cwd=ROOT, check=True)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     brokers = [Warren()] + ([] if a.warren_only else [RabbitMQ()])
+    if a.baseline:
+        base = Path(a.baseline)
+        brokers.append(Warren(base / "warren", base / "warren-perf", "baseline"))
     if not a.warren_only:
         RabbitMQ().stop()  # start from a stopped RabbitMQ
     results = {}
@@ -302,7 +348,11 @@ def main():
             for b in order:
                 j = run_one(b, scenario, a.duration, run)
                 results[scenario].setdefault(b.name, []).append(j)
-        (OUT_DIR / "results.json").write_text(json.dumps(results, indent=1))
+        (OUT_DIR / ("baseline-results.json" if a.baseline else "results.json")).write_text(
+            json.dumps(results, indent=1))
+    if a.baseline:
+        print(baseline_table(results, a.runs, a.duration, a.baseline))
+        return
     text = table(results, a.runs, a.duration)
     print(text)
     if not a.no_doc:
