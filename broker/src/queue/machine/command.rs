@@ -1,0 +1,257 @@
+//! The driver's vocabulary: the [`Command`]s it applies, the [`Effect`]s and [`Reply`] it gets
+//! back, [`MachineError`], why a message left ([`Removal`]) and how a consumer receives
+//! ([`ConsumerSpec`]).
+//!
+//! These types are replicated (a clustered queue's log carries commands, its snapshots carry
+//! consumer specs), so their serialized form is fixed: new `Command` variants go last, so that
+//! logs written before them still decode.
+
+use super::config::QueueConfig;
+use super::{ConsumerId, MsgId};
+
+/// Why a message left the queue without being acknowledged or delivered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Removal {
+    /// Acknowledged, or delivered to a no-ack `basic.get`.
+    Settled,
+    /// Rejected or nacked without requeue.
+    Rejected,
+    /// Purged.
+    Purged,
+    /// Dropped from the head by a length limit.
+    MaxLen,
+    /// Its TTL ran out before it was delivered.
+    Expired,
+    /// Returned more often than the delivery limit allows.
+    DeliveryLimit,
+}
+
+/// How a consumer receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ConsumerSpec {
+    /// Unacked deliveries allowed at once (0 = unlimited), basic.qos per-consumer prefetch.
+    pub prefetch: u32,
+    /// Deliveries not yet written to the socket allowed at once (transport backpressure).
+    pub window: u32,
+    /// Bytes of deliveries not yet written allowed at once; one delivery always fits.
+    pub window_bytes: u64,
+    /// Messages are settled when sent.
+    pub no_ack: bool,
+    /// basic.consume exclusive flag.
+    pub exclusive: bool,
+    /// `x-priority`: consumers of a higher priority receive first while they have credit.
+    pub priority: i32,
+    /// A limit shared with consumers elsewhere (basic.qos global=true) governs this consumer:
+    /// it receives one message per [`Command::Grant`]. Ignored for `no_ack` consumers.
+    pub limited: bool,
+}
+
+/// Commands (nouns, as in rabbit_fifo).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub enum Command<M> {
+    /// Add a message to the tail.
+    Enqueue(M),
+    /// Put back a message recovered from durable storage, keeping its id. Ids must arrive in
+    /// increasing order and before any `Enqueue` (the machine's next id continues after it).
+    Restore {
+        /// The id it had when it was stored.
+        id: MsgId,
+        /// The message.
+        msg: M,
+        /// Whether to mark it redelivered.
+        redelivered: bool,
+        /// Its stored expiry (None: computed from the queue's TTL now).
+        expires_at: Option<u64>,
+    },
+    /// Attach a consumer.
+    Checkout(ConsumerId, ConsumerSpec),
+    /// Detach a consumer; its unacked messages stay checked out until settled or returned.
+    Cancel(ConsumerId),
+    /// `n` of the consumer's deliveries, `bytes` in all, have been written out; restore its
+    /// window.
+    Written(ConsumerId, u32, u64),
+    /// Acknowledge unacked messages.
+    Settle(Vec<MsgId>),
+    /// Put unacked messages back, in original order, marked redelivered.
+    Return(Vec<MsgId>),
+    /// Drop unacked messages (reject/nack without requeue).
+    Discard(Vec<MsgId>),
+    /// basic.get: take the head message; with `no_ack` it is settled at once.
+    Get {
+        /// Settle on delivery.
+        no_ack: bool,
+    },
+    /// Remove all ready messages.
+    Purge,
+    /// Time passed: drop messages whose TTL ran out (see
+    /// [`QueueMachine::next_expiry`](super::QueueMachine::next_expiry)).
+    Expire,
+    /// New settings (a policy changed). Limits apply at once; TTLs apply to messages enqueued
+    /// from now on; priority levels and single-active are fixed at declaration.
+    Configure(QueueConfig),
+    /// A limited consumer may receive one more message.
+    Grant(ConsumerId),
+    /// Replace the reference held for message `id` (ready or unacked) by an equivalent one of
+    /// the same size, e.g. the body's place in the store instead of the body. No effect on
+    /// order or delivery state; absent ids are ignored.
+    Swap {
+        /// The message.
+        id: MsgId,
+        /// Its new reference.
+        msg: M,
+    },
+    /// Put a consumer under a shared limit or release it; an unused grant is dropped.
+    SetLimited(ConsumerId, bool),
+    /// Node `node` (see [`consumer_node`](super::consumer_node)) is down or restarted: its
+    /// consumers with ids below `before` (all of them, or those of its previous run) are
+    /// detached and every message delivered to them and not settled is returned
+    /// (redelivered), as rabbit_fifo does on a consumer's `down`.
+    Down {
+        /// The node number.
+        node: u64,
+        /// Only consumer ids below this.
+        before: ConsumerId,
+    },
+    /// A replicated stream's named consumer has handled everything before `next` (its
+    /// tracked offset, replicated so it resumes there on any member). Nothing to a queue.
+    /// Last, so logs written before it existed still decode.
+    TrackOffset {
+        /// The consumer's `x-stream-consumer-name`.
+        name: String,
+        /// Its first offset not acked.
+        next: u64,
+    },
+    /// The client asked for unacked messages back (basic.nack or basic.reject with requeue,
+    /// basic.recover): as [`Command::Return`], except that a quorum queue without a delivery
+    /// limit requeues them at the back, as rabbit_fifo's requeue does (returns after a
+    /// channel close, cancel or node loss keep their place there too). After `TrackOffset`,
+    /// so older logs still decode.
+    Requeue(Vec<MsgId>),
+}
+
+impl<M> Command<M> {
+    /// The same command over another message reference (a replicated queue's log carries
+    /// messages encoded; its replicas hold them decoded).
+    ///
+    /// # Errors
+    /// The first error of `f`.
+    pub fn try_map<N, E>(self, mut f: impl FnMut(M) -> Result<N, E>) -> Result<Command<N>, E> {
+        Ok(match self {
+            Self::Enqueue(m) => Command::Enqueue(f(m)?),
+            Self::Restore {
+                id,
+                msg,
+                redelivered,
+                expires_at,
+            } => Command::Restore {
+                id,
+                msg: f(msg)?,
+                redelivered,
+                expires_at,
+            },
+            Self::Swap { id, msg } => Command::Swap { id, msg: f(msg)? },
+            Self::Checkout(c, spec) => Command::Checkout(c, spec),
+            Self::Cancel(c) => Command::Cancel(c),
+            Self::Written(c, n, b) => Command::Written(c, n, b),
+            Self::Settle(ids) => Command::Settle(ids),
+            Self::Return(ids) => Command::Return(ids),
+            Self::Discard(ids) => Command::Discard(ids),
+            Self::Get { no_ack } => Command::Get { no_ack },
+            Self::Purge => Command::Purge,
+            Self::Expire => Command::Expire,
+            Self::Configure(c) => Command::Configure(c),
+            Self::Grant(c) => Command::Grant(c),
+            Self::SetLimited(c, l) => Command::SetLimited(c, l),
+            Self::Down { node, before } => Command::Down { node, before },
+            Self::TrackOffset { name, next } => Command::TrackOffset { name, next },
+            Self::Requeue(ids) => Command::Requeue(ids),
+        })
+    }
+}
+
+impl<M> Reply<M> {
+    /// The same reply over another message reference (see [`Command::try_map`]).
+    ///
+    /// # Errors
+    /// The first error of `f`.
+    pub fn try_map<N, E>(self, mut f: impl FnMut(M) -> Result<N, E>) -> Result<Reply<N>, E> {
+        Ok(match self {
+            Self::Ok => Reply::Ok,
+            Self::Rejected(m) => Reply::Rejected(f(m)?),
+            Self::Got(None) => Reply::Got(None),
+            Self::Got(Some((id, m, redelivered, left, count))) => {
+                Reply::Got(Some((id, f(m)?, redelivered, left, count)))
+            }
+            Self::Purged(n) => Reply::Purged(n),
+        })
+    }
+}
+
+/// Effects for the driver to carry out.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Effect<M> {
+    /// Send a message to a consumer.
+    Deliver {
+        /// Recipient.
+        consumer: ConsumerId,
+        /// Message id (the delivery tag maps to it).
+        id: MsgId,
+        /// The message.
+        msg: M,
+        /// Delivered before.
+        redelivered: bool,
+        /// The consumer does not ack: the message left the queue with this delivery.
+        settled: bool,
+        /// Times it was returned before (quorum queues report it in `x-delivery-count`).
+        delivery_count: u32,
+    },
+    /// A returned message was requeued at the back of the queue under a new id (ready
+    /// messages wait in id order), so the driver moves what it stored under the old id.
+    Requeued {
+        /// The id it had.
+        old: MsgId,
+        /// The id it has now.
+        new: MsgId,
+        /// The message.
+        msg: M,
+    },
+    /// A message left the queue for good (acked, rejected without requeue, purged, dropped by
+    /// a length limit, or taken by a no-ack `basic.get`), so the driver can release what it
+    /// stored for it (and dead-letter it, depending on `reason`).
+    Removed {
+        /// Its id.
+        id: MsgId,
+        /// The message.
+        msg: M,
+        /// Why.
+        reason: Removal,
+    },
+}
+
+/// Replies to a command.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Reply<M> {
+    /// Nothing to report.
+    Ok,
+    /// `Enqueue` refused by a length limit with `x-overflow` reject-publish(-dlx): the message
+    /// is handed back.
+    Rejected(M),
+    /// basic.get result: the message, whether redelivered, the ready count after it, and how
+    /// often it was returned before.
+    Got(Option<(MsgId, M, bool, u32, u32)>),
+    /// Messages removed by a purge.
+    Purged(u32),
+}
+
+/// Why a command was refused.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize,
+)]
+pub enum MachineError {
+    /// An exclusive consumer holds the queue, or an exclusive one asked while others exist.
+    #[error("queue in exclusive use")]
+    ExclusiveInUse,
+    /// The consumer id is already attached.
+    #[error("consumer already attached")]
+    DuplicateConsumer,
+}

@@ -1,0 +1,311 @@
+//! The queue as a pure, deterministic state machine.
+//!
+//! `apply(now_ms, command, effects) -> reply`: no I/O, no clock, no locks. The in-memory driver
+//! ([`super::Queue`]) feeds it today; the durable store and openraft will feed the same commands
+//! from their logs, so replay gives the same state.
+//!
+//! The machine holds each message's metadata and a reference `M` (for the in-memory driver an
+//! `Arc<Message>`, for the store a body location), never a copy of the body.
+//!
+//! Message flow:
+//!
+//! ```text
+//!  Enqueue ──► ready ──(consumer has credit)──► unacked ──Settle──► gone
+//!                ▲                                 │ ──Discard─► gone (dead-letter later)
+//!                └──────────── Return ─────────────┘
+//! ```
+//!
+//! Ready order: one [`Level`] per message priority (one level unless `x-max-priority` is set),
+//! served highest first. Within a level, never-delivered messages wait in `fresh` (FIFO);
+//! returned messages wait in `returned`, ordered by id. Every returned id is smaller than every
+//! fresh id of its level (a message only leaves `fresh` from its head), so "returned first, then
+//! fresh" is exactly original order.
+//!
+//! Limits (`x-max-length`, `x-max-length-bytes`) count ready messages only, as RabbitMQ does;
+//! `drop-head` removes from the head after delivery to waiting consumers, `reject-publish`
+//! refuses the new message.
+//!
+//! Layout: this file holds the ids, [`MessageRef`], the machine's state ([`QueueMachine`],
+//! [`Counters`]) and [`QueueMachine::apply`], which routes each command to its handler and then
+//! runs the steps every command ends with (dispatch, expiry, drop-head). The handlers live in
+//! `impl QueueMachine` blocks of the child modules:
+//! - `command`: the driver's vocabulary ([`Command`], [`Effect`], [`Reply`], [`MachineError`],
+//!   [`Removal`], [`ConsumerSpec`]);
+//! - `config`: [`QueueConfig`], [`Overflow`] and the length limits;
+//! - `ready`: the ready set (priority levels, order, byte and count totals), enqueue, restore,
+//!   purge, swap;
+//! - `settle`: unacked messages and how they leave (settle, discard, return, delivery limit);
+//! - `consumers`: attached consumers, their credit and service rings, single active consumer,
+//!   cancel and node down;
+//! - `deliver`: handing ready messages out (to consumers with credit, and basic.get);
+//! - `expiry`: message TTLs;
+//! - `invariants`: [`QueueMachine::check_invariants`].
+//!
+//! The handlers call each other freely (one type's methods), but the files' imports run one
+//! way: `config` imports no sibling; `command` imports `config`; `ready` and `consumers` import
+//! `command`; `settle` and `expiry` import `command` and `ready`; `deliver` imports `command`
+//! and `settle`; `invariants` imports `config`.
+
+mod command;
+mod config;
+mod consumers;
+mod deliver;
+mod expiry;
+mod invariants;
+mod ready;
+mod settle;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+pub use command::{Command, ConsumerSpec, Effect, MachineError, Removal, Reply};
+pub use config::{DELIVERY_LIMIT_NONE, Overflow, QueueConfig};
+use consumers::Consumer;
+use ready::Level;
+use settle::Unacked;
+
+/// Message id within one queue, assigned at enqueue, increasing.
+pub type MsgId = u64;
+/// Consumer id, unique per broker. In a cluster its top bits name the node the consumer is
+/// attached to (see [`consumer_node`]), so ids of different nodes never collide and a node's
+/// consumers can be dropped together when it goes down ([`Command::Down`]).
+pub type ConsumerId = u64;
+
+/// Where a consumer id's node number starts: ids below `1 << CONSUMER_NODE_SHIFT` belong to
+/// node 0 (a broker outside a cluster).
+pub const CONSUMER_NODE_SHIFT: u32 = 56;
+
+/// The node number a consumer id carries (0 outside a cluster).
+#[must_use]
+pub const fn consumer_node(id: ConsumerId) -> u64 {
+    id >> CONSUMER_NODE_SHIFT
+}
+
+/// What the machine needs to know about a message reference.
+pub trait MessageRef: Clone {
+    /// Body size in bytes (for `message_bytes` and `x-max-length-bytes`).
+    fn size(&self) -> u64;
+    /// The message's `priority` property (0 when absent).
+    fn priority(&self) -> u8 {
+        0
+    }
+    /// The message's own TTL in milliseconds (the `expiration` property), if it has one.
+    fn expiration_ms(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// Counters for invariants and statistics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Counters {
+    /// Messages ever enqueued.
+    pub enqueued: u64,
+    /// Messages settled (acked, or delivered with no-ack).
+    pub settled: u64,
+    /// Messages discarded (rejected without requeue).
+    pub discarded: u64,
+    /// Messages purged.
+    pub purged: u64,
+    /// Messages dropped from the head by a length limit.
+    pub dropped: u64,
+    /// Messages whose TTL ran out.
+    pub expired: u64,
+    /// Deliveries to consumers (basic.deliver), redeliveries included.
+    pub delivered: u64,
+    /// Messages taken by basic.get, redeliveries included.
+    pub got: u64,
+    /// Deliveries and gets of messages returned before (the redelivered flag set).
+    pub redelivered: u64,
+    /// Messages acknowledged by a consumer (not counting no-ack deliveries).
+    pub acked: u64,
+}
+
+impl Counters {
+    /// Messages still in the queue according to the counters.
+    #[must_use]
+    pub fn live(&self) -> u64 {
+        self.enqueued - self.settled - self.discarded - self.purged - self.dropped - self.expired
+    }
+}
+
+/// A classic queue's delivery state.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct QueueMachine<M> {
+    config: QueueConfig,
+    /// Time of the command being applied.
+    now: u64,
+    /// The message enqueued by the command being applied: it may go to a waiting consumer
+    /// even with a TTL of 0 (RabbitMQ's immediate delivery).
+    arriving: Option<MsgId>,
+    next_id: MsgId,
+    /// Ready messages per priority level, served from the highest.
+    levels: BTreeMap<u8, Level<M>>,
+    ready_count: usize,
+    unacked: HashMap<MsgId, Unacked<M>>,
+    consumers: BTreeMap<ConsumerId, Consumer>,
+    /// Consumers with credit, round-robin within each priority (highest served first).
+    rings: BTreeMap<i32, VecDeque<ConsumerId>>,
+    exclusive_consumer: Option<ConsumerId>,
+    /// Attached consumers under a shared limit.
+    limited_consumers: usize,
+    /// Consumers ever attached (their attach order).
+    attach_seq: u64,
+    ready_bytes: u64,
+    unacked_bytes: u64,
+    counters: Counters,
+}
+
+impl<M: MessageRef> Default for QueueMachine<M> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<M: MessageRef> QueueMachine<M> {
+    /// An empty queue without limits or priorities.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::with_config(QueueConfig::default())
+    }
+
+    /// An empty queue with `config`.
+    #[must_use]
+    pub fn with_config(config: QueueConfig) -> Self {
+        Self {
+            config,
+            now: 0,
+            arriving: None,
+            next_id: 1,
+            levels: BTreeMap::new(),
+            ready_count: 0,
+            unacked: HashMap::new(),
+            consumers: BTreeMap::new(),
+            rings: BTreeMap::new(),
+            exclusive_consumer: None,
+            limited_consumers: 0,
+            attach_seq: 0,
+            ready_bytes: 0,
+            unacked_bytes: 0,
+            counters: Counters::default(),
+        }
+    }
+
+    /// The id the next `Enqueue` will get.
+    #[must_use]
+    pub fn next_id(&self) -> MsgId {
+        self.next_id
+    }
+
+    /// Lifetime counters.
+    #[must_use]
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    /// Apply one command at time `now_ms`; effects are appended to `effects`.
+    pub fn apply(
+        &mut self,
+        now_ms: u64,
+        command: Command<M>,
+        effects: &mut Vec<Effect<M>>,
+    ) -> Result<Reply<M>, MachineError> {
+        self.now = self.now.max(now_ms);
+        self.arriving = None;
+        self.expire_heads(effects);
+        let reply = match command {
+            Command::Enqueue(msg) => {
+                if self.would_reject(&msg) {
+                    return Ok(Reply::Rejected(msg));
+                }
+                self.enqueue(msg);
+                Reply::Ok
+            }
+            Command::Restore {
+                id,
+                msg,
+                redelivered,
+                expires_at,
+            } => {
+                self.restore(id, msg, redelivered, expires_at);
+                Reply::Ok
+            }
+            Command::Checkout(consumer, spec) => {
+                self.checkout(consumer, spec)?;
+                Reply::Ok
+            }
+            Command::Cancel(consumer) => {
+                self.cancel(consumer);
+                Reply::Ok
+            }
+            Command::Written(consumer, n, bytes) => {
+                self.written(consumer, n, bytes);
+                Reply::Ok
+            }
+            Command::Settle(ids) => {
+                self.settle(ids, effects);
+                Reply::Ok
+            }
+            Command::Discard(ids) => {
+                self.discard(ids, effects);
+                Reply::Ok
+            }
+            Command::TrackOffset { .. } => Reply::Ok,
+            // Applies its own Cancel and Return commands, which end as every command does.
+            Command::Down { node, before } => return self.down(now_ms, node, before, effects),
+            Command::Return(ids) => {
+                self.return_messages(ids, false, effects);
+                Reply::Ok
+            }
+            Command::Requeue(ids) => {
+                let to_back = self.config.returns_to_back();
+                self.return_messages(ids, to_back, effects);
+                Reply::Ok
+            }
+            Command::Get { no_ack } => Reply::Got(self.get(no_ack, effects)),
+            Command::Swap { id, msg } => {
+                self.swap(id, msg);
+                Reply::Ok
+            }
+            Command::Grant(consumer) => {
+                self.grant(consumer);
+                Reply::Ok
+            }
+            Command::SetLimited(consumer, limited) => {
+                self.set_limited(consumer, limited);
+                Reply::Ok
+            }
+            Command::Expire => Reply::Ok,
+            Command::Configure(config) => {
+                self.configure(config);
+                Reply::Ok
+            }
+            Command::Purge => Reply::Purged(self.purge(effects)),
+        };
+        self.dispatch(effects);
+        // What waiting consumers did not take expires now if its time is up (a TTL of 0).
+        self.arriving = None;
+        self.expire_heads(effects);
+        // Waiting consumers took what they could; a drop-head limit now trims the rest.
+        while self.config.overflow == Overflow::DropHead && self.over_limits() {
+            let Some(r) = self.pop_ready() else { break };
+            self.counters.dropped += 1;
+            effects.push(Effect::Removed {
+                id: r.id,
+                msg: r.msg,
+                reason: Removal::MaxLen,
+            });
+        }
+        // Dropping may have brought an expired message to a head.
+        self.expire_heads(effects);
+        debug_assert_eq!(
+            (self.ready_len() + self.unacked.len()) as u64,
+            self.counters.live(),
+            "message conservation"
+        );
+        #[cfg(test)]
+        self.check_invariants();
+        Ok(reply)
+    }
+}
+
+#[cfg(test)]
+mod tests;
