@@ -16,7 +16,7 @@ use anyhow::Context;
 use tokio::sync::Notify;
 use warren_broker::Broker;
 
-use crate::config::ClusterConfig;
+use crate::config::types::ClusterConfig;
 
 /// Where a joined node keeps its seeds (`name@host:port,...`, this node first).
 pub const SEEDS_FILE: &str = "cluster/join-seeds";
@@ -120,7 +120,8 @@ impl Joiner {
             None => me.listen.to_string(),
         };
         let list = format!("{}@{address},{seeds}", me.node_name);
-        let parsed = crate::config::parse_peers(&list).map_err(|e| (64, format!("{e:#}")))?;
+        let parsed =
+            crate::config::types::parse_peers(&list).map_err(|e| (64, format!("{e:#}")))?;
         if parsed.iter().filter(|p| p.name == me.node_name).count() != 1 {
             return Err((64, "the seeds must not name this node".into()));
         }

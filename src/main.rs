@@ -2,8 +2,6 @@
 
 mod admin;
 mod config;
-mod ctl_api;
-mod ctl_cluster;
 mod join;
 mod rabbitmq_conf;
 mod resources;

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::config::FileConfig;
+use crate::config::types::FileConfig;
 
 /// What a `rabbitmq.conf` gave: Warren's settings, and the keys it does not have.
 #[derive(Debug, Default)]
@@ -94,7 +94,7 @@ pub fn parse(text: &str) -> anyhow::Result<Parsed> {
             "frame_max" => f.frame_max = Some(value.parse().with_context(at)?),
             "channel_max" => f.channel_max = Some(value.parse().with_context(at)?),
             "max_message_size" => {
-                f.message_size_max = Some(crate::config::size(key, value).with_context(at)?);
+                f.message_size_max = Some(crate::config::types::size(key, value).with_context(at)?);
             }
             "connection_max" => f.connection_max = infinity_or(value).with_context(at)?,
             "consumer_max_per_channel" => {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
-use crate::admin::{api_request, percent_segment};
+use super::client::{api_request, percent_segment};
 
 /// How long a membership verb waits for the leader to report the new voters.
 const MEMBERS_WAIT: Duration = Duration::from_secs(30);
@@ -89,7 +89,7 @@ pub enum QueuesCommand {
 pub fn cluster_status(data_dir: &Path, json_output: bool) -> anyhow::Result<u8> {
     let (status, nodes) = api_request(data_dir, "GET", "/api/nodes", None, Vec::new())?;
     if status != 200 {
-        return Ok(crate::admin::api_failure(status, &nodes));
+        return Ok(super::client::api_failure(status, &nodes));
     }
     let (_, name) = api_request(data_dir, "GET", "/api/cluster-name", None, Vec::new())?;
     let nodes = nodes.as_array().cloned().unwrap_or_default();
@@ -136,7 +136,7 @@ pub fn cluster_status(data_dir: &Path, json_output: bool) -> anyhow::Result<u8> 
 /// `join_cluster`: the node records the seeds and restarts; wait until it answers again as a
 /// member of a cluster of more than one node.
 pub fn join_cluster(data_dir: &Path, seeds: &str, address: Option<&str>) -> anyhow::Result<u8> {
-    let reply = crate::admin::request_join(data_dir, seeds, address)?;
+    let reply = super::client::request_join(data_dir, seeds, address)?;
     if reply["ok"] != true {
         eprintln!("Error: {}", reply["error"].as_str().unwrap_or("refused"));
         return Ok(reply["code"]
@@ -222,7 +222,7 @@ pub fn queues(data_dir: &Path, command: &QueuesCommand) -> anyhow::Result<u8> {
                 Vec::new(),
             )?;
             if status >= 300 {
-                return Ok(crate::admin::api_failure(status, &body));
+                return Ok(super::client::api_failure(status, &body));
             }
             println!("{} leads {queue}", body["leader"].as_str().unwrap_or("?"));
             Ok(0)
@@ -254,7 +254,7 @@ fn rebalance(data_dir: &Path, vhost_pattern: &str, queue_pattern: &str) -> anyho
         Vec::new(),
     )?;
     if status >= 300 {
-        return Ok(crate::admin::api_failure(status, &body));
+        return Ok(super::client::api_failure(status, &body));
     }
     let list = |key: &str| body[key].as_array().cloned().unwrap_or_default();
     for m in list("moved") {
@@ -381,7 +381,7 @@ fn change(
 fn report_one(r: &Result<(), Failure>) -> u8 {
     match r {
         Ok(()) => 0,
-        Err((status, reason)) => crate::admin::api_failure(*status, &json!({ "reason": reason })),
+        Err((status, reason)) => super::client::api_failure(*status, &json!({ "reason": reason })),
     }
 }
 

@@ -13,7 +13,8 @@ use anyhow::Context;
 use serde_json::{Value, json};
 use warren_broker::users::UserError;
 
-use crate::admin::{CtlCommand, api_request, percent_segment as seg};
+use super::client::{api_request, percent_segment as seg};
+use super::command::CtlCommand;
 
 /// rabbitmqctl's "data error" for what a verb's API call refused (bad pattern, bad type).
 const EX_DATAERR: u8 = 65;
@@ -55,7 +56,7 @@ fn fail(message: &str, code: u8) -> u8 {
 }
 
 fn user_fail(e: &UserError) -> u8 {
-    fail(&e.to_string(), crate::admin::exit_code(e))
+    fail(&e.to_string(), super::client::exit_code(e))
 }
 
 fn no_user(name: &str) -> u8 {
@@ -331,7 +332,7 @@ pub fn run(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
 }
 
 /// PUT a policy into `set` (`policies` or `operator-policies`).
-fn set_policy(api: &Api<'_>, set: &str, a: &crate::admin::PolicyArgs) -> anyhow::Result<u8> {
+fn set_policy(api: &Api<'_>, set: &str, a: &super::command::PolicyArgs) -> anyhow::Result<u8> {
     let definition = json_object(&a.definition, "the definition")?;
     let (status, body) = api.call(
         "PUT",
@@ -420,7 +421,7 @@ fn grant(
     let path = grant_path(grants, vhost, user);
     let (status, reply) = api.call("PUT", &path, Some(Value::Object(body)))?;
     // What the API refuses past that is a pattern that does not compile.
-    let code = crate::admin::exit_code(&UserError::BadPattern(String::new(), String::new()));
+    let code = super::client::exit_code(&UserError::BadPattern(String::new(), String::new()));
     Ok(done(status, &reply, code))
 }
 
