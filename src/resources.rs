@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use warren_broker::Broker;
-use warren_broker::alarms::{MONITOR_INTERVAL_MS, Sample};
+use warren_broker::node::alarms::{MONITOR_INTERVAL_MS, Sample};
 
 /// The value of a `Key:   123 kB` line of a /proc file, in bytes.
 fn proc_kb(text: &str, key: &str) -> Option<u64> {

@@ -20,9 +20,9 @@ use tokio::time::Instant;
 use warren_amqp::connection::{Connection, ConnectionConfig, Event, client_capability};
 use warren_amqp::frame::FrameWriter;
 use warren_amqp::{AMQPClass, AmqpError, ReplyCode, Scope};
-use warren_broker::connections::{ConnectionHandle, ConnectionInfo};
 use warren_broker::durable::Durable;
-use warren_broker::outbox::Outbox;
+use warren_broker::node::connections::{ConnectionHandle, ConnectionInfo};
+use warren_broker::queue::outbox::Outbox;
 use warren_broker::{Broker, BrokerConfig, Session};
 use warren_store::{Store, Writer};
 

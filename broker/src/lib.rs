@@ -42,9 +42,5 @@ pub mod users;
 pub use node::broker::{Broker, BrokerConfig};
 pub use session::Session;
 
-// The paths these modules had before the layers (issue 21), kept until every importer uses the
-// new ones.
+// The path warren-cluster still imports the replication seam by (until its split lands).
 pub use node::replication;
-pub use node::{access, alarms, broker, connections, rebalance, recovery};
-pub use queue::{limiter, outbox};
-pub use routing::{delayed, reply_to, vhost};

@@ -13,8 +13,8 @@ use warren_amqp::frame::{FRAME_BODY, FRAME_HEADER, FRAME_METHOD, FrameWriter, de
 use warren_amqp::method::{self, Method};
 use warren_amqp::properties::Properties;
 use warren_amqp::{AmqpError, limits};
-use warren_broker::outbox::Outbox;
-use warren_broker::vhost::VHost;
+use warren_broker::queue::outbox::Outbox;
+use warren_broker::routing::vhost::VHost;
 use warren_broker::{Broker, Session};
 
 use crate::ApiError;

@@ -85,7 +85,7 @@ async fn handle(
             json!({"ok": true, "status": status, "api": value})
         }
         Request::SetMemoryWatermark { relative, absolute } => {
-            use warren_broker::alarms::MemoryWatermark;
+            use warren_broker::node::alarms::MemoryWatermark;
             match (relative, absolute) {
                 (Some(f), None) if (0.0..=1.0).contains(&f) => {
                     broker
@@ -108,7 +108,7 @@ async fn handle(
             absolute,
             mem_relative,
         } => {
-            use warren_broker::alarms::DiskFreeLimit;
+            use warren_broker::node::alarms::DiskFreeLimit;
             match (absolute, mem_relative) {
                 (Some(b), None) => {
                     broker

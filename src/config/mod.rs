@@ -120,7 +120,7 @@ pub struct ServerConfig {
     pub limits: warren_amqp::limits::ConnectionLimits,
     pub store: warren_store::Options,
     /// Resource alarm limits.
-    pub watermarks: warren_broker::alarms::Watermarks,
+    pub watermarks: warren_broker::node::alarms::Watermarks,
     /// Node-wide connection limit (None: infinity, RabbitMQ's default).
     pub connection_max: Option<u64>,
     /// Consumers per channel (None: infinity, RabbitMQ's default).
@@ -405,8 +405,8 @@ fn listen(
 fn watermarks(
     args: &ServerArgs,
     file: &FileConfig,
-) -> anyhow::Result<warren_broker::alarms::Watermarks> {
-    use warren_broker::alarms::{DiskFreeLimit, MemoryWatermark, Watermarks};
+) -> anyhow::Result<warren_broker::node::alarms::Watermarks> {
+    use warren_broker::node::alarms::{DiskFreeLimit, MemoryWatermark, Watermarks};
     let mut w = Watermarks::default();
     if let Some(f) = args
         .vm_memory_high_watermark
@@ -583,7 +583,10 @@ mod tests {
         );
         assert_eq!(c.store.segment_max, warren_store::SEGMENT_MAX_DEFAULT);
         assert!(c.amqps.is_none(), "no certificate, no AMQPS listener");
-        assert_eq!(c.watermarks, warren_broker::alarms::Watermarks::default());
+        assert_eq!(
+            c.watermarks,
+            warren_broker::node::alarms::Watermarks::default()
+        );
         assert_eq!((c.connection_max, c.consumer_max_per_channel), (None, None));
         assert_eq!(c.log_format, LogFormat::Text);
         assert_eq!(
@@ -607,7 +610,7 @@ mod tests {
 
     #[test]
     fn alarm_limits_from_the_file_and_flags() {
-        use warren_broker::alarms::{DiskFreeLimit, MemoryWatermark};
+        use warren_broker::node::alarms::{DiskFreeLimit, MemoryWatermark};
         let f = file("vm_memory_high_watermark = 0.5\ndisk_free_limit = \"2GB\"\n");
         let c = ServerConfig::load(args(Some(f.path().into()))).unwrap();
         assert_eq!(c.watermarks.memory, MemoryWatermark::Relative(0.5));

@@ -103,7 +103,7 @@ pub enum LogFormat {
 
 /// A size with RabbitMQ's units; the error names `key`.
 pub fn size(key: &str, text: &str) -> anyhow::Result<u64> {
-    warren_broker::alarms::parse_size(text).with_context(|| {
+    warren_broker::node::alarms::parse_size(text).with_context(|| {
         format!("{key}: {text:?} is not a size (bytes, or with kB/MB/GB/kiB/MiB/GiB)")
     })
 }

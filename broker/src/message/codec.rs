@@ -87,7 +87,7 @@ pub fn encode_entry(entry: &Entry) -> Result<Vec<u8>, DecodeError> {
     }
 }
 
-/// `#[serde(with = "warren_broker::replication::raw_bytes")]` for a `Vec<u8>` that is a message body:
+/// `#[serde(with = "warren_broker::message::codec::raw_bytes")]` for a `Vec<u8>` that is a message body:
 /// serde writes a plain `Vec<u8>` element by element (a call per byte, measured as most of a
 /// follower's CPU under load), this writes it as one run of bytes. bincode lays both out the
 /// same way (a length, then the bytes), so logs written before read back unchanged.

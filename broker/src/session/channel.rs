@@ -8,7 +8,7 @@ use std::sync::Arc;
 use amq_protocol::protocol::{AMQPClass, access, channel};
 use warren_amqp::{AmqpError, ReplyCode};
 
-use crate::limiter::Limiter;
+use crate::queue::limiter::Limiter;
 use crate::stats::Lifecycle;
 
 use super::common::{apply_acks, consumer_timeout, requeue_undelivered};

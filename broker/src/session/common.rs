@@ -6,11 +6,11 @@ use std::sync::Arc;
 
 use warren_amqp::{AmqpError, ReplyCode};
 
-use crate::limiter::Limiter;
-use crate::outbox::Outbound;
 use crate::queue::Queue;
+use crate::queue::limiter::Limiter;
 use crate::queue::machine::{ConsumerId, MsgId};
-use crate::vhost::{OnCommit, rs};
+use crate::queue::outbox::Outbound;
+use crate::routing::vhost::{OnCommit, rs};
 
 use super::{AckAction, Channel, Ctx, Unacked};
 

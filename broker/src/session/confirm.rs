@@ -10,7 +10,7 @@ use warren_amqp::frame::FrameWriter;
 use warren_amqp::method::{put_basic_ack, put_basic_nack};
 use warren_amqp::{AmqpError, ReplyCode};
 
-use crate::outbox::Outbound;
+use crate::queue::outbox::Outbound;
 
 use super::{Call, Ctx, Mode, Session};
 

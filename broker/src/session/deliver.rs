@@ -9,8 +9,8 @@ use warren_amqp::frame::FrameWriter;
 use warren_amqp::method::put_basic_deliver;
 
 use crate::message::Message;
-use crate::outbox::{Delivery, Outbound};
 use crate::queue::machine::ConsumerId;
+use crate::queue::outbox::{Delivery, Outbound};
 
 use super::common::{consumer_deadline, requeue_undelivered};
 use super::{Call, Session, Unacked};

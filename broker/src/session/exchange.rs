@@ -4,9 +4,9 @@
 use amq_protocol::protocol::{AMQPClass, exchange};
 use warren_amqp::{AmqpError, ReplyCode};
 
-use crate::access::{Perm, Resource};
 use crate::exchange::{Destination, ExchangeKind};
-use crate::vhost::ExchangeDecl;
+use crate::node::access::{Perm, Resource};
+use crate::routing::vhost::ExchangeDecl;
 
 use super::Call;
 use super::common::vhost_up;

@@ -48,15 +48,15 @@ use warren_amqp::assembler::{Command, Content};
 use warren_amqp::frame::FrameWriter;
 use warren_amqp::{AmqpError, ReplyCode};
 
-use crate::access::{Access, Perm, Resource};
-use crate::broker::Broker;
-use crate::limiter::Limiter;
 use crate::message::Message;
-use crate::outbox::{Outbound, Outbox};
+use crate::node::access::{Access, Perm, Resource};
+use crate::node::broker::Broker;
 use crate::queue::Queue;
+use crate::queue::limiter::Limiter;
 use crate::queue::machine::{ConsumerId, MsgId};
-use crate::reply_to::REPLY_TO;
-use crate::vhost::VHost;
+use crate::queue::outbox::{Outbound, Outbox};
+use crate::routing::reply_to::REPLY_TO;
+use crate::routing::vhost::VHost;
 
 /// What a connection knows about itself, shared by its channels.
 #[derive(Debug)]
@@ -399,7 +399,7 @@ impl Session {
 
     /// Its channels and consumers, for the management API.
     #[must_use]
-    pub fn channel_infos(&self) -> Vec<crate::connections::ChannelInfo> {
+    pub fn channel_infos(&self) -> Vec<crate::node::connections::ChannelInfo> {
         let mut v: Vec<_> = self
             .channels
             .iter()
@@ -407,7 +407,7 @@ impl Session {
                 let mut consumers: Vec<_> = c
                     .consumers
                     .iter()
-                    .map(|(tag, e)| crate::connections::ConsumerInfo {
+                    .map(|(tag, e)| crate::node::connections::ConsumerInfo {
                         tag: tag.clone(),
                         queue: e.queue.name.clone(),
                         ack_required: !e.no_ack,
@@ -417,7 +417,7 @@ impl Session {
                     })
                     .collect();
                 consumers.sort_by(|a, b| a.tag.cmp(&b.tag));
-                crate::connections::ChannelInfo {
+                crate::node::connections::ChannelInfo {
                     number: *n,
                     prefetch_count: c.prefetch_consumer,
                     global_prefetch_count: c.prefetch_channel,

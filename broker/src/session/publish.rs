@@ -10,11 +10,11 @@ use warren_amqp::assembler::Content;
 use warren_amqp::method::put_basic_return;
 use warren_amqp::{AmqpError, ReplyCode};
 
-use crate::access::{Perm, Resource};
 use crate::exchange::RoutingHeaders;
 use crate::message::Message;
+use crate::node::access::{Perm, Resource};
 use crate::queue::{Enqueued, Queue, publish_routed};
-use crate::reply_to::{REPLY_TO, REPLY_TO_PREFIX};
+use crate::routing::reply_to::{REPLY_TO, REPLY_TO_PREFIX};
 
 use super::{Call, Channel, Ctx, Mode, TxPublish};
 
@@ -217,7 +217,7 @@ fn route(
 }
 
 /// A publish to a delayed exchange with a positive `x-delay`: held until due (see
-/// [`crate::delayed`]). Returns false if it is not one.
+/// [`crate::routing::delayed`]). Returns false if it is not one.
 fn schedule_delayed(
     ctx: &Ctx,
     chan: &mut Channel,
@@ -226,7 +226,7 @@ fn schedule_delayed(
     routing_key: &str,
     content: &Content,
 ) -> bool {
-    let Some(delay) = crate::delayed::delay_of(&content.properties) else {
+    let Some(delay) = crate::routing::delayed::delay_of(&content.properties) else {
         return false;
     };
     let Some((durable, internal)) = ctx.vhost.delayed_exchange(exchange) else {

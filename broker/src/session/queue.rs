@@ -5,12 +5,12 @@ use amq_protocol::protocol::{AMQPClass, queue};
 use amq_protocol::types::{AMQPValue, FieldTable};
 use warren_amqp::{AmqpError, ReplyCode};
 
-use crate::access::{Perm, Resource};
 use crate::exchange::Destination;
+use crate::node::access::{Perm, Resource};
 use crate::queue::Queue;
-use crate::reply_to::REPLY_TO;
+use crate::routing::reply_to::REPLY_TO;
+use crate::routing::vhost::rs;
 use crate::stats::Lifecycle;
-use crate::vhost::rs;
 
 use super::common::{expand_queue_name, locked, stream_unsupported, usable_queue, vhost_up};
 use super::{Call, Channel, Ctx};

@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use warren_broker::vhost::VHost;
+use warren_broker::routing::vhost::VHost;
 
 use super::common::{arguments, exchange_name};
 use super::{
@@ -160,7 +160,7 @@ fn pair_bindings(
     source: &str,
     kind: &str,
     destination: &str,
-) -> Result<Vec<warren_broker::vhost::BindingInfo>, ApiError> {
+) -> Result<Vec<warren_broker::routing::vhost::BindingInfo>, ApiError> {
     let to_queue = match kind {
         "q" => true,
         "e" => false,
@@ -176,7 +176,7 @@ fn pair_bindings(
         .collect())
 }
 
-fn binding_json(vhost: &str, b: &warren_broker::vhost::BindingInfo) -> Value {
+fn binding_json(vhost: &str, b: &warren_broker::routing::vhost::BindingInfo) -> Value {
     json!({
         "source": b.source,
         "vhost": vhost,
@@ -208,7 +208,7 @@ fn find_binding(
     kind: &str,
     destination: &str,
     props: &str,
-) -> Result<warren_broker::vhost::BindingInfo, ApiError> {
+) -> Result<warren_broker::routing::vhost::BindingInfo, ApiError> {
     pair_bindings(vh, source, kind, destination)?
         .into_iter()
         .find(|b| {
@@ -284,7 +284,7 @@ pub(super) async fn exchange_bindings(
     if !name.is_empty() && !vh.exchange_exists(&name) {
         return Err(ApiError::not_found());
     }
-    let keep = |b: &warren_broker::vhost::BindingInfo| match side.as_str() {
+    let keep = |b: &warren_broker::routing::vhost::BindingInfo| match side.as_str() {
         "source" => b.source == name,
         "destination" => !b.destination_is_queue && b.destination == name,
         _ => false,

@@ -6,8 +6,8 @@
 use amq_protocol::types::FieldTable;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use warren_broker::routing::vhost::VHost;
 use warren_broker::stats::MessageStats;
-use warren_broker::vhost::VHost;
 
 use crate::ApiError;
 use crate::json::json_to_table;

@@ -13,7 +13,7 @@ use crate::auth::Caller;
 use crate::json::table_to_json;
 use crate::{ApiError, AppState};
 
-fn connection_json(node: &str, h: &warren_broker::connections::ConnectionHandle) -> Value {
+fn connection_json(node: &str, h: &warren_broker::node::connections::ConnectionHandle) -> Value {
     let i = &h.info;
     let mut v = json!({
         "name": i.name,
@@ -43,7 +43,7 @@ fn connection_json(node: &str, h: &warren_broker::connections::ConnectionHandle)
 
 /// The client's `connection_name` property (a long string), which RabbitMQ reports as
 /// `user_provided_name` (rabbit_reader's augment_infos_with_user_provided_connection_name).
-fn user_provided_name(i: &warren_broker::connections::ConnectionInfo) -> Option<String> {
+fn user_provided_name(i: &warren_broker::node::connections::ConnectionInfo) -> Option<String> {
     match i.client_properties.inner().get("connection_name") {
         Some(amq_protocol::types::AMQPValue::LongString(s)) => {
             Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
@@ -57,7 +57,7 @@ fn user_provided_name(i: &warren_broker::connections::ConnectionInfo) -> Option<
 pub(super) fn visible_connections(
     state: &AppState,
     caller: &Caller,
-) -> Vec<Arc<warren_broker::connections::ConnectionHandle>> {
+) -> Vec<Arc<warren_broker::node::connections::ConnectionHandle>> {
     state
         .broker
         .connections()
@@ -133,13 +133,13 @@ pub(super) async fn close_connection(
 /// How long a connection task may take to describe its channels.
 const SNAPSHOT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-pub(super) type Handle = Arc<warren_broker::connections::ConnectionHandle>;
+pub(super) type Handle = Arc<warren_broker::node::connections::ConnectionHandle>;
 
 /// The channels of `conns`, asked of their connection tasks concurrently; a connection that
 /// does not answer in time (or closed) is left out.
 pub(super) async fn channels_of(
     conns: Vec<Handle>,
-) -> Vec<(Handle, warren_broker::connections::ChannelInfo)> {
+) -> Vec<(Handle, warren_broker::node::connections::ChannelInfo)> {
     let mut tasks = Vec::new();
     for h in conns {
         tasks.push(tokio::spawn(async move {
@@ -164,7 +164,11 @@ pub(super) fn channel_name(h: &Handle, number: u16) -> String {
     format!("{} ({number})", h.info.name)
 }
 
-fn channel_json(node: &str, h: &Handle, c: &warren_broker::connections::ChannelInfo) -> Value {
+fn channel_json(
+    node: &str,
+    h: &Handle,
+    c: &warren_broker::node::connections::ChannelInfo,
+) -> Value {
     let mut details = json!({"name": h.info.name, "peer_host": h.info.peer.ip().to_string(),
                              "peer_port": h.info.peer.port()});
     if let Some(name) = user_provided_name(&h.info) {

@@ -6,8 +6,8 @@ use amq_protocol::protocol::{AMQPClass, exchange, queue};
 use axum::extract::{Path, State};
 use serde_json::{Value, json};
 use warren_broker::policy::PolicyKind;
+use warren_broker::routing::vhost::VHost;
 use warren_broker::users::PermissionRecord;
-use warren_broker::vhost::VHost;
 
 use super::commit::Commits;
 use super::common::arguments;

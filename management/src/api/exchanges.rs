@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use warren_amqp::assembler::Content;
 use warren_amqp::properties::Properties;
-use warren_broker::vhost::VHost;
+use warren_broker::routing::vhost::VHost;
 
 use super::common::{DeleteConditions, arguments, direct_type, exchange_name};
 use super::{
@@ -20,7 +20,7 @@ use crate::auth::Caller;
 use crate::json::table_to_json;
 use crate::{ApiError, AppState};
 
-fn exchange_json(vhost: &str, x: &warren_broker::vhost::ExchangeInfo) -> Value {
+fn exchange_json(vhost: &str, x: &warren_broker::routing::vhost::ExchangeInfo) -> Value {
     json!({
         "incoming": [],
         "outgoing": [],

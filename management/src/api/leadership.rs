@@ -11,9 +11,9 @@ use axum::Json;
 use axum::extract::{Path, State};
 use serde::Deserialize;
 use serde_json::json;
+use warren_broker::node::rebalance::{Leadership, leader_counts, plan};
+use warren_broker::node::replication::{ClusterHooks, TransferError};
 use warren_broker::queue::Queue;
-use warren_broker::rebalance::{Leadership, leader_counts, plan};
-use warren_broker::replication::{ClusterHooks, TransferError};
 
 use super::{ApiResult, ok_json, queue_for, visible_vhosts};
 use crate::auth::Caller;
@@ -56,7 +56,7 @@ pub(super) struct RebalanceBody {
 }
 
 /// `POST /api/rebalance/queues`: move quorum queue leaders so every running node leads about
-/// as many (see [`warren_broker::rebalance`]). Moves are made one after another.
+/// as many (see [`warren_broker::node::rebalance`]). Moves are made one after another.
 pub(super) async fn rebalance(
     State(state): State<AppState>,
     caller: Caller,

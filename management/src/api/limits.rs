@@ -3,7 +3,7 @@
 
 use axum::extract::{Path, State};
 use serde_json::{Value, json};
-use warren_broker::vhost::VHost;
+use warren_broker::routing::vhost::VHost;
 
 use super::commit::durably;
 use super::{

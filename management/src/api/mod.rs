@@ -15,8 +15,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use serde_json::{Value, json};
 use warren_broker::queue::Queue;
+use warren_broker::routing::vhost::VHost;
 use warren_broker::users::UserError;
-use warren_broker::vhost::VHost;
 
 use crate::auth::Caller;
 use crate::direct::Direct;

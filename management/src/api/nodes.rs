@@ -43,7 +43,7 @@ pub(super) async fn forget_node(
     caller: Caller,
     Path(name): Path<String>,
 ) -> ApiResult {
-    use warren_broker::replication::MembershipError;
+    use warren_broker::node::replication::MembershipError;
     caller.require_admin()?;
     let Some(cluster) = state.broker.cluster() else {
         return Err(ApiError::bad_request("this node is not clustered"));

@@ -8,7 +8,7 @@ use axum::extract::{Path, State};
 use serde::Deserialize;
 use serde_json::Value;
 use warren_broker::policy::PolicyKind;
-use warren_broker::vhost::VHost;
+use warren_broker::routing::vhost::VHost;
 
 use super::commit::durably;
 use super::{ApiResult, body, created, no_content, ok_json, vhost_for, visible_vhosts};

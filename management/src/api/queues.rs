@@ -11,7 +11,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use warren_broker::policy::PolicyKind;
 use warren_broker::queue::Queue;
-use warren_broker::vhost::VHost;
+use warren_broker::routing::vhost::VHost;
 
 use super::commit::committed;
 use super::common::{DeleteConditions, arguments, message_stats_json};
@@ -218,7 +218,7 @@ pub(super) async fn add_member(
         &caller,
         &vhost,
         &name,
-        warren_broker::replication::MemberChange::Add(body.node),
+        warren_broker::node::replication::MemberChange::Add(body.node),
     )
     .await
 }
@@ -234,7 +234,7 @@ pub(super) async fn delete_member(
         &caller,
         &vhost,
         &name,
-        warren_broker::replication::MemberChange::Delete(node),
+        warren_broker::node::replication::MemberChange::Delete(node),
     )
     .await
 }
@@ -244,9 +244,9 @@ async fn change_members(
     caller: &Caller,
     vhost: &str,
     name: &str,
-    change: warren_broker::replication::MemberChange,
+    change: warren_broker::node::replication::MemberChange,
 ) -> ApiResult {
-    use warren_broker::replication::MembershipError;
+    use warren_broker::node::replication::MembershipError;
     caller.require_admin()?;
     let (_, q) = queue_for(state, caller, vhost, name)?;
     let Some(cluster) = state.broker.cluster() else {

@@ -3,8 +3,8 @@
 
 use axum::extract::{Path, State};
 use serde_json::{Value, json};
+use warren_broker::routing::vhost::VHost;
 use warren_broker::users::PermissionRecord;
-use warren_broker::vhost::VHost;
 
 use super::commit::durably;
 use super::common::totals;
