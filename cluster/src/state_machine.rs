@@ -1,6 +1,6 @@
 //! The queue machine alone as openraft's state machine: a replicated queue without a broker,
 //! as the replication tests and the `replicated_bench` example run it. (The broker's quorum
-//! queues apply into the broker's own queue instead, `node.rs`; both are a
+//! queues apply into the broker's own queue instead, `node/replicas.rs`; both are a
 //! [`GroupStateMachine`], which tracks what openraft needs and keeps entry times monotonic.)
 //!
 //! The effects the machine produces (deliveries, removals) are the same on every replica; the

@@ -1,0 +1,114 @@
+//! How a node is configured ([`NodeConfig`], from the command line), why it may fail to
+//! start, its Raft id, and the Raft settings of its groups.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use openraft::Config;
+
+use crate::types::NodeId;
+
+/// One member of the cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Peer {
+    /// Its node name (`--node-name`).
+    pub name: String,
+    /// Its cluster port address.
+    pub addr: String,
+}
+
+/// How a node joins its cluster.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// This node's name (one of `peers`).
+    pub name: String,
+    /// The cluster port to listen on.
+    pub listen: SocketAddr,
+    /// Every node of the cluster, this one included.
+    pub peers: Vec<Peer>,
+    /// The cluster's shared secret.
+    pub secret: Vec<u8>,
+    /// Where the Raft logs go.
+    pub data_dir: PathBuf,
+    /// TLS on the cluster port (both ways), if configured.
+    pub tls: Option<crate::tcp::ClusterTls>,
+    /// Join the running cluster of `peers` (seeds: some of its nodes, and this one for its
+    /// own address) rather than found it with them.
+    pub join: bool,
+}
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The configuration is inconsistent.
+    #[error("cluster configuration: {0}")]
+    Config(String),
+    /// A log could not be opened.
+    #[error("raft log {0}: {1}")]
+    Log(PathBuf, redb::Error),
+    /// The port or a Raft instance failed.
+    #[error("cluster: {0}")]
+    Io(String),
+}
+
+/// A node's Raft id: FNV-1a of its name (never 0).
+#[must_use]
+pub fn node_id(name: &str) -> NodeId {
+    fnv1a(name.as_bytes()).max(1)
+}
+
+pub(super) fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+/// Timings for real nodes: heartbeats every 300 ms, an election after 1.5 to 3 s of silence
+/// (sooner when the leader's connection closes: `tcp::suspect_leader`). openraft also takes
+/// the heartbeat interval as the AppendEntries timeout, so it must cover a full append and
+/// its fsync under load; appends carry at most 8 entries (of up to 512 commands each), which
+/// bounds that. Measured: with 200 ms and 300 entries an append of ten busy queues timed out
+/// again and again and replication stalled.
+#[must_use]
+pub fn raft_config() -> Config {
+    Config {
+        heartbeat_interval: 300,
+        election_timeout_min: 1500,
+        election_timeout_max: 3000,
+        max_payload_entries: 8,
+        ..Config::default()
+    }
+}
+
+/// Entries of a stream's group between two snapshots ([`STREAM_SNAPSHOT_EVERY_ENV`]
+/// overrides it): a snapshot lets Raft purge what it covers, the stream's files holding it.
+pub const STREAM_SNAPSHOT_EVERY: u64 = 5000;
+/// Environment variable overriding [`STREAM_SNAPSHOT_EVERY`] (tests make it small to make a
+/// member catch up from a snapshot).
+pub const STREAM_SNAPSHOT_EVERY_ENV: &str = "WARREN_STREAM_SNAPSHOT_EVERY";
+
+/// How long sending and installing a stream's snapshot (with its chunks) may take.
+pub const STREAM_SNAPSHOT_TIMEOUT_MS: u64 = 30_000;
+
+/// A stream group's Raft settings: the queue groups', with its own snapshot interval; as many
+/// entries are kept after a snapshot (a member further behind gets the snapshot, with the
+/// chunks it lacks).
+#[must_use]
+pub fn stream_raft_config() -> Config {
+    let every = std::env::var(STREAM_SNAPSHOT_EVERY_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(STREAM_SNAPSHOT_EVERY);
+    Config {
+        snapshot_policy: openraft::SnapshotPolicy::LogsSinceLast(every),
+        // A member briefly away catches up from the log, not from a whole-stream snapshot.
+        max_in_snapshot_log_to_keep: every,
+        // A snapshot with data takes longer to send and install than a queue's.
+        install_snapshot_timeout: STREAM_SNAPSHOT_TIMEOUT_MS,
+        ..raft_config()
+    }
+}

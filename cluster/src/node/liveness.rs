@@ -1,0 +1,86 @@
+//! The node's watch, every second: ping peers (so every peer's silence is known), and for
+//! each queue this node leads, reconcile its members and return what consumers on silent
+//! peers held (down nodes).
+
+use std::sync::{PoisonError, Weak};
+use std::time::Duration;
+
+use warren_broker::queue::machine::Command;
+use warren_broker::replication::Replicator;
+
+use crate::tcp::GroupId;
+use crate::types::NodeId;
+
+use super::membership::reconcile_meta;
+use super::placement::{add_learners, reconcile_members};
+use super::{ClusterNode, DOWN_AFTER, META_GROUP};
+
+/// How often a peer that sent nothing lately is pinged (well within [`DOWN_AFTER`]).
+const PING_EVERY: Duration = Duration::from_secs(1);
+
+/// Every second: for each queue this node leads, return what consumers on silent peers held.
+pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut pinged: std::collections::HashSet<NodeId> = std::collections::HashSet::new();
+    loop {
+        tick.tick().await;
+        let Some(node) = weak.upgrade() else {
+            return;
+        };
+        reconcile_meta(&node);
+        for (id, _) in node.current() {
+            if id == node.me || !pinged.insert(id) {
+                continue;
+            }
+            let alive = weak.clone();
+            tokio::spawn(crate::tcp::ping_loop(
+                node.me,
+                id,
+                GroupId {
+                    name: META_GROUP.into(),
+                    incarnation: 0,
+                },
+                node.addresses.clone(),
+                node.secret.clone(),
+                PING_EVERY,
+                move || alive.upgrade().is_none_or(|n| n.is_forgotten(id)),
+            ));
+        }
+        for replica in node.replicas() {
+            if !replica.is_leader() {
+                continue;
+            }
+            add_learners(&node, &replica);
+            reconcile_members(&node, &replica);
+            for (id, peer) in node.current() {
+                if id == node.me {
+                    continue;
+                }
+                // A peer never heard from since this node started is silent after a while.
+                let silent = crate::tcp::silent_for(id).unwrap_or_else(|| node.started.elapsed())
+                    > DOWN_AFTER;
+                let mut downed = replica
+                    .downed
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                match (silent, downed.contains(&id)) {
+                    (true, false) => {
+                        if let Some(number) = node.peer_number(id) {
+                            downed.push(id);
+                            tracing::info!(queue = %replica.queue.name, peer = %peer.name, "peer silent: returning what its consumers held");
+                            replica.submit(
+                                vec![Command::Down {
+                                    node: number,
+                                    before: u64::MAX,
+                                }],
+                                Box::new(|_| {}),
+                            );
+                        }
+                    }
+                    (false, true) => downed.retain(|d| *d != id),
+                    _ => {}
+                }
+            }
+        }
+    }
+}

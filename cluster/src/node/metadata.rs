@@ -1,0 +1,427 @@
+//! The metadata group, which every node runs: its state machine ([`MetaState`]: queue
+//! records and their members, node records, exchanges, bindings and definitions), the replay
+//! of what it had committed when a node starts, what a committed change does on this node
+//! (serve or drop a queue, record a node, apply a topology change), and proposing changes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::Duration;
+
+use openraft::Raft;
+use warren_broker::replication::{Replicator, TopologyChange};
+use warren_store::writer::Completion;
+
+use crate::group::Applied;
+use crate::tcp::Forwarded;
+use crate::types::{MetaChange, QueueRaft, QueueRequest, QueueResponse};
+
+use super::forwarding::{RETRY_FOR, send_retrying};
+use super::placement::reconcile_members;
+use super::{ClusterNode, FOUNDING_NODES_MAX};
+
+/// How long a starting node waits for its metadata to replay before serving anyway.
+const REPLAY_MAX: Duration = Duration::from_secs(60);
+
+impl ClusterNode {
+    /// Wait until the metadata this node had committed is applied again and the quorum queues
+    /// it names are served here (so a client of a node that restarted, even the whole
+    /// cluster at once, finds its queues, exchanges and users as they were).
+    pub(super) async fn replay(&self, raft: &Raft<QueueRaft>, committed: Option<u64>) {
+        if let Some(index) = committed {
+            let mut metrics = raft.metrics();
+            let applied = tokio::time::timeout(REPLAY_MAX, async {
+                loop {
+                    if metrics
+                        .borrow()
+                        .last_applied
+                        .is_some_and(|l| l.index >= index)
+                    {
+                        return;
+                    }
+                    if metrics.changed().await.is_err() {
+                        return;
+                    }
+                }
+            })
+            .await;
+            if applied.is_err() {
+                tracing::warn!(index, "metadata replay is slow; serving meanwhile");
+            }
+        }
+        let serving = self
+            .booting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .unwrap_or_default();
+        for task in serving {
+            let _ = tokio::time::timeout(REPLAY_MAX, task).await;
+        }
+    }
+
+    /// A metadata change committed: serve or drop the queue here.
+    fn on_meta(self: &Arc<Self>, change: &MetaChange) {
+        match change {
+            MetaChange::DeclareQueue {
+                key,
+                value,
+                incarnation,
+                members,
+            } => {
+                self.members
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .entry(*incarnation)
+                    .or_insert_with(|| members.clone());
+                let node = Arc::clone(self);
+                let (key, value, incarnation, members) =
+                    (key.clone(), value.clone(), *incarnation, members.clone());
+                let task = tokio::spawn(async move {
+                    let done = take_waiting(&node.declaring, incarnation);
+                    let r = node.serve_queue(&key, &value, incarnation, &members).await;
+                    if let Err(e) = &r {
+                        tracing::error!(incarnation, error = %e, "cannot serve a quorum queue");
+                    }
+                    if let Some(done) = done {
+                        done(r.map(|()| Vec::new()).map_err(|e| {
+                            Arc::new(warren_store::StoreError::Replication(e.to_string()))
+                        }));
+                    }
+                });
+                if let Some(waiting) = self
+                    .booting
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .as_mut()
+                {
+                    waiting.push(task);
+                }
+            }
+            MetaChange::DeleteQueue { incarnation, .. } => {
+                self.members
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(incarnation);
+                let replica = self
+                    .queues
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(incarnation);
+                if let Some(replica) = replica {
+                    if let Some(vh) = self.broker.vhost(&replica.queue.vhost) {
+                        vh.drop_replicated(&replica.queue);
+                    }
+                    let gid = replica.group.clone();
+                    self.groups.remove(&gid);
+                    let raft = replica.raft.get().cloned();
+                    let path = self.queue_log_path(*incarnation);
+                    tokio::spawn(async move {
+                        if let Some(raft) = raft {
+                            let _ = raft.shutdown().await;
+                        }
+                        // The log of a deleted incarnation is never read again.
+                        let _ = std::fs::remove_file(path.with_extension("snapshot"));
+                        let _ = std::fs::remove_file(path);
+                    });
+                }
+                let done = take_waiting(&self.deleting, *incarnation);
+                if let Some(done) = done {
+                    done(Ok(Vec::new()));
+                }
+            }
+            MetaChange::Node {
+                name,
+                addr,
+                number,
+                forgotten,
+            } => self.on_node(name, addr, number.unwrap_or(0), *forgotten),
+            MetaChange::SetMembers {
+                incarnation,
+                members,
+                ..
+            } => {
+                self.members
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(*incarnation, members.clone());
+                if let Some(replica) = self.replica_of(*incarnation)
+                    && replica.is_leader()
+                {
+                    reconcile_members(self, &replica);
+                }
+            }
+            MetaChange::Topology(change) => {
+                if warren_broker::replication::apply_topology(&self.broker, change).is_ok() {
+                    if matches!(change, TopologyChange::DeclareExchange { .. }) {
+                        self.retry_topology();
+                    }
+                } else if matches!(change, TopologyChange::Bind { .. }) {
+                    // Its queue or source may not be served here yet (replicas start in tasks
+                    // of their own): bound once it is.
+                    self.unbound
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .push(change.clone());
+                } else {
+                    tracing::debug!(?change, "a topology change that does not apply here");
+                }
+            }
+        }
+    }
+
+    /// Apply the bindings that waited for their ends; those still waiting stay.
+    pub(super) fn retry_topology(&self) {
+        let waiting =
+            std::mem::take(&mut *self.unbound.lock().unwrap_or_else(PoisonError::into_inner));
+        let still: Vec<TopologyChange> = waiting
+            .into_iter()
+            .filter(|c| warren_broker::replication::apply_topology(&self.broker, c).is_err())
+            .collect();
+        self.unbound
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(still);
+    }
+
+    /// Propose a metadata change, retried across an election (also when its outcome is
+    /// unknown if `idempotent`); `done` runs once it committed, or with why not. Gives `done`
+    /// back when there is no metadata group to propose to.
+    pub(super) fn commit_meta(
+        &self,
+        change: MetaChange,
+        idempotent: bool,
+        done: Completion,
+    ) -> Result<(), Completion> {
+        let Some(forwarder) = self.meta_forwarder.get() else {
+            return Err(done);
+        };
+        send_retrying(
+            forwarder.clone(),
+            Forwarded {
+                commands: Vec::new(),
+                meta: vec![change],
+            },
+            idempotent,
+            std::time::Instant::now() + RETRY_FOR,
+            0,
+            Box::new(move |r| {
+                done(
+                    r.map(|_| Vec::new()).map_err(|e| {
+                        Arc::new(warren_store::StoreError::Replication(e.to_string()))
+                    }),
+                );
+            }),
+        );
+        Ok(())
+    }
+
+    /// Propose a metadata change; a failure fails the waiting declare or delete.
+    pub(super) fn propose_meta(&self, change: MetaChange, incarnation: u64, declare: bool) {
+        // Completions wait until the change applies here; only a failed proposal takes one
+        // out early. Retried across an election while nothing was appended, like topology
+        // changes (a declare is not repeated when its outcome is unknown).
+        let node = self.weak_self();
+        let failed: Completion = Box::new(move |r| {
+            if let Err(e) = r
+                && let Some(node) = node.upgrade()
+            {
+                let map = if declare {
+                    &node.declaring
+                } else {
+                    &node.deleting
+                };
+                if let Some(done) = take_waiting(map, incarnation) {
+                    done(Err(e));
+                }
+            }
+        });
+        let _ = self.commit_meta(change, false, failed);
+    }
+}
+
+/// The completion of a declare or delete made here, once (None: not made here, or already
+/// completed).
+fn take_waiting(map: &Mutex<HashMap<u64, Completion>>, incarnation: u64) -> Option<Completion> {
+    map.lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(&incarnation)
+}
+
+/// Where the metadata state keeps a node's record.
+fn node_key(name: &str) -> Vec<u8> {
+    [b"node:".as_slice(), name.as_bytes()].concat()
+}
+
+/// A node record as it commits: a join gets the next free number (from 63 down; numbers are
+/// never reused, forgotten nodes keep theirs), a founding node keeps its own, a forget keeps
+/// the record as a tombstone. None: nothing to record (a forgotten name rejoining, a forget
+/// of an unknown node, no number left).
+fn resolve_node(
+    records: &BTreeMap<Vec<u8>, MetaChange>,
+    name: String,
+    addr: String,
+    number: Option<u64>,
+    forgotten: bool,
+) -> Option<MetaChange> {
+    let existing = match records.get(&node_key(&name)) {
+        Some(MetaChange::Node {
+            addr,
+            number,
+            forgotten,
+            ..
+        }) => Some((addr.clone(), *number, *forgotten)),
+        _ => None,
+    };
+    let (addr, number, forgotten) = match (existing, forgotten) {
+        (Some((old, n, _)), true) => (old, n, true),
+        (Some((_, _, true)), false) => {
+            tracing::warn!(node = %name, "a forgotten node cannot join again under its name");
+            return None;
+        }
+        (Some((_, n, false)), false) => (addr, n.or(number), false),
+        (None, true) => return None,
+        (None, false) => {
+            let n = number.or_else(|| {
+                let lowest_joined = records
+                    .values()
+                    .filter_map(|c| match c {
+                        MetaChange::Node {
+                            number: Some(n), ..
+                        } if *n > FOUNDING_NODES_MAX as u64 => Some(*n),
+                        _ => None,
+                    })
+                    .min()
+                    .unwrap_or(64);
+                (lowest_joined > FOUNDING_NODES_MAX as u64 + 1).then(|| lowest_joined - 1)
+            });
+            if n.is_none() {
+                tracing::error!(node = %name, "no node number left: the join is refused");
+                return None;
+            }
+            (addr, n, false)
+        }
+    };
+    Some(MetaChange::Node {
+        name,
+        addr,
+        number,
+        forgotten,
+    })
+}
+
+/// Where the metadata state keeps a queue's later member list (beside its record, which keeps
+/// the members it was declared with: those initialise the group, once).
+fn members_key(queue_key: &[u8]) -> Vec<u8> {
+    [b"members:".as_slice(), queue_key].concat()
+}
+
+/// The metadata group's state: the quorum queue records.
+pub(super) struct MetaState {
+    pub(super) records: Mutex<BTreeMap<Vec<u8>, MetaChange>>,
+    pub(super) node: Weak<ClusterNode>,
+}
+
+impl Applied for MetaState {
+    fn apply(&self, _at: u64, request: QueueRequest) -> QueueResponse {
+        let node = self.node.upgrade();
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        for change in request.meta {
+            let change = match change {
+                MetaChange::Node {
+                    name,
+                    addr,
+                    number,
+                    forgotten,
+                } => match resolve_node(&records, name, addr, number, forgotten) {
+                    Some(resolved) => resolved,
+                    None => continue,
+                },
+                other => other,
+            };
+            match &change {
+                MetaChange::Node { name, .. } => {
+                    records.insert(node_key(name), change.clone());
+                }
+                MetaChange::DeclareQueue { key, .. } => {
+                    if records.contains_key(key) {
+                        // Declared twice concurrently: the first commit wins, and the
+                        // second declare waits for nothing.
+                        continue;
+                    }
+                    records.insert(key.clone(), change.clone());
+                }
+                MetaChange::DeleteQueue { key, incarnation } => {
+                    let current = matches!(
+                        records.get(key),
+                        Some(MetaChange::DeclareQueue { incarnation: i, .. }) if i == incarnation
+                    );
+                    if current {
+                        records.remove(key);
+                        records.remove(&members_key(key));
+                    }
+                }
+                MetaChange::SetMembers {
+                    key, incarnation, ..
+                } => {
+                    let current = matches!(
+                        records.get(key),
+                        Some(MetaChange::DeclareQueue { incarnation: i, .. }) if i == incarnation
+                    );
+                    if !current {
+                        // The queue was deleted (or re-declared) meanwhile.
+                        continue;
+                    }
+                    records.insert(members_key(key), change.clone());
+                }
+                MetaChange::Topology(t) => {
+                    // What a snapshot must carry: the exchanges and bindings that stand.
+                    if t.is_addition() {
+                        records.insert(t.record_key(), change.clone());
+                    } else {
+                        // A deleted user's or vhost's permissions and policies go with it.
+                        records.retain(|k, _| !t.supersedes(k));
+                    }
+                }
+            }
+            if let Some(node) = &node {
+                node.on_meta(&change);
+            }
+        }
+        QueueResponse::default()
+    }
+
+    fn snapshot(&self) -> Result<Vec<u8>, String> {
+        let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        let list: Vec<&MetaChange> = records.values().collect();
+        crate::codec::encode(&list).map_err(|e| e.to_string())
+    }
+
+    fn install(&self, bytes: &[u8]) -> Result<(), String> {
+        let mut list: Vec<MetaChange> = crate::codec::decode(bytes).map_err(|e| e.to_string())?;
+        // Definitions (vhosts, users, then what refers to them), queues and exchanges,
+        // queues' later members, then the bindings between them.
+        list.sort_by_key(|c| match c {
+            MetaChange::Node { .. } => 0,
+            MetaChange::Topology(t) => 1 + t.rank(),
+            MetaChange::SetMembers { .. } => 5,
+            _ => 4,
+        });
+        let node = self.node.upgrade();
+        let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
+        records.clear();
+        for change in list {
+            let key = match &change {
+                MetaChange::DeclareQueue { key, .. } => key.clone(),
+                MetaChange::SetMembers { key, .. } => members_key(key),
+                MetaChange::Node { name, .. } => node_key(name),
+                MetaChange::Topology(t) if t.is_addition() => t.record_key(),
+                _ => continue,
+            };
+            records.insert(key, change.clone());
+            if let Some(node) = &node {
+                node.on_meta(&change);
+            }
+        }
+        Ok(())
+    }
+}

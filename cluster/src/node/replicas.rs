@@ -1,0 +1,467 @@
+//! A quorum queue's replica on this node ([`QueueReplica`], the broker's `Replicator`):
+//! starting it (its log, its Raft instance, its queue in the vhost), the state it applies
+//! committed entries into ([`QueueApplied`]: the broker's queue), and its placement and state
+//! as the broker reports them.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+
+use openraft::{BasicNode, Raft};
+use warren_broker::durable::QueueRecord;
+use warren_broker::message::Entry;
+use warren_broker::queue::Queue;
+use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
+use warren_broker::replication::{
+    Placement, ReplicaDone, ReplicaState, ReplicationError, Replicator, Replies, TransferError,
+    decode_entry, encode_entry,
+};
+
+use crate::group::{Applied, GroupStateMachine};
+use crate::log_store::LogStore;
+use crate::proposer::{ProposeError, Proposer};
+use crate::tcp::{Forwarded, GroupId, TcpNetwork};
+use crate::types::{NodeId, QueueRaft, QueueRequest, QueueResponse, ReplicatedMessage};
+
+use super::config::{NodeError, fnv1a};
+use super::forwarding::{Forwarder, RETRY_FOR, send_retrying};
+use super::{ClusterNode, DOWN_AFTER};
+
+impl ClusterNode {
+    /// Where this node keeps its copy of a replicated stream's files.
+    fn stream_dir(&self, incarnation: u64) -> PathBuf {
+        self.config
+            .data_dir
+            .join("streams")
+            .join(format!("{incarnation:016x}"))
+    }
+
+    pub(super) fn queue_log_path(&self, incarnation: u64) -> PathBuf {
+        self.config
+            .data_dir
+            .join("queues")
+            .join(format!("{incarnation:016x}.redb"))
+    }
+
+    /// Start this node's replica of a queue group and insert its queue in the vhost.
+    pub(super) async fn serve_queue(
+        self: &Arc<Self>,
+        key: &[u8],
+        value: &[u8],
+        incarnation: u64,
+        members: &[NodeId],
+    ) -> Result<(), NodeError> {
+        if self
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(&incarnation)
+        {
+            return Ok(());
+        }
+        let record =
+            QueueRecord::decode(key, value).map_err(|e| NodeError::Config(e.to_string()))?;
+        let Some(vhost) = self.broker.vhost(&record.vhost) else {
+            return Err(NodeError::Config(format!("no vhost {}", record.vhost)));
+        };
+        // A node that is not a member holds a learner: it applies the log (so it delivers
+        // to its own consumers and routes to the queue) but does not vote or count towards
+        // the majority. The leader adds it ([`add_learners`]).
+        let queue = vhost.replicated_queue(self.broker.next_id(), &record.name, record.arguments);
+        if queue.is_stream {
+            // Its files are this node's copy, appended as entries apply (before the log
+            // replays into it below).
+            queue
+                .open_stream_replica(&self.stream_dir(incarnation))
+                .map_err(|e| NodeError::Io(e.to_string()))?;
+        }
+        let group = GroupId {
+            name: format!("{}/{}", record.vhost, record.name),
+            incarnation,
+        };
+        // The queue is a replica before its log replays into it (Raft::new applies what
+        // was committed), so replayed deliveries to consumers of elsewhere are left alone.
+        let machine = GroupStateMachine::restored(
+            Arc::new(QueueApplied {
+                queue: Arc::clone(&queue),
+            }),
+            self.queue_log_path(incarnation).with_extension("snapshot"),
+        )
+        .map_err(NodeError::Io)?;
+        let replica = Arc::new(QueueReplica {
+            node: Arc::downgrade(self),
+            group: group.clone(),
+            raft: OnceLock::new(),
+            forwarder: OnceLock::new(),
+            proposer: OnceLock::new(),
+            queue: Arc::clone(&queue),
+            machine: machine.clone(),
+            changing: std::sync::atomic::AtomicBool::new(false),
+            downed: Mutex::new(Vec::new()),
+        });
+        queue.attach_replica(Arc::clone(&replica) as Arc<dyn Replicator>);
+        let path = self.queue_log_path(incarnation);
+        let log = LogStore::open(&path).map_err(|e| NodeError::Log(path.clone(), e))?;
+        let config = if queue.is_stream {
+            Arc::clone(&self.stream_raft_config)
+        } else {
+            Arc::clone(&self.raft_config)
+        };
+        let raft = Raft::new(
+            self.me,
+            config,
+            TcpNetwork::new(self.me, group.clone(), self.secret.clone())
+                .resolving(self.addresses.clone()),
+            log,
+            machine,
+        )
+        .await
+        .map_err(|e| NodeError::Io(e.to_string()))?;
+        replica.machine.started();
+        let proposer = self.groups.insert(group.clone(), raft.clone());
+        let weak = Arc::downgrade(self);
+        self.groups.set_transfer(
+            &group,
+            Arc::new(move |to| {
+                let weak = weak.clone();
+                Box::pin(async move {
+                    match weak.upgrade() {
+                        Some(node) => {
+                            node.lead_transfer(incarnation, to)
+                                .await
+                                .map_err(|e| match e {
+                                    // The asking node wraps the reason again.
+                                    TransferError::Failed(reason) => reason,
+                                    other => other.to_string(),
+                                })
+                        }
+                        None => Err("the node is stopping".into()),
+                    }
+                })
+            }),
+        );
+        let forwarder =
+            Forwarder::start(Arc::downgrade(self), group, raft.clone(), proposer.clone());
+        let _ = replica.raft.set(raft.clone());
+        let _ = replica.forwarder.set(forwarder);
+        let _ = replica.proposer.set(proposer);
+        self.queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(incarnation, Arc::clone(&replica));
+        if !vhost.insert_replicated(Arc::clone(&queue)) {
+            tracing::warn!(queue = %queue.name, "a queue of that name exists here already");
+        }
+        self.retry_topology();
+        // The top-ranked member starts the group and so usually leads it first: leaders
+        // spread over the nodes as placement does.
+        if members.first() == Some(&self.me) {
+            let voters: BTreeMap<NodeId, BasicNode> = self
+                .all_members()
+                .into_iter()
+                .filter(|(id, _)| members.contains(id))
+                .collect();
+            if let Err(e) = raft.initialize(voters).await {
+                tracing::debug!(error = %e, "queue group already initialised");
+            }
+        }
+        // What this node's previous run held goes back (its consumers are gone with it). A
+        // node still joining has had no previous run.
+        let before = self.broker.next_id();
+        if self.number() != 0 {
+            replica.submit(
+                vec![Command::Down {
+                    node: self.number(),
+                    before,
+                }],
+                Box::new(|_| {}),
+            );
+        }
+        Ok(())
+    }
+
+    /// The incarnation of the replicated queue `queue` served here.
+    pub(super) fn incarnation_of(&self, queue: &Arc<Queue>) -> Option<u64> {
+        self.queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .find(|(_, r)| Arc::ptr_eq(&r.queue, queue))
+            .map(|(i, _)| *i)
+    }
+
+    /// Every queue replica this node serves (a snapshot: the table is not held).
+    pub(super) fn replicas(&self) -> Vec<Arc<QueueReplica>> {
+        self.queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// This node's replica of a queue group, by incarnation.
+    pub(super) fn replica_of(&self, incarnation: u64) -> Option<Arc<QueueReplica>> {
+        self.queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&incarnation)
+            .cloned()
+    }
+}
+
+/// A quorum queue's state on one replica: the broker's queue, driven by committed entries.
+struct QueueApplied {
+    queue: Arc<Queue>,
+}
+
+impl Applied for QueueApplied {
+    fn apply(&self, at: u64, request: QueueRequest) -> QueueResponse {
+        let commands: Vec<Command<Entry>> = request
+            .commands
+            .into_iter()
+            .filter_map(|c| {
+                c.try_map(|m| decode_entry(&m.body))
+                    .map_err(|e| {
+                        // Checksummed and identical on every replica: all skip it alike.
+                        tracing::error!(queue = %self.queue.name, error = %e, "undecodable entry");
+                    })
+                    .ok()
+            })
+            .collect();
+        let replies = self.queue.apply_committed(at, commands);
+        QueueResponse {
+            replies: replies
+                .into_iter()
+                .map(|r| r.map(|reply| reply.try_map(|e| wire(&e)).unwrap_or(Reply::Ok)))
+                .collect(),
+        }
+    }
+
+    fn snapshot(&self) -> Result<Vec<u8>, String> {
+        if let Some(stream) = self.queue.stream() {
+            let snapshot = stream.snapshot().map_err(|e| e.to_string())?;
+            return crate::codec::encode(&snapshot).map_err(|e| e.to_string());
+        }
+        self.queue
+            .with_machine(crate::codec::encode)
+            .map_err(|e| e.to_string())
+    }
+
+    fn install(&self, bytes: &[u8]) -> Result<(), String> {
+        if let Some(stream) = self.queue.stream() {
+            let snapshot: warren_broker::queue::stream::StreamSnapshot =
+                crate::codec::decode(bytes).map_err(|e| e.to_string())?;
+            return stream.install(snapshot).map_err(|e| e.to_string());
+        }
+        let machine: QueueMachine<Entry> =
+            crate::codec::decode(bytes).map_err(|e| e.to_string())?;
+        self.queue.install_machine(machine);
+        Ok(())
+    }
+
+    fn expands(&self) -> bool {
+        self.queue.is_stream
+    }
+
+    fn expand(&self, state: &[u8]) -> Result<Vec<u8>, String> {
+        let Some(stream) = self.queue.stream() else {
+            return Ok(state.to_vec());
+        };
+        let snapshot: warren_broker::queue::stream::StreamSnapshot =
+            crate::codec::decode(state).map_err(|e| e.to_string())?;
+        let full = stream.expand(snapshot).map_err(|e| e.to_string())?;
+        crate::codec::encode(&full).map_err(|e| e.to_string())
+    }
+}
+
+/// An entry's message as the log carries it.
+fn wire(entry: &Entry) -> Result<ReplicatedMessage, warren_broker::replication::DecodeError> {
+    use warren_broker::queue::machine::MessageRef;
+    Ok(ReplicatedMessage {
+        body: encode_entry(entry)?,
+        priority: entry.priority(),
+        expiration_ms: entry.expiration_ms(),
+    })
+}
+
+/// One quorum queue's replica on this node: the broker's [`Replicator`].
+pub(super) struct QueueReplica {
+    node: Weak<ClusterNode>,
+    pub(super) group: GroupId,
+    /// Set once the group's Raft instance is up (after its log replayed into the queue).
+    pub(super) raft: OnceLock<Raft<QueueRaft>>,
+    /// Set with `raft`; submissions before it fail as unavailable.
+    forwarder: OnceLock<Forwarder>,
+    /// Set with `raft`: the leader-side batcher (held while leadership is handed over).
+    pub(super) proposer: OnceLock<Proposer>,
+    pub(super) queue: Arc<Queue>,
+    /// The state machine the group applies into (a clone sharing it), read for
+    /// [`Replicator::replica_state`].
+    machine: GroupStateMachine<QueueApplied>,
+    /// Set while this replica, as leader, is changing the group's voters.
+    pub(super) changing: std::sync::atomic::AtomicBool,
+    /// Nodes whose consumers this replica (as leader) already returned, until heard again.
+    pub(super) downed: Mutex<Vec<NodeId>>,
+}
+
+impl std::fmt::Debug for QueueReplica {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueReplica")
+            .field("group", &self.group)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Replicator for QueueReplica {
+    fn submit(&self, commands: Vec<Command<Entry>>, done: ReplicaDone) {
+        let mut wired = Vec::with_capacity(commands.len());
+        for c in commands {
+            match c.try_map(|e| wire(&e)) {
+                Ok(c) => wired.push(c),
+                Err(e) => {
+                    done(Err(ReplicationError::Unknown(e.to_string())));
+                    return;
+                }
+            }
+        }
+        let Some(forwarder) = self.forwarder.get() else {
+            done(Err(ReplicationError::Unavailable));
+            return;
+        };
+        // Acks, returns, cancels and the like change nothing when applied twice, so they are
+        // retried even when an attempt's outcome is unknown; anything is retried when
+        // nothing was appended. A consumer whose ack was lost would otherwise hold the
+        // message until its node goes down.
+        let idempotent = wired.iter().all(|c| {
+            !matches!(
+                c,
+                Command::Enqueue(_)
+                    | Command::Get { .. }
+                    | Command::Purge
+                    | Command::Restore { .. }
+            )
+        });
+        send_retrying(
+            forwarder.clone(),
+            Forwarded {
+                commands: wired,
+                meta: Vec::new(),
+            },
+            idempotent,
+            std::time::Instant::now() + RETRY_FOR,
+            0,
+            Box::new(move |r| {
+                done(r.map(|replies| {
+                    replies
+                        .into_iter()
+                        .map(|r| match r {
+                            Ok(reply) => Ok(reply
+                                .try_map(|m| decode_entry(&m.body))
+                                .unwrap_or(Reply::Ok)),
+                            Err(ProposeError::Refused(e)) => Err(e),
+                            // Another command of the batch failed: a refusal to the caller.
+                            Err(_) => Err(MachineError::DuplicateConsumer),
+                        })
+                        .collect::<Replies>()
+                }))
+            }),
+        );
+    }
+
+    fn is_leader(&self) -> bool {
+        let (Some(node), Some(raft)) = (self.node.upgrade(), self.raft.get()) else {
+            return false;
+        };
+        raft.metrics().borrow().current_leader == Some(node.me)
+    }
+
+    fn local_node(&self) -> u64 {
+        self.node.upgrade().map_or(0, |n| n.number())
+    }
+
+    fn placement(&self) -> Placement {
+        let Some(node) = self.node.upgrade() else {
+            return Placement::default();
+        };
+        let (leader, voters) = match self.raft.get() {
+            Some(raft) => {
+                let m = raft.metrics();
+                let m = m.borrow();
+                let voters: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
+                if voters.is_empty() {
+                    // A learner not added yet knows no membership: the committed members.
+                    (m.current_leader, node.members_of(self.group.incarnation))
+                } else {
+                    (m.current_leader, voters)
+                }
+            }
+            None => (None, node.members_of(self.group.incarnation)),
+        };
+        let online = voters
+            .iter()
+            .filter(|id| {
+                **id == node.me || crate::tcp::silent_for(**id).is_some_and(|s| s < DOWN_AFTER)
+            })
+            .filter_map(|id| node.peer_name(*id))
+            .collect();
+        Placement {
+            leader: leader.and_then(|l| node.peer_name(l)),
+            members: voters.iter().filter_map(|id| node.peer_name(*id)).collect(),
+            online,
+        }
+    }
+
+    fn replica_state(&self, with_digest: bool) -> ReplicaState {
+        let Some(node) = self.node.upgrade() else {
+            return ReplicaState::default();
+        };
+        let (applied, digest) = self.machine.read_applied(|a| {
+            if with_digest {
+                a.queue.with_machine(digest)
+            } else {
+                String::new()
+            }
+        });
+        let Some(raft) = self.raft.get() else {
+            return ReplicaState {
+                applied_index: applied.map_or(0, |l| l.index),
+                role: "starting",
+                digest,
+                ..ReplicaState::default()
+            };
+        };
+        let m = raft.metrics();
+        let m = m.borrow();
+        let role = match m.state {
+            openraft::ServerState::Leader => "leader",
+            openraft::ServerState::Follower => "follower",
+            openraft::ServerState::Candidate => "candidate",
+            openraft::ServerState::Learner => "learner",
+            openraft::ServerState::Shutdown => "shutdown",
+        };
+        ReplicaState {
+            applied_index: applied.map_or(0, |l| l.index),
+            term: m.current_term,
+            last_written_index: m.last_log_index.unwrap_or(0),
+            snapshot_index: m.snapshot.map_or(0, |s| s.index),
+            role,
+            digest,
+            learners: m
+                .membership_config
+                .membership()
+                .learner_ids()
+                .filter_map(|id| node.peer_name(id))
+                .collect(),
+        }
+    }
+}
+
+/// A hash of a queue machine's canonical rendering (maps in key order): replicas at the same
+/// applied index must have the same.
+fn digest<M: serde::Serialize>(machine: &M) -> String {
+    let text = serde_json::to_value(machine)
+        .map(|v| v.to_string())
+        .unwrap_or_default();
+    format!("{:016x}", fnv1a(text.as_bytes()))
+}

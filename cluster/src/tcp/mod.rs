@@ -1,0 +1,90 @@
+//! Raft RPCs between nodes over TCP, authenticated with the cluster's shared secret.
+//!
+//! Wire format: frames of a 4-byte big-endian length and a [`codec`](crate::codec) body, at most
+//! [`FRAME_MAX`] bytes (checked before allocating). A connection opens with a challenge: the
+//! client names itself, its target and the group (queue and incarnation), the server answers
+//! with a random nonce, the client proves it holds the secret with
+//! HMAC-SHA256(secret, nonce ‖ hello), and only then are RPCs served, to that group only. The
+//! secret never crosses the wire, and a recorded proof is useless against a new nonce. (TLS
+//! for this port comes later; the secret authenticates, it does not encrypt.)
+//!
+//! A node serves many groups on one port ([`Groups`]). A group is named by its queue and an
+//! incarnation id, fixed when the queue is declared: a replica of a deleted queue that comes
+//! back asks for the old incarnation and is refused, so it can never replay its entries into
+//! a re-created queue of the same name (RabbitMQ issue 12366).
+//!
+//! One connection carries one RPC at a time: openraft opens a client per replication stream,
+//! so streams do not queue behind each other.
+//!
+//! The code, by side:
+//!
+//! - this file: when each peer was last heard from ([`silent_for`]) and the port's TLS
+//!   settings ([`ClusterTls`]);
+//! - `wire`: frames, the handshake's messages and proof, the RPCs and their responses;
+//! - `server`: the groups a node serves ([`Groups`]) and the connections it accepts: Raft
+//!   RPCs, forwarded commands staged into the leader's proposer, handover requests;
+//! - `client`: dialling peers: openraft's network ([`TcpNetwork`]), forwarding links,
+//!   one-off requests, pings.
+
+mod client;
+mod server;
+mod wire;
+
+use std::collections::HashMap;
+use std::sync::PoisonError;
+
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+use crate::types::NodeId;
+
+pub use client::{
+    Addresses, ForwardLink, PeerCall, TcpConnection, TcpNetwork, ping_loop, request_abstain,
+    request_campaign, request_transfer,
+};
+pub use server::{
+    FORWARDS_IN_FLIGHT_MAX, Groups, LEADER_SILENCE_MAX, Relay, Staged, Transfer, serve, serve_tls,
+    stage_here,
+};
+pub use wire::{
+    ABSTAIN_MAX, FRAME_MAX, ForwardReplies, Forwarded, GroupId, Io, Secret, TransportError,
+};
+
+/// When each peer was last heard from (an RPC it answered or sent), process-wide: a node
+/// runs one transport, and every group's traffic shows the peer is alive.
+static HEARD: std::sync::LazyLock<std::sync::Mutex<HashMap<NodeId, std::time::Instant>>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn heard_from(peer: NodeId) {
+    HEARD
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(peer, std::time::Instant::now());
+}
+
+/// How long ago `peer` was last heard from over the cluster port (None: never, in this
+/// process's life).
+#[must_use]
+pub fn silent_for(peer: NodeId) -> Option<std::time::Duration> {
+    HEARD
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get(&peer)
+        .map(std::time::Instant::elapsed)
+}
+
+/// TLS on the cluster port: every node presents a certificate and verifies its peers' against
+/// the cluster's CA, both ways (the shared secret still authenticates each connection; TLS
+/// adds confidentiality and keeps nodes without the CA's certificate out).
+#[derive(Clone)]
+pub struct ClusterTls {
+    /// Accepts peers' connections (a client certificate is required).
+    pub acceptor: TlsAcceptor,
+    /// Dials peers (presenting this node's certificate).
+    pub connector: TlsConnector,
+}
+
+impl std::fmt::Debug for ClusterTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ClusterTls")
+    }
+}
