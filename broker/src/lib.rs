@@ -41,6 +41,3 @@ pub mod users;
 
 pub use node::broker::{Broker, BrokerConfig};
 pub use session::Session;
-
-// The path warren-cluster still imports the replication seam by (until its split lands).
-pub use node::replication;

@@ -33,7 +33,7 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, bincode::Error> {
     options().deserialize(bytes)
 }
 
-pub use warren_broker::replication::raw_bytes;
+pub use warren_broker::node::replication::raw_bytes;
 
 #[cfg(test)]
 mod tests {

@@ -69,7 +69,7 @@ pub enum MetaChange {
         incarnation: u64,
     },
     /// An exchange or binding changed on some node.
-    Topology(warren_broker::replication::TopologyChange),
+    Topology(warren_broker::node::replication::TopologyChange),
     /// A node of the cluster. Proposed with `number: None` by a node that joins (the
     /// metadata group assigns it one, from 63 down, never reused) and with its number by a
     /// founding node; `forgotten` removes it for good (`forget_cluster_node`).

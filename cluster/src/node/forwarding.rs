@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use openraft::Raft;
 use tokio::sync::mpsc;
+use warren_broker::node::replication::ReplicationError;
 use warren_broker::queue::machine::{MachineError, Reply};
-use warren_broker::replication::ReplicationError;
 
 use crate::proposer::{ProposeError, Proposer};
 use crate::tcp::{FORWARDS_IN_FLIGHT_MAX, ForwardLink, Forwarded, GroupId, Secret};

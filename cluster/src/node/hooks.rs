@@ -6,10 +6,10 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use warren_broker::durable::QueueRecord;
-use warren_broker::queue::Queue;
-use warren_broker::replication::{
+use warren_broker::node::replication::{
     ClusterHooks, MemberChange, MembershipError, NodeStatus, TransferDone, TransferError,
 };
+use warren_broker::queue::Queue;
 use warren_store::writer::Completion;
 
 use crate::types::MetaChange;
@@ -72,7 +72,7 @@ impl ClusterHooks for ClusterNode {
 
     fn replicate_topology(
         &self,
-        change: warren_broker::replication::TopologyChange,
+        change: warren_broker::node::replication::TopologyChange,
         done: Completion,
     ) {
         if let Err(done) = self.commit_meta(MetaChange::Topology(change), false, done) {

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use openraft::Raft;
-use warren_broker::replication::TransferError;
+use warren_broker::node::replication::TransferError;
 
 use crate::types::{NodeId, QueueRaft};
 

@@ -5,8 +5,8 @@
 use std::sync::{PoisonError, Weak};
 use std::time::Duration;
 
+use warren_broker::node::replication::Replicator;
 use warren_broker::queue::machine::Command;
-use warren_broker::replication::Replicator;
 
 use crate::tcp::GroupId;
 use crate::types::NodeId;

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use openraft::Raft;
-use warren_broker::replication::{Replicator, TopologyChange};
+use warren_broker::node::replication::{Replicator, TopologyChange};
 use warren_store::writer::Completion;
 
 use crate::group::Applied;
@@ -151,7 +151,7 @@ impl ClusterNode {
                 }
             }
             MetaChange::Topology(change) => {
-                if warren_broker::replication::apply_topology(&self.broker, change).is_ok() {
+                if warren_broker::node::replication::apply_topology(&self.broker, change).is_ok() {
                     if matches!(change, TopologyChange::DeclareExchange { .. }) {
                         self.retry_topology();
                     }
@@ -175,7 +175,7 @@ impl ClusterNode {
             std::mem::take(&mut *self.unbound.lock().unwrap_or_else(PoisonError::into_inner));
         let still: Vec<TopologyChange> = waiting
             .into_iter()
-            .filter(|c| warren_broker::replication::apply_topology(&self.broker, c).is_err())
+            .filter(|c| warren_broker::node::replication::apply_topology(&self.broker, c).is_err())
             .collect();
         self.unbound
             .lock()

@@ -9,7 +9,7 @@
 //!   queue. The node with the lowest id initialises the group on first start.
 //! - **Queue groups**: one per quorum queue incarnation, members chosen by rendezvous hashing
 //!   (`x-quorum-initial-group-size`, default 3). Each replica applies committed entries into
-//!   the broker's [`Queue`] (see [`warren_broker::replication`]).
+//!   the broker's [`Queue`] (see [`warren_broker::node::replication`]).
 //! - **Forwarding**: a node submits commands to its replica's [`Forwarder`], which proposes them
 //!   here when this replica leads, or sends them to the leader over the cluster port.
 //! - **Down nodes**: the leader of each queue returns what consumers on a node held once that
@@ -48,7 +48,7 @@ use std::time::Duration;
 
 use openraft::{Config, Raft};
 use warren_broker::Broker;
-use warren_broker::replication::{ClusterHooks, ReplicationError, TopologyChange};
+use warren_broker::node::replication::{ClusterHooks, ReplicationError, TopologyChange};
 use warren_store::writer::Completion;
 
 use crate::group::GroupStateMachine;

@@ -10,12 +10,12 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 use openraft::{BasicNode, Raft};
 use warren_broker::durable::QueueRecord;
 use warren_broker::message::Entry;
-use warren_broker::queue::Queue;
-use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
-use warren_broker::replication::{
+use warren_broker::node::replication::{
     Placement, ReplicaDone, ReplicaState, ReplicationError, Replicator, Replies, TransferError,
     decode_entry, encode_entry,
 };
+use warren_broker::queue::Queue;
+use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 
 use crate::group::{Applied, GroupStateMachine};
 use crate::log_store::LogStore;
@@ -276,7 +276,7 @@ impl Applied for QueueApplied {
 }
 
 /// An entry's message as the log carries it.
-fn wire(entry: &Entry) -> Result<ReplicatedMessage, warren_broker::replication::DecodeError> {
+fn wire(entry: &Entry) -> Result<ReplicatedMessage, warren_broker::node::replication::DecodeError> {
     use warren_broker::queue::machine::MessageRef;
     Ok(ReplicatedMessage {
         body: encode_entry(entry)?,

@@ -82,12 +82,7 @@ pub(super) async fn put_permission(
 ) -> ApiResult {
     caller.require_admin()?;
     let b = body(&raw)?;
-    let field = |k: &str| {
-        b.get(k)
-            .and_then(Value::as_str)
-            .map(str::to_string)
-            .ok_or_else(|| ApiError::bad_request(format!("{k} is required")))
-    };
+    let field = |k: &str| required_string(&b, k);
     let record = PermissionRecord {
         user: user.clone(),
         vhost: vhost.clone(),
@@ -171,12 +166,7 @@ pub(super) async fn put_topic_permission(
 ) -> ApiResult {
     caller.require_admin()?;
     let b = body(&raw)?;
-    let field = |k: &str| {
-        b.get(k)
-            .and_then(Value::as_str)
-            .map(str::to_string)
-            .ok_or_else(|| ApiError::bad_request(format!("{k} is required")))
-    };
+    let field = |k: &str| required_string(&b, k);
     let record = warren_broker::users::TopicPermissionRecord {
         user: user.clone(),
         vhost: vhost.clone(),
@@ -230,4 +220,12 @@ pub(super) async fn delete_topic_permissions(
     })
     .await?;
     no_content()
+}
+
+/// A string field of a permission body, which RabbitMQ requires: 400 `<field> is required`.
+fn required_string(b: &Value, k: &str) -> Result<String, ApiError> {
+    b.get(k)
+        .and_then(Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| ApiError::bad_request(format!("{k} is required")))
 }
