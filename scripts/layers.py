@@ -7,8 +7,9 @@ a lower layer importing one of a higher layer (the tables in `scripts/layers.tom
     scripts/layers.py --graph    # also print each file's imports
 
 What counts as an import: every `crate::a::b` path outside comments (`use` lines, paths in
-code, grouped `crate::{a, b::c}` imports) and `super::` paths, resolved to the file that
-defines the longest matching module. A file may use its own ancestors (a child module is part of
+code, grouped `crate::{a, b::c}` imports), `super::` and `self::` paths, and paths that
+start with a child module the file declares (`mod queues;` ... `queues::get_queue`),
+resolved to the file that defines the longest matching module. A file may use its own ancestors (a child module is part of
 its parent: `impl Queue` split over `queue/*.rs` needs `super::Queue`); every other edge counts,
 parent to child included. Run by scripts/test (the README's test command).
 """
@@ -137,6 +138,37 @@ def references(code: str, here: tuple[str, ...]) -> list[tuple[str, ...]]:
     return refs
 
 
+CHILD = re.compile(r"^\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+([A-Za-z_][A-Za-z0-9_]*)\s*;", re.M)
+
+
+def relative_references(code: str, here: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """Paths that start at this file's own module: `self::x` and `child::x` for a child module
+    the file declares (`mod child;`), as a router's `queues::get_queue` or `use node::Node`."""
+    children = CHILD.findall(code)
+    names = ["self"] + children
+    pat = re.compile(r"(?<![A-Za-z0-9_:])(" + "|".join(map(re.escape, names)) +
+                     r")((?:\s*::\s*(?:\{[^;]*?\}|[A-Za-z_][A-Za-z0-9_]*|\*))+)")
+    refs = []
+    for m in pat.finditer(code):
+        text = m.group(1) + m.group(2)
+        if "{" in text:
+            start = m.start() + text.index("{")
+            depth, j = 0, start
+            while j < len(code):
+                if code[j] == "{":
+                    depth += 1
+                elif code[j] == "}":
+                    depth -= 1
+                    if depth == 0:
+                        break
+                j += 1
+            text = code[m.start():j + 1]
+        for full in expand(text):
+            segs = [x for x in full.split("::") if x and x not in ("*", "self")]
+            refs.append(tuple(here) + tuple(segs))
+    return refs
+
+
 def resolve(ref: tuple[str, ...], modules: set) -> tuple[str, ...]:
     for k in range(len(ref), -1, -1):
         if ref[:k] in modules:
@@ -202,7 +234,7 @@ def check_crate(name: str, spec: dict, graph: bool) -> list[str]:
     edges: dict = {}
     for m, f in mods.items():
         code = strip_comments(f.read_text())
-        for ref in references(code, m):
+        for ref in references(code, m) + relative_references(code, m):
             target = resolve(ref, modules)
             if target == m or m[:len(target)] == target:
                 continue  # itself or an ancestor

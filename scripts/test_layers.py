@@ -62,6 +62,28 @@ class LayersTest(unittest.TestCase):
         problems = self.crate(files)
         self.assertTrue(any("import circle among 2 files" in p for p in problems), problems)
 
+    def test_a_circle_through_a_relative_path_is_reported(self):
+        # routing -> routing::helper is written `helper::x`, without crate:: or super::
+        files = {
+            "lib.rs": "pub mod a; pub mod routing;\n",
+            "a.rs": "use crate::routing::Y;\n",
+            "routing/mod.rs": "mod helper;\npub struct Y;\nfn f() { helper::x(); }\n",
+            "routing/helper.rs": "use crate::a::Z;\npub fn x() {}\n",
+        }
+        with tempfile.TemporaryDirectory() as root:
+            src = Path(root) / "src"
+            for path, text in files.items():
+                f = src / path
+                f.parent.mkdir(parents=True, exist_ok=True)
+                f.write_text(text)
+            saved = layers.ROOT
+            layers.ROOT = Path(root)
+            try:
+                problems = layers.check_crate("t", {"src": "src"}, False)
+            finally:
+                layers.ROOT = saved
+        self.assertTrue(any("import circle among 3 files" in p for p in problems), problems)
+
     def test_a_file_in_no_layer_is_reported(self):
         files = dict(self.BASE)
         files["lib.rs"] += "pub mod stray;\n"
