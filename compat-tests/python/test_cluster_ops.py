@@ -759,3 +759,30 @@ def test_leader_locator_client_local_by_default_balanced_on_request(cluster_fact
         assert "invalid_queue_locator_arg" in e.value.reply_text, e.value.reply_text
     finally:
         conn.close()
+
+
+def test_peers_named_by_dns_form_a_cluster_that_replicates(cluster_factory):
+    """Peers given by DNS name (`n1@localhost:port`, as a Kubernetes StatefulSet's headless
+    service names its pods) are resolved when dialled: the three nodes form a cluster, and a
+    quorum queue declared through n1 takes a confirmed message that n3 then gets."""
+    import pika
+
+    c = cluster_factory(3, start=False, proxied=False)
+    c.peers = ",".join(f"{x.name}@localhost:{x.cluster_port}" for x in c.nodes)
+    c.start_all()
+    queue = f"dns.{uuid.uuid4().hex[:12]}"
+    declare_quorum(c, 0, queue)
+    conn = c.connect(0)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("", queue, b"by-name", pika.BasicProperties(delivery_mode=2))
+    conn.close()
+    conn = c.connect(2)
+    ch = conn.channel()
+    got = eventually(lambda: ch.basic_get(queue, auto_ack=True),
+                     lambda r: r[0] is not None, deadline=DEADLINE,
+                     what=f"n3 getting the message of {queue}")
+    assert got[2] == b"by-name"
+    conn.close()
+    poll(lambda: cluster_status(c, 1), lambda s: s["running_nodes"] == ["n1", "n2", "n3"],
+         what="n2 seeing every node running")

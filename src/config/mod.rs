@@ -503,17 +503,40 @@ mod tests {
         assert_eq!(cluster.peers.len(), 3);
         assert_eq!(cluster.peers[1].addr, "127.0.0.1:25002");
         assert!(args_cluster_none());
+        // Peers by DNS name, as a Kubernetes StatefulSet's headless service gives them.
+        let dns = "n1@warren-0.warren.default.svc.cluster.local:25672,n2@localhost:25672";
+        let c = with(dns, Some("n2"), Some("s")).unwrap();
+        let peers = c.cluster.unwrap().peers;
+        assert_eq!(
+            peers[0].addr,
+            "warren-0.warren.default.svc.cluster.local:25672"
+        );
+        assert_eq!(peers[1].addr, "localhost:25672");
         for (peers, name, secret, why) in [
             (ok, Some("n9"), Some("s"), "must name this node"),
             (ok, None, Some("s"), "needs --node-name"),
             (ok, Some("n1"), None, "needs --cluster-secret"),
             (ok, Some("n1"), Some(""), "needs --cluster-secret"),
             (
-                "n1@localhost:1",
+                "n1@localhost",
                 Some("n1"),
                 Some("s"),
                 "is not name@host:port",
             ),
+            (
+                "n1@localhost:0",
+                Some("n1"),
+                Some("s"),
+                "is not name@host:port",
+            ),
+            ("n1@:25672", Some("n1"), Some("s"), "is not name@host:port"),
+            (
+                "n1@bad_host:25672",
+                Some("n1"),
+                Some("s"),
+                "is not name@host:port",
+            ),
+            ("n1@h:port", Some("n1"), Some("s"), "is not name@host:port"),
             ("n1", Some("n1"), Some("s"), "is not name@host:port"),
         ] {
             let e = with(peers, name, secret).unwrap_err().to_string();

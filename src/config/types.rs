@@ -79,8 +79,8 @@ pub(crate) fn parse_peers(list: &str) -> anyhow::Result<Vec<warren_cluster::node
                 .split_once('@')
                 .with_context(|| format!("peer '{p}' is not name@host:port"))?;
             anyhow::ensure!(
-                !name.is_empty() && addr.parse::<SocketAddr>().is_ok(),
-                "peer '{p}' is not name@host:port (an IP address and port)"
+                !name.is_empty() && is_host_port(addr),
+                "peer '{p}' is not name@host:port (an IP address or DNS name, and a port)"
             );
             Ok(warren_cluster::node::Peer {
                 name: name.to_string(),
@@ -88,6 +88,26 @@ pub(crate) fn parse_peers(list: &str) -> anyhow::Result<Vec<warren_cluster::node
             })
         })
         .collect()
+}
+
+/// `ip:port`, `[ipv6]:port` or `dns-name:port` with a port from 1 to 65535.
+fn is_host_port(addr: &str) -> bool {
+    if addr.parse::<SocketAddr>().is_ok() {
+        return true;
+    }
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return false;
+    };
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    port.parse::<u16>().is_ok_and(|p| p > 0)
+        && host.len() <= 253
+        && host.trim_end_matches('.').split('.').all(label_ok)
 }
 
 /// How log lines are written.

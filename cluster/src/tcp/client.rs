@@ -30,20 +30,44 @@ use super::wire::{
 };
 use super::{heard_from, silent_for};
 
-/// Dial `addr`, over TLS when `tls` is given (the server name is the address's IP).
+/// Dial `addr` (`ip:port`, or `host:port` resolved at every dial, so a peer whose DNS name
+/// moves to a new IP, as a restarted Kubernetes pod's does, is found again), over TLS when `tls`
+/// is given: the server name is the address's IP, or the host name it was dialled by.
 async fn dial(addr: &str, tls: Option<&TlsConnector>) -> Result<Stream, TransportError> {
-    let sock: SocketAddr = addr
-        .parse()
-        .map_err(|e| TransportError::Frame(format!("peer address {addr}: {e}")))?;
-    let s = TcpStream::connect(sock).await?;
+    use tokio_rustls::rustls::pki_types::ServerName;
+    let (s, name) = match addr.parse::<SocketAddr>() {
+        Ok(sock) => (TcpStream::connect(sock).await?, ServerName::from(sock.ip())),
+        Err(_) => {
+            let host = addr
+                .rsplit_once(':')
+                .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']'))
+                .unwrap_or(addr);
+            let name = ServerName::try_from(host.to_string())
+                .map_err(|e| TransportError::Frame(format!("peer address {addr}: {e}")))?;
+            (connect_any(addr).await?, name)
+        }
+    };
     s.set_nodelay(true)?;
     match tls {
         None => Ok(Box::new(s)),
-        Some(connector) => {
-            let name = tokio_rustls::rustls::pki_types::ServerName::from(sock.ip());
-            Ok(Box::new(connector.connect(name, s).await?))
+        Some(connector) => Ok(Box::new(connector.connect(name, s).await?)),
+    }
+}
+
+/// Connect to the first of the addresses `host:port` resolves to that answers (`localhost`
+/// gives `::1` and `127.0.0.1`; a node may listen on only one of them).
+async fn connect_any(addr: &str) -> Result<TcpStream, TransportError> {
+    let mut last = None;
+    for sock in tokio::net::lookup_host(addr).await? {
+        match TcpStream::connect(sock).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
         }
     }
+    Err(last.map_or_else(
+        || TransportError::Frame(format!("peer address {addr} resolves to nothing")),
+        TransportError::from,
+    ))
 }
 
 /// Where and how to reach one peer's replica of a group, for a single request.
