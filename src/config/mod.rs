@@ -755,4 +755,101 @@ mod tests {
         std::fs::write(&bad, "no_such_key = 1\n").unwrap();
         assert!(ServerConfig::load(args(Some(bad))).is_err());
     }
+
+    /// The image's entrypoint followed by a deployment example's arguments, as `warren server`
+    /// would be given them (without the leading `warren server`).
+    fn entrypoint() -> Vec<String> {
+        let dockerfile = include_str!("../../Dockerfile");
+        let line = dockerfile
+            .lines()
+            .find(|l| l.starts_with("ENTRYPOINT"))
+            .expect("the Dockerfile has an ENTRYPOINT");
+        let words = quoted(line);
+        assert_eq!(&words[..2], ["warren", "server"], "{line}");
+        words[2..].to_vec()
+    }
+
+    /// The double-quoted strings of `text`, in order.
+    fn quoted(text: &str) -> Vec<String> {
+        text.split('"')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Parse the arguments as `warren server` does and load the configuration they give, with
+    /// the data directory moved to a scratch one and the secret the example takes from the
+    /// environment given as a flag.
+    fn load_example(what: &str, mut argv: Vec<String>) -> ServerConfig {
+        #[derive(clap::Parser)]
+        struct Server {
+            #[command(flatten)]
+            args: ServerArgs,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        argv.extend(["--cluster-secret".to_string(), "example-secret".to_string()]);
+        let parsed = <Server as clap::Parser>::try_parse_from(
+            std::iter::once("server".to_string()).chain(argv.iter().cloned()),
+        )
+        .unwrap_or_else(|e| panic!("{what}: `warren server` refuses {argv:?}: {e}"));
+        let mut a = parsed.args;
+        assert_eq!(
+            a.data_dir.as_deref(),
+            Some(std::path::Path::new("/var/lib/warren"))
+        );
+        a.data_dir = Some(dir.path().to_path_buf());
+        ServerConfig::load(a).unwrap_or_else(|e| panic!("{what}: {argv:?} does not load: {e}"))
+    }
+
+    /// deploy/docker-compose.yml: each service's command, after the image's entrypoint, is a
+    /// configuration `warren server` accepts: a cluster of the three services, by DNS name.
+    #[test]
+    fn the_compose_example_passes_flags_warren_server_accepts() {
+        let compose = include_str!("../../deploy/docker-compose.yml");
+        let commands: Vec<Vec<String>> = compose
+            .split("command: [")
+            .skip(1)
+            .map(|rest| quoted(&rest[..rest.find(']').expect("a command list ends")]))
+            .collect();
+        assert_eq!(commands.len(), 3, "three services");
+        for (i, command) in commands.into_iter().enumerate() {
+            let node = format!("n{}", i + 1);
+            let c = load_example(&node, [entrypoint(), command].concat());
+            let cluster = c.cluster.expect("a cluster node");
+            assert_eq!(cluster.node_name, node);
+            let peers: Vec<&str> = cluster.peers.iter().map(|p| p.addr.as_str()).collect();
+            assert_eq!(peers, ["n1:25672", "n2:25672", "n3:25672"]);
+        }
+    }
+
+    /// deploy/kubernetes/warren.yaml: the StatefulSet's container args, after the image's
+    /// entrypoint and with `$(POD_NAME)` as Kubernetes expands it for each pod, are a
+    /// configuration `warren server` accepts, with peers named by the headless service.
+    #[test]
+    fn the_kubernetes_example_passes_flags_warren_server_accepts() {
+        let manifest = include_str!("../../deploy/kubernetes/warren.yaml");
+        let mut lines = manifest.lines().skip_while(|l| l.trim() != "args:").skip(1);
+        let mut args = Vec::new();
+        for line in lines.by_ref() {
+            let Some(item) = line.trim().strip_prefix("- ") else {
+                break;
+            };
+            args.push(item.to_string());
+        }
+        assert!(args.len() >= 6, "the container's args: {args:?}");
+        for pod in ["warren-0", "warren-1", "warren-2"] {
+            let argv: Vec<String> = args.iter().map(|a| a.replace("$(POD_NAME)", pod)).collect();
+            let c = load_example(pod, [entrypoint(), argv].concat());
+            let cluster = c.cluster.expect("a cluster node");
+            assert_eq!(cluster.node_name, pod);
+            assert_eq!(cluster.peers.len(), 3);
+            assert!(
+                cluster
+                    .peers
+                    .iter()
+                    .all(|p| p.addr.ends_with(".warren:25672"))
+            );
+        }
+    }
 }
