@@ -234,6 +234,17 @@ def machine():
             f"(release build)")
 
 
+def metric_values(results, scenario, broker, get):
+    """One metric of every run of `broker` in `scenario` (None where a run lacks it)."""
+    out = []
+    for j in results[scenario].get(broker, []):
+        try:
+            out.append(get(j))
+        except (KeyError, TypeError):
+            out.append(None)
+    return out
+
+
 def table(results, runs, duration):
     rows = ["| Scenario | Metric | RabbitMQ | Warren | Warren / RabbitMQ | Target | Met |",
             "|---|---|---|---|---|---|---|"]
@@ -241,14 +252,8 @@ def table(results, runs, duration):
         if scenario not in results:
             continue
 
-        def values(name):
-            out = []
-            for j in results[scenario].get(name, []):
-                try:
-                    out.append(get(j))
-                except (KeyError, TypeError):
-                    out.append(None)
-            return out
+        def values(name, scenario=scenario, get=get):
+            return metric_values(results, scenario, name, get)
 
         w, r = median(values("warren")), median(values("rabbitmq"))
         ratio = f"{w / r:.2f}x" if w is not None and r not in (None, 0) else "-"
@@ -271,20 +276,14 @@ def baseline_table(results, runs, duration, baseline):
         if scenario not in results:
             continue
 
-        def values(name):
-            out = []
-            for j in results[scenario].get(name, []):
-                try:
-                    out.append(get(j))
-                except (KeyError, TypeError):
-                    out.append(None)
-            return out
+        def values(name, scenario=scenario, get=get):
+            return metric_values(results, scenario, name, get)
 
         after, before = median(values("warren")), median(values("baseline"))
         ratio = f"{after / before:.2f}x" if after is not None and before not in (None, 0) else "-"
-        spread = lambda name: "/".join(fmt(v) for v in values(name))
-        rows.append(f"| {scenario} | {label} | {fmt(before)} ({spread('baseline')}) | "
-                    f"{fmt(after)} ({spread('warren')}) | {ratio} |")
+        spread = {name: "/".join(fmt(v) for v in values(name)) for name in ("baseline", "warren")}
+        rows.append(f"| {scenario} | {label} | {fmt(before)} ({spread['baseline']}) | "
+                    f"{fmt(after)} ({spread['warren']}) | {ratio} |")
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     head = [
         f"Measured {when} by `scripts/bench.py --baseline {baseline} --runs {runs} --duration "

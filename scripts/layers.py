@@ -106,23 +106,27 @@ def expand(path: str) -> list[str]:
 PATH = re.compile(r"\b(crate|super)((?:\s*::\s*(?:\{[^;]*?\}|[A-Za-z_][A-Za-z0-9_]*|\*))+)")
 
 
+def whole_path(code: str, m: re.Match, text: str) -> str:
+    """The path `m` starts, with its brace group whole: a group may span lines and nest."""
+    if "{" not in text:
+        return text
+    depth, j = 0, m.start() + text.index("{")
+    while j < len(code):
+        if code[j] == "{":
+            depth += 1
+        elif code[j] == "}":
+            depth -= 1
+            if depth == 0:
+                break
+        j += 1
+    return code[m.start():j + 1]
+
+
 def references(code: str, here: tuple[str, ...]) -> list[tuple[str, ...]]:
     refs = []
     for m in PATH.finditer(code):
         text = m.group(1) + m.group(2)
-        # a brace group may span lines and nest: take it whole
-        if "{" in text:
-            start = m.start() + text.index("{")
-            depth, j = 0, start
-            while j < len(code):
-                if code[j] == "{":
-                    depth += 1
-                elif code[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        break
-                j += 1
-            text = code[m.start():j + 1]
+        text = whole_path(code, m, text)
         for full in expand(text):
             segs = [s for s in full.split("::") if s]
             if segs[0] == "crate":
@@ -151,18 +155,7 @@ def relative_references(code: str, here: tuple[str, ...]) -> list[tuple[str, ...
     refs = []
     for m in pat.finditer(code):
         text = m.group(1) + m.group(2)
-        if "{" in text:
-            start = m.start() + text.index("{")
-            depth, j = 0, start
-            while j < len(code):
-                if code[j] == "{":
-                    depth += 1
-                elif code[j] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        break
-                j += 1
-            text = code[m.start():j + 1]
+        text = whole_path(code, m, text)
         for full in expand(text):
             segs = [x for x in full.split("::") if x and x not in ("*", "self")]
             refs.append(tuple(here) + tuple(segs))

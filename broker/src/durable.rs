@@ -16,7 +16,6 @@ use warren_store::{Batch, Location, MetaTable, Op, Segments, StoreError, Writer}
 
 use crate::exchange::ExchangeDecl;
 use crate::exchange::{Destination, ExchangeKind};
-pub use crate::message::codec::stored;
 use crate::message::{Entry, Outgoing};
 
 /// Produces the completion for a submitted change (called only when something was submitted).

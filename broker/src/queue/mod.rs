@@ -38,9 +38,10 @@ use warren_store::writer::Completion;
 use warren_store::{Batch, BodyRef, Location, Op};
 
 use crate::deadletter::{self, DeadLetterTarget};
+use crate::durable::Durable;
 use crate::durable::OnCommit;
-use crate::durable::{Durable, stored};
 use crate::exchange::RoutingHeaders;
+use crate::message::codec::stored;
 use crate::message::{Entry, Message, Outgoing};
 use crate::queue::limiter::{Limiter, Wake};
 use crate::queue::outbox::{Delivery, Outbound, Outbox};

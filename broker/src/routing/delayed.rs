@@ -18,8 +18,9 @@ use warren_amqp::properties::Properties;
 use warren_store::writer::Completion;
 use warren_store::{Batch, BodyRef, Location, Op};
 
-use crate::durable::{Durable, stored};
+use crate::durable::Durable;
 use crate::exchange::RoutingHeaders;
+use crate::message::codec::stored;
 use crate::message::{Entry, Loaded, Message};
 use crate::queue::QueueHost;
 use crate::queue::publish_routed;

@@ -9,12 +9,12 @@ use amq_protocol::protocol::{AMQPClass, basic};
 use warren_amqp::method::put_basic_get_ok;
 use warren_amqp::{AmqpError, ReplyCode};
 
+use crate::args::rs;
 use crate::node::access::{Perm, Resource};
 use crate::queue::machine::{ConsumerSpec, MachineError};
 use crate::queue::outbox::Outbound;
 use crate::queue::{ConsumerSink, Queue};
 use crate::routing::reply_to::REPLY_TO_PREFIX;
-use crate::routing::vhost::rs;
 
 use super::common::{
     apply_acks, consumer_deadline, expand_queue_name, stream_requeue_refused, stream_unsupported,

@@ -6,11 +6,12 @@ use std::sync::Arc;
 
 use warren_amqp::{AmqpError, ReplyCode};
 
+use crate::args::rs;
+use crate::durable::OnCommit;
 use crate::queue::Queue;
 use crate::queue::limiter::Limiter;
 use crate::queue::machine::{ConsumerId, MsgId};
 use crate::queue::outbox::Outbound;
-use crate::routing::vhost::{OnCommit, rs};
 
 use super::{AckAction, Channel, Ctx, Unacked};
 

@@ -4,9 +4,9 @@
 use amq_protocol::protocol::{AMQPClass, exchange};
 use warren_amqp::{AmqpError, ReplyCode};
 
+use crate::exchange::ExchangeDecl;
 use crate::exchange::{Destination, ExchangeKind};
 use crate::node::access::{Perm, Resource};
-use crate::routing::vhost::ExchangeDecl;
 
 use super::Call;
 use super::common::vhost_up;

@@ -5,11 +5,11 @@ use amq_protocol::protocol::{AMQPClass, queue};
 use amq_protocol::types::{AMQPValue, FieldTable};
 use warren_amqp::{AmqpError, ReplyCode};
 
+use crate::args::rs;
 use crate::exchange::Destination;
 use crate::node::access::{Perm, Resource};
 use crate::queue::Queue;
 use crate::routing::reply_to::REPLY_TO;
-use crate::routing::vhost::rs;
 use crate::stats::Lifecycle;
 
 use super::common::{expand_queue_name, locked, stream_unsupported, usable_queue, vhost_up};

@@ -38,10 +38,8 @@ async fn dial(addr: &str, tls: Option<&TlsConnector>) -> Result<Stream, Transpor
     let (s, name) = match addr.parse::<SocketAddr>() {
         Ok(sock) => (TcpStream::connect(sock).await?, ServerName::from(sock.ip())),
         Err(_) => {
-            let host = addr
-                .rsplit_once(':')
-                .map(|(h, _)| h.trim_start_matches('[').trim_end_matches(']'))
-                .unwrap_or(addr);
+            // An IP literal, bracketed or not, parsed above: this is a DNS name and a port.
+            let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
             let name = ServerName::try_from(host.to_string())
                 .map_err(|e| TransportError::Frame(format!("peer address {addr}: {e}")))?;
             (connect_any(addr).await?, name)

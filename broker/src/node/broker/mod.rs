@@ -18,7 +18,8 @@ use warren_amqp::connection::{AccessError, Gatekeeper, Login};
 use warren_store::{MetaTable, Op};
 
 use crate::durable::Durable;
-use crate::routing::vhost::{OnCommit, VHost};
+use crate::durable::OnCommit;
+use crate::routing::vhost::VHost;
 use crate::users::{PermissionRecord, TopicPermissionRecord, UserError, UserRecord};
 
 /// Broker-wide settings.

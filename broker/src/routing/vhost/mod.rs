@@ -26,14 +26,10 @@ use warren_amqp::{AmqpError, ReplyCode};
 use warren_store::writer::Completion;
 use warren_store::{MetaTable, Op};
 
-use crate::durable::{BindingRecord, Durable, ExchangeRecord, QueueRecord};
-use crate::exchange::{Binding, Destination, Exchange, ExchangeKind, RoutingHeaders};
+use crate::args::rs;
+use crate::durable::{BindingRecord, Durable, ExchangeRecord, OnCommit, QueueRecord};
+use crate::exchange::{Binding, Destination, Exchange, ExchangeDecl, ExchangeKind, RoutingHeaders};
 use crate::queue::Queue;
-
-// Paths kept for the session layer until it imports them from where they live now.
-pub use crate::args::rs;
-pub use crate::durable::OnCommit;
-pub use crate::exchange::ExchangeDecl;
 
 /// The exchanges and queues of one vhost.
 #[derive(Debug, Default)]
