@@ -319,6 +319,20 @@ impl QueueRecord {
         }
     }
 
+    /// The vhost and name a [`QueueRecord::key`] names.
+    ///
+    /// # Errors
+    /// A key that does not decode.
+    pub fn decode_key(key: &[u8]) -> Result<(String, String), DecodeError> {
+        let mut k = Reader {
+            data: key,
+            what: "queue",
+        };
+        let (vhost, name) = (k.str()?.to_string(), k.str()?.to_string());
+        k.end()?;
+        Ok((vhost, name))
+    }
+
     /// Decode a stored row.
     ///
     /// # Errors

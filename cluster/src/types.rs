@@ -94,6 +94,33 @@ pub enum MetaChange {
         /// Member node ids, in placement order.
         members: Vec<NodeId>,
     },
+    /// A classic queue exists on node `home`, which alone holds its messages; every other
+    /// node serves it through a proxy. The first declaration of a name wins; the home may
+    /// declare it again (with a new id after a restart of a non-durable queue's name).
+    DeclareClassic {
+        /// The broker's queue record key (vhost and name).
+        key: Vec<u8>,
+        /// The broker's queue record (id, auto-delete, arguments).
+        value: Vec<u8>,
+        /// The node that holds it.
+        home: NodeId,
+        /// Its id on the home.
+        id: u64,
+        /// Durable (it outlives its home's restart).
+        durable: bool,
+        /// Exclusive to a connection on its home.
+        exclusive: bool,
+    },
+    /// A classic queue was deleted (on its home, or the home is gone and it did not outlive
+    /// it). Void unless `home` and `id` match the declaration that stands.
+    DeleteClassic {
+        /// Its record key.
+        key: Vec<u8>,
+        /// The node that held it.
+        home: NodeId,
+        /// Its id there.
+        id: u64,
+    },
 }
 
 /// The replies to one entry's commands, in order.

@@ -33,6 +33,20 @@ pub fn encode_message(message: &Message) -> Vec<u8> {
     out
 }
 
+/// [`encode_message`] of a message as a queue loaded it (from memory or from the store, whose
+/// record is the same encoding), to send to another node.
+#[must_use]
+pub fn encode_loaded(loaded: &super::Loaded) -> Vec<u8> {
+    match loaded {
+        super::Loaded::Mem(m) => encode_message(m),
+        super::Loaded::Read(record) => {
+            let mut out = Vec::with_capacity(8 + record.payload_len());
+            record.encode(&mut out);
+            out
+        }
+    }
+}
+
 /// Why a replicated message does not decode.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("undecodable replicated message: {0}")]

@@ -12,8 +12,10 @@
 use warren_store::writer::Completion;
 
 pub use crate::message::codec::{
-    DecodeError, decode_entry, decode_message, encode_entry, encode_message, raw_bytes,
+    DecodeError, decode_entry, decode_message, encode_entry, encode_loaded, encode_message,
+    raw_bytes,
 };
+pub use crate::queue::{QueueStats, REMOTE_OWNER, ServeDone};
 pub use crate::queue::replica::{
     Placement, ReplicaDone, ReplicaState, ReplicationError, Replicator, Replies,
 };

@@ -17,6 +17,7 @@ pub mod limiter;
 pub mod machine;
 pub mod outbox;
 mod publish;
+mod remote;
 pub mod replica;
 mod replicated;
 mod settle;
@@ -25,6 +26,8 @@ pub mod stream;
 pub use host::{NoHost, QueueHost};
 use publish::below_flow_release;
 pub use publish::{Enqueued, publish_routed};
+use publish::{Join, publish_local};
+pub use remote::{ServeDone, loaded_message};
 use replicated::replicated_outcome;
 
 use std::collections::HashMap;
@@ -51,6 +54,11 @@ use machine::{
     Removal, Reply,
 };
 
+/// The owner of a proxy's exclusive queue (see [`Queue::is_remote`]): no connection of this
+/// node, so every client here is refused it, as RabbitMQ refuses another connection's
+/// exclusive queue.
+pub const REMOTE_OWNER: u64 = u64::MAX;
+
 /// What basic.get took: the message id, the message, its redelivered flag, the ready count
 /// after it and its delivery count.
 pub type Got = (MsgId, Outgoing, bool, u32, u32);
@@ -76,7 +84,7 @@ pub struct QueueCounts {
 }
 
 /// What [`Queue::stats`] reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct QueueStats {
     /// Messages ready for delivery.
     pub ready: u64,
@@ -353,6 +361,10 @@ impl Queue {
         policy: Option<&crate::policy::Policy>,
         operator: Option<&crate::policy::Policy>,
     ) {
+        if self.is_remote() {
+            // The home node applies its own copy of the policies to the queue.
+            return;
+        }
         if let Some(slot) = &self.stream {
             let what = crate::args::rs("queue", &self.name, &self.vhost);
             let config = crate::stream::config_with_policy(&self.arguments, policy, &what);
@@ -596,6 +608,9 @@ impl Queue {
     /// A consistent snapshot of the queue's depth for the management API and metrics.
     #[must_use]
     pub fn stats(&self) -> QueueStats {
+        if let Some(stats) = self.replica().and_then(|r| r.remote_stats()) {
+            return stats;
+        }
         if let Some(stream) = self.stream() {
             let s = stream.stats(self.now_ms());
             return QueueStats {
@@ -630,6 +645,12 @@ impl Queue {
     /// Ready messages and consumers.
     #[must_use]
     pub fn counts(&self) -> QueueCounts {
+        if let Some(s) = self.replica().and_then(|r| r.remote_stats()) {
+            return QueueCounts {
+                messages: u32::try_from(s.ready).unwrap_or(u32::MAX),
+                consumers: u32::try_from(s.consumers).unwrap_or(u32::MAX),
+            };
+        }
         if let Some(stream) = self.stream() {
             // As RabbitMQ (rabbit_stream_queue:stat): the messages the stream holds.
             return QueueCounts {

@@ -205,7 +205,7 @@ pub fn publish_routed(
 
 /// One completion for several writes (replicated queues and the store): it runs once all of
 /// them finished, with the first failure if any.
-struct Join {
+pub(super) struct Join {
     /// The caller's completion, the parts still running (plus one until sealed), the first
     /// failure.
     inner: parking_lot::Mutex<(

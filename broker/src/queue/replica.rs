@@ -85,4 +85,20 @@ pub trait Replicator: Send + Sync + std::fmt::Debug {
     /// This replica's applied index, term, role and log progress; with `digest`, a hash of
     /// its whole state too (costly: for one queue's details, not for listings).
     fn replica_state(&self, digest: bool) -> ReplicaState;
+    /// For a classic queue of a cluster seen from another node (a *proxy*: its machine stays
+    /// empty, its commands go to the node that holds it): that node's name. None for a
+    /// replicated queue.
+    fn home(&self) -> Option<String> {
+        None
+    }
+    /// Whether a proxy's home node is down or unreachable from here (operations on the
+    /// queue get RabbitMQ's 404 meanwhile). Always false for a replicated queue.
+    fn home_down(&self) -> bool {
+        false
+    }
+    /// A proxy's view of its queue on the home node, as last reported (None: not known
+    /// yet, or a replicated queue, whose own machine is the view).
+    fn remote_stats(&self) -> Option<crate::queue::QueueStats> {
+        None
+    }
 }

@@ -21,6 +21,14 @@ pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
     fn declare_quorum(&self, queue: Arc<Queue>, done: Completion);
     /// Delete a replicated queue everywhere; `done` runs once that committed.
     fn delete_quorum(&self, queue: &Arc<Queue>, done: Completion);
+    /// A classic queue was created on this node, its home: every other node learns of it and
+    /// makes a proxy through which its clients use it; `done` runs once that committed.
+    fn announce_classic(&self, queue: &Arc<Queue>, done: Completion);
+    /// A classic queue held on this node was deleted: the others drop their proxies.
+    fn retract_classic(&self, queue: &Arc<Queue>);
+    /// Delete a classic queue homed on another node, through its proxy here: `done` runs
+    /// once the home deleted it.
+    fn delete_remote(&self, queue: &Arc<Queue>, done: Completion);
     /// Every node of the cluster, and whether it was heard from lately (this one is).
     fn nodes(&self) -> Vec<NodeStatus>;
     /// Remove a stopped node from the cluster for good (`forget_cluster_node`): from the

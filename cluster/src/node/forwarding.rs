@@ -66,7 +66,11 @@ pub(super) fn send_retrying(
                 Err(ReplicationError::Unknown(_)) => idempotent,
                 Ok(_) => false,
             };
-            if retry && std::time::Instant::now() < deadline {
+            // A proxy's home that is down fails its commands at once (no retry for them).
+            let home_down = next
+                .home
+                .is_some_and(|h| next.node.upgrade().is_none_or(|n| n.is_down(h)));
+            if retry && !home_down && std::time::Instant::now() < deadline {
                 // On the node's runtime: a submission may come from the timer thread.
                 let runtime = next.runtime.clone();
                 runtime.spawn(async move {
@@ -95,6 +99,20 @@ pub(super) fn send_retrying(
     );
 }
 
+/// Where a [`Forwarder`] sends.
+#[derive(Clone)]
+pub(super) enum Target {
+    /// A Raft group's leader: this replica (proposed here), or a peer.
+    Group {
+        /// The group's Raft instance on this node (who leads).
+        raft: Raft<QueueRaft>,
+        /// This replica's batcher, used while it leads.
+        proposer: Proposer,
+    },
+    /// A classic queue's home node (always a peer: a proxy's queue lives elsewhere).
+    Home(NodeId),
+}
+
 /// Called once with the leader's replies to a forwarded request.
 pub(super) type ForwardDone =
     Box<dyn FnOnce(Result<crate::tcp::ForwardReplies, ReplicationError>) + Send>;
@@ -106,21 +124,23 @@ pub(super) struct Forwarder {
     tx: mpsc::Sender<(Forwarded, ForwardDone)>,
     pub(super) node: Weak<ClusterNode>,
     runtime: tokio::runtime::Handle,
+    /// A proxy's home ([`Target::Home`]).
+    home: Option<NodeId>,
 }
 
 impl Forwarder {
-    pub(super) fn start(
-        node: Weak<ClusterNode>,
-        group: GroupId,
-        raft: Raft<QueueRaft>,
-        proposer: Proposer,
-    ) -> Self {
+    pub(super) fn start(node: Weak<ClusterNode>, group: GroupId, target: Target) -> Self {
         let (tx, rx) = mpsc::channel(FORWARD_QUEUE_MAX);
-        tokio::spawn(forward_loop(node.clone(), group, raft, proposer, rx));
+        let home = match &target {
+            Target::Home(h) => Some(*h),
+            Target::Group { .. } => None,
+        };
+        tokio::spawn(forward_loop(node.clone(), group, target, rx));
         Self {
             tx,
             node,
             runtime: tokio::runtime::Handle::current(),
+            home,
         }
     }
 
@@ -136,8 +156,7 @@ impl Forwarder {
 async fn forward_loop(
     node: Weak<ClusterNode>,
     group: GroupId,
-    raft: Raft<QueueRaft>,
-    proposer: Proposer,
+    target: Target,
     mut rx: mpsc::Receiver<(Forwarded, ForwardDone)>,
 ) {
     let mut links: HashMap<NodeId, ForwardLink> = HashMap::new();
@@ -170,7 +189,7 @@ async fn forward_loop(
         let Ok(permit) = Arc::clone(&slots).acquire_owned().await else {
             return;
         };
-        send_batch(&node, &group, &raft, &proposer, &mut links, batch, permit).await;
+        send_batch(&node, &group, &target, &mut links, batch, permit).await;
     }
 }
 
@@ -180,8 +199,7 @@ async fn forward_loop(
 async fn send_batch(
     node: &Weak<ClusterNode>,
     group: &GroupId,
-    raft: &Raft<QueueRaft>,
-    proposer: &Proposer,
+    target: &Target,
     links: &mut HashMap<NodeId, ForwardLink>,
     batch: Vec<(Forwarded, ForwardDone)>,
     permit: tokio::sync::OwnedSemaphorePermit,
@@ -223,34 +241,52 @@ async fn send_batch(
             }
         }
     };
-    let Some(mut leader) = wait_for_leader(raft).await else {
-        finish(Err(ReplicationError::Unavailable));
-        return;
+    let leader = match target {
+        Target::Home(home) => {
+            // A proxy's commands fail at once while its home is down (publishers are
+            // nacked, as for a quorum queue without a leader).
+            if node.upgrade().is_none_or(|n| n.is_down(*home)) {
+                finish(Err(ReplicationError::Unavailable));
+                return;
+            }
+            *home
+        }
+        Target::Group { raft, proposer } => {
+            let Some(mut leader) = wait_for_leader(raft).await else {
+                finish(Err(ReplicationError::Unavailable));
+                return;
+            };
+            if leader == me && proposer.is_held() {
+                // This replica is handing its leadership over: wait, then send to whoever
+                // leads (this batcher is sequential, so submission order holds across the
+                // move).
+                proposer.unheld().await;
+                let Some(now) = wait_for_leader(raft).await else {
+                    finish(Err(ReplicationError::Unavailable));
+                    return;
+                };
+                leader = now;
+            }
+            if leader == me {
+                let staged = crate::tcp::stage_here(raft, proposer, request).await;
+                tokio::spawn(async move {
+                    finish(staged.replies().await.map_err(unknown));
+                });
+                return;
+            }
+            leader
+        }
     };
-    if leader == me && proposer.is_held() {
-        // This replica is handing its leadership over: wait, then send to whoever leads
-        // (this batcher is sequential, so submission order holds across the move).
-        proposer.unheld().await;
-        let Some(now) = wait_for_leader(raft).await else {
-            finish(Err(ReplicationError::Unavailable));
-            return;
-        };
-        leader = now;
-    }
-    if leader == me {
-        let staged = crate::tcp::stage_here(raft, proposer, request).await;
-        tokio::spawn(async move {
-            finish(staged.replies().await.map_err(unknown));
-        });
-        return;
-    }
     if links.get(&leader).is_some_and(ForwardLink::is_broken) {
         links.remove(&leader);
     }
     let link = match links.entry(leader) {
         std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
         std::collections::hash_map::Entry::Vacant(v) => {
-            let addr = node.upgrade().and_then(|n| n.peer_addr(raft, leader));
+            let addr = node.upgrade().and_then(|n| match target {
+                Target::Group { raft, .. } => n.peer_addr(raft, leader),
+                Target::Home(_) => n.addresses.get(leader).or_else(|| n.member(leader).map(|m| m.addr)),
+            });
             let Some(addr) = addr else {
                 finish(Err(ReplicationError::Unavailable));
                 return;

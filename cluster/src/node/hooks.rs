@@ -81,6 +81,61 @@ impl ClusterHooks for ClusterNode {
         }
     }
 
+    fn announce_classic(&self, queue: &Arc<Queue>, done: Completion) {
+        if let Err(done) = self.commit_meta(self.classic_record(queue), true, done) {
+            done(Ok(Vec::new()));
+        }
+    }
+
+    fn retract_classic(&self, queue: &Arc<Queue>) {
+        let change = MetaChange::DeleteClassic {
+            key: QueueRecord::key(&queue.vhost, &queue.name),
+            home: self.me,
+            id: queue.id,
+        };
+        // Deleting twice is deleting once.
+        let _ = self.commit_meta(change, true, Box::new(|_| {}));
+    }
+
+    fn delete_remote(&self, queue: &Arc<Queue>, done: Completion) {
+        let key = QueueRecord::key(&queue.vhost, &queue.name);
+        let home = self
+            .proxies
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key)
+            .map(|p| (p.home, p.id));
+        let Some((home, id)) = home else {
+            done(Ok(Vec::new()));
+            return;
+        };
+        self.classic_deleting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert((home, id), done);
+        let weak = self.weak_self();
+        let failed: Completion = Box::new(move |r| {
+            if let Err(e) = r
+                && let Some(node) = weak.upgrade()
+            {
+                let done = node
+                    .classic_deleting
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .remove(&(home, id));
+                if let Some(done) = done {
+                    done(Err(e));
+                }
+            }
+        });
+        let change = MetaChange::DeleteClassic { key, home, id };
+        if let Err(failed) = self.commit_meta(change, true, failed) {
+            failed(Err(Arc::new(warren_store::StoreError::Replication(
+                "not part of a cluster".into(),
+            ))));
+        }
+    }
+
     fn nodes(&self) -> Vec<NodeStatus> {
         self.current()
             .into_iter()

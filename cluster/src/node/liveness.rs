@@ -46,6 +46,19 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
                 move || alive.upgrade().is_none_or(|n| n.is_forgotten(id)),
             ));
         }
+        for (id, _) in node.current() {
+            let down = node.is_down(id);
+            let mut seen = node
+                .down_peers
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if down && seen.insert(id) {
+                drop(seen);
+                node.classic_peer_down(id);
+            } else if !down {
+                seen.remove(&id);
+            }
+        }
         for replica in node.replicas() {
             if !replica.is_leader() {
                 continue;

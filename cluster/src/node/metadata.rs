@@ -150,6 +150,9 @@ impl ClusterNode {
                     reconcile_members(self, &replica);
                 }
             }
+            MetaChange::DeclareClassic { .. } | MetaChange::DeleteClassic { .. } => {
+                self.on_classic(change);
+            }
             MetaChange::Topology(change) => {
                 if warren_broker::node::replication::apply_topology(&self.broker, change).is_ok() {
                     if matches!(change, TopologyChange::DeclareExchange { .. }) {
@@ -342,6 +345,33 @@ impl Applied for MetaState {
                 MetaChange::Node { name, .. } => {
                     records.insert(node_key(name), change.clone());
                 }
+                MetaChange::DeclareClassic { key, home, .. } => {
+                    let standing = match records.get(key) {
+                        None => true,
+                        // Its home declares it again (re-announced after a restart).
+                        Some(MetaChange::DeclareClassic { home: h, .. }) => h == home,
+                        Some(_) => false,
+                    };
+                    if !standing {
+                        // Declared on two nodes at once: the first commit wins, and the
+                        // other node drops its copy.
+                        if let Some(node) = &node {
+                            node.classic_lost(&change);
+                        }
+                        continue;
+                    }
+                    records.insert(key.clone(), change.clone());
+                }
+                MetaChange::DeleteClassic { key, home, id } => {
+                    let current = matches!(
+                        records.get(key),
+                        Some(MetaChange::DeclareClassic { home: h, id: i, .. }) if h == home && i == id
+                    );
+                    if !current {
+                        continue;
+                    }
+                    records.remove(key);
+                }
                 MetaChange::DeclareQueue { key, .. } => {
                     if records.contains_key(key) {
                         // Declared twice concurrently: the first commit wins, and the
@@ -411,7 +441,9 @@ impl Applied for MetaState {
         records.clear();
         for change in list {
             let key = match &change {
-                MetaChange::DeclareQueue { key, .. } => key.clone(),
+                MetaChange::DeclareQueue { key, .. } | MetaChange::DeclareClassic { key, .. } => {
+                    key.clone()
+                }
                 MetaChange::SetMembers { key, .. } => members_key(key),
                 MetaChange::Node { name, .. } => node_key(name),
                 MetaChange::Topology(t) if t.is_addition() => t.record_key(),

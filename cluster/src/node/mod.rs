@@ -32,6 +32,7 @@
 //! [`MetaChange`]: crate::types::MetaChange
 //! [`Queue`]: warren_broker::queue::Queue
 
+mod classic;
 mod config;
 mod forwarding;
 mod hooks;
@@ -64,7 +65,7 @@ pub use config::{
 pub use forwarding::{FORWARD_BATCH_MAX, FORWARD_QUEUE_MAX, RETRY_FOR};
 pub use placement::GROUP_SIZE_DEFAULT;
 
-use forwarding::{Forwarder, send_retrying};
+use forwarding::{Forwarder, Target, send_retrying};
 use liveness::watch_peers;
 use membership::stored_number;
 use metadata::MetaState;
@@ -136,6 +137,17 @@ pub struct ClusterNode {
     /// Committed bindings whose ends this node does not serve yet (bounded by the bindings
     /// the cluster has).
     unbound: Mutex<Vec<TopologyChange>>,
+    /// The metadata group's state machine (its records).
+    meta_records: OnceLock<Arc<MetaState>>,
+    /// The proxies of classic queues held on other nodes, by record key.
+    proxies: Mutex<HashMap<Vec<u8>, Arc<classic::RemoteHome>>>,
+    /// Per peer: deliveries from the classic queues held here to its consumers.
+    pumps: Mutex<HashMap<NodeId, Arc<classic::Pump>>>,
+    /// Deletes of classic queues held elsewhere made here, waiting for their commit (by home
+    /// and id).
+    classic_deleting: Mutex<HashMap<(NodeId, u64), Completion>>,
+    /// The peers this node last saw down (their classic queues' consumers were dealt with).
+    down_peers: Mutex<std::collections::HashSet<NodeId>>,
 }
 
 impl std::fmt::Debug for ClusterNode {
@@ -240,8 +252,15 @@ impl ClusterNode {
             members: Mutex::new(HashMap::new()),
             started: std::time::Instant::now(),
             unbound: Mutex::new(Vec::new()),
+            meta_records: OnceLock::new(),
+            proxies: Mutex::new(HashMap::new()),
+            pumps: Mutex::new(HashMap::new()),
+            classic_deleting: Mutex::new(HashMap::new()),
+            down_peers: Mutex::new(std::collections::HashSet::new()),
             config,
         });
+        node.groups
+            .set_classic(Arc::new(classic::Service(Arc::downgrade(&node))));
         tokio::spawn(crate::tcp::serve_tls(
             listener,
             me,
@@ -268,6 +287,7 @@ impl ClusterNode {
             records: Mutex::new(BTreeMap::new()),
             node: Arc::downgrade(&node),
         });
+        let _ = node.meta_records.set(Arc::clone(&state));
         let raft = Raft::new(
             me,
             Arc::clone(&node.raft_config),
@@ -283,8 +303,10 @@ impl ClusterNode {
         let _ = node.meta_forwarder.set(Forwarder::start(
             Arc::downgrade(&node),
             meta_id.clone(),
-            raft.clone(),
-            proposer,
+            Target::Group {
+                raft: raft.clone(),
+                proposer,
+            },
         ));
         // Metadata changes peers forward here go on to the leader (a joining node's seed
         // may be a follower).
@@ -336,6 +358,8 @@ impl ClusterNode {
         }
         tokio::spawn(watch_peers(Arc::downgrade(&node)));
         node.replay(&raft, committed.map(|l| l.index)).await;
+        node.reconcile_classic();
+        tokio::spawn(classic::poll_stats(Arc::downgrade(&node)));
         if node.config.join {
             node.join().await;
             node.broker

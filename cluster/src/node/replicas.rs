@@ -24,7 +24,7 @@ use crate::tcp::{Forwarded, GroupId, TcpNetwork};
 use crate::types::{NodeId, QueueRaft, QueueRequest, QueueResponse, ReplicatedMessage};
 
 use super::config::{NodeError, fnv1a};
-use super::forwarding::{Forwarder, RETRY_FOR, send_retrying};
+use super::forwarding::{Forwarder, RETRY_FOR, Target, send_retrying};
 use super::{ClusterNode, DOWN_AFTER};
 
 impl ClusterNode {
@@ -141,7 +141,14 @@ impl ClusterNode {
             }),
         );
         let forwarder =
-            Forwarder::start(Arc::downgrade(self), group, raft.clone(), proposer.clone());
+            Forwarder::start(
+                Arc::downgrade(self),
+                group,
+                Target::Group {
+                    raft: raft.clone(),
+                    proposer: proposer.clone(),
+                },
+            );
         let _ = replica.raft.set(raft.clone());
         let _ = replica.forwarder.set(forwarder);
         let _ = replica.proposer.set(proposer);
@@ -276,13 +283,67 @@ impl Applied for QueueApplied {
 }
 
 /// An entry's message as the log carries it.
-fn wire(entry: &Entry) -> Result<ReplicatedMessage, warren_broker::node::replication::DecodeError> {
+pub(super) fn wire(entry: &Entry) -> Result<ReplicatedMessage, warren_broker::node::replication::DecodeError> {
     use warren_broker::queue::machine::MessageRef;
     Ok(ReplicatedMessage {
         body: encode_entry(entry)?,
         priority: entry.priority(),
         expiration_ms: entry.expiration_ms(),
     })
+}
+
+/// Send a queue's commands through `forwarder` (to its group's leader, or a proxy's home),
+/// retried as [`send_retrying`] does; `done` gets the replies as the broker sees them.
+pub(super) fn forward_commands(
+    forwarder: &Forwarder,
+    commands: Vec<Command<Entry>>,
+    done: ReplicaDone,
+) {
+    let mut wired = Vec::with_capacity(commands.len());
+    for c in commands {
+        match c.try_map(|e| wire(&e)) {
+            Ok(c) => wired.push(c),
+            Err(e) => {
+                done(Err(ReplicationError::Unknown(e.to_string())));
+                return;
+            }
+        }
+    }
+    // Acks, returns, cancels and the like change nothing when applied twice, so they are
+    // retried even when an attempt's outcome is unknown; anything is retried when nothing
+    // was appended. A consumer whose ack was lost would otherwise hold the message until its
+    // node goes down.
+    let idempotent = wired.iter().all(|c| {
+        !matches!(
+            c,
+            Command::Enqueue(_) | Command::Get { .. } | Command::Purge | Command::Restore { .. }
+        )
+    });
+    send_retrying(
+        forwarder.clone(),
+        Forwarded {
+            commands: wired,
+            meta: Vec::new(),
+        },
+        idempotent,
+        std::time::Instant::now() + RETRY_FOR,
+        0,
+        Box::new(move |r| {
+            done(r.map(|replies| {
+                replies
+                    .into_iter()
+                    .map(|r| match r {
+                        Ok(reply) => Ok(reply
+                            .try_map(|m| decode_entry(&m.body))
+                            .unwrap_or(Reply::Ok)),
+                        Err(ProposeError::Refused(e)) => Err(e),
+                        // Another command of the batch failed: a refusal to the caller.
+                        Err(_) => Err(MachineError::DuplicateConsumer),
+                    })
+                    .collect::<Replies>()
+            }))
+        }),
+    );
 }
 
 /// One quorum queue's replica on this node: the broker's [`Replicator`].
@@ -315,58 +376,11 @@ impl std::fmt::Debug for QueueReplica {
 
 impl Replicator for QueueReplica {
     fn submit(&self, commands: Vec<Command<Entry>>, done: ReplicaDone) {
-        let mut wired = Vec::with_capacity(commands.len());
-        for c in commands {
-            match c.try_map(|e| wire(&e)) {
-                Ok(c) => wired.push(c),
-                Err(e) => {
-                    done(Err(ReplicationError::Unknown(e.to_string())));
-                    return;
-                }
-            }
-        }
         let Some(forwarder) = self.forwarder.get() else {
             done(Err(ReplicationError::Unavailable));
             return;
         };
-        // Acks, returns, cancels and the like change nothing when applied twice, so they are
-        // retried even when an attempt's outcome is unknown; anything is retried when
-        // nothing was appended. A consumer whose ack was lost would otherwise hold the
-        // message until its node goes down.
-        let idempotent = wired.iter().all(|c| {
-            !matches!(
-                c,
-                Command::Enqueue(_)
-                    | Command::Get { .. }
-                    | Command::Purge
-                    | Command::Restore { .. }
-            )
-        });
-        send_retrying(
-            forwarder.clone(),
-            Forwarded {
-                commands: wired,
-                meta: Vec::new(),
-            },
-            idempotent,
-            std::time::Instant::now() + RETRY_FOR,
-            0,
-            Box::new(move |r| {
-                done(r.map(|replies| {
-                    replies
-                        .into_iter()
-                        .map(|r| match r {
-                            Ok(reply) => Ok(reply
-                                .try_map(|m| decode_entry(&m.body))
-                                .unwrap_or(Reply::Ok)),
-                            Err(ProposeError::Refused(e)) => Err(e),
-                            // Another command of the batch failed: a refusal to the caller.
-                            Err(_) => Err(MachineError::DuplicateConsumer),
-                        })
-                        .collect::<Replies>()
-                }))
-            }),
-        );
+        forward_commands(forwarder, commands, done);
     }
 
     fn is_leader(&self) -> bool {

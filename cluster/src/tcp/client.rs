@@ -25,8 +25,9 @@ use crate::proposer::ProposeError;
 use crate::types::{NodeId, QueueRaft};
 
 use super::wire::{
-    Challenge, ForwardReplies, Forwarded, GroupId, Hello, Proof, Request, Response, Secret, Stream,
-    TransportError, Verdict, proof_input, read_frame, write_frame,
+    Challenge, ForwardReplies, Forwarded, GroupId, Hello, Proof, RemoteEvent, RemoteQueueStats,
+    Request, Response, Secret, Stream, TransportError, Verdict, proof_input, read_frame,
+    write_frame,
 };
 use super::{heard_from, silent_for};
 
@@ -271,6 +272,61 @@ impl ForwardLink {
     }
 }
 
+/// A connection to a peer's classic queue service (group `$classic`): deliveries from the
+/// classic queues held here to consumers attached there, and the stats of those held there.
+/// One request at a time; a failed one drops the connection, and the next dials again.
+#[derive(Debug)]
+pub struct ClassicPeer(TcpConnection);
+
+impl ClassicPeer {
+    /// A connection from `from` to peer `to` at `addr` (dialled on first use).
+    #[must_use]
+    pub fn new(
+        from: NodeId,
+        to: NodeId,
+        addr: String,
+        secret: Secret,
+        tls: Option<TlsConnector>,
+    ) -> Self {
+        Self(TcpConnection {
+            from,
+            to,
+            group: GroupId {
+                name: super::server::CLASSIC_PREFIX.into(),
+                incarnation: 0,
+            },
+            addr,
+            secret,
+            tls,
+            stream: None,
+        })
+    }
+
+    /// Send deliveries; answers the consumers the peer does not have (their deliveries go
+    /// back to their queues).
+    ///
+    /// # Errors
+    /// The peer could not be reached or answered out of turn (whether it took the
+    /// deliveries is unknown).
+    pub async fn deliver(&mut self, events: Vec<RemoteEvent>) -> Result<Vec<u64>, TransportError> {
+        match self.0.call(Request::Deliver(events)).await? {
+            Response::Delivered(unknown) => Ok(unknown),
+            _ => Err(TransportError::Frame("a response of another kind".into())),
+        }
+    }
+
+    /// The classic queues the peer holds.
+    ///
+    /// # Errors
+    /// The peer could not be reached or answered out of turn.
+    pub async fn stats(&mut self) -> Result<Vec<RemoteQueueStats>, TransportError> {
+        match self.0.call(Request::ClassicStats).await? {
+            Response::ClassicStats(stats) => Ok(stats),
+            _ => Err(TransportError::Frame("a response of another kind".into())),
+        }
+    }
+}
+
 /// Where this node dials each peer: its own `--peers` list, not the addresses a group's
 /// membership recorded (those are the initialising node's view, which a proxy, a NAT or a
 /// renamed host can make wrong from here). Shared by every group of a node.
@@ -439,7 +495,16 @@ type Rpc<T, E = openraft::error::Infallible> =
 
 impl TcpConnection {
     async fn connect(&self) -> Result<Stream, TransportError> {
-        let mut s = dial(&self.addr, self.tls.as_ref()).await?;
+        let mut s = match dial(&self.addr, self.tls.as_ref()).await {
+            Ok(s) => s,
+            Err(TransportError::Io(e)) => {
+                if e.kind() == std::io::ErrorKind::ConnectionRefused {
+                    super::refused_by(self.to);
+                }
+                return Err(TransportError::Io(e));
+            }
+            Err(e) => return Err(e),
+        };
         let hello = Hello {
             from: self.from,
             to: self.to,

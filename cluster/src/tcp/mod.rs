@@ -38,15 +38,16 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use crate::types::NodeId;
 
 pub use client::{
-    Addresses, ForwardLink, PeerCall, TcpConnection, TcpNetwork, ping_loop, request_abstain,
+    Addresses, ClassicPeer, ForwardLink, PeerCall, TcpConnection, TcpNetwork, ping_loop, request_abstain,
     request_campaign, request_transfer,
 };
 pub use server::{
-    FORWARDS_IN_FLIGHT_MAX, Groups, LEADER_SILENCE_MAX, Relay, Staged, Transfer, serve, serve_tls,
+    CLASSIC_PREFIX, ClassicService, FORWARDS_IN_FLIGHT_MAX, Groups, LEADER_SILENCE_MAX, Relay, Staged, Transfer, serve, serve_tls,
     stage_here,
 };
 pub use wire::{
-    ABSTAIN_MAX, FRAME_MAX, ForwardReplies, Forwarded, GroupId, Io, Secret, TransportError,
+    ABSTAIN_MAX, FRAME_MAX, ForwardReplies, Forwarded, GroupId, Io, RemoteEvent, RemoteQueueStats,
+    Secret, TransportError,
 };
 
 /// When each peer was last heard from (an RPC it answered or sent), process-wide: a node
@@ -59,6 +60,32 @@ fn heard_from(peer: NodeId) {
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .insert(peer, std::time::Instant::now());
+    REFUSED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .remove(&peer);
+}
+
+/// The peers whose cluster port refused a connection since they were last heard from: a
+/// killed process's port refuses at once, so it is known gone well before its silence says so
+/// (RabbitMQ learns it from its distribution link closing).
+static REFUSED: std::sync::LazyLock<std::sync::Mutex<std::collections::HashSet<NodeId>>> =
+    std::sync::LazyLock::new(Default::default);
+
+fn refused_by(peer: NodeId) {
+    REFUSED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(peer);
+}
+
+/// Whether `peer`'s cluster port refused a connection since it was last heard from.
+#[must_use]
+pub fn refusing(peer: NodeId) -> bool {
+    REFUSED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .contains(&peer)
 }
 
 /// How long ago `peer` was last heard from over the cluster port (None: never, in this

@@ -17,8 +17,9 @@ use crate::proposer::{ProposeError, Proposer};
 use crate::types::{NodeId, QueueRaft, QueueRequest};
 
 use super::wire::{
-    ABSTAIN_MAX, Challenge, ForwardReplies, Forwarded, GroupId, Hello, Proof, Request, Response,
-    Secret, Stream, TransportError, Verdict, proof_input, read_frame, write_frame,
+    ABSTAIN_MAX, Challenge, ForwardReplies, Forwarded, GroupId, Hello, Proof, RemoteEvent,
+    RemoteQueueStats, Request, Response, Secret, Stream, TransportError, Verdict, proof_input,
+    read_frame, write_frame,
 };
 use super::{heard_from, silent_for};
 
@@ -47,6 +48,33 @@ pub type Relay = Arc<
 #[derive(Clone, Default)]
 pub struct Groups {
     by_id: Arc<RwLock<HashMap<GroupId, Served>>>,
+    classic: Arc<RwLock<Option<Arc<dyn ClassicService>>>>,
+}
+
+/// Group names under this prefix are not Raft groups: they reach the node's classic queues
+/// ([`ClassicService`]). `$classic` alone carries deliveries and stats between nodes;
+/// `$classic\0<vhost>\0<queue>` carries a proxy's commands to the queue's home.
+pub const CLASSIC_PREFIX: &str = "$classic";
+
+/// What a node does for the classic queues it holds (their *home*) and for the proxies of
+/// classic queues held elsewhere (see `warren_broker::queue::Queue::is_remote`).
+pub trait ClassicService: Send + Sync {
+    /// Whether this node holds classic queue `queue` of `vhost` (a link to it may open).
+    fn holds(&self, vhost: &str, queue: &str) -> bool;
+    /// Carry out commands a proxy on node `from` sent to `queue` of `vhost`, held here; the
+    /// receiver resolves with one reply per command (an enqueue's after its durable commit).
+    fn forward(
+        &self,
+        from: NodeId,
+        vhost: &str,
+        queue: &str,
+        f: Forwarded,
+    ) -> tokio::sync::oneshot::Receiver<Result<ForwardReplies, ProposeError>>;
+    /// Deliveries and cancellations from classic queues held on node `from` to consumers
+    /// attached here; answers the consumers that are not (their deliveries go back).
+    fn deliver(&self, from: NodeId, events: Vec<RemoteEvent>) -> Vec<u64>;
+    /// The classic queues held here, for the proxies on node `from`.
+    fn stats(&self, from: NodeId) -> Vec<RemoteQueueStats>;
 }
 
 impl std::fmt::Debug for Groups {
@@ -80,6 +108,18 @@ impl Groups {
                 },
             );
         proposer
+    }
+
+    /// Serve classic queues' traffic through `service`.
+    pub fn set_classic(&self, service: Arc<dyn ClassicService>) {
+        *self.classic.write().unwrap_or_else(PoisonError::into_inner) = Some(service);
+    }
+
+    fn classic(&self) -> Option<Arc<dyn ClassicService>> {
+        self.classic
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Relay the metadata changes peers forward to group `id` through `relay`.
@@ -297,6 +337,33 @@ async fn serve_forwards(s: Stream, served: Served, first: Forwarded) -> Result<(
         relay,
         ..
     } = served;
+    serve_pipelined(s, first, move |f| {
+        let (raft, proposer, relay) = (raft.clone(), proposer.clone(), relay.clone());
+        async move {
+            match &relay {
+                Some(relay) if !f.meta.is_empty() => {
+                    let rx = relay(f);
+                    Staged::Meta(tokio::spawn(async move {
+                        rx.await.unwrap_or(Err(ProposeError::Stopped))
+                    }))
+                }
+                _ => stage_here(&raft, &proposer, f).await,
+            }
+        }
+    })
+    .await
+}
+
+/// Answer a connection's forwards, staged by `stage` in arrival order, in that order.
+async fn serve_pipelined<F, Fut>(
+    s: Stream,
+    first: Forwarded,
+    mut stage: F,
+) -> Result<(), TransportError>
+where
+    F: FnMut(Forwarded) -> Fut,
+    Fut: Future<Output = Staged>,
+{
     let (mut r, mut w) = tokio::io::split(s);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Staged>(FORWARDS_IN_FLIGHT_MAX);
     let writer = tokio::spawn(async move {
@@ -317,22 +384,58 @@ async fn serve_forwards(s: Stream, served: Served, first: Forwarded) -> Result<(
                 Err(_) => break,
             },
         };
-        let staged = match &relay {
-            Some(relay) if !f.meta.is_empty() => {
-                let rx = relay(f);
-                Staged::Meta(tokio::spawn(async move {
-                    rx.await.unwrap_or(Err(ProposeError::Stopped))
-                }))
-            }
-            _ => stage_here(&raft, &proposer, f).await,
-        };
-        if tx.send(staged).await.is_err() {
+        if tx.send(stage(f).await).await.is_err() {
             break;
         }
     }
     drop(tx);
     let _ = writer.await;
     Ok(())
+}
+
+/// Serve a connection to the classic queues held here: a proxy's forwarded commands (group
+/// `$classic\0<vhost>\0<queue>`), or deliveries and stats between nodes (`$classic`).
+async fn serve_classic(
+    mut s: Stream,
+    from: NodeId,
+    group: &GroupId,
+    service: Arc<dyn ClassicService>,
+) -> Result<(), TransportError> {
+    let target = group
+        .name
+        .strip_prefix(CLASSIC_PREFIX)
+        .and_then(|rest| rest.strip_prefix('\0'))
+        .and_then(|rest| rest.split_once('\0'))
+        .map(|(v, q)| (v.to_string(), q.to_string()));
+    loop {
+        let request: Request = match read_frame(&mut s).await {
+            Ok(r) => r,
+            Err(TransportError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        heard_from(from);
+        let response = match (request, &target) {
+            (Request::Forward(f), Some((vhost, queue))) => {
+                let (vhost, queue) = (vhost.clone(), queue.clone());
+                return serve_pipelined(s, f, move |f| {
+                    let rx = service.forward(from, &vhost, &queue, f);
+                    async move {
+                        Staged::Meta(tokio::spawn(async move {
+                            rx.await.unwrap_or(Err(ProposeError::Stopped))
+                        }))
+                    }
+                })
+                .await;
+            }
+            (Request::Deliver(events), _) => Response::Delivered(service.deliver(from, events)),
+            (Request::ClassicStats, _) => Response::ClassicStats(service.stats(from)),
+            (Request::Ping, _) => Response::Pong,
+            _ => return Err(TransportError::Frame("not a classic queue request".into())),
+        };
+        write_frame(&mut s, &response).await?;
+    }
 }
 
 /// Serve Raft RPCs for node `me`'s `groups` on `listener` until the task is dropped.
@@ -405,6 +508,24 @@ async fn serve_connection(
         write_frame(&mut s, &Verdict::Refused).await?;
         return Err(TransportError::Auth);
     }
+    if hello.group.name.starts_with(CLASSIC_PREFIX) {
+        let service = groups.classic().filter(|svc| {
+            match hello.group.name[CLASSIC_PREFIX.len()..]
+                .strip_prefix('\0')
+                .and_then(|rest| rest.split_once('\0'))
+            {
+                Some((vhost, queue)) => svc.holds(vhost, queue),
+                None => hello.group.name.len() == CLASSIC_PREFIX.len(),
+            }
+        });
+        let Some(service) = service else {
+            write_frame(&mut s, &Verdict::NoSuchGroup).await?;
+            return Err(TransportError::NoSuchGroup(hello.group));
+        };
+        write_frame(&mut s, &Verdict::Welcome).await?;
+        heard_from(hello.from);
+        return serve_classic(s, hello.from, &hello.group, service).await;
+    }
     let Some(served) = groups.get(&hello.group) else {
         write_frame(&mut s, &Verdict::NoSuchGroup).await?;
         return Err(TransportError::NoSuchGroup(hello.group));
@@ -448,6 +569,9 @@ async fn serve_connection(
             }),
             Request::Campaign => Response::Campaigning(campaign(&raft, hello.from).await),
             Request::Abstain(ms) => Response::Abstaining(abstain(&served, hello.from, ms)),
+            Request::Deliver(_) | Request::ClassicStats => {
+                return Err(TransportError::Frame("a classic request to a Raft group".into()));
+            }
         };
         write_frame(&mut s, &response).await?;
     }

@@ -145,6 +145,54 @@ pub(super) enum Request {
     /// hands over to does (after it asked that one too). Ignored from any other node, except
     /// 0 ms: take part again at once.
     Abstain(u64),
+    /// From a classic queue's home node to a node whose consumers it delivers to (on the
+    /// metadata group's connection, which every node serves).
+    Deliver(Vec<RemoteEvent>),
+    /// To a classic queue's home: its queues' depths and consumers, for the proxies there.
+    ClassicStats,
+}
+
+/// What a classic queue's home sends to another node's consumers of it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum RemoteEvent {
+    /// A delivery.
+    Deliver {
+        /// The queue's vhost.
+        vhost: String,
+        /// The queue.
+        queue: String,
+        /// The consumer (of the receiving node).
+        consumer: u64,
+        /// The message's id in the queue (acks name it).
+        id: u64,
+        /// The message, as [`warren_broker::node::replication::encode_message`] encodes it.
+        #[serde(with = "warren_broker::node::replication::raw_bytes")]
+        message: Vec<u8>,
+        /// Delivered before.
+        redelivered: bool,
+        /// Times it was returned before.
+        delivery_count: u32,
+    },
+    /// The consumer was cancelled at the home (its queue was deleted).
+    Cancel {
+        /// The queue's vhost.
+        vhost: String,
+        /// The queue.
+        queue: String,
+        /// The consumer.
+        consumer: u64,
+    },
+}
+
+/// One classic queue's state at its home, as its proxies report it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RemoteQueueStats {
+    /// The queue's vhost.
+    pub vhost: String,
+    /// The queue.
+    pub queue: String,
+    /// Its depth, consumers and counters.
+    pub stats: warren_broker::node::replication::QueueStats,
 }
 
 /// Longest a replica abstains from elections when a leader asks.
@@ -165,6 +213,11 @@ pub(super) enum Response {
     Campaigning(bool),
     /// Whether the replica abstains.
     Abstaining(bool),
+    /// The consumers of a [`Request::Deliver`] that are not attached here (their deliveries
+    /// go back to the queue).
+    Delivered(Vec<u64>),
+    /// The home's classic queues.
+    ClassicStats(Vec<RemoteQueueStats>),
 }
 
 /// What a node forwards to a group's leader.

@@ -67,7 +67,10 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
         obj.insert("stream".into(), stream_json(&st));
     }
     if let Some(obj) = v.as_object_mut() {
-        if let Some(replica) = q.replica() {
+        if let Some(home) = q.home() {
+            // A classic queue of the cluster held on another node: its node is its home.
+            obj.insert("node".into(), json!(home));
+        } else if let Some(replica) = q.replica() {
             // rabbit_quorum_queue's fields: the queue's node is its leader.
             let p = replica.placement();
             obj.insert("leader".into(), json!(p.leader));

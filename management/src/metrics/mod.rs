@@ -139,7 +139,9 @@ fn queue_rows(state: &AppState, vhosts: Option<&BTreeSet<String>>) -> Vec<QueueR
         let Some(vh) = state.broker.vhost(&name) else {
             continue;
         };
-        for queue in vh.queues() {
+        // A classic queue held on another node is that node's to report: a Prometheus
+        // scraping every node sees it once.
+        for queue in vh.queues().into_iter().filter(|q| !q.is_remote()) {
             let stats = queue.stats();
             rows.push(QueueRow {
                 vhost: vh.name.clone(),

@@ -17,6 +17,26 @@ impl VHost {
         q
     }
 
+    /// A proxy of a classic queue homed on another node of the cluster (see
+    /// [`crate::queue::Queue::is_remote`]): its declaration as the home has it, no store, and
+    /// an exclusive queue owned by no connection of this node.
+    #[must_use]
+    pub fn proxy_queue(
+        &self,
+        id: u64,
+        name: &str,
+        flags: (bool, bool, bool),
+        arguments: FieldTable,
+    ) -> Arc<Queue> {
+        let (durable, auto_delete, exclusive) = flags;
+        let env = crate::queue::QueueEnv {
+            store: None,
+            ..self.queue_env()
+        };
+        let owner = exclusive.then_some(crate::queue::REMOTE_OWNER);
+        Queue::new(id, name, &self.name, durable, auto_delete, owner, arguments, env)
+    }
+
     /// Insert a replicated queue the cluster created (false: one of that name exists).
     pub fn insert_replicated(&self, queue: Arc<Queue>) -> bool {
         let mut t = self.topology.write();
@@ -57,9 +77,34 @@ impl VHost {
     }
 
     /// A queue by name, or 404.
+    /// A proxy whose home node is down gets RabbitMQ's 404 for a durable queue on a down
+    /// node.
     pub fn queue_or_404(&self, name: &str) -> Result<Arc<Queue>, AmqpError> {
-        self.queue(name)
-            .ok_or_else(|| self.not_found("queue", name))
+        let q = self
+            .queue(name)
+            .ok_or_else(|| self.not_found("queue", name))?;
+        self.reachable(&q)?;
+        Ok(q)
+    }
+
+    /// Ok unless `q` is a proxy whose home node is down or unreachable:
+    /// `404 NOT_FOUND - home node 'n1' of durable queue 'q' in vhost '/' is down or
+    /// inaccessible` (rabbit_amqqueue's text).
+    ///
+    /// # Errors
+    /// That 404.
+    pub fn reachable(&self, q: &Queue) -> Result<(), AmqpError> {
+        if q.home_down() {
+            return Err(AmqpError::channel(
+                ReplyCode::NotFound,
+                format!(
+                    "home node '{}' of durable {} is down or inaccessible",
+                    q.home().unwrap_or_default(),
+                    rs("queue", &q.name, &self.name)
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Insert a new queue, or return the existing one of that name (the caller checks
@@ -77,6 +122,7 @@ impl VHost {
             && let Some(cluster) = self.cluster()
         {
             if let Some(q) = self.queue(&candidate.name) {
+                self.reachable(&q)?;
                 return Ok((q, false));
             }
             // The cluster agrees on it first; every node (this one too) then inserts its
@@ -88,6 +134,8 @@ impl VHost {
         self.apply_policies(&candidate);
         let mut t = self.topology.write();
         if let Some(q) = t.queues.get(&candidate.name) {
+            // Re-declaring a queue whose home is down creates no second one.
+            self.reachable(q)?;
             return Ok((Arc::clone(q), false));
         }
         // Under the lock: a concurrent declare of the same name cannot open its files too.
@@ -109,7 +157,12 @@ impl VHost {
         }
         t.queues
             .insert(candidate.name.clone(), Arc::clone(&candidate));
+        drop(t);
         self.stats.event(Lifecycle::QueueCreated);
+        if let Some(cluster) = self.cluster() {
+            // Every other node learns of it (a proxy each); the declare-ok waits for that.
+            cluster.announce_classic(&candidate, on_commit());
+        }
         Ok((candidate, true))
     }
 
@@ -150,6 +203,17 @@ impl VHost {
         still: impl FnOnce(&Queue) -> bool,
         on_commit: OnCommit<'_>,
     ) -> Option<u32> {
+        if queue.is_remote()
+            && let Some(cluster) = self.cluster()
+        {
+            // The home deletes it, and every node then drops its proxy.
+            if !still(queue) {
+                return None;
+            }
+            let ready = queue.counts().messages;
+            cluster.delete_remote(queue, on_commit());
+            return Some(ready);
+        }
         if queue.is_replicated()
             && let Some(cluster) = self.cluster()
         {
@@ -183,7 +247,10 @@ impl VHost {
                 &mut ops,
             );
             // Record, bindings and messages go in one submission, made under both locks.
-            Some(queue.delete(ops, on_commit))
+            let ready = queue.delete(ops, on_commit);
+            drop(t);
+            self.retract(queue);
+            Some(ready)
         } else {
             self.remove_destination(
                 &mut t,
@@ -193,7 +260,18 @@ impl VHost {
             );
             self.submit(ops, on_commit);
             drop(t);
-            Some(queue.delete(Vec::new(), &mut || Box::new(|_| {})))
+            let ready = queue.delete(Vec::new(), &mut || Box::new(|_| {}));
+            self.retract(queue);
+            Some(ready)
+        }
+    }
+
+    /// A classic queue held here was deleted: the other nodes drop their proxies.
+    fn retract(&self, queue: &Arc<Queue>) {
+        if !queue.is_replicated()
+            && let Some(cluster) = self.cluster()
+        {
+            cluster.retract_classic(queue);
         }
     }
 
