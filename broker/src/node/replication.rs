@@ -15,10 +15,10 @@ pub use crate::message::codec::{
     DecodeError, decode_entry, decode_message, encode_entry, encode_loaded, encode_message,
     raw_bytes,
 };
-pub use crate::queue::{QueueStats, REMOTE_OWNER, ServeDone};
 pub use crate::queue::replica::{
     Placement, ReplicaDone, ReplicaState, ReplicationError, Replicator, Replies,
 };
+pub use crate::queue::{QueueStats, REMOTE_OWNER, ServeDone};
 use crate::routing::cluster::set_applying;
 pub use crate::routing::cluster::{
     ClusterHooks, DefinitionChange, MemberChange, MembershipError, NodeStatus, TopologyChange,

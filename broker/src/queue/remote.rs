@@ -41,7 +41,8 @@ impl Queue {
     /// Whether this is a proxy whose home node is down or unreachable from here.
     #[must_use]
     pub fn home_down(&self) -> bool {
-        self.replica().is_some_and(|r| r.home().is_some() && r.home_down())
+        self.replica()
+            .is_some_and(|r| r.home().is_some() && r.home_down())
     }
 
     /// A delivery from the home node to `consumer`, attached here. False when no such

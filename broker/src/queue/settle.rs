@@ -87,8 +87,13 @@ impl Queue {
     /// caller can hold purge-ok until they are durable.
     pub fn purge(self: &Arc<Self>, on_commit: OnCommit<'_>) -> u32 {
         if let Some(replica) = self.replica() {
-            // purge-ok waits for the commit; its count is this replica's view just before.
-            let n = u32::try_from(self.state.lock().machine.ready_len()).unwrap_or(u32::MAX);
+            // purge-ok waits for the commit; its count is this replica's view just before (a
+            // proxy's: its home's last report).
+            let n = if self.is_remote() {
+                self.counts().messages
+            } else {
+                u32::try_from(self.state.lock().machine.ready_len()).unwrap_or(u32::MAX)
+            };
             Self::submit_then(replica, vec![Command::Purge], Some(on_commit));
             return n;
         }

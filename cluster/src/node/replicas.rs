@@ -140,15 +140,14 @@ impl ClusterNode {
                 })
             }),
         );
-        let forwarder =
-            Forwarder::start(
-                Arc::downgrade(self),
-                group,
-                Target::Group {
-                    raft: raft.clone(),
-                    proposer: proposer.clone(),
-                },
-            );
+        let forwarder = Forwarder::start(
+            Arc::downgrade(self),
+            group,
+            Target::Group {
+                raft: raft.clone(),
+                proposer: proposer.clone(),
+            },
+        );
         let _ = replica.raft.set(raft.clone());
         let _ = replica.forwarder.set(forwarder);
         let _ = replica.proposer.set(proposer);
@@ -283,7 +282,9 @@ impl Applied for QueueApplied {
 }
 
 /// An entry's message as the log carries it.
-pub(super) fn wire(entry: &Entry) -> Result<ReplicatedMessage, warren_broker::node::replication::DecodeError> {
+pub(super) fn wire(
+    entry: &Entry,
+) -> Result<ReplicatedMessage, warren_broker::node::replication::DecodeError> {
     use warren_broker::queue::machine::MessageRef;
     Ok(ReplicatedMessage {
         body: encode_entry(entry)?,

@@ -38,12 +38,12 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use crate::types::NodeId;
 
 pub use client::{
-    Addresses, ClassicPeer, ForwardLink, PeerCall, TcpConnection, TcpNetwork, ping_loop, request_abstain,
-    request_campaign, request_transfer,
+    Addresses, ClassicPeer, ForwardLink, PeerCall, TcpConnection, TcpNetwork, ping_loop,
+    request_abstain, request_campaign, request_transfer,
 };
 pub use server::{
-    CLASSIC_PREFIX, ClassicService, FORWARDS_IN_FLIGHT_MAX, Groups, LEADER_SILENCE_MAX, Relay, Staged, Transfer, serve, serve_tls,
-    stage_here,
+    CLASSIC_PREFIX, ClassicService, FORWARDS_IN_FLIGHT_MAX, Groups, LEADER_SILENCE_MAX, Relay,
+    Staged, Transfer, serve, serve_tls, stage_here,
 };
 pub use wire::{
     ABSTAIN_MAX, FRAME_MAX, ForwardReplies, Forwarded, GroupId, Io, RemoteEvent, RemoteQueueStats,

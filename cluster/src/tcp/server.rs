@@ -570,7 +570,9 @@ async fn serve_connection(
             Request::Campaign => Response::Campaigning(campaign(&raft, hello.from).await),
             Request::Abstain(ms) => Response::Abstaining(abstain(&served, hello.from, ms)),
             Request::Deliver(_) | Request::ClassicStats => {
-                return Err(TransportError::Frame("a classic request to a Raft group".into()));
+                return Err(TransportError::Frame(
+                    "a classic request to a Raft group".into(),
+                ));
             }
         };
         write_frame(&mut s, &response).await?;

@@ -34,7 +34,16 @@ impl VHost {
             ..self.queue_env()
         };
         let owner = exclusive.then_some(crate::queue::REMOTE_OWNER);
-        Queue::new(id, name, &self.name, durable, auto_delete, owner, arguments, env)
+        Queue::new(
+            id,
+            name,
+            &self.name,
+            durable,
+            auto_delete,
+            owner,
+            arguments,
+            env,
+        )
     }
 
     /// Insert a replicated queue the cluster created (false: one of that name exists).

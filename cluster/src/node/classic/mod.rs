@@ -42,7 +42,6 @@ use super::replicas::wire;
 pub(super) use proxy::{Declared, RemoteHome};
 pub(super) use pump::Pump;
 
-
 /// How often a node asks each peer for the depths of the classic queues it holds (what the
 /// proxies here report to the management API).
 pub const STATS_EVERY: Duration = Duration::from_secs(1);
@@ -240,17 +239,15 @@ impl ClusterNode {
                 id,
                 durable,
                 exclusive,
-            } => {
-                if *home != self.me {
-                    self.ensure_proxy(&Declared {
-                        key,
-                        value,
-                        home: *home,
-                        id: *id,
-                        durable: *durable,
-                        exclusive: *exclusive,
-                    });
-                }
+            } if *home != self.me => {
+                self.ensure_proxy(&Declared {
+                    key,
+                    value,
+                    home: *home,
+                    id: *id,
+                    durable: *durable,
+                    exclusive: *exclusive,
+                });
             }
             MetaChange::DeleteClassic { key, home, id } => {
                 if *home == self.me {
@@ -474,7 +471,13 @@ pub(super) async fn poll_stats(weak: Weak<ClusterNode>) {
                 continue;
             };
             let conn = conns.entry(home).or_insert_with(|| {
-                ClassicPeer::new(node.me, home, addr, node.secret.clone(), node.addresses.tls())
+                ClassicPeer::new(
+                    node.me,
+                    home,
+                    addr,
+                    node.secret.clone(),
+                    node.addresses.tls(),
+                )
             });
             let stats = match tokio::time::timeout(STATS_EVERY, conn.stats()).await {
                 Ok(Ok(stats)) => stats,

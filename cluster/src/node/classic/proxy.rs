@@ -9,7 +9,7 @@ use warren_broker::message::Entry;
 use warren_broker::node::replication::{
     Placement, QueueStats, ReplicaDone, ReplicaState, Replicator,
 };
-use warren_broker::queue::machine::Command;
+use warren_broker::queue::machine::{Command, Reply};
 
 use crate::tcp::{CLASSIC_PREFIX, GroupId};
 use crate::types::NodeId;
@@ -27,6 +27,8 @@ pub(in crate::node) struct RemoteHome {
     home_name: String,
     /// The queue's id on its home.
     pub(in crate::node) id: u64,
+    /// Its record key.
+    key: Vec<u8>,
     forwarder: Forwarder,
     /// What the home last reported (None: nothing yet).
     pub(super) stats: Mutex<Option<QueueStats>>,
@@ -43,7 +45,35 @@ impl std::fmt::Debug for RemoteHome {
 
 impl Replicator for RemoteHome {
     fn submit(&self, commands: Vec<Command<Entry>>, done: ReplicaDone) {
-        forward_commands(&self.forwarder, commands, done);
+        let purge = commands.iter().position(|c| matches!(c, Command::Purge));
+        let Some(at) = purge else {
+            forward_commands(&self.forwarder, commands, done);
+            return;
+        };
+        // A purge's count is known at once (the next report would tell it a second later):
+        // purge-ok and a delete right after it see an empty queue, as on the home.
+        let node = self.node.clone();
+        let key = self.key.clone();
+        forward_commands(
+            &self.forwarder,
+            commands,
+            Box::new(move |r| {
+                if let Ok(replies) = &r
+                    && matches!(replies.get(at), Some(Ok(Reply::Purged(_))))
+                    && let Some(p) = node.upgrade().and_then(|n| n.proxy(&key))
+                    && let Some(s) = p
+                        .stats
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .as_mut()
+                {
+                    s.ready = 0;
+                    s.ready_bytes = 0;
+                    s.oldest_ready_age_ms = None;
+                }
+                done(r);
+            }),
+        );
     }
 
     fn is_leader(&self) -> bool {
@@ -152,6 +182,7 @@ impl ClusterNode {
             home: d.home,
             home_name: self.name_of(d.home),
             id: d.id,
+            key: d.key.to_vec(),
             forwarder: Forwarder::start(Arc::downgrade(self), group, Target::Home(d.home)),
             stats: Mutex::new(None),
         });
@@ -178,7 +209,9 @@ impl ClusterNode {
     /// cancelled).
     pub(in crate::node) fn drop_proxy(&self, key: &[u8], home: NodeId, id: u64) {
         let mut proxies = self.proxies.lock().unwrap_or_else(PoisonError::into_inner);
-        let matches = proxies.get(key).is_some_and(|p| p.home == home && p.id == id);
+        let matches = proxies
+            .get(key)
+            .is_some_and(|p| p.home == home && p.id == id);
         if !matches {
             return;
         }
@@ -193,6 +226,15 @@ impl ClusterNode {
         {
             vh.drop_replicated(&q);
         }
+    }
+
+    /// The proxy of queue `key`.
+    pub(in crate::node) fn proxy(&self, key: &[u8]) -> Option<Arc<RemoteHome>> {
+        self.proxies
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(key)
+            .cloned()
     }
 
     /// The proxies whose queues `home` holds.

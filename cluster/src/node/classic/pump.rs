@@ -173,8 +173,7 @@ async fn send(
                 ))
             }
         };
-        match tokio::time::timeout(super::super::FORWARD_REPLY_MAX, c.deliver(events.clone()))
-            .await
+        match tokio::time::timeout(super::super::FORWARD_REPLY_MAX, c.deliver(events.clone())).await
         {
             Ok(Ok(unknown)) => {
                 if !unknown.is_empty() {

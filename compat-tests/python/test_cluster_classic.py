@@ -1,0 +1,298 @@
+"""Classic queues in a 3-node cluster (real nodes over TCP, pika): a classic queue lives on the
+node it was declared through (its home, as in RabbitMQ 4) and every node serves it. A publish
+through any node routes to it (confirmed after the home's commit, mandatory returns as on one
+node); consume, get, ack, requeue, purge, delete and passive declare work through any node;
+the home killed -9 gives RabbitMQ's 404 on the other nodes and cancels their consumers, and
+nothing confirmed is lost once it restarts."""
+
+import time
+import uuid
+
+import pika
+import pytest
+
+from cluster_harness import CLIENT_ERRORS, eventually, safe_close, wait_visible
+from cluster_harness import cluster3, cluster_factory  # noqa: F401 (fixtures)
+
+
+def name(prefix):
+    return f"{prefix}.{uuid.uuid4().hex[:8]}"
+
+
+def declare_classic(c, i, queue, deadline=30.0, **kw):
+    """Declare classic `queue` through node i, retrying while the cluster elects."""
+    end = time.monotonic() + deadline
+    while True:
+        conn = None
+        try:
+            conn = c.connect(i)
+            conn.channel().queue_declare(queue, **kw)
+            return
+        except CLIENT_ERRORS:
+            if time.monotonic() > end:
+                raise
+            time.sleep(0.2)
+        finally:
+            safe_close(conn)
+
+
+def publish(c, i, bodies, exchange="", routing_key="", persistent=True, mandatory=False):
+    """Publish `bodies` through node i with confirms; returns the bodies returned unroutable."""
+    conn = c.connect(i)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        returned = []
+        props = pika.BasicProperties(delivery_mode=2 if persistent else 1)
+        for b in bodies:
+            try:
+                ch.basic_publish(exchange, routing_key, b.encode(), props, mandatory=mandatory)
+            except pika.exceptions.UnroutableError as e:
+                returned += [m.body.decode() for m in e.messages]
+        return returned
+    finally:
+        safe_close(conn)
+
+
+def consume(c, i, queue, n, prefetch=10, ack=True, deadline=20.0):
+    """Consume `n` messages of `queue` through node i: [(body, redelivered)]."""
+    conn = c.connect(i)
+    try:
+        ch = conn.channel()
+        ch.basic_qos(prefetch_count=prefetch)
+        got = []
+
+        def on(ch_, m, p, b):
+            got.append((b.decode(), m.redelivered))
+            if ack:
+                ch_.basic_ack(m.delivery_tag)
+        ch.basic_consume(queue, on)
+        end = time.monotonic() + deadline
+        while len(got) < n:
+            assert time.monotonic() < end, f"{len(got)} of {n} consumed through node {i}"
+            conn.process_data_events(time_limit=0.1)
+        return got
+    finally:
+        safe_close(conn)
+
+
+def depth(c, i, queue):
+    conn = c.connect(i)
+    try:
+        return conn.channel().queue_declare(queue, passive=True).method.message_count
+    finally:
+        safe_close(conn)
+
+
+@pytest.mark.timeout(120)
+def test_a_classic_queue_is_used_through_every_node(cluster3):
+    c = cluster3
+    q, ex = name("classic"), name("classic.ex")
+    declare_classic(c, 0, q, durable=True)
+    conn = c.connect(0)
+    ch = conn.channel()
+    ch.exchange_declare(ex, "direct", durable=True)
+    ch.queue_bind(q, ex, routing_key="k")
+    safe_close(conn)
+    wait_visible(c, q, [1, 2])
+
+    # A mandatory publish through n2 to the bound exchange is routed to the queue on n1,
+    # and confirmed; one with an unbound key comes back.
+    bodies = [f"m{k}" for k in range(50)]
+    assert eventually(lambda: publish(c, 1, ["probe"], ex, "k", mandatory=True),
+                      lambda r: r == [], what="the binding on n2") == []
+    assert publish(c, 1, bodies, ex, "k", mandatory=True) == []
+    assert publish(c, 1, ["lost"], ex, "nokey", mandatory=True) == ["lost"]
+    assert depth(c, 0, q) == 51
+    # Another node's count is the home's last report (at most a second old).
+    assert eventually(lambda: depth(c, 2, q), lambda d: d == 51, what="depth on n3") == 51
+
+    # basic.get through n3, then the rest consumed through n3 with prefetch and acked.
+    conn = c.connect(2)
+    ch = conn.channel()
+    m, _, body = ch.basic_get(q, auto_ack=False)
+    assert body == b"probe" and not m.redelivered
+    ch.basic_ack(m.delivery_tag)
+    safe_close(conn)
+    got = consume(c, 2, q, 50, prefetch=5)
+    assert [b for b, _ in got] == bodies
+    assert eventually(lambda: depth(c, 0, q), lambda d: d == 0, what="drained") == 0
+
+    # The home's management record says where it lives; every node lists it with that node.
+    for i in range(3):
+        info = eventually(lambda: c.queue_info(i, q), lambda v: v is not None,
+                          what=f"{q} on node {i}")
+        assert info["node"] == c.nodes[0].name or str(info["node"]).startswith(
+            c.nodes[0].name), info
+        assert info["type"] == "classic"
+
+
+@pytest.mark.timeout(120)
+def test_requeue_order_purge_and_delete_through_another_node(cluster3):
+    c = cluster3
+    q = name("classic.rq")
+    declare_classic(c, 1, q, durable=True)
+    wait_visible(c, q, [0, 2])
+    assert publish(c, 0, [f"r{k}" for k in range(5)], routing_key=q) == []
+
+    # Five delivered through n3 with no acks, then rejected with requeue: they come back in
+    # their order, marked redelivered.
+    conn = c.connect(2)
+    ch = conn.channel()
+    ch.basic_qos(prefetch_count=5)
+    tags = []
+    ch.basic_consume(q, lambda ch_, m, p, b: tags.append(m.delivery_tag))
+    end = time.monotonic() + 20
+    while len(tags) < 5:
+        assert time.monotonic() < end
+        conn.process_data_events(time_limit=0.1)
+    ch.basic_nack(tags[-1], multiple=True, requeue=True)
+    safe_close(conn)
+    got = consume(c, 0, q, 5)
+    assert [b for b, _ in got] == [f"r{k}" for k in range(5)]
+    assert all(r for _, r in got), got
+
+    assert publish(c, 2, ["p1", "p2"], routing_key=q) == []
+    # purge-ok's count through another node is the home's last report.
+    eventually(lambda: depth(c, 0, q), lambda d: d == 2, what="depth 2 on n1")
+    conn = c.connect(0)
+    ch = conn.channel()
+    assert ch.queue_purge(q).method.message_count == 2
+    assert ch.queue_delete(q).method.message_count == 0
+    safe_close(conn)
+
+    def gone(i):
+        conn = c.connect(i)
+        try:
+            conn.channel().queue_declare(q, passive=True)
+            return False
+        except pika.exceptions.ChannelClosedByBroker as e:
+            assert e.reply_code == 404
+            return True
+        finally:
+            safe_close(conn)
+    for i in range(3):
+        eventually(lambda: gone(i), bool, what=f"{q} deleted on node {i}")
+
+
+@pytest.mark.timeout(60)
+def test_another_nodes_exclusive_queue_is_locked(cluster3):
+    c = cluster3
+    q = name("classic.excl")
+    owner = c.connect(0)
+    owner.channel().queue_declare(q, exclusive=True)
+    wait_visible_err = None
+    conn = None
+    try:
+        def locked():
+            nonlocal conn
+            conn = c.connect(1)
+            try:
+                conn.channel().queue_declare(q, passive=True)
+                return None
+            except pika.exceptions.ChannelClosedByBroker as e:
+                return e.reply_code
+            finally:
+                safe_close(conn)
+        assert eventually(locked, lambda code: code == 405, what="405 on n2") == 405
+    finally:
+        safe_close(owner)
+    del wait_visible_err
+
+    # The owner's connection closed: the queue goes everywhere.
+    def code():
+        conn = c.connect(2)
+        try:
+            conn.channel().queue_declare(q, passive=True)
+            return 200
+        except pika.exceptions.ChannelClosedByBroker as e:
+            return e.reply_code
+        finally:
+            safe_close(conn)
+    assert eventually(code, lambda v: v == 404, what="deleted on n3") == 404
+
+
+@pytest.mark.timeout(180)
+def test_home_killed_gives_404_cancels_consumers_and_keeps_confirmed_messages(cluster3):
+    c = cluster3
+    q = name("classic.home")
+    declare_classic(c, 0, q, durable=True)
+    wait_visible(c, q, [1, 2])
+    bodies = [f"d{k}" for k in range(200)]
+    assert publish(c, 1, bodies, routing_key=q) == []
+
+    # A consumer through n3, told of cancellation.
+    conn = c.connect(2)
+    ch = conn.channel()
+    ch.basic_qos(prefetch_count=1)
+    cancelled = []
+    got = []
+    ch.add_on_cancel_callback(lambda frame: cancelled.append(frame))
+    ch.basic_consume(q, lambda ch_, m, p, b: got.append(b))
+    end = time.monotonic() + 20
+    while not got:
+        assert time.monotonic() < end
+        conn.process_data_events(time_limit=0.1)
+
+    c.kill9(0)
+    end = time.monotonic() + 30
+    while not cancelled:
+        assert time.monotonic() < end, "the consumer through n3 was not cancelled"
+        conn.process_data_events(time_limit=0.1)
+    safe_close(conn)
+
+    # RabbitMQ's text for a durable queue whose node is down, on declare and on get.
+    def refused(i, op):
+        conn = c.connect(i)
+        try:
+            ch = conn.channel()
+            if op == "declare":
+                ch.queue_declare(q, durable=True)
+            else:
+                ch.basic_get(q)
+            return None
+        except pika.exceptions.ChannelClosedByBroker as e:
+            return (e.reply_code, e.reply_text)
+        finally:
+            safe_close(conn)
+    home = c.nodes[0].name
+    for i, op in [(1, "declare"), (2, "get")]:
+        code, text = eventually(lambda: refused(i, op), lambda r: r is not None,
+                                what=f"{op} refused on node {i}")
+        assert code == 404, text
+        assert text.startswith(f"NOT_FOUND - home node '{home}") and text.endswith(
+            f"of durable queue '{q}' in vhost '/' is down or inaccessible"), text
+
+    # Back: every confirmed message is there (the one delivered unacked redelivered), and
+    # the re-declare during the outage made no second queue.
+    c.restart(0)
+    wait_visible(c, q, [0, 1, 2], deadline=30)
+    assert eventually(lambda: depth(c, 1, q), lambda d: d == 200, deadline=30,
+                      what="all 200 back") == 200
+    got = consume(c, 1, q, 200, prefetch=50)
+    assert sorted(b for b, _ in got) == sorted(bodies)
+    for i in range(3):
+        assert eventually(lambda: c.queue_info(i, q), lambda v: v is not None)["node"] \
+            .startswith(home)
+
+
+@pytest.mark.timeout(120)
+def test_dead_letters_cross_nodes(cluster3):
+    c = cluster3
+    dlq, src = name("classic.dlq"), name("classic.src")
+    declare_classic(c, 2, dlq, durable=True)
+    wait_visible(c, dlq, [0, 1])
+    declare_classic(c, 0, src, durable=True, arguments={
+        "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq,
+        "x-message-ttl": 50})
+    wait_visible(c, src, [1, 2])
+    assert publish(c, 1, ["x1", "x2", "x3"], routing_key=src) == []
+    assert eventually(lambda: depth(c, 1, dlq), lambda d: d == 3, deadline=20,
+                      what="dead-lettered on n3") == 3
+    conn = c.connect(1)
+    ch = conn.channel()
+    m, p, body = ch.basic_get(dlq, auto_ack=True)
+    safe_close(conn)
+    assert body == b"x1"
+    death = p.headers["x-death"][0]
+    assert death["queue"] == src and death["reason"] == "expired", death
