@@ -15,6 +15,10 @@ use super::membership::reconcile_meta;
 use super::placement::{add_learners, reconcile_members};
 use super::{ClusterNode, DOWN_AFTER, META_GROUP};
 
+/// Every this many seconds the classic queues held here are checked against the metadata's
+/// records (besides once at start).
+const CLASSIC_RECONCILE_TICKS: u64 = 10;
+
 /// How often a peer that sent nothing lately is pinged (well within [`DOWN_AFTER`]).
 const PING_EVERY: Duration = Duration::from_secs(1);
 
@@ -22,12 +26,19 @@ const PING_EVERY: Duration = Duration::from_secs(1);
 pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut pinged: std::collections::HashSet<NodeId> = std::collections::HashSet::new();
+    let mut ticks: u64 = 0;
     loop {
         tick.tick().await;
         let Some(node) = weak.upgrade() else {
             return;
         };
         reconcile_meta(&node);
+        ticks += 1;
+        if ticks.is_multiple_of(CLASSIC_RECONCILE_TICKS) {
+            // An announcement lost to a long election (the whole cluster starting at once)
+            // is made again.
+            node.reconcile_classic(false);
+        }
         for (id, _) in node.current() {
             if id == node.me || !pinged.insert(id) {
                 continue;

@@ -358,7 +358,7 @@ impl ClusterNode {
         }
         tokio::spawn(watch_peers(Arc::downgrade(&node)));
         node.replay(&raft, committed.map(|l| l.index)).await;
-        node.reconcile_classic();
+        node.reconcile_classic(true);
         tokio::spawn(classic::poll_stats(Arc::downgrade(&node)));
         if node.config.join {
             node.join().await;

@@ -379,18 +379,28 @@ impl ClusterNode {
 
     /// After the metadata replayed at start: announce the classic queues held here that the
     /// records lack (or name with an older id), and delete the records of queues held here
-    /// no more (non-durable ones, gone with the previous run).
-    pub(super) fn reconcile_classic(&self) {
+    /// no more (non-durable ones, gone with the previous run). Idempotent: also run now and
+    /// then (`at_start` false: a name clash is not logged again).
+    pub(super) fn reconcile_classic(&self, at_start: bool) {
         let Some(state) = self.meta_state() else {
             return;
         };
+        // The classic records only (the bindings and definitions may be many).
         let records: HashMap<Vec<u8>, MetaChange> = state
             .records
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
+            .filter(|(_, v)| matches!(v, MetaChange::DeclareClassic { .. }))
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect();
+        let all_keys_known = |key: &[u8]| {
+            state
+                .records
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains_key(key)
+        };
         let mut held: HashMap<Vec<u8>, u64> = HashMap::new();
         for vhost in self.broker.list_vhosts() {
             let Some(vh) = self.broker.vhost(&vhost) else {
@@ -408,14 +418,17 @@ impl ClusterNode {
                     Some(MetaChange::DeclareClassic { home, .. }) if *home == self.me => {
                         let _ = self.commit_meta(change, true, Box::new(|_| {}));
                     }
+                    // A quorum queue's record of that name: a clash, left alone.
+                    None if all_keys_known(key) => {}
                     None => {
                         let _ = self.commit_meta(change, true, Box::new(|_| {}));
                     }
-                    Some(_) => tracing::warn!(
+                    Some(_) if at_start => tracing::warn!(
                         vhost = %vhost,
                         queue = %q.name,
                         "a queue held here has a name the cluster gave another queue"
                     ),
+                    Some(_) => {}
                 }
             }
         }
