@@ -296,3 +296,47 @@ def test_dead_letters_cross_nodes(cluster3):
     assert body == b"x1"
     death = p.headers["x-death"][0]
     assert death["queue"] == src and death["reason"] == "expired", death
+
+
+@pytest.mark.timeout(180)
+def test_a_partition_between_home_and_client_node_heals(cluster3):
+    """n1 (the home) cut off from n2 and n3: through n2 the queue answers RabbitMQ's 404 and
+    its consumer is cancelled; once healed it is used through n2 again, and every message
+    confirmed before the cut is there."""
+    c = cluster3
+    if c.proxy is None:
+        pytest.skip("needs the harness's network proxy")
+    q = name("classic.part")
+    declare_classic(c, 0, q, durable=True)
+    wait_visible(c, q, [1, 2])
+    bodies = [f"p{k}" for k in range(30)]
+    assert publish(c, 1, bodies, routing_key=q) == []
+
+    conn = c.connect(1)
+    ch = conn.channel()
+    cancelled = []
+    ch.add_on_cancel_callback(lambda frame: cancelled.append(frame))
+    ch.basic_qos(prefetch_count=1)
+    ch.basic_consume(q, lambda ch_, m, p, b: None)
+    c.isolate(0)
+    end = time.monotonic() + 30
+    while not cancelled:
+        assert time.monotonic() < end, "the consumer through n2 was not cancelled"
+        conn.process_data_events(time_limit=0.1)
+    safe_close(conn)
+
+    def code():
+        conn = c.connect(1)
+        try:
+            conn.channel().queue_declare(q, passive=True)
+            return 200
+        except pika.exceptions.ChannelClosedByBroker as e:
+            return e.reply_code
+        finally:
+            safe_close(conn)
+    assert eventually(code, lambda v: v == 404, what="404 through n2") == 404
+
+    c.heal_network()
+    assert eventually(code, lambda v: v == 200, deadline=30, what="back through n2") == 200
+    got = consume(c, 1, q, 30, prefetch=10)
+    assert sorted(b for b, _ in got) == sorted(bodies)
