@@ -340,3 +340,44 @@ def test_a_partition_between_home_and_client_node_heals(cluster3):
     assert eventually(code, lambda v: v == 200, deadline=30, what="back through n2") == 200
     got = consume(c, 1, q, 30, prefetch=10)
     assert sorted(b for b, _ in got) == sorted(bodies)
+
+
+@pytest.mark.timeout(180)
+def test_queues_that_do_not_outlive_their_node_go_with_it(cluster3):
+    """n1 killed: its exclusive and non-durable queues are deleted cluster-wide (as RabbitMQ
+    does), so their names can be declared again through another node; its durable queue
+    stays (404 while n1 is down)."""
+    c = cluster3
+    excl, transient, durable = name("classic.x"), name("classic.t"), name("classic.d")
+    owner = c.connect(0)
+    owner.channel().queue_declare(excl, exclusive=True)
+    declare_classic(c, 0, transient, durable=False)
+    declare_classic(c, 0, durable, durable=True)
+    wait_visible(c, transient, [1, 2])
+    wait_visible(c, durable, [1, 2])
+    c.kill9(0)
+
+    def declared(q, **kw):
+        conn = c.connect(1)
+        try:
+            conn.channel().queue_declare(q, **kw)
+            return (200, "")
+        except pika.exceptions.ChannelClosedByBroker as e:
+            return (e.reply_code, e.reply_text)
+        finally:
+            safe_close(conn)
+    for q in (excl, transient):
+        # First the home-down 404, then the queue's record is deleted: RabbitMQ's plain 404.
+        code, text = eventually(lambda: declared(q, passive=True),
+                                lambda r: r[0] == 404 and "no queue" in r[1], deadline=30,
+                                what=f"{q} gone")
+        assert text == f"NOT_FOUND - no queue '{q}' in vhost '/'", text
+        # Its name is free: declared anew through n2 (homed there now).
+        assert declared(q, durable=False) == (200, "")
+    code, text = declared(durable, durable=True)
+    assert code == 404 and "is down or inaccessible" in text, text
+    c.restart(0)
+    wait_visible(c, durable, [0, 1, 2], deadline=30)
+    for q in (excl, transient):
+        info = eventually(lambda: c.queue_info(2, q), lambda v: v is not None)
+        assert str(info["node"]).startswith(c.nodes[1].name), info

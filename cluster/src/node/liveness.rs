@@ -68,6 +68,11 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
                 node.classic_peer_down(id);
             } else if !down {
                 seen.remove(&id);
+            } else {
+                drop(seen);
+            }
+            if down {
+                node.delete_transient_of(id);
             }
         }
         for replica in node.replicas() {

@@ -316,9 +316,7 @@ impl ClusterNode {
     }
 
     /// Peer `peer` went down: its consumers of the queues held here are detached (what they
-    /// held goes back), the consumers here of the queues it holds are cancelled, and the
-    /// metadata leader deletes its queues that do not outlive it (non-durable and
-    /// exclusive ones, as RabbitMQ does).
+    /// held goes back) and the consumers here of the queues it holds are cancelled.
     pub(super) fn classic_peer_down(&self, peer: NodeId) {
         if let Some(number) = self.peer_number(peer) {
             for vhost in self.broker.list_vhosts() {
@@ -341,6 +339,12 @@ impl ClusterNode {
                 q.home_lost();
             }
         }
+    }
+
+    /// As the metadata leader, delete the classic queues of down peer `peer` that do not
+    /// outlive it (non-durable and exclusive ones, as RabbitMQ does). Checked every second
+    /// while it is down: the leader may change after it went down.
+    pub(super) fn delete_transient_of(&self, peer: NodeId) {
         let leads = self
             .meta
             .get()
