@@ -76,6 +76,18 @@ def consume(c, i, queue, n, prefetch=10, ack=True, deadline=20.0):
         safe_close(conn)
 
 
+def declare_reply(c, i, queue, **kw):
+    """queue.declare of `queue` through node i: (200, "") or the broker's (code, text)."""
+    conn = c.connect(i)
+    try:
+        conn.channel().queue_declare(queue, **kw)
+        return (200, "")
+    except pika.exceptions.ChannelClosedByBroker as e:
+        return (e.reply_code, e.reply_text)
+    finally:
+        safe_close(conn)
+
+
 def depth(c, i, queue):
     conn = c.connect(i)
     try:
@@ -161,18 +173,10 @@ def test_requeue_order_purge_and_delete_through_another_node(cluster3):
     assert ch.queue_delete(q).method.message_count == 0
     safe_close(conn)
 
-    def gone(i):
-        conn = c.connect(i)
-        try:
-            conn.channel().queue_declare(q, passive=True)
-            return False
-        except pika.exceptions.ChannelClosedByBroker as e:
-            assert e.reply_code == 404
-            return True
-        finally:
-            safe_close(conn)
     for i in range(3):
-        eventually(lambda: gone(i), bool, what=f"{q} deleted on node {i}")
+        code = eventually(lambda: declare_reply(c, i, q, passive=True)[0], lambda v: v != 200,
+                          what=f"{q} deleted on node {i}")
+        assert code == 404
 
 
 @pytest.mark.timeout(60)
@@ -181,35 +185,15 @@ def test_another_nodes_exclusive_queue_is_locked(cluster3):
     q = name("classic.excl")
     owner = c.connect(0)
     owner.channel().queue_declare(q, exclusive=True)
-    wait_visible_err = None
-    conn = None
     try:
-        def locked():
-            nonlocal conn
-            conn = c.connect(1)
-            try:
-                conn.channel().queue_declare(q, passive=True)
-                return None
-            except pika.exceptions.ChannelClosedByBroker as e:
-                return e.reply_code
-            finally:
-                safe_close(conn)
-        assert eventually(locked, lambda code: code == 405, what="405 on n2") == 405
+        assert eventually(lambda: declare_reply(c, 1, q, passive=True)[0],
+                          lambda code: code == 405, what="405 on n2") == 405
     finally:
         safe_close(owner)
-    del wait_visible_err
 
     # The owner's connection closed: the queue goes everywhere.
-    def code():
-        conn = c.connect(2)
-        try:
-            conn.channel().queue_declare(q, passive=True)
-            return 200
-        except pika.exceptions.ChannelClosedByBroker as e:
-            return e.reply_code
-        finally:
-            safe_close(conn)
-    assert eventually(code, lambda v: v == 404, what="deleted on n3") == 404
+    assert eventually(lambda: declare_reply(c, 2, q, passive=True)[0], lambda v: v == 404,
+                      what="deleted on n3") == 404
 
 
 @pytest.mark.timeout(180)
@@ -326,14 +310,7 @@ def test_a_partition_between_home_and_client_node_heals(cluster3):
     safe_close(conn)
 
     def code():
-        conn = c.connect(1)
-        try:
-            conn.channel().queue_declare(q, passive=True)
-            return 200
-        except pika.exceptions.ChannelClosedByBroker as e:
-            return e.reply_code
-        finally:
-            safe_close(conn)
+        return declare_reply(c, 1, q, passive=True)[0]
     assert eventually(code, lambda v: v == 404, what="404 through n2") == 404
 
     c.heal_network()
@@ -358,14 +335,7 @@ def test_queues_that_do_not_outlive_their_node_go_with_it(cluster3):
     c.kill9(0)
 
     def declared(q, **kw):
-        conn = c.connect(1)
-        try:
-            conn.channel().queue_declare(q, **kw)
-            return (200, "")
-        except pika.exceptions.ChannelClosedByBroker as e:
-            return (e.reply_code, e.reply_text)
-        finally:
-            safe_close(conn)
+        return declare_reply(c, 1, q, **kw)
     for q in (excl, transient):
         # First the home-down 404, then the queue's record is deleted: RabbitMQ's plain 404.
         code, text = eventually(lambda: declared(q, passive=True),

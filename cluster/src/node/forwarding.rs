@@ -285,10 +285,7 @@ async fn send_batch(
         std::collections::hash_map::Entry::Vacant(v) => {
             let addr = node.upgrade().and_then(|n| match target {
                 Target::Group { raft, .. } => n.peer_addr(raft, leader),
-                Target::Home(_) => n
-                    .addresses
-                    .get(leader)
-                    .or_else(|| n.member(leader).map(|m| m.addr)),
+                Target::Home(_) => n.dial_addr(leader),
             });
             let Some(addr) = addr else {
                 finish(Err(ReplicationError::Unavailable));

@@ -393,6 +393,14 @@ where
     Ok(())
 }
 
+/// The vhost and queue a `$classic\0<vhost>\0<queue>` group names (None: `$classic` alone,
+/// or another name).
+fn classic_target(name: &str) -> Option<(&str, &str)> {
+    name.strip_prefix(CLASSIC_PREFIX)
+        .and_then(|rest| rest.strip_prefix('\0'))
+        .and_then(|rest| rest.split_once('\0'))
+}
+
 /// Serve a connection to the classic queues held here: a proxy's forwarded commands (group
 /// `$classic\0<vhost>\0<queue>`), or deliveries and stats between nodes (`$classic`).
 async fn serve_classic(
@@ -401,12 +409,7 @@ async fn serve_classic(
     group: &GroupId,
     service: Arc<dyn ClassicService>,
 ) -> Result<(), TransportError> {
-    let target = group
-        .name
-        .strip_prefix(CLASSIC_PREFIX)
-        .and_then(|rest| rest.strip_prefix('\0'))
-        .and_then(|rest| rest.split_once('\0'))
-        .map(|(v, q)| (v.to_string(), q.to_string()));
+    let target = classic_target(&group.name).map(|(v, q)| (v.to_string(), q.to_string()));
     loop {
         let request: Request = match read_frame(&mut s).await {
             Ok(r) => r,
@@ -509,15 +512,12 @@ async fn serve_connection(
         return Err(TransportError::Auth);
     }
     if hello.group.name.starts_with(CLASSIC_PREFIX) {
-        let service = groups.classic().filter(|svc| {
-            match hello.group.name[CLASSIC_PREFIX.len()..]
-                .strip_prefix('\0')
-                .and_then(|rest| rest.split_once('\0'))
-            {
+        let service = groups
+            .classic()
+            .filter(|svc| match classic_target(&hello.group.name) {
                 Some((vhost, queue)) => svc.holds(vhost, queue),
                 None => hello.group.name.len() == CLASSIC_PREFIX.len(),
-            }
-        });
+            });
         let Some(service) = service else {
             write_frame(&mut s, &Verdict::NoSuchGroup).await?;
             return Err(TransportError::NoSuchGroup(hello.group));

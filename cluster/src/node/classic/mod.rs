@@ -229,6 +229,26 @@ impl ClusterNode {
             || (crate::tcp::refusing(id) && silent > crate::tcp::LEADER_SILENCE_MAX)
     }
 
+    /// Where this node dials peer `id`: its own `--peers` address, else the one the
+    /// metadata recorded for it.
+    pub(super) fn dial_addr(&self, id: NodeId) -> Option<String> {
+        self.addresses
+            .get(id)
+            .or_else(|| self.member(id).map(|m| m.addr))
+    }
+
+    /// A connection to peer `id`'s classic queue service (dialled on first use).
+    pub(super) fn classic_peer(&self, id: NodeId) -> Option<ClassicPeer> {
+        let addr = self.dial_addr(id)?;
+        Some(ClassicPeer::new(
+            self.me,
+            id,
+            addr,
+            self.secret.clone(),
+            self.addresses.tls(),
+        ))
+    }
+
     /// A classic queue's declaration or deletion committed.
     pub(super) fn on_classic(self: &Arc<Self>, change: &MetaChange) {
         match change {
@@ -480,22 +500,13 @@ pub(super) async fn poll_stats(weak: Weak<ClusterNode>) {
                 conns.remove(&home);
                 continue;
             }
-            let Some(addr) = node
-                .addresses
-                .get(home)
-                .or_else(|| node.member(home).map(|m| m.addr))
-            else {
-                continue;
+            let conn = match conns.entry(home) {
+                std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => match node.classic_peer(home) {
+                    Some(fresh) => v.insert(fresh),
+                    None => continue,
+                },
             };
-            let conn = conns.entry(home).or_insert_with(|| {
-                ClassicPeer::new(
-                    node.me,
-                    home,
-                    addr,
-                    node.secret.clone(),
-                    node.addresses.tls(),
-                )
-            });
             let stats = match tokio::time::timeout(STATS_EVERY, conn.stats()).await {
                 Ok(Ok(stats)) => stats,
                 _ => {

@@ -157,20 +157,10 @@ async fn send(
         let c = match conn {
             Some(c) => c,
             None => {
-                let Some(addr) = node
-                    .addresses
-                    .get(peer)
-                    .or_else(|| node.member(peer).map(|m| m.addr))
-                else {
+                let Some(fresh) = node.classic_peer(peer) else {
                     return;
                 };
-                conn.insert(ClassicPeer::new(
-                    node.me,
-                    peer,
-                    addr,
-                    node.secret.clone(),
-                    node.addresses.tls(),
-                ))
+                conn.insert(fresh)
             }
         };
         match tokio::time::timeout(super::super::FORWARD_REPLY_MAX, c.deliver(events.clone())).await
