@@ -457,7 +457,24 @@ impl BindingRecord {
 /// submitted).
 #[must_use]
 pub fn pin(entry: &Entry, store: Option<&Durable>) -> Outgoing {
+    pin_from(entry, store, None)
+}
+
+/// [`pin`] of an entry of a queue whose [`Entry::Logged`] bodies are in `bodies` (a quorum
+/// queue's log here). Such a body is read at once: once its message leaves the queue, the
+/// body may go before the delivery is written out.
+#[must_use]
+pub fn pin_from(
+    entry: &Entry,
+    store: Option<&Durable>,
+    bodies: Option<&dyn crate::message::BodySource>,
+) -> Outgoing {
     match entry {
+        Entry::Logged { key, .. } => match bodies.map(|b| b.read(*key)) {
+            Some(Ok(m)) => Outgoing::Mem(m),
+            Some(Err(e)) => Outgoing::Unreadable(e),
+            None => Outgoing::Unreadable("a logged message without its log".into()),
+        },
         Entry::Mem(m) => Outgoing::Mem(Arc::clone(m)),
         Entry::Stored { location, size, .. } => match store.map(|s| s.pin(*location)) {
             Some(Ok(pinned)) => Outgoing::Stored {

@@ -21,8 +21,9 @@ type Entry = openraft::Entry<QueueRaft>;
 
 /// The state a group replicates.
 pub trait Applied: Send + Sync + 'static {
-    /// Apply one committed entry's request at time `at` (never earlier than the previous).
-    fn apply(&self, at: u64, request: QueueRequest) -> QueueResponse;
+    /// Apply one committed entry's request at time `at` (never earlier than the previous);
+    /// `index` is the entry's log index.
+    fn apply(&self, at: u64, index: u64, request: QueueRequest) -> QueueResponse;
     /// The whole state, encoded.
     ///
     /// # Errors
@@ -62,9 +63,15 @@ struct SnapshotData {
     state: Vec<u8>,
 }
 
+/// The current snapshot's meta and, unless it is on disk, its bytes.
+type CurrentSnapshot = (SnapshotMeta<NodeId, BasicNode>, Option<Vec<u8>>);
+
 struct Inner {
     tracked: Tracked,
-    snapshot: Option<(SnapshotMeta<NodeId, BasicNode>, Vec<u8>)>,
+    /// The current snapshot: its meta, and its bytes unless they are on disk (read back when
+    /// asked for: a queue's snapshot holds every message's metadata, which memory holds once
+    /// already, in the state).
+    snapshot: Option<CurrentSnapshot>,
     snapshots_built: u64,
     /// Snapshots read from here now go to other members ([`Applied::expand`] applies):
     /// openraft also reads the current one while it starts, for its metadata only.
@@ -150,7 +157,7 @@ impl<A: Applied> GroupStateMachine<A> {
                 sm.applied.install(&data.state)?;
                 let mut inner = sm.lock();
                 inner.tracked = data.tracked;
-                inner.snapshot = Some((meta, bytes));
+                inner.snapshot = Some((meta, None));
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(format!("{}: {e}", path.display())),
@@ -177,6 +184,29 @@ impl<A: Applied> GroupStateMachine<A> {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// What to keep in memory of a snapshot just persisted: nothing when it is on disk.
+    fn kept(&self, bytes: Vec<u8>) -> Option<Vec<u8>> {
+        self.snapshot_path.is_none().then_some(bytes)
+    }
+
+    /// The current snapshot's bytes (from memory, or read back from its file).
+    #[allow(clippy::result_large_err)]
+    fn snapshot_bytes(&self, kept: Option<&Vec<u8>>) -> Result<Vec<u8>, StorageError> {
+        if let Some(bytes) = kept {
+            return Ok(bytes.clone());
+        }
+        let Some(path) = &self.snapshot_path else {
+            return Err(sm_error(
+                ErrorVerb::Read,
+                "a snapshot neither kept nor stored",
+            ));
+        };
+        let file = std::fs::read(path.as_path()).map_err(|e| sm_error(ErrorVerb::Read, e))?;
+        let (_, bytes): StoredSnapshot =
+            crate::codec::decode(&file).map_err(|e| sm_error(ErrorVerb::Read, e))?;
+        Ok(bytes)
     }
 
     /// The group's Raft instance has started: a current snapshot read from now on is one to
@@ -231,7 +261,7 @@ impl<A: Applied> RaftSnapshotBuilder<QueueRaft> for GroupStateMachine<A> {
             ),
         };
         self.persist(&meta, &bytes)?;
-        inner.snapshot = Some((meta.clone(), bytes.clone()));
+        inner.snapshot = Some((meta.clone(), self.kept(bytes.clone())));
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(bytes)),
@@ -262,7 +292,8 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
                 EntryPayload::Blank => QueueResponse::default(),
                 EntryPayload::Normal(req) => {
                     inner.tracked.now = inner.tracked.now.max(req.at);
-                    self.applied.apply(inner.tracked.now, req)
+                    self.applied
+                        .apply(inner.tracked.now, entry.log_id.index, req)
                 }
                 EntryPayload::Membership(m) => {
                     inner.tracked.membership = StoredMembership::new(Some(entry.log_id), m);
@@ -304,15 +335,16 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
         }
         inner.tracked = data.tracked;
         self.persist(meta, &bytes)?;
-        inner.snapshot = Some((meta.clone(), bytes));
+        inner.snapshot = Some((meta.clone(), self.kept(bytes)));
         Ok(())
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<QueueRaft>>, StorageError> {
         let inner = self.lock();
-        let Some((meta, bytes)) = inner.snapshot.as_ref() else {
+        let Some((meta, kept)) = inner.snapshot.as_ref() else {
             return Ok(None);
         };
+        let bytes = &self.snapshot_bytes(kept.as_ref())?;
         let bytes = if self.applied.expands() && inner.sending {
             // Sent to a member behind the purged log: with the data it needs. If that
             // cannot be built, the short form goes (the member then starts its copy again
@@ -349,7 +381,7 @@ mod tests {
     struct Counted(Mutex<Vec<u64>>);
 
     impl Applied for Counted {
-        fn apply(&self, at: u64, _request: QueueRequest) -> QueueResponse {
+        fn apply(&self, at: u64, _index: u64, _request: QueueRequest) -> QueueResponse {
             self.0.lock().unwrap().push(at);
             QueueResponse::default()
         }

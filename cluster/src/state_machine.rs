@@ -40,7 +40,7 @@ impl LocalQueue {
 }
 
 impl Applied for LocalQueue {
-    fn apply(&self, at: u64, request: QueueRequest) -> QueueResponse {
+    fn apply(&self, at: u64, _index: u64, request: QueueRequest) -> QueueResponse {
         let mut inner = self.lock();
         let (machine, effects) = &mut *inner;
         QueueResponse {

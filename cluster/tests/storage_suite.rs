@@ -25,3 +25,21 @@ fn openraft_storage_conformance_suite() {
         panic!("the storage suite failed: {e}");
     }
 }
+
+struct SplitBuilder;
+
+impl StoreBuilder<QueueRaft, LogStore, QueueStateMachine, TempDir> for SplitBuilder {
+    async fn build(&self) -> Result<(TempDir, LogStore, QueueStateMachine), StorageError> {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let log = LogStore::open_split(&dir.path().join("raft.redb")).expect("a new log store");
+        Ok((dir, log, QueueStateMachine::new(QueueConfig::default())))
+    }
+}
+
+/// A quorum queue's log, bodies split out, passes the suite alike.
+#[test]
+fn openraft_storage_conformance_suite_with_bodies_split_out() {
+    if let Err(e) = Suite::test_all(SplitBuilder) {
+        panic!("the storage suite failed: {e}");
+    }
+}

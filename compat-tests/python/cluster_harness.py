@@ -913,7 +913,7 @@ class Cluster:
             pid = node.proc.pid if node.proc else None
             line = (f"  {node.name} [{node.state()}] pid={pid} amqp={node.amqp_port} "
                     f"mgmt={node.mgmt_port} raft={node.cluster_port}")
-            if self.proxy is not None:
+            if self.proxy is not None and i < len(self.proxy.front_ports):
                 line += f" (proxied; own entry at {self.proxy.front_ports[i]})"
             if queue and node.up:
                 try:

@@ -90,6 +90,64 @@ pub fn decode_entry(bytes: &[u8]) -> Result<Entry, DecodeError> {
     decode_message(bytes).map(|m| Entry::Mem(Arc::new(m)))
 }
 
+/// First byte of a snapshot's [`Entry::Logged`]: a message record starts with its length
+/// (big-endian), whose first byte is 0 for any record shorter than 16 MiB and never 0xFF.
+const LOGGED_TAG: u8 = 0xFF;
+/// Bytes of a snapshot's [`Entry::Logged`]: tag, key, size, priority, TTL.
+const LOGGED_LEN: usize = 1 + 8 + 4 + 1 + 4;
+
+fn encode_logged(key: u64, size: u32, priority: u8, ttl_ms: u32) -> [u8; LOGGED_LEN] {
+    let mut out = [0u8; LOGGED_LEN];
+    out[0] = LOGGED_TAG;
+    out[1..9].copy_from_slice(&key.to_be_bytes());
+    out[9..13].copy_from_slice(&size.to_be_bytes());
+    out[13] = priority;
+    out[14..18].copy_from_slice(&ttl_ms.to_be_bytes());
+    out
+}
+
+fn decode_logged(bytes: &[u8]) -> Option<Entry> {
+    if bytes.len() != LOGGED_LEN || bytes[0] != LOGGED_TAG {
+        return None;
+    }
+    let u32_at =
+        |i: usize| u32::from_be_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+    let mut key = [0u8; 8];
+    key.copy_from_slice(&bytes[1..9]);
+    Some(Entry::Logged {
+        key: u64::from_be_bytes(key),
+        size: u32_at(9),
+        priority: bytes[13],
+        ttl_ms: u32_at(14),
+    })
+}
+
+/// The body length of a record [`encode_message`] made, read from its header alone (no
+/// checksum check, no copy): what a replica needs to count a message it does not load.
+///
+/// # Errors
+/// A record too short for the lengths its header gives.
+pub fn record_body_len(bytes: &[u8]) -> Result<u32, DecodeError> {
+    let bad = || DecodeError("truncated".into());
+    let len = bytes.get(0..4).ok_or_else(bad)?;
+    let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
+    // Payload: kind, exchange (short string), routing key (short string), properties
+    // (u32 length), body.
+    let mut at = 8 + 1;
+    let exchange = *bytes.get(at).ok_or_else(bad)? as usize;
+    at += 1 + exchange;
+    let routing_key = *bytes.get(at).ok_or_else(bad)? as usize;
+    at += 1 + routing_key;
+    let plen = bytes.get(at..at + 4).ok_or_else(bad)?;
+    let plen = u32::from_be_bytes([plen[0], plen[1], plen[2], plen[3]]) as usize;
+    at += 4 + plen;
+    let end = 8 + len;
+    if end < at || end > bytes.len() {
+        return Err(bad());
+    }
+    u32::try_from(end - at).map_err(|_| bad())
+}
+
 /// [`encode_message`] of an entry; a replicated queue's entries are always in memory.
 ///
 /// # Errors
@@ -98,6 +156,7 @@ pub fn encode_entry(entry: &Entry) -> Result<Vec<u8>, DecodeError> {
     match entry {
         Entry::Mem(m) => Ok(encode_message(m)),
         Entry::Stored { .. } => Err(DecodeError("a stored entry in a replicated queue".into())),
+        Entry::Logged { .. } => Err(DecodeError("a logged entry without its body".into())),
     }
 }
 
@@ -152,9 +211,19 @@ pub mod raw_bytes {
     }
 }
 
-/// A replicated queue's snapshot holds its messages in the log's encoding.
+/// A replicated queue's snapshot holds its messages in the log's encoding, or for a logged
+/// message its key (the body stays in the log).
 impl serde::Serialize for Entry {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if let Entry::Logged {
+            key,
+            size,
+            priority,
+            ttl_ms,
+        } = self
+        {
+            return s.serialize_bytes(&encode_logged(*key, *size, *priority, *ttl_ms));
+        }
         let bytes = encode_entry(self).map_err(serde::ser::Error::custom)?;
         s.serialize_bytes(&bytes)
     }
@@ -164,6 +233,9 @@ impl<'de> serde::Deserialize<'de> for Entry {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         // One run of bytes (a plain Vec<u8> would be read a byte at a time).
         let bytes = raw_bytes::deserialize(d)?;
+        if let Some(logged) = decode_logged(&bytes) {
+            return Ok(logged);
+        }
         decode_entry(&bytes).map_err(serde::de::Error::custom)
     }
 }
@@ -173,6 +245,41 @@ mod tests {
     #![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
 
     use super::*;
+
+    /// A logged entry round-trips through a snapshot as its key alone, and a message record
+    /// is never taken for one.
+    #[test]
+    fn logged_entries_round_trip_as_keys() {
+        let logged = Entry::Logged {
+            key: (7 << 16) | 3,
+            size: 1024,
+            priority: 4,
+            ttl_ms: crate::message::NO_TTL,
+        };
+        let bytes = serde_json::to_vec(&logged).unwrap();
+        let Entry::Logged {
+            key,
+            size,
+            priority,
+            ttl_ms,
+        } = serde_json::from_slice(&bytes).unwrap()
+        else {
+            panic!("not logged");
+        };
+        assert_eq!(
+            (key, size, priority, ttl_ms),
+            ((7 << 16) | 3, 1024, 4, u32::MAX)
+        );
+        assert!(encode_entry(&logged).is_err());
+        let m = Entry::Mem(Arc::new(Message {
+            exchange: String::new(),
+            routing_key: "r".repeat(5),
+            properties: Properties::parse(Bytes::from_static(&[0, 0]), 4).unwrap(),
+            body: Bytes::from_static(b"0123"),
+        }));
+        let back: Entry = serde_json::from_slice(&serde_json::to_vec(&m).unwrap()).unwrap();
+        assert!(matches!(back, Entry::Mem(_)));
+    }
 
     #[test]
     fn messages_round_trip_and_damage_is_detected() {
@@ -198,5 +305,8 @@ mod tests {
         bytes[last] ^= 1;
         assert!(decode_message(&bytes).is_err());
         assert!(decode_message(&bytes[..5]).is_err());
+        assert_eq!(record_body_len(&bytes).unwrap(), 5);
+        assert!(record_body_len(&bytes[..bytes.len() - 1]).is_err());
+        assert!(record_body_len(&bytes[..12]).is_err());
     }
 }

@@ -41,6 +41,36 @@ pub enum Entry {
         /// Its priority property (kept in the store's index flags).
         priority: u8,
     },
+    /// In a quorum queue's log on this node only: the body is read back through the queue's
+    /// [`BodySource`] when it is delivered. `key` names it the same way on every replica (the
+    /// log index of the entry that enqueued it and the command's place in that entry), so
+    /// replicas at the same applied index hold the same state.
+    Logged {
+        /// The body's key in the log.
+        key: u64,
+        /// Body size in bytes.
+        size: u32,
+        /// Its priority property.
+        priority: u8,
+        /// Its own TTL (`expiration` property) in milliseconds, [`NO_TTL`] for none; longer
+        /// ones are held as `NO_TTL - 1` (about 49 days).
+        ttl_ms: u32,
+    },
+}
+
+/// [`Entry::Logged`]'s `ttl_ms` of a message without an `expiration` property.
+pub const NO_TTL: u32 = u32::MAX;
+
+/// Where a replicated queue's [`Entry::Logged`] bodies are (its Raft log on this node).
+pub trait BodySource: Send + Sync + std::fmt::Debug {
+    /// The message stored under `key`.
+    ///
+    /// # Errors
+    /// It is not there (released, or never received by this replica) or does not decode.
+    fn read(&self, key: u64) -> Result<Arc<Message>, String>;
+    /// The message under `key` left the queue on this replica: its body may go (once
+    /// nothing else can need it; reads of it may fail from now on).
+    fn release(&self, key: u64);
 }
 
 impl Entry {
@@ -49,7 +79,7 @@ impl Entry {
     pub fn is_persistent(&self) -> bool {
         match self {
             Self::Mem(m) => m.properties.persistent(),
-            Self::Stored { .. } => true,
+            Self::Stored { .. } | Self::Logged { .. } => true,
         }
     }
 }
@@ -58,14 +88,14 @@ impl MessageRef for Entry {
     fn size(&self) -> u64 {
         match self {
             Self::Mem(m) => m.body.len() as u64,
-            Self::Stored { size, .. } => u64::from(*size),
+            Self::Stored { size, .. } | Self::Logged { size, .. } => u64::from(*size),
         }
     }
 
     fn priority(&self) -> u8 {
         match self {
             Self::Mem(m) => m.properties.priority.unwrap_or(0),
-            Self::Stored { priority, .. } => *priority,
+            Self::Stored { priority, .. } | Self::Logged { priority, .. } => *priority,
         }
     }
 
@@ -78,6 +108,7 @@ impl MessageRef for Entry {
                 .and_then(|e| e.parse().ok()),
             // Recovered and paged-out messages keep only the queue's TTL (documented).
             Self::Stored { .. } => None,
+            Self::Logged { ttl_ms, .. } => (*ttl_ms != NO_TTL).then_some(u64::from(*ttl_ms)),
         }
     }
 }

@@ -8,8 +8,7 @@ impl Queue {
         if !st.dead_letters_here {
             return;
         }
-        st.dead_letters
-            .push((crate::durable::pin(msg, self.store.as_deref()), reason));
+        st.dead_letters.push((self.pin(msg), reason));
         self.dead_letters_pending.store(true, Ordering::Release);
     }
 

@@ -334,6 +334,25 @@ impl Queue {
         self.replica.get().is_some()
     }
 
+    /// A message of this queue on its way to a client: from memory, its store record, or
+    /// (a quorum queue's replica) its log here.
+    pub(crate) fn pin(&self, entry: &Entry) -> crate::message::Outgoing {
+        crate::durable::pin_from(
+            entry,
+            self.store.as_deref(),
+            self.replica().and_then(|r| r.bodies()),
+        )
+    }
+
+    /// A message left this replica's machine: a logged body may go.
+    fn release(&self, entry: &Entry) {
+        if let Entry::Logged { key, .. } = entry
+            && let Some(bodies) = self.replica().and_then(|r| r.bodies())
+        {
+            bodies.release(*key);
+        }
+    }
+
     /// Read the machine (a replicated queue's snapshot).
     pub fn with_machine<T>(&self, f: impl FnOnce(&QueueMachine<Entry>) -> T) -> T {
         f(&self.state.lock().machine)
@@ -551,6 +570,8 @@ impl Queue {
                     if self.persists(&msg) {
                         st.store_ops.push(Op::Settle { queue: self.id, id });
                     }
+                    // After the dead letter was read (a logged body is read when pinned).
+                    self.release(&msg);
                 }
                 Effect::Requeued { old, new, msg } => {
                     if !st.deleted && self.persists(&msg) {
@@ -573,6 +594,9 @@ impl Queue {
                         st.store_ops.push(Op::Settle { queue: self.id, id });
                     }
                     let Some(sink) = st.sinks.get(&consumer) else {
+                        if settled {
+                            self.release(&msg);
+                        }
                         if let Some(replica) = self.replica() {
                             // Another node's consumer (its node delivers), or one of ours
                             // whose client is gone (cancelled before its checkout committed):
@@ -595,11 +619,14 @@ impl Queue {
                         consumer,
                         queue: Arc::clone(self),
                         id,
-                        message: crate::durable::pin(&msg, self.store.as_deref()),
+                        message: self.pin(&msg),
                         redelivered,
                         counted: st.machine.is_limited(consumer),
                         delivery_count,
                     }));
+                    if settled {
+                        self.release(&msg);
+                    }
                 }
             }
         }

@@ -101,4 +101,9 @@ pub trait Replicator: Send + Sync + std::fmt::Debug {
     fn remote_stats(&self) -> Option<crate::queue::QueueStats> {
         None
     }
+    /// Where this replica keeps the bodies of its [`Entry::Logged`] messages (None: it holds
+    /// none).
+    fn bodies(&self) -> Option<&dyn crate::message::BodySource> {
+        None
+    }
 }

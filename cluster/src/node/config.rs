@@ -83,6 +83,27 @@ pub fn raft_config() -> Config {
     }
 }
 
+/// Entries a quorum queue's log keeps before its snapshot point when nothing older is live,
+/// so a member briefly away catches up from the log.
+pub const QUEUE_LOG_KEEP: u64 = 1000;
+
+/// Entries a quorum queue's log keeps at most before its snapshot point for its oldest live
+/// message (so a member that was away catches up from the log, not from a snapshot carrying
+/// the backlog's bodies). Beyond it the log is purged anyway: an old unacked message pins
+/// its own body, not the log after it (a member further behind gets such bodies in the
+/// snapshot).
+pub const QUEUE_LOG_PIN_MAX: u64 = 50_000;
+
+/// A quorum queue group's Raft settings: the common ones, with purging left to the node
+/// (`QueueReplica::compact_log`, after [`QUEUE_LOG_KEEP`] and [`QUEUE_LOG_PIN_MAX`]).
+#[must_use]
+pub fn queue_raft_config() -> Config {
+    Config {
+        max_in_snapshot_log_to_keep: u64::MAX,
+        ..raft_config()
+    }
+}
+
 /// Entries of a stream's group between two snapshots ([`STREAM_SNAPSHOT_EVERY_ENV`]
 /// overrides it): a snapshot lets Raft purge what it covers, the stream's files holding it.
 pub const STREAM_SNAPSHOT_EVERY: u64 = 5000;

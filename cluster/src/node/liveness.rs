@@ -19,6 +19,10 @@ use super::{ClusterNode, DOWN_AFTER, META_GROUP};
 /// records (besides once at start).
 const CLASSIC_RECONCILE_TICKS: u64 = 10;
 
+/// Every this many seconds each quorum queue's log here is compacted (released bodies
+/// deleted, entries purged: `QueueReplica::compact_log`).
+const COMPACT_TICKS: u64 = 5;
+
 /// How often a peer that sent nothing lately is pinged (well within [`DOWN_AFTER`]).
 const PING_EVERY: Duration = Duration::from_secs(1);
 
@@ -38,6 +42,14 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
             // An announcement lost to a long election (the whole cluster starting at once)
             // is made again.
             node.reconcile_classic(false);
+        }
+        if ticks.is_multiple_of(COMPACT_TICKS) {
+            let replicas = node.replicas();
+            tokio::spawn(async move {
+                for replica in replicas {
+                    replica.compact_log().await;
+                }
+            });
         }
         for (id, _) in node.current() {
             if id == node.me || !pinged.insert(id) {

@@ -325,7 +325,7 @@ pub(super) struct MetaState {
 }
 
 impl Applied for MetaState {
-    fn apply(&self, _at: u64, request: QueueRequest) -> QueueResponse {
+    fn apply(&self, _at: u64, _index: u64, request: QueueRequest) -> QueueResponse {
         let node = self.node.upgrade();
         let mut records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
         for change in request.meta {

@@ -60,7 +60,7 @@ use crate::types::{NodeId, QueueRaft};
 
 pub use config::{
     NodeConfig, NodeError, Peer, STREAM_SNAPSHOT_EVERY, STREAM_SNAPSHOT_EVERY_ENV,
-    STREAM_SNAPSHOT_TIMEOUT_MS, node_id, raft_config, stream_raft_config,
+    STREAM_SNAPSHOT_TIMEOUT_MS, node_id, queue_raft_config, raft_config, stream_raft_config,
 };
 pub use forwarding::{FORWARD_BATCH_MAX, FORWARD_QUEUE_MAX, RETRY_FOR};
 pub use placement::GROUP_SIZE_DEFAULT;
@@ -112,6 +112,8 @@ pub struct ClusterNode {
     /// serves clients).
     booting: Mutex<Option<Vec<tokio::task::JoinHandle<()>>>>,
     raft_config: Arc<Config>,
+    /// A quorum queue group's ([`queue_raft_config`]).
+    queue_raft_config: Arc<Config>,
     /// A stream group's ([`stream_raft_config`]).
     stream_raft_config: Arc<Config>,
     secret: Secret,
@@ -190,6 +192,11 @@ impl ClusterNode {
                 .validate()
                 .map_err(|e| NodeError::Config(e.to_string()))?,
         );
+        let queue_raft_config = Arc::new(
+            queue_raft_config()
+                .validate()
+                .map_err(|e| NodeError::Config(e.to_string()))?,
+        );
         let stream_raft_config = Arc::new(
             stream_raft_config()
                 .validate()
@@ -240,6 +247,7 @@ impl ClusterNode {
             meta_changing: std::sync::atomic::AtomicBool::new(false),
             booting: Mutex::new(Some(Vec::new())),
             raft_config,
+            queue_raft_config,
             stream_raft_config,
             secret: Secret::new(&config.secret),
             broker,

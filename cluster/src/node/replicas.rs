@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 
 use openraft::{BasicNode, Raft};
 use warren_broker::durable::QueueRecord;
-use warren_broker::message::Entry;
+use warren_broker::message::{BodySource, Entry, Message, NO_TTL};
 use warren_broker::node::replication::{
     Placement, ReplicaDone, ReplicaState, ReplicationError, Replicator, Replies, TransferError,
     decode_entry, encode_entry,
@@ -18,12 +18,12 @@ use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 
 use crate::group::{Applied, GroupStateMachine};
-use crate::log_store::LogStore;
+use crate::log_store::{LogStore, SLOTS_PER_ENTRY, body_key, key_index, stub_size};
 use crate::proposer::{ProposeError, Proposer};
 use crate::tcp::{Forwarded, GroupId, TcpNetwork};
 use crate::types::{NodeId, QueueRaft, QueueRequest, QueueResponse, ReplicatedMessage};
 
-use super::config::{NodeError, fnv1a};
+use super::config::{NodeError, QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX, fnv1a};
 use super::forwarding::{Forwarder, RETRY_FOR, Target, send_retrying};
 use super::{ClusterNode, DOWN_AFTER};
 
@@ -79,11 +79,27 @@ impl ClusterNode {
             name: format!("{}/{}", record.vhost, record.name),
             incarnation,
         };
+        let path = self.queue_log_path(incarnation);
+        // A quorum queue's bodies stay in its log ([`LogBodies`]); a stream's chunks are in
+        // its files.
+        let log = if queue.is_stream {
+            LogStore::open(&path)
+        } else {
+            LogStore::open_split(&path)
+        }
+        .map_err(|e| NodeError::Log(path.clone(), e))?;
+        let bodies = (!queue.is_stream).then(|| {
+            Arc::new(LogBodies {
+                log: log.clone(),
+                applying: Mutex::new(Vec::new()),
+            })
+        });
         // The queue is a replica before its log replays into it (Raft::new applies what
         // was committed), so replayed deliveries to consumers of elsewhere are left alone.
         let machine = GroupStateMachine::restored(
             Arc::new(QueueApplied {
                 queue: Arc::clone(&queue),
+                bodies: bodies.clone(),
             }),
             self.queue_log_path(incarnation).with_extension("snapshot"),
         )
@@ -98,14 +114,13 @@ impl ClusterNode {
             machine: machine.clone(),
             changing: std::sync::atomic::AtomicBool::new(false),
             downed: Mutex::new(Vec::new()),
+            bodies,
         });
         queue.attach_replica(Arc::clone(&replica) as Arc<dyn Replicator>);
-        let path = self.queue_log_path(incarnation);
-        let log = LogStore::open(&path).map_err(|e| NodeError::Log(path.clone(), e))?;
         let config = if queue.is_stream {
             Arc::clone(&self.stream_raft_config)
         } else {
-            Arc::clone(&self.raft_config)
+            Arc::clone(&self.queue_raft_config)
         };
         let raft = Raft::new(
             self.me,
@@ -118,6 +133,8 @@ impl ClusterNode {
         .await
         .map_err(|e| NodeError::Io(e.to_string()))?;
         replica.machine.started();
+        // Bodies whose release a crash lost (the log replayed into the queue above).
+        replica.sweep_bodies();
         let proposer = self.groups.insert(group.clone(), raft.clone());
         let weak = Arc::downgrade(self);
         self.groups.set_transfer(
@@ -216,18 +233,152 @@ impl ClusterNode {
     }
 }
 
+/// A quorum queue's message bodies on this node: in its log ([`LogStore::open_split`]).
+#[derive(Debug)]
+pub(super) struct LogBodies {
+    log: LogStore,
+    /// Released while an entry is applied: handed to the log once the entry's replies are
+    /// built (a no-ack get's reply still reads its body).
+    applying: Mutex<Vec<u64>>,
+}
+
+impl LogBodies {
+    /// Pass what was released to the log, which deletes it with its next write.
+    fn hand_over(&self) {
+        let keys =
+            std::mem::take(&mut *self.applying.lock().unwrap_or_else(PoisonError::into_inner));
+        if !keys.is_empty() {
+            self.log.release(keys);
+        }
+    }
+
+    /// The stored record under `key`.
+    fn record(&self, key: u64) -> Result<Vec<u8>, String> {
+        match self.log.read_body(key) {
+            Ok(Some(body)) => Ok(body),
+            Ok(None) => Err(format!("message {key:#x} is not in this node's log")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+impl BodySource for LogBodies {
+    fn read(&self, key: u64) -> Result<Arc<Message>, String> {
+        let record = self.record(key)?;
+        warren_broker::message::codec::decode_message(&record)
+            .map(Arc::new)
+            .map_err(|e| e.to_string())
+    }
+
+    fn release(&self, key: u64) {
+        self.applying
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(key);
+    }
+}
+
+/// A quorum queue's snapshot as sent to a member behind the purged log: the machine (whose
+/// messages are keys) and the bodies of its messages. Starts with [`FULL_SNAPSHOT_MAGIC`].
+#[derive(serde::Serialize, serde::Deserialize)]
+struct FullSnapshot {
+    #[serde(with = "crate::codec::raw_bytes")]
+    machine: Vec<u8>,
+    bodies: Vec<SnapshotBody>,
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SnapshotBody {
+    key: u64,
+    #[serde(with = "crate::codec::raw_bytes")]
+    record: Vec<u8>,
+}
+
+/// First bytes of a [`FullSnapshot`] (a machine's own encoding never starts so).
+const FULL_SNAPSHOT_MAGIC: &[u8; 8] = b"WQFULL01";
+
+/// The keys of the logged messages `machine` holds, sorted.
+fn logged_keys(machine: &QueueMachine<Entry>) -> Vec<u64> {
+    let mut keys = Vec::new();
+    machine.for_each_message(|e| {
+        if let Entry::Logged { key, .. } = e {
+            keys.push(*key);
+        }
+    });
+    keys.sort_unstable();
+    keys
+}
+
 /// A quorum queue's state on one replica: the broker's queue, driven by committed entries.
 struct QueueApplied {
     queue: Arc<Queue>,
+    /// Where its bodies are (None: a stream, whose entries are decoded whole).
+    bodies: Option<Arc<LogBodies>>,
+}
+
+impl QueueApplied {
+    /// The machine's command for command `slot` of the entry at `index`. A quorum queue's
+    /// enqueue becomes its message's key: its log holds the body (split out when it was
+    /// appended; the entry gives a stub when applied after its append, the whole record
+    /// when openraft re-applies the log at start, from its reader). A stream's messages, and
+    /// those of other commands, are decoded.
+    fn command(
+        &self,
+        index: u64,
+        slot: usize,
+        c: Command<ReplicatedMessage>,
+    ) -> Result<Command<Entry>, warren_broker::node::replication::DecodeError> {
+        if let Command::Enqueue(m) = &c
+            && self.bodies.is_some()
+            && slot < SLOTS_PER_ENTRY
+        {
+            let size = match stub_size(&m.body) {
+                Some(size) => size,
+                None => warren_broker::message::codec::record_body_len(&m.body)?,
+            };
+            return Ok(Command::Enqueue(Entry::Logged {
+                key: body_key(index, slot),
+                size,
+                priority: m.priority,
+                ttl_ms: m.expiration_ms.map_or(NO_TTL, |t| {
+                    u32::try_from(t).unwrap_or(NO_TTL).min(NO_TTL - 1)
+                }),
+            }));
+        }
+        c.try_map(|m| decode_entry(&m.body))
+    }
+
+    /// A reply's message as the log carries it (a logged one read back).
+    fn wire_reply(&self, e: &Entry) -> Result<ReplicatedMessage, String> {
+        if let Entry::Logged {
+            key,
+            priority,
+            ttl_ms,
+            ..
+        } = e
+        {
+            let bodies = self
+                .bodies
+                .as_ref()
+                .ok_or("a logged message without its log")?;
+            return Ok(ReplicatedMessage {
+                body: bodies.record(*key)?,
+                priority: *priority,
+                expiration_ms: (*ttl_ms != NO_TTL).then_some(u64::from(*ttl_ms)),
+            });
+        }
+        wire(e).map_err(|e| e.to_string())
+    }
 }
 
 impl Applied for QueueApplied {
-    fn apply(&self, at: u64, request: QueueRequest) -> QueueResponse {
+    fn apply(&self, at: u64, index: u64, request: QueueRequest) -> QueueResponse {
         let commands: Vec<Command<Entry>> = request
             .commands
             .into_iter()
-            .filter_map(|c| {
-                c.try_map(|m| decode_entry(&m.body))
+            .enumerate()
+            .filter_map(|(slot, c)| {
+                self.command(index, slot, c)
                     .map_err(|e| {
                         // Checksummed and identical on every replica: all skip it alike.
                         tracing::error!(queue = %self.queue.name, error = %e, "undecodable entry");
@@ -236,12 +387,25 @@ impl Applied for QueueApplied {
             })
             .collect();
         let replies = self.queue.apply_committed(at, commands);
-        QueueResponse {
+        let response = QueueResponse {
             replies: replies
                 .into_iter()
-                .map(|r| r.map(|reply| reply.try_map(|e| wire(&e)).unwrap_or(Reply::Ok)))
+                .map(|r| {
+                    r.map(|reply| {
+                        reply
+                            .try_map(|e| self.wire_reply(&e))
+                            .unwrap_or_else(|e| {
+                                tracing::error!(queue = %self.queue.name, error = %e, "a reply's message is unreadable");
+                                Reply::Ok
+                            })
+                    })
+                })
                 .collect(),
+        };
+        if let Some(bodies) = &self.bodies {
+            bodies.hand_over();
         }
+        response
     }
 
     fn snapshot(&self) -> Result<Vec<u8>, String> {
@@ -260,19 +424,59 @@ impl Applied for QueueApplied {
                 crate::codec::decode(bytes).map_err(|e| e.to_string())?;
             return stream.install(snapshot).map_err(|e| e.to_string());
         }
-        let machine: QueueMachine<Entry> =
-            crate::codec::decode(bytes).map_err(|e| e.to_string())?;
+        let machine: QueueMachine<Entry> = match bytes.strip_prefix(FULL_SNAPSHOT_MAGIC) {
+            Some(full) => {
+                let full: FullSnapshot = crate::codec::decode(full).map_err(|e| e.to_string())?;
+                let bodies: Vec<(u64, Vec<u8>)> =
+                    full.bodies.into_iter().map(|b| (b.key, b.record)).collect();
+                if let Some(log) = self.bodies.as_ref() {
+                    log.log.insert_bodies(&bodies).map_err(|e| e.to_string())?;
+                }
+                crate::codec::decode(&full.machine).map_err(|e| e.to_string())?
+            }
+            None => crate::codec::decode(bytes).map_err(|e| e.to_string())?,
+        };
+        let live = logged_keys(&machine);
         self.queue.install_machine(machine);
+        // The replaced state's bodies (those the new one does not hold) go.
+        if let Some(bodies) = &self.bodies {
+            let log = bodies.log.clone();
+            let upto = live.last().map_or(u64::MAX >> 16, |k| key_index(*k));
+            std::thread::spawn(move || {
+                if let Err(e) = log.sweep(&live, upto) {
+                    tracing::warn!(error = %e, "bodies replaced by a snapshot were not swept");
+                }
+            });
+        }
         Ok(())
     }
 
     fn expands(&self) -> bool {
-        self.queue.is_stream
+        true
     }
 
     fn expand(&self, state: &[u8]) -> Result<Vec<u8>, String> {
         let Some(stream) = self.queue.stream() else {
-            return Ok(state.to_vec());
+            // The bodies of the snapshot's messages: the member it goes to is behind the
+            // purged log, so its entries will not bring them.
+            let bodies = self.bodies.as_ref().ok_or("a queue without its log")?;
+            let machine: QueueMachine<Entry> =
+                crate::codec::decode(state).map_err(|e| e.to_string())?;
+            let keys = logged_keys(&machine);
+            drop(machine);
+            let mut full = FullSnapshot {
+                machine: state.to_vec(),
+                bodies: Vec::with_capacity(keys.len()),
+            };
+            for key in keys {
+                // Released since (settled after the snapshot point): the log brings that.
+                if let Ok(record) = bodies.record(key) {
+                    full.bodies.push(SnapshotBody { key, record });
+                }
+            }
+            let mut out = FULL_SNAPSHOT_MAGIC.to_vec();
+            out.extend(crate::codec::encode(&full).map_err(|e| e.to_string())?);
+            return Ok(out);
         };
         let snapshot: warren_broker::queue::stream::StreamSnapshot =
             crate::codec::decode(state).map_err(|e| e.to_string())?;
@@ -365,6 +569,81 @@ pub(super) struct QueueReplica {
     pub(super) changing: std::sync::atomic::AtomicBool,
     /// Nodes whose consumers this replica (as leader) already returned, until heard again.
     pub(super) downed: Mutex<Vec<NodeId>>,
+    /// Where a quorum queue's bodies are (None: a stream).
+    bodies: Option<Arc<LogBodies>>,
+}
+
+impl QueueReplica {
+    /// Delete the bodies in this node's log that no message of the queue holds (a crash
+    /// lost their release), in the background.
+    fn sweep_bodies(&self) {
+        let Some(bodies) = &self.bodies else {
+            return;
+        };
+        let (applied, live) = self
+            .machine
+            .read_applied(|a| a.queue.with_machine(logged_keys));
+        let Some(applied) = applied else {
+            return;
+        };
+        let log = bodies.log.clone();
+        let queue = self.queue.name.clone();
+        tokio::task::spawn_blocking(move || match log.sweep(&live, applied.index) {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(%queue, bodies = n, applied = applied.index, live = live.len(), "swept bodies no message holds")
+            }
+            Err(e) => tracing::warn!(%queue, error = %e, "bodies were not swept"),
+        });
+    }
+
+    /// Delete released bodies no write took yet, and purge the log up to where this
+    /// replica's snapshot and its oldest live message allow (see [`purge_point`]).
+    pub(super) async fn compact_log(&self) {
+        let (Some(bodies), Some(raft)) = (&self.bodies, self.raft.get()) else {
+            return;
+        };
+        bodies.hand_over();
+        let log = bodies.log.clone();
+        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || log.flush_released()).await {
+            tracing::warn!(queue = %self.queue.name, error = %e, "released bodies not deleted");
+        }
+        let (snapshot, purged) = {
+            let m = raft.metrics();
+            let m = m.borrow();
+            (
+                m.snapshot.map_or(0, |s| s.index),
+                m.purged.map_or(0, |p| p.index),
+            )
+        };
+        let oldest = self.queue.with_machine(|m| {
+            let mut oldest: Option<u64> = None;
+            m.for_each_message(|e| {
+                if let Entry::Logged { key, .. } = e {
+                    let i = key_index(*key);
+                    oldest = Some(oldest.map_or(i, |o| o.min(i)));
+                }
+            });
+            oldest
+        });
+        let upto = purge_point(snapshot, oldest);
+        if upto > purged {
+            let _ = raft.trigger().purge_log(upto).await;
+        }
+    }
+}
+
+/// How far a quorum queue's log may be purged: up to [`QUEUE_LOG_KEEP`] entries before its
+/// snapshot point `snapshot`, and not past its oldest live message (the entry at index
+/// `oldest` enqueued it) unless that is more than [`QUEUE_LOG_PIN_MAX`] entries back. A
+/// member away for a while then catches up from the log (whose entries carry the bodies)
+/// rather than from a snapshot that must carry them.
+fn purge_point(snapshot: u64, oldest: Option<u64>) -> u64 {
+    let base = snapshot.saturating_sub(QUEUE_LOG_KEEP);
+    match oldest {
+        Some(o) if o <= base && snapshot - o <= QUEUE_LOG_PIN_MAX => o.saturating_sub(1),
+        _ => base,
+    }
 }
 
 impl std::fmt::Debug for QueueReplica {
@@ -393,6 +672,10 @@ impl Replicator for QueueReplica {
 
     fn local_node(&self) -> u64 {
         self.node.upgrade().map_or(0, |n| n.number())
+    }
+
+    fn bodies(&self) -> Option<&dyn BodySource> {
+        self.bodies.as_deref().map(|b| b as &dyn BodySource)
     }
 
     fn placement(&self) -> Placement {
@@ -479,4 +762,26 @@ fn digest<M: serde::Serialize>(machine: &M) -> String {
         .map(|v| v.to_string())
         .unwrap_or_default();
     format!("{:016x}", fnv1a(text.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The log keeps entries back to the oldest live message within the pin limit, and
+    /// otherwise up to its keep distance before the snapshot.
+    #[test]
+    fn the_purge_point_follows_the_oldest_live_message_within_bounds() {
+        // Nothing live: keep QUEUE_LOG_KEEP before the snapshot.
+        assert_eq!(purge_point(10_000, None), 10_000 - QUEUE_LOG_KEEP);
+        // Nothing snapshotted yet.
+        assert_eq!(purge_point(0, Some(5)), 0);
+        // The oldest live message is recent: the keep distance is the bound.
+        assert_eq!(purge_point(10_000, Some(9_800)), 10_000 - QUEUE_LOG_KEEP);
+        // Older, within the pin limit: the log stays from it on.
+        assert_eq!(purge_point(10_000, Some(500)), 499);
+        // Beyond the pin limit: it no longer holds the log.
+        let s = QUEUE_LOG_PIN_MAX + 10_000;
+        assert_eq!(purge_point(s, Some(3)), s - QUEUE_LOG_KEEP);
+    }
 }

@@ -97,6 +97,15 @@ impl<M: MessageRef> QueueMachine<M> {
             .min()
     }
 
+    /// Every message the queue holds, ready (all levels) and unacked, in no particular order.
+    pub fn for_each_message(&self, mut f: impl FnMut(&M)) {
+        for level in self.levels.values() {
+            level.returned.values().for_each(|r| f(&r.msg));
+            level.fresh.iter().for_each(|r| f(&r.msg));
+        }
+        self.unacked.values().for_each(|u| f(&u.msg));
+    }
+
     /// The priority level a message waits in: its priority capped at `x-max-priority`, or 0
     /// when the queue has no priorities.
     pub(super) fn level_of(&self, msg: &M) -> u8 {
