@@ -345,23 +345,27 @@ class WarrenCluster:
         self.mgmt = {f"n{i}": 15800 + i for i in (1, 2, 3)}
         self.procs = {}
 
+    def start_node(self, n):
+        """Start node `n` (again: its data directory is kept)."""
+        i = int(n[1:])
+        peers = ",".join(f"n{k}@127.0.0.1:{26000 + k}" for k in (1, 2, 3))
+        (self.root / n).mkdir(exist_ok=True)
+        cmd = [str(WARREN), "server", "--node-name", n,
+               "--cluster-listen", f"127.0.0.1:{26000 + i}", "--peers", peers,
+               "--cluster-secret", "bench", "--amqp-listen", f"127.0.0.1:{5700 + i}",
+               "--management-listen", f"127.0.0.1:{15800 + i}",
+               "--prometheus-listen", f"127.0.0.1:{15900 + i}",
+               "--data-dir", str(self.root / n / "data"), "--log-level", "warn"]
+        logf = open(self.root / n / "warren.log", "ab")
+        self.procs[n] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        logf.close()
+
     def start(self):
         shutil.rmtree(self.root, ignore_errors=True)
         self.root.mkdir(parents=True)
-        peers = ",".join(f"n{i}@127.0.0.1:{26000 + i}" for i in (1, 2, 3))
-        for i in (1, 2, 3):
-            n = f"n{i}"
-            (self.root / n).mkdir()
-            cmd = [str(WARREN), "server", "--node-name", n,
-                   "--cluster-listen", f"127.0.0.1:{26000 + i}", "--peers", peers,
-                   "--cluster-secret", "bench", "--amqp-listen", f"127.0.0.1:{5700 + i}",
-                   "--management-listen", f"127.0.0.1:{15800 + i}",
-                   "--prometheus-listen", f"127.0.0.1:{15900 + i}",
-                   "--data-dir", str(self.root / n / "data"), "--log-level", "warn"]
-            logf = open(self.root / n / "warren.log", "wb")
-            self.procs[n] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True)
-            logf.close()
+        for n in self.nodes:
+            self.start_node(n)
         deadline = time.monotonic() + 60
         for n in self.nodes:
             wait_port(self.amqp[n], deadline, self.procs[n], f"warren {n}")

@@ -23,7 +23,7 @@ use crate::proposer::{ProposeError, Proposer};
 use crate::tcp::{Forwarded, GroupId, TcpNetwork};
 use crate::types::{NodeId, QueueRaft, QueueRequest, QueueResponse, ReplicatedMessage};
 
-use super::config::{NodeError, QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX, fnv1a};
+use super::config::{NodeError, QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX};
 use super::forwarding::{Forwarder, RETRY_FOR, Target, send_retrying};
 use super::{ClusterNode, DOWN_AFTER};
 
@@ -755,13 +755,28 @@ impl Replicator for QueueReplica {
     }
 }
 
-/// A hash of a queue machine's canonical rendering (maps in key order): replicas at the same
-/// applied index must have the same.
+/// A hash of a queue machine's serialization (its maps in key order): replicas at the same
+/// applied index must have the same. Streamed into the hash: a backlog's rendering is never
+/// held in memory.
 fn digest<M: serde::Serialize>(machine: &M) -> String {
-    let text = serde_json::to_value(machine)
-        .map(|v| v.to_string())
-        .unwrap_or_default();
-    format!("{:016x}", fnv1a(text.as_bytes()))
+    struct Fnv(u64);
+    impl std::io::Write for Fnv {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            for b in buf {
+                self.0 ^= u64::from(*b);
+                self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+            }
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut h = Fnv(0xcbf2_9ce4_8422_2325);
+    if serde_json::to_writer(&mut h, machine).is_err() {
+        return String::new();
+    }
+    format!("{:016x}", h.0)
 }
 
 #[cfg(test)]

@@ -140,6 +140,8 @@ pub struct QueueMachine<M> {
     /// Ready messages per priority level, served from the highest.
     levels: BTreeMap<u8, Level<M>>,
     ready_count: usize,
+    /// Serialized in id order, so equal states serialize alike (replica digests).
+    #[serde(serialize_with = "in_key_order")]
     unacked: HashMap<MsgId, Unacked<M>>,
     consumers: BTreeMap<ConsumerId, Consumer>,
     /// Consumers with credit, round-robin within each priority (highest served first).
@@ -152,6 +154,21 @@ pub struct QueueMachine<M> {
     ready_bytes: u64,
     unacked_bytes: u64,
     counters: Counters,
+}
+
+/// A map serialized in key order (a `HashMap`'s own order differs between equal maps).
+fn in_key_order<S: serde::Serializer, K: Ord + serde::Serialize, V: serde::Serialize>(
+    map: &HashMap<K, V>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    use serde::ser::SerializeMap;
+    let mut entries: Vec<(&K, &V)> = map.iter().collect();
+    entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let mut out = s.serialize_map(Some(entries.len()))?;
+    for (k, v) in entries {
+        out.serialize_entry(k, v)?;
+    }
+    out.end()
 }
 
 impl<M: MessageRef> Default for QueueMachine<M> {
