@@ -51,7 +51,45 @@ const BODIES: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_bodies");
 
 /// redb's page cache per log (its default is 1 GiB per database, which a node with a log per
 /// queue cannot afford; bodies read back are usually in the OS page cache anyway).
-pub const LOG_CACHE_BYTES: usize = 4 * 1024 * 1024;
+pub const LOG_CACHE_BYTES: usize = 8 * 1024 * 1024;
+
+/// Bytes of the most recently appended bodies a split log keeps in memory as well, so a
+/// consumer that keeps up is served without reading them back (oldest dropped first).
+pub const RECENT_BODY_BYTES: usize = 2 * 1024 * 1024;
+
+/// The most recently appended bodies ([`RECENT_BODY_BYTES`] at most), by key.
+#[derive(Debug, Default)]
+struct Recent {
+    bodies: std::collections::BTreeMap<u64, Arc<[u8]>>,
+    bytes: usize,
+}
+
+impl Recent {
+    fn insert(&mut self, key: u64, body: Arc<[u8]>) {
+        self.bytes += body.len();
+        if let Some(old) = self.bodies.insert(key, body) {
+            self.bytes -= old.len();
+        }
+        while self.bytes > RECENT_BODY_BYTES {
+            let Some((_, b)) = self.bodies.pop_first() else {
+                break;
+            };
+            self.bytes -= b.len();
+        }
+    }
+
+    fn remove(&mut self, key: u64) {
+        if let Some(b) = self.bodies.remove(&key) {
+            self.bytes -= b.len();
+        }
+    }
+
+    fn remove_from(&mut self, key: u64) {
+        for (_, b) in self.bodies.split_off(&key) {
+            self.bytes -= b.len();
+        }
+    }
+}
 
 /// Commands of one entry whose bodies can be split out (a key has 16 bits for the slot);
 /// the proposer's entries are far smaller. Bodies of commands beyond stay in the entry.
@@ -125,6 +163,8 @@ pub struct LogStore {
     inflate: bool,
     /// Keys of bodies released since the last write, deleted with the next one.
     released: Arc<std::sync::Mutex<Vec<u64>>>,
+    /// The last bodies appended, also in memory.
+    recent: Arc<std::sync::Mutex<Recent>>,
 }
 
 impl LogStore {
@@ -159,6 +199,7 @@ impl LogStore {
             split,
             inflate: false,
             released: Arc::default(),
+            recent: Arc::default(),
         };
         if split {
             store.split_existing()?;
@@ -208,6 +249,9 @@ impl LogStore {
     /// # Errors
     /// When redb cannot read it.
     pub fn read_body(&self, key: u64) -> Result<Option<Vec<u8>>, redb::Error> {
+        if let Some(b) = self.recent().bodies.get(&key) {
+            return Ok(Some(b.to_vec()));
+        }
         let tx = self.db.begin_read()?;
         let bodies = tx.open_table(BODIES)?;
         Ok(bodies.get(key)?.map(|v| v.value().to_vec()))
@@ -216,10 +260,21 @@ impl LogStore {
     /// The message under `key` left the queue on this replica: its body is deleted with the
     /// next write (an append, or [`LogStore::flush_released`]).
     pub fn release(&self, keys: impl IntoIterator<Item = u64>) {
-        self.released
+        let mut released = self
+            .released
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut recent = self.recent();
+        for k in keys {
+            recent.remove(k);
+            released.push(k);
+        }
+    }
+
+    fn recent(&self) -> std::sync::MutexGuard<'_, Recent> {
+        self.recent
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend(keys);
     }
 
     fn take_released(&self) -> Vec<u64> {
@@ -310,6 +365,7 @@ impl LogStore {
             encoded,
             bodies,
             released: self.take_released(),
+            recent: Arc::clone(&self.recent),
         })
     }
 
@@ -461,6 +517,7 @@ struct Write {
     encoded: Vec<(u64, Vec<u8>)>,
     bodies: Vec<(u64, Vec<u8>)>,
     released: Vec<u64>,
+    recent: Arc<std::sync::Mutex<Recent>>,
 }
 
 impl Write {
@@ -483,6 +540,15 @@ impl Write {
             }
         }
         tx.commit()?;
+        if !self.bodies.is_empty() {
+            let mut recent = self
+                .recent
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (key, body) in self.bodies {
+                recent.insert(key, body.into());
+            }
+        }
         Ok(())
     }
 }
@@ -580,6 +646,8 @@ impl RaftLogStorage<QueueRaft> for LogStore {
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError> {
+        self.recent()
+            .remove_from(log_id.index.min(u64::MAX >> 16) << 16);
         self.delete(log_id.index.., None)
     }
 
