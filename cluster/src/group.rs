@@ -29,11 +29,11 @@ pub trait Applied: Send + Sync + 'static {
     /// # Errors
     /// When it does not encode.
     fn snapshot(&self) -> Result<Vec<u8>, String>;
-    /// Replace the state by a snapshot's.
+    /// Replace the state by a snapshot's, which covers the log up to index `last` (0: none).
     ///
     /// # Errors
     /// When the bytes do not decode.
-    fn install(&self, bytes: &[u8]) -> Result<(), String>;
+    fn install(&self, bytes: &[u8], last: u64) -> Result<(), String>;
     /// Whether [`Applied::snapshot`] leaves data out that a snapshot sent to another member
     /// must carry ([`Applied::expand`]): a stream's snapshot is where its log is, its files
     /// being the state.
@@ -154,7 +154,8 @@ impl<A: Applied> GroupStateMachine<A> {
                     crate::codec::decode(&file).map_err(|e| format!("{}: {e}", path.display()))?;
                 let data: SnapshotData =
                     crate::codec::decode(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
-                sm.applied.install(&data.state)?;
+                let last = data.tracked.last_applied.map_or(0, |l| l.index);
+                sm.applied.install(&data.state, last)?;
                 let mut inner = sm.lock();
                 inner.tracked = data.tracked;
                 inner.snapshot = Some((meta, None));
@@ -323,7 +324,7 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
             crate::codec::decode(&bytes).map_err(|e| sm_error(ErrorVerb::Write, e))?;
         let mut inner = self.lock();
         self.applied
-            .install(&data.state)
+            .install(&data.state, meta.last_log_id.map_or(0, |l| l.index))
             .map_err(|e| sm_error(ErrorVerb::Write, e))?;
         if self.applied.expands() {
             // What was sent carried the data, now in the state's own files: keep the short form.
@@ -388,7 +389,7 @@ mod tests {
         fn snapshot(&self) -> Result<Vec<u8>, String> {
             crate::codec::encode(&*self.0.lock().unwrap()).map_err(|e| e.to_string())
         }
-        fn install(&self, bytes: &[u8]) -> Result<(), String> {
+        fn install(&self, bytes: &[u8], _last: u64) -> Result<(), String> {
             *self.0.lock().unwrap() = crate::codec::decode(bytes).map_err(|e| e.to_string())?;
             Ok(())
         }

@@ -56,7 +56,7 @@ impl Applied for LocalQueue {
         crate::codec::encode(&self.lock().0).map_err(|e| e.to_string())
     }
 
-    fn install(&self, bytes: &[u8]) -> Result<(), String> {
+    fn install(&self, bytes: &[u8], _last: u64) -> Result<(), String> {
         let machine = crate::codec::decode(bytes).map_err(|e| e.to_string())?;
         let mut inner = self.lock();
         inner.0 = machine;

@@ -426,7 +426,7 @@ impl Applied for MetaState {
         crate::codec::encode(&list).map_err(|e| e.to_string())
     }
 
-    fn install(&self, bytes: &[u8]) -> Result<(), String> {
+    fn install(&self, bytes: &[u8], _last: u64) -> Result<(), String> {
         let mut list: Vec<MetaChange> = crate::codec::decode(bytes).map_err(|e| e.to_string())?;
         // Definitions (vhosts, users, then what refers to them), queues and exchanges,
         // queues' later members, then the bindings between them.

@@ -418,7 +418,7 @@ impl Applied for QueueApplied {
             .map_err(|e| e.to_string())
     }
 
-    fn install(&self, bytes: &[u8]) -> Result<(), String> {
+    fn install(&self, bytes: &[u8], last: u64) -> Result<(), String> {
         if let Some(stream) = self.queue.stream() {
             let snapshot: warren_broker::queue::stream::StreamSnapshot =
                 crate::codec::decode(bytes).map_err(|e| e.to_string())?;
@@ -438,12 +438,14 @@ impl Applied for QueueApplied {
         };
         let live = logged_keys(&machine);
         self.queue.install_machine(machine);
-        // The replaced state's bodies (those the new one does not hold) go.
-        if let Some(bodies) = &self.bodies {
+        // The replaced state's bodies (those of entries the snapshot covers that it does not
+        // hold) go; entries after it keep theirs.
+        if let Some(bodies) = &self.bodies
+            && last > 0
+        {
             let log = bodies.log.clone();
-            let upto = live.last().map_or(u64::MAX >> 16, |k| key_index(*k));
             std::thread::spawn(move || {
-                if let Err(e) = log.sweep(&live, upto) {
+                if let Err(e) = log.sweep(&live, last) {
                     tracing::warn!(error = %e, "bodies replaced by a snapshot were not swept");
                 }
             });
