@@ -351,3 +351,42 @@ def test_queues_that_do_not_outlive_their_node_go_with_it(cluster3):
     for q in (excl, transient):
         info = eventually(lambda: c.queue_info(2, q), lambda v: v is not None)
         assert str(info["node"]).startswith(c.nodes[1].name), info
+
+
+def test_a_publish_only_to_a_queue_whose_home_is_down_is_nacked(cluster3):
+    """With n1 (the queue's home) killed and known down, a confirmed publish through n2 routed
+    to that queue is nacked (basic.nack), not confirmed and not left waiting; routed to it and
+    to a queue on a live node as well, it is nacked too (RabbitMQ's channel nacks a message
+    when a queue it went to is down) while the live queue has it."""
+    c = cluster3
+    down_q, up_q, ex = name("classic.down"), name("classic.up"), name("fan")
+    declare_classic(c, 0, down_q, durable=True)
+    declare_classic(c, 2, up_q, durable=True)
+    conn = c.connect(1)
+    try:
+        ch = conn.channel()
+        ch.exchange_declare(ex, "fanout", durable=True)
+        ch.queue_bind(down_q, ex)
+        ch.queue_bind(up_q, ex)
+    finally:
+        safe_close(conn)
+    wait_visible(c, down_q, [1, 2])
+    c.kill9(0)
+    # n2 knows n1 is down once a declare there gets the home-down 404.
+    eventually(lambda: declare_reply(c, 1, down_q, durable=True), lambda r: r[0] == 404,
+               deadline=30, what="n2 seeing n1 down")
+
+    conn = c.connect(1)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        props = pika.BasicProperties(delivery_mode=2)
+        with pytest.raises(pika.exceptions.NackError):
+            ch.basic_publish("", down_q, b"only-there", props)
+        # Routed to the live queue as well: still nacked, as RabbitMQ does.
+        with pytest.raises(pika.exceptions.NackError):
+            ch.basic_publish(ex, "", b"both", props)
+    finally:
+        safe_close(conn)
+    assert eventually(lambda: depth(c, 2, up_q), lambda d: d == 1, deadline=20,
+                      what="the live queue holding the fanout's message") == 1
