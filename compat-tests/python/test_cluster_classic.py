@@ -353,7 +353,7 @@ def test_queues_that_do_not_outlive_their_node_go_with_it(cluster3):
         assert str(info["node"]).startswith(c.nodes[1].name), info
 
 
-def test_a_publish_only_to_a_queue_whose_home_is_down_is_nacked(cluster3):
+def test_a_publish_to_a_queue_whose_home_is_down_is_nacked(cluster3):
     """With n1 (the queue's home) killed and known down, a confirmed publish through n2 routed
     to that queue is nacked (basic.nack), not confirmed and not left waiting; routed to it and
     to a queue on a live node as well, it is nacked too (RabbitMQ's channel nacks a message
