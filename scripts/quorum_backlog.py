@@ -75,9 +75,6 @@ class Sampler(threading.Thread):
                 self.depth.append((t, d))
             self.stop.wait(0.5)
 
-    def now(self, n):
-        return self.rss[n][-1][1] if self.rss[n] else None
-
 
 def queue_info(cluster, node):
     try:
@@ -101,7 +98,7 @@ def applied(cluster, node):
     return raft.get("applied_index")
 
 
-def perf(args, extra, out):
+def perf(extra, out):
     cmd = [str(cb.PERF), "--uri", "amqp://guest:guest@127.0.0.1:5701/%2f", "--queue", PREFIX,
            "--queues", "1", "--size", "1024", "--persistent", "--durable",
            "--queue-arg", "x-queue-type=quorum", "--duration", "0", "--json", str(out)] + extra
@@ -147,7 +144,7 @@ def main():
 
         sampler.phase = "publish"
         t0 = time.monotonic()
-        p = perf(args, ["--producers", "1", "--consumers", "0", "--confirm", "1000",
+        p = perf(["--producers", "1", "--consumers", "0", "--confirm", "1000",
                         "--pmessages", str(args.messages), "--no-declare"],
                  cb.OUT_DIR / f"backlog-{stamp}-publish.json")
         _, err = p.communicate()
@@ -171,7 +168,7 @@ def main():
         sampler.phase = "drain"
         follower = args.restart if args.restart != leader else "n2"
         t0 = time.monotonic()
-        d = perf(args, ["--producers", "0", "--consumers", "1", "--cmessages",
+        d = perf(["--producers", "0", "--consumers", "1", "--cmessages",
                         str(args.messages), "--no-declare", "--prefetch", "1000",
                         "--multi-ack", "100"],
                  cb.OUT_DIR / f"backlog-{stamp}-drain.json")
@@ -196,7 +193,9 @@ def main():
         result["drain_rate"] = round(args.messages / result["drain_s"])
         wait_until(lambda: depth(cluster) == 0, 60, "the queue empty")
         time.sleep(6)  # a compaction round (every 5 s)
-        restart["peak_mb"] = round(sampler.peak.get(("drain", follower), 0), 1)
+        # The restarted process's own samples only.
+        restart["peak_mb"] = round(max((mb for t, mb in sampler.rss[follower] if t > t_kill),
+                                       default=0), 1)
         result["restart"] = restart
         result["rss_after_drain_mb"] = {n: rss_mb(p) for n, p in cluster.pids().items()}
         result["peak_mb"] = {n: round(max(mb for _, mb in sampler.rss[n]), 1)

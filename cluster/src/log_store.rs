@@ -60,12 +60,12 @@ pub const RECENT_BODY_BYTES: usize = 2 * 1024 * 1024;
 /// The most recently appended bodies ([`RECENT_BODY_BYTES`] at most), by key.
 #[derive(Debug, Default)]
 struct Recent {
-    bodies: std::collections::BTreeMap<u64, Arc<[u8]>>,
+    bodies: std::collections::BTreeMap<u64, bytes::Bytes>,
     bytes: usize,
 }
 
 impl Recent {
-    fn insert(&mut self, key: u64, body: Arc<[u8]>) {
+    fn insert(&mut self, key: u64, body: bytes::Bytes) {
         self.bytes += body.len();
         if let Some(old) = self.bodies.insert(key, body) {
             self.bytes -= old.len();
@@ -249,12 +249,25 @@ impl LogStore {
     /// # Errors
     /// When redb cannot read it.
     pub fn read_body(&self, key: u64) -> Result<Option<Vec<u8>>, redb::Error> {
-        if let Some(b) = self.recent().bodies.get(&key) {
-            return Ok(Some(b.to_vec()));
+        self.with_body(key, <[u8]>::to_vec)
+    }
+
+    /// `f` of the body stored under `key` (None: released, or never here), without copying
+    /// it out first.
+    ///
+    /// # Errors
+    /// When redb cannot read it.
+    pub fn with_body<T>(
+        &self,
+        key: u64,
+        f: impl FnOnce(&[u8]) -> T,
+    ) -> Result<Option<T>, redb::Error> {
+        if let Some(b) = self.recent().bodies.get(&key).cloned() {
+            return Ok(Some(f(&b)));
         }
         let tx = self.db.begin_read()?;
         let bodies = tx.open_table(BODIES)?;
-        Ok(bodies.get(key)?.map(|v| v.value().to_vec()))
+        Ok(bodies.get(key)?.map(|v| f(v.value())))
     }
 
     /// The message under `key` left the queue on this replica: its body is deleted with the
@@ -457,40 +470,30 @@ impl LogStore {
         tx.commit().map_err(|e| err(&e))
     }
 
-    /// Delete the entries whose index is in `range`, in one durable transaction.
+    /// Delete the entries whose index is in `range`, in one durable transaction, with
+    /// `then` written to the metadata; with `bodies`, the bodies of those entries too (a
+    /// truncation: they were never applied; a purge keeps them, live messages still needing
+    /// theirs and the others being released).
     fn delete(
         &self,
         range: impl RangeBounds<u64>,
         then: Option<(&str, &[u8])>,
+        bodies: bool,
     ) -> Result<(), StorageError> {
         let tx = self.db.begin_write().map_err(write_logs_error)?;
         {
+            let start = range.start_bound().cloned();
             let mut log = tx.open_table(LOG).map_err(write_logs_error)?;
-            // `retain_in` would scan the same range; collecting keys keeps the borrow simple.
-            let keys: Vec<u64> = log
-                .range((range.start_bound().cloned(), range.end_bound().cloned()))
-                .map_err(write_logs_error)?
-                .map(|r| r.map(|(k, _)| k.value()))
-                .collect::<Result<_, _>>()
-                .map_err(write_logs_error)?;
-            for k in keys {
-                log.remove(k).map_err(write_logs_error)?;
-            }
-            // A truncation (a range to the end): the removed entries' bodies go too (they
-            // were never applied). A purge keeps them: live messages still need theirs, the
-            // others were released.
-            if let (None, Bound::Included(from)) = (then, range.start_bound()) {
-                let mut bodies = tx.open_table(BODIES).map_err(write_logs_error)?;
-                let from = (*from).min(u64::MAX >> 16) << 16;
-                let doomed: Vec<u64> = bodies
-                    .range(from..)
-                    .map_err(write_logs_error)?
-                    .map(|r| r.map(|(k, _)| k.value()))
-                    .collect::<Result<_, _>>()
-                    .map_err(write_logs_error)?;
-                for k in doomed {
-                    bodies.remove(k).map_err(write_logs_error)?;
-                }
+            remove_range(&mut log, (start, range.end_bound().cloned()))?;
+            if bodies {
+                let key = |i: u64| i.min(u64::MAX >> 16) << 16;
+                let from = match start {
+                    Bound::Included(i) => Bound::Included(key(i)),
+                    Bound::Excluded(i) => Bound::Included(key(i.saturating_add(1))),
+                    Bound::Unbounded => Bound::Unbounded,
+                };
+                let mut table = tx.open_table(BODIES).map_err(write_logs_error)?;
+                remove_range(&mut table, (from, Bound::Unbounded))?;
             }
             if let Some((key, value)) = then {
                 let mut meta = tx.open_table(META).map_err(write_logs_error)?;
@@ -509,6 +512,24 @@ impl LogStore {
         let entry: Entry = crate::codec::decode(v.value()).map_err(read_logs_error)?;
         Ok(Some(entry.log_id))
     }
+}
+
+/// Remove the rows of `table` whose keys are in `range`.
+fn remove_range(
+    table: &mut redb::Table<'_, u64, &[u8]>,
+    range: (Bound<u64>, Bound<u64>),
+) -> Result<(), StorageError> {
+    // `retain_in` would scan the same range; collecting keys keeps the borrow simple.
+    let keys: Vec<u64> = table
+        .range(range)
+        .map_err(write_logs_error)?
+        .map(|r| r.map(|(k, _)| k.value()))
+        .collect::<Result<_, _>>()
+        .map_err(write_logs_error)?;
+    for k in keys {
+        table.remove(k).map_err(write_logs_error)?;
+    }
+    Ok(())
 }
 
 /// See [`LogStore::prepare`].
@@ -546,7 +567,8 @@ impl Write {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
             for (key, body) in self.bodies {
-                recent.insert(key, body.into());
+                // Moved, not copied.
+                recent.insert(key, bytes::Bytes::from(body));
             }
         }
         Ok(())
@@ -648,14 +670,14 @@ impl RaftLogStorage<QueueRaft> for LogStore {
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError> {
         self.recent()
             .remove_from(log_id.index.min(u64::MAX >> 16) << 16);
-        self.delete(log_id.index.., None)
+        self.delete(log_id.index.., None, true)
     }
 
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError> {
         // The purge point and the deletion commit together: a crash in between cannot leave
         // entries below the recorded purge point, nor a gap above it.
         let purged = serde_json::to_vec(&log_id).map_err(write_logs_error)?;
-        self.delete(..=log_id.index, Some((KEY_PURGED, &purged)))
+        self.delete(..=log_id.index, Some((KEY_PURGED, &purged)), false)
     }
 }
 

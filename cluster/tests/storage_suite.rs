@@ -9,37 +9,37 @@ use warren_cluster::log_store::LogStore;
 use warren_cluster::state_machine::QueueStateMachine;
 use warren_cluster::types::{QueueRaft, StorageError};
 
-struct Builder;
+/// Builds a log store (whole, or with bodies split out as a quorum queue's) and a queue
+/// state machine.
+struct Builder {
+    split: bool,
+}
 
 impl StoreBuilder<QueueRaft, LogStore, QueueStateMachine, TempDir> for Builder {
     async fn build(&self) -> Result<(TempDir, LogStore, QueueStateMachine), StorageError> {
         let dir = tempfile::tempdir().expect("a temporary directory");
-        let log = LogStore::open(&dir.path().join("raft.redb")).expect("a new log store");
+        let path = dir.path().join("raft.redb");
+        let log = if self.split {
+            LogStore::open_split(&path)
+        } else {
+            LogStore::open(&path)
+        }
+        .expect("a new log store");
         Ok((dir, log, QueueStateMachine::new(QueueConfig::default())))
     }
 }
 
 #[test]
 fn openraft_storage_conformance_suite() {
-    if let Err(e) = Suite::test_all(Builder) {
+    if let Err(e) = Suite::test_all(Builder { split: false }) {
         panic!("the storage suite failed: {e}");
-    }
-}
-
-struct SplitBuilder;
-
-impl StoreBuilder<QueueRaft, LogStore, QueueStateMachine, TempDir> for SplitBuilder {
-    async fn build(&self) -> Result<(TempDir, LogStore, QueueStateMachine), StorageError> {
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let log = LogStore::open_split(&dir.path().join("raft.redb")).expect("a new log store");
-        Ok((dir, log, QueueStateMachine::new(QueueConfig::default())))
     }
 }
 
 /// A quorum queue's log, bodies split out, passes the suite alike.
 #[test]
 fn openraft_storage_conformance_suite_with_bodies_split_out() {
-    if let Err(e) = Suite::test_all(SplitBuilder) {
+    if let Err(e) = Suite::test_all(Builder { split: true }) {
         panic!("the storage suite failed: {e}");
     }
 }

@@ -252,20 +252,37 @@ impl LogBodies {
         }
     }
 
-    /// The stored record under `key`.
-    fn record(&self, key: u64) -> Result<Vec<u8>, String> {
-        match self.log.read_body(key) {
-            Ok(Some(body)) => Ok(body),
+    /// `f` of the stored record under `key`.
+    fn with_record<T>(&self, key: u64, f: impl FnOnce(&[u8]) -> T) -> Result<T, String> {
+        match self.log.with_body(key, f) {
+            Ok(Some(t)) => Ok(t),
             Ok(None) => Err(format!("message {key:#x} is not in this node's log")),
             Err(e) => Err(e.to_string()),
         }
+    }
+
+    /// The stored record under `key`, copied out (to send it).
+    fn record(&self, key: u64) -> Result<Vec<u8>, String> {
+        self.with_record(key, <[u8]>::to_vec)
+    }
+
+    /// Delete, in the background, the bodies of entries up to `upto` that no message in
+    /// `live` (sorted keys) holds.
+    fn sweep_in_background(&self, queue: String, live: Vec<u64>, upto: u64) {
+        let log = self.log.clone();
+        std::thread::spawn(move || match log.sweep(&live, upto) {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(%queue, bodies = n, upto, live = live.len(), "swept bodies no message holds")
+            }
+            Err(e) => tracing::warn!(%queue, error = %e, "bodies were not swept"),
+        });
     }
 }
 
 impl BodySource for LogBodies {
     fn read(&self, key: u64) -> Result<Arc<Message>, String> {
-        let record = self.record(key)?;
-        warren_broker::message::codec::decode_message(&record)
+        self.with_record(key, warren_broker::message::codec::decode_message)?
             .map(Arc::new)
             .map_err(|e| e.to_string())
     }
@@ -443,12 +460,7 @@ impl Applied for QueueApplied {
         if let Some(bodies) = &self.bodies
             && last > 0
         {
-            let log = bodies.log.clone();
-            std::thread::spawn(move || {
-                if let Err(e) = log.sweep(&live, last) {
-                    tracing::warn!(error = %e, "bodies replaced by a snapshot were not swept");
-                }
-            });
+            bodies.sweep_in_background(self.queue.name.clone(), live, last);
         }
         Ok(())
     }
@@ -588,15 +600,7 @@ impl QueueReplica {
         let Some(applied) = applied else {
             return;
         };
-        let log = bodies.log.clone();
-        let queue = self.queue.name.clone();
-        tokio::task::spawn_blocking(move || match log.sweep(&live, applied.index) {
-            Ok(0) => {}
-            Ok(n) => {
-                tracing::info!(%queue, bodies = n, applied = applied.index, live = live.len(), "swept bodies no message holds")
-            }
-            Err(e) => tracing::warn!(%queue, error = %e, "bodies were not swept"),
-        });
+        bodies.sweep_in_background(self.queue.name.clone(), live, applied.index);
     }
 
     /// Delete released bodies no write took yet, and purge the log up to where this
