@@ -53,6 +53,10 @@ pub enum StoreError {
     /// A message record is larger than a record can be.
     #[error("message record of {0} bytes exceeds the record size limit")]
     RecordTooLarge(usize),
+    /// Every segment id a [`Location`](crate::Location) can name is used (2^32 segments
+    /// written: never in practice, but a bound all the same).
+    #[error("segment ids exhausted (the store wrote {} segments)", u32::MAX)]
+    SegmentIdsExhausted,
     /// A replicated write was not committed, or its outcome is unknown (the queue's leader was
     /// lost or unreachable): the publisher is nacked and may retry.
     #[error("replicated write failed: {0}")]

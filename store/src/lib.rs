@@ -238,7 +238,7 @@ const ENTRY_LEN: usize = 32;
 
 fn encode_entry(loc: Location, flags: u32, expires_at: u64) -> [u8; ENTRY_LEN] {
     let mut e = [0u8; ENTRY_LEN];
-    e[0..8].copy_from_slice(&loc.segment.to_be_bytes());
+    e[0..8].copy_from_slice(&u64::from(loc.segment).to_be_bytes());
     e[8..16].copy_from_slice(&loc.offset.to_be_bytes());
     e[16..20].copy_from_slice(&loc.len.to_be_bytes());
     e[20..24].copy_from_slice(&flags.to_be_bytes());
@@ -254,7 +254,8 @@ fn decode_entry(e: &[u8]) -> Option<(Location, u32, u64)> {
     let u32_at = |i: usize| u32::from_be_bytes(e[i..i + 4].try_into().unwrap_or_default());
     Some((
         Location {
-            segment: u64_at(0),
+            // An id past 32 bits was never written by this store: damaged.
+            segment: u32::try_from(u64_at(0)).ok()?,
             offset: u64_at(8),
             len: u32_at(16),
         },
@@ -376,15 +377,15 @@ impl Store {
                                 ),
                             });
                         };
-                        if let Some(e) = bad_headers.remove(&location.segment) {
+                        if let Some(e) = bad_headers.remove(&u64::from(location.segment)) {
                             return Err(e);
                         }
                         let intact = scanned
-                            .get(&location.segment)
+                            .get(&u64::from(location.segment))
                             .is_some_and(|s| location.end() <= s.valid_len);
                         if !intact {
                             return Err(StoreError::Corrupt {
-                                path: segment::segment_path(&seg_dir, location.segment),
+                                path: segment::segment_path(&seg_dir, u64::from(location.segment)),
                                 offset: location.offset,
                                 detail: format!(
                                     "the index references a record that is missing or fails its \
@@ -393,7 +394,7 @@ impl Store {
                                 ),
                             });
                         }
-                        *refs.entry(location.segment).or_default() += 1;
+                        *refs.entry(u64::from(location.segment)).or_default() += 1;
                         recovered.messages.push(IndexedMessage {
                             queue,
                             id,
@@ -522,8 +523,8 @@ impl Store {
                     // group can be found dead.
                     if let Op::Enqueue { body, .. } = op {
                         let seg = match body {
-                            BodyRef::New(i) => locations.get(*i).map(|l| l.segment),
-                            BodyRef::Stored(loc) => Some(loc.segment),
+                            BodyRef::New(i) => locations.get(*i).map(|l| u64::from(l.segment)),
+                            BodyRef::Stored(loc) => Some(u64::from(loc.segment)),
                         };
                         if let Some(seg) = seg {
                             delta.entry(seg).or_default();
@@ -573,9 +574,9 @@ impl Store {
                             )
                             .map_err(|e| StoreError::db(&self.db_path, e))?
                             .and_then(|g| decode_entry(g.value()));
-                        *delta.entry(loc.segment).or_default() += 1;
+                        *delta.entry(u64::from(loc.segment)).or_default() += 1;
                         if let Some((old, _, _)) = old {
-                            *delta.entry(old.segment).or_default() -= 1;
+                            *delta.entry(u64::from(old.segment)).or_default() -= 1;
                         }
                     }
                     Op::Settle { queue, id } => {
@@ -584,7 +585,7 @@ impl Store {
                             .map_err(|e| StoreError::db(&self.db_path, e))?
                             .and_then(|g| decode_entry(g.value()));
                         if let Some((old, _, _)) = old {
-                            *delta.entry(old.segment).or_default() -= 1;
+                            *delta.entry(u64::from(old.segment)).or_default() -= 1;
                         }
                     }
                     Op::Renumber { queue, from, to } => {
@@ -599,7 +600,7 @@ impl Store {
                                 .map_err(|e| StoreError::db(&self.db_path, e))?
                                 .and_then(|g| decode_entry(g.value()));
                             if let Some((old, _, _)) = old {
-                                *delta.entry(old.segment).or_default() -= 1;
+                                *delta.entry(u64::from(old.segment)).or_default() -= 1;
                             }
                         }
                     }
@@ -610,7 +611,7 @@ impl Store {
                         for row in removed {
                             let (_, v) = row.map_err(|e| StoreError::db(&self.db_path, e))?;
                             if let Some((old, _, _)) = decode_entry(v.value()) {
-                                *delta.entry(old.segment).or_default() -= 1;
+                                *delta.entry(u64::from(old.segment)).or_default() -= 1;
                             }
                         }
                     }
@@ -645,7 +646,8 @@ impl Store {
             let offset = self.active.len() + buf.len() as u64;
             body.encode(&mut buf);
             locations.push(Location {
-                segment: self.active.id,
+                segment: u32::try_from(self.active.id)
+                    .map_err(|_| StoreError::SegmentIdsExhausted)?,
                 offset,
                 len: u32::try_from(payload).map_err(|_| StoreError::RecordTooLarge(payload))?,
             });

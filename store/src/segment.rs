@@ -34,8 +34,9 @@ pub const SEGMENT_VERSION: u32 = 1;
 /// Where a message record lives: segment id, byte offset of the record, payload length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Location {
-    /// Segment id (the file name).
-    pub segment: u64,
+    /// Segment id (the file name). 32 bits, so a queue's reference to a stored message stays
+    /// small (the store refuses to start segment 2^32: [`crate::StoreError::SegmentIdsExhausted`]).
+    pub segment: u32,
     /// Offset of the record header within the segment.
     pub offset: u64,
     /// Payload length (the record is `RECORD_HEADER + len` bytes).
@@ -299,7 +300,7 @@ impl Segments {
     /// record while it is still referenced can read it after settling it.
     pub fn pin(&self, loc: Location) -> Result<Pinned, StoreError> {
         Ok(Pinned {
-            segment: self.file(loc.segment)?,
+            segment: self.file(u64::from(loc.segment))?,
             location: loc,
         })
     }

@@ -214,10 +214,10 @@ impl Outgoing {
 #[cfg(test)]
 mod size_tests {
     /// A queue holds one of these per message (`queue::machine::ready`'s size test assumes
-    /// at most 32 bytes).
+    /// at most 24 bytes).
     #[test]
-    fn an_entry_is_at_most_32_bytes() {
-        assert!(std::mem::size_of::<super::Entry>() <= 32);
+    fn an_entry_is_at_most_24_bytes() {
+        assert!(std::mem::size_of::<super::Entry>() <= 24);
         assert_eq!(std::mem::align_of::<super::Entry>(), 8);
     }
 }

@@ -22,7 +22,7 @@ impl<M: MessageRef> QueueMachine<M> {
         let r = self.pop_live(effects)?;
         let size = r.msg.size();
         self.counters.got += 1;
-        self.counters.redelivered += u64::from(r.redelivered);
+        self.counters.redelivered += u64::from(r.redelivered());
         if no_ack {
             self.counters.settled += 1;
             effects.push(Effect::Removed {
@@ -38,14 +38,15 @@ impl<M: MessageRef> QueueMachine<M> {
                     msg: r.msg.clone(),
                     consumer: None,
                     owner: None,
-                    expires_at: r.expires_at,
-                    delivery_count: r.delivery_count,
+                    expires_at: r.expires_at(),
+                    delivery_count: r.delivery_count(),
                     enqueued_at: r.enqueued_at,
                 },
             );
         }
         let remaining = u32::try_from(self.ready_len()).unwrap_or(u32::MAX);
-        Some((r.id, r.msg, r.redelivered, remaining, r.delivery_count))
+        let (redelivered, count) = (r.redelivered(), r.delivery_count());
+        Some((r.id, r.msg, redelivered, remaining, count))
     }
 
     /// Hand ready messages to consumers with credit, one each in turn.
@@ -71,7 +72,7 @@ impl<M: MessageRef> QueueMachine<M> {
             };
             let size = r.msg.size();
             self.counters.delivered += 1;
-            self.counters.redelivered += u64::from(r.redelivered);
+            self.counters.redelivered += u64::from(r.redelivered());
             c.unwritten += 1;
             c.unwritten_bytes += size;
             if c.is_limited() {
@@ -88,19 +89,20 @@ impl<M: MessageRef> QueueMachine<M> {
                         msg: r.msg.clone(),
                         consumer: Some(cid),
                         owner: Some(cid),
-                        expires_at: r.expires_at,
-                        delivery_count: r.delivery_count,
+                        expires_at: r.expires_at(),
+                        delivery_count: r.delivery_count(),
                         enqueued_at: r.enqueued_at,
                     },
                 );
             }
+            let (redelivered, delivery_count) = (r.redelivered(), r.delivery_count());
             effects.push(Effect::Deliver {
                 consumer: cid,
                 id: r.id,
                 msg: r.msg,
-                redelivered: r.redelivered,
+                redelivered,
                 settled: c.spec.no_ack,
-                delivery_count: r.delivery_count,
+                delivery_count,
             });
             if c.has_credit() {
                 c.in_ring = true;

@@ -28,7 +28,7 @@ impl<M: MessageRef> QueueMachine<M> {
     }
 
     fn is_expired(&self, r: &Ready<M>) -> bool {
-        r.expires_at.is_some_and(|at| at <= self.now) && self.arriving != Some(r.id)
+        r.expires_at().is_some_and(|at| at <= self.now) && self.arriving != Some(r.id)
     }
 
     /// Drop expired messages at the head of every level (RabbitMQ expires messages when they
@@ -88,7 +88,7 @@ impl<M: MessageRef> QueueMachine<M> {
     pub fn next_expiry(&self) -> Option<u64> {
         self.levels
             .values()
-            .filter_map(|l| l.peek().and_then(|r| r.expires_at))
+            .filter_map(|l| l.peek().and_then(|r| r.expires_at()))
             .min()
     }
 }

@@ -16,19 +16,115 @@ use std::collections::{BTreeMap, VecDeque};
 use super::command::{Effect, Removal};
 use super::{MessageRef, MsgId, QueueMachine};
 
-/// A message waiting for delivery.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+/// A message waiting for delivery. Compact (a long queue holds one per message): its expiry
+/// is kept relative to its enqueue time and its redelivered flag shares a word with its
+/// delivery count. Serialized as the full fields (snapshots and digests do not see the packing).
+#[derive(Debug, Clone)]
 pub(super) struct Ready<M> {
     pub(super) id: MsgId,
-    pub(super) msg: M,
-    pub(super) redelivered: bool,
-    /// Machine time (ms) from which it must not be delivered.
-    pub(super) expires_at: Option<u64>,
-    /// Times it was returned after a delivery.
-    pub(super) delivery_count: u32,
     /// Machine time (ms) it entered the queue (or was restored); kept across returns, so the
     /// oldest-ready age counts from the first enqueue.
     pub(super) enqueued_at: u64,
+    pub(super) msg: M,
+    /// Milliseconds after `enqueued_at` from which it must not be delivered; [`NO_EXPIRY`]
+    /// for never.
+    expires_after: u32,
+    /// Times it was returned after a delivery (low 31 bits) and the redelivered flag (top bit).
+    returns: u32,
+}
+
+/// [`Ready`]'s `expires_after` of a message that does not expire.
+const NO_EXPIRY: u32 = u32::MAX;
+const REDELIVERED_BIT: u32 = 1 << 31;
+
+impl<M> Ready<M> {
+    /// A ready record. An expiry more than `u32::MAX - 1` ms (49.7 days, RabbitMQ's largest
+    /// TTL) after `enqueued_at` is held as that bound; one before it as `enqueued_at` (already
+    /// due). A delivery count past 2^31 - 1 stays there.
+    pub(super) fn new(
+        id: MsgId,
+        msg: M,
+        redelivered: bool,
+        expires_at: Option<u64>,
+        delivery_count: u32,
+        enqueued_at: u64,
+    ) -> Self {
+        let expires_after = expires_at.map_or(NO_EXPIRY, |at| {
+            u32::try_from(at.saturating_sub(enqueued_at))
+                .unwrap_or(NO_EXPIRY - 1)
+                .min(NO_EXPIRY - 1)
+        });
+        let count = delivery_count.min(REDELIVERED_BIT - 1);
+        Self {
+            id,
+            enqueued_at,
+            msg,
+            expires_after,
+            returns: if redelivered {
+                count | REDELIVERED_BIT
+            } else {
+                count
+            },
+        }
+    }
+
+    /// Machine time (ms) from which it must not be delivered.
+    pub(super) fn expires_at(&self) -> Option<u64> {
+        (self.expires_after != NO_EXPIRY).then(|| {
+            self.enqueued_at
+                .saturating_add(u64::from(self.expires_after))
+        })
+    }
+
+    /// It was delivered (or may have been) before.
+    pub(super) fn redelivered(&self) -> bool {
+        self.returns & REDELIVERED_BIT != 0
+    }
+
+    /// Times it was returned after a delivery.
+    pub(super) fn delivery_count(&self) -> u32 {
+        self.returns & !REDELIVERED_BIT
+    }
+}
+
+/// [`Ready`] as serialized: every field whole (the layout snapshots always had).
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(rename = "Ready")]
+struct ReadyFields<M> {
+    id: MsgId,
+    msg: M,
+    redelivered: bool,
+    expires_at: Option<u64>,
+    delivery_count: u32,
+    enqueued_at: u64,
+}
+
+impl<M: serde::Serialize> serde::Serialize for Ready<M> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let mut out = s.serialize_struct("Ready", 6)?;
+        out.serialize_field("id", &self.id)?;
+        out.serialize_field("msg", &self.msg)?;
+        out.serialize_field("redelivered", &self.redelivered())?;
+        out.serialize_field("expires_at", &self.expires_at())?;
+        out.serialize_field("delivery_count", &self.delivery_count())?;
+        out.serialize_field("enqueued_at", &self.enqueued_at)?;
+        out.end()
+    }
+}
+
+impl<'de, M: serde::Deserialize<'de>> serde::Deserialize<'de> for Ready<M> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let f = ReadyFields::<M>::deserialize(d)?;
+        Ok(Self::new(
+            f.id,
+            f.msg,
+            f.redelivered,
+            f.expires_at,
+            f.delivery_count,
+            f.enqueued_at,
+        ))
+    }
 }
 
 /// Ready messages of one priority.
@@ -121,14 +217,7 @@ impl<M: MessageRef> QueueMachine<M> {
         self.counters.enqueued += 1;
         let expires_at = self.expiry_of(&msg);
         self.arriving = Some(id);
-        self.push_fresh(Ready {
-            id,
-            msg,
-            redelivered: false,
-            expires_at,
-            delivery_count: 0,
-            enqueued_at: self.now,
-        });
+        self.push_fresh(Ready::new(id, msg, false, expires_at, 0, self.now));
     }
 
     /// Put back a message recovered from durable storage under its stored id.
@@ -146,14 +235,7 @@ impl<M: MessageRef> QueueMachine<M> {
         self.next_id = self.next_id.max(id + 1);
         self.counters.enqueued += 1;
         let expires_at = stored_expiry.or_else(|| self.expiry_of(&msg));
-        self.push_fresh(Ready {
-            id,
-            msg,
-            redelivered,
-            expires_at,
-            delivery_count: 0,
-            enqueued_at: self.now,
-        });
+        self.push_fresh(Ready::new(id, msg, redelivered, expires_at, 0, self.now));
     }
 
     /// Remove all ready messages, highest level first; returns how many.
@@ -242,10 +324,31 @@ impl<M: MessageRef> QueueMachine<M> {
 #[cfg(test)]
 mod size_tests {
     /// What a queue holds per ready message (RAM per queued message is about this plus the
-    /// deque's slack, docs/benchmarks.md), for a message reference of the broker's size (32
+    /// deque's slack, docs/benchmarks.md), for a message reference of the broker's size (24
     /// bytes, 8-aligned: `message::size_tests`): a larger one is a regression.
     #[test]
-    fn a_ready_message_costs_at_most_72_bytes() {
-        assert!(std::mem::size_of::<super::Ready<[u64; 4]>>() <= 72);
+    fn a_ready_message_costs_at_most_48_bytes() {
+        assert!(std::mem::size_of::<super::Ready<[u64; 3]>>() <= 48);
+    }
+
+    /// The packed fields give back what went in.
+    #[test]
+    fn packed_fields_round_trip() {
+        let r = super::Ready::new(7, (), true, Some(1_500), 3, 1_000);
+        assert_eq!(
+            (r.redelivered(), r.delivery_count(), r.expires_at()),
+            (true, 3, Some(1_500))
+        );
+        let r = super::Ready::new(7, (), false, None, u32::MAX, 1_000);
+        assert_eq!(
+            (r.redelivered(), r.delivery_count(), r.expires_at()),
+            (false, (1 << 31) - 1, None)
+        );
+        // Due before it was restored: due at once.
+        let r = super::Ready::new(7, (), false, Some(10), 0, 1_000);
+        assert_eq!(r.expires_at(), Some(1_000));
+        // RabbitMQ's largest TTL is kept to the millisecond but one.
+        let r = super::Ready::new(7, (), false, Some(1_000 + u64::from(u32::MAX)), 0, 1_000);
+        assert_eq!(r.expires_at(), Some(1_000 + u64::from(u32::MAX) - 1));
     }
 }

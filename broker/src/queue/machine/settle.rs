@@ -111,24 +111,24 @@ impl<M: MessageRef> QueueMachine<M> {
                         new,
                         msg: msg.clone(),
                     });
-                    self.push_fresh(Ready {
-                        id: new,
+                    self.push_fresh(Ready::new(
+                        new,
                         msg,
-                        redelivered: true,
+                        true,
                         expires_at,
                         delivery_count,
                         enqueued_at,
-                    });
+                    ));
                     continue;
                 }
-                self.push_returned(Ready {
+                self.push_returned(Ready::new(
                     id,
                     msg,
-                    redelivered: true,
+                    true,
                     expires_at,
                     delivery_count,
                     enqueued_at,
-                });
+                ));
             }
         }
     }

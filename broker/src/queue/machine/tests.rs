@@ -753,7 +753,7 @@ proptest! {
             // Nothing expired is left at a head.
             for l in q.levels.values() {
                 if let Some(r) = l.peek() {
-                    prop_assert!(r.expires_at.is_none_or(|at| at > q.now), "expired head left");
+                    prop_assert!(r.expires_at().is_none_or(|at| at > q.now), "expired head left");
                 }
             }
             for e in &fx {
