@@ -105,6 +105,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
                     secret: c.secret.as_bytes().to_vec(),
                     data_dir: cfg.data_dir.join("cluster"),
                     join: c.join,
+                    queue_log_pin_max: c.log_pin_max,
                     tls: c
                         .tls
                         .as_ref()

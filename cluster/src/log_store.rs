@@ -6,20 +6,21 @@
 //! Entries are stored in the binary [`codec`](crate::codec), one redb value each; the small
 //! metadata values are JSON.
 //!
-//! A quorum queue's log ([`LogStore::open_split`]) keeps message bodies apart from the
-//! entries: each enqueue's body is its own value in the `raft_bodies` table under its
-//! [`body_key`] (the entry's index and the command's place in it), and the entry keeps a
-//! 5-byte stub (tag, body size). Replicas hold messages by key, not by body
-//! ([`warren_broker::message::Entry::Logged`]), read a body when they deliver it and release
-//! it when the message leaves the queue, so:
+//! A quorum queue's log ([`LogStore::open_queue`]) is also where its message bodies are:
+//! replicas hold messages by key, not by body
+//! ([`warren_broker::message::Entry::Logged`]): the entry's index and the command's place in
+//! it ([`body_key`]). A body is read from its entry when it is delivered, so:
 //! - memory holds per-message metadata only, whatever the backlog;
-//! - purging the log (after a snapshot) deletes no body a live message still needs, and a
-//!   settled message's body goes at once (in the next write), so a few old unacked messages
-//!   pin their own bodies and nothing else;
-//! - openraft reads entries to apply through the store itself, which gives the stubs (applying
-//!   needs no body), and to replicate through its reader ([`LogStore::get_log_reader`]), which
-//!   puts the bodies back. A body already released (its message settled) stays a stub: a
-//!   member that applies it also applies the settle that follows.
+//! - an append is one redb value per entry, bodies inside (no write per message), and a
+//!   message settled before its entry is purged costs no write at all;
+//! - before entries are purged (after a snapshot), the bodies of the live messages they hold
+//!   are copied into the `raft_bodies` table ([`LogStore::copy_out`]), each under its key; a
+//!   copied body is deleted once its message leaves the queue (with the log's next write), so
+//!   a few old unacked messages keep their own bodies and nothing else.
+//!
+//! Logs written by the version that split every body out when appended (a 5-byte stub in the
+//! entry: tag 0xFE, body size u32) are still read: a stub's body is in `raft_bodies`, and the
+//! reader openraft replicates from ([`LogStore::get_log_reader`]) puts it back.
 //!
 //! Byte layout of a `raft_bodies` key: `index << 16 | slot` (u64, big-endian order is index
 //! order); value: the message record ([`warren_broker::message::codec::encode_message`]).
@@ -41,6 +42,8 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use warren_broker::queue::machine::Command;
+
 use crate::types::{NodeId, QueueRaft, StorageError};
 
 type Entry = openraft::Entry<QueueRaft>;
@@ -53,7 +56,7 @@ const BODIES: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_bodies");
 /// queue cannot afford; bodies read back are usually in the OS page cache anyway).
 pub const LOG_CACHE_BYTES: usize = 8 * 1024 * 1024;
 
-/// Bytes of the most recently appended bodies a split log keeps in memory as well, so a
+/// Bytes of the most recently appended bodies a queue's log keeps in memory as well, so a
 /// consumer that keeps up is served without reading them back (oldest dropped first).
 pub const RECENT_BODY_BYTES: usize = 2 * 1024 * 1024;
 
@@ -91,12 +94,13 @@ impl Recent {
     }
 }
 
-/// Commands of one entry whose bodies can be split out (a key has 16 bits for the slot);
-/// the proposer's entries are far smaller. Bodies of commands beyond stay in the entry.
+/// Commands of one entry whose messages can be held by key (a key has 16 bits for the slot);
+/// the proposer's entries are far smaller. Messages of commands beyond are decoded whole.
 pub const SLOTS_PER_ENTRY: usize = 1 << 16;
 
-/// First byte of a split-out body's stub in an entry. A message record starts with its
-/// length, big-endian: its first byte would be 0xFE only for a record of almost 4 GiB.
+/// First byte of a split-out body's stub in an entry (logs of the previous version). A message
+/// record starts with its length, big-endian: its first byte would be 0xFE only for a record
+/// of almost 4 GiB.
 const STUB_TAG: u8 = 0xFE;
 /// Bytes of a stub: the tag and the body size (u32, big-endian).
 const STUB_LEN: usize = 5;
@@ -122,19 +126,9 @@ pub fn stub_size(body: &[u8]) -> Option<u32> {
     Some(u32::from_be_bytes([body[1], body[2], body[3], body[4]]))
 }
 
-fn stub(size: u32) -> Vec<u8> {
-    let mut out = Vec::with_capacity(STUB_LEN);
-    out.push(STUB_TAG);
-    out.extend_from_slice(&size.to_be_bytes());
-    out
-}
-
 const KEY_VOTE: &str = "vote";
 const KEY_COMMITTED: &str = "committed";
 const KEY_PURGED: &str = "last_purged";
-/// Set once every entry of a split log has its bodies split out (logs written before
-/// bodies were split are converted when first opened so).
-const KEY_SPLIT: &str = "bodies_split";
 
 fn io_error(
     subject: ErrorSubject<NodeId>,
@@ -157,14 +151,31 @@ fn write_logs_error(e: impl std::fmt::Display) -> StorageError {
 #[derive(Debug, Clone)]
 pub struct LogStore {
     db: Arc<Database>,
-    /// Bodies are split out of entries (a quorum queue's log).
-    split: bool,
+    /// A quorum queue's log: bodies are read by key and copied out before a purge.
+    queue: bool,
     /// Reads put split-out bodies back (the reader openraft replicates from).
     inflate: bool,
-    /// Keys of bodies released since the last write, deleted with the next one.
-    released: Arc<std::sync::Mutex<Vec<u64>>>,
+    /// Released bodies and how far bodies were copied out.
+    copies: Arc<std::sync::Mutex<Copies>>,
     /// The last bodies appended, also in memory.
     recent: Arc<std::sync::Mutex<Recent>>,
+    /// The entry a body was last read from, decoded (a drain reads an entry's messages in turn).
+    last_read: Arc<std::sync::Mutex<Option<Arc<Entry>>>>,
+}
+
+/// What [`LogStore::release`] and [`LogStore::copy_out`] share.
+///
+/// Invariant: every live message's body is in its entry (index above `copied_upto`, entry
+/// not purged) or in `raft_bodies` (copied, or brought by a snapshot).
+#[derive(Debug, Default)]
+struct Copies {
+    /// Entries up to here had their live bodies copied out (or were purged).
+    copied_upto: u64,
+    /// Released keys up to `copied_upto`: their copies are deleted with the next write.
+    pending: Vec<u64>,
+    /// Released keys above `copied_upto`: in their entries only, unless a copy-out running
+    /// now copies them (it then moves them to `pending`).
+    above: Vec<u64>,
 }
 
 impl LogStore {
@@ -176,16 +187,16 @@ impl LogStore {
         Self::open_with(path, false)
     }
 
-    /// Open or create a quorum queue's log at `path`: bodies split out of the entries (see
-    /// the module's documentation).
+    /// Open or create a quorum queue's log at `path`: its bodies read by key and copied out
+    /// before a purge (see the module's documentation).
     ///
     /// # Errors
     /// When redb cannot open or initialise the file.
-    pub fn open_split(path: &Path) -> Result<Self, redb::Error> {
+    pub fn open_queue(path: &Path) -> Result<Self, redb::Error> {
         Self::open_with(path, true)
     }
 
-    fn open_with(path: &Path, split: bool) -> Result<Self, redb::Error> {
+    fn open_with(path: &Path, queue: bool) -> Result<Self, redb::Error> {
         let db = Database::builder()
             .set_cache_size(LOG_CACHE_BYTES)
             .create(path)?;
@@ -194,54 +205,29 @@ impl LogStore {
         tx.open_table(META)?;
         tx.open_table(BODIES)?;
         tx.commit()?;
-        let store = Self {
-            db: Arc::new(db),
-            split,
-            inflate: false,
-            released: Arc::default(),
-            recent: Arc::default(),
+        let purged: Option<LogId<NodeId>> = {
+            let tx = db.begin_read()?;
+            let meta = tx.open_table(META)?;
+            meta.get(KEY_PURGED)?
+                .and_then(|v| serde_json::from_slice(v.value()).ok())
         };
-        if split {
-            store.split_existing()?;
-        }
-        Ok(store)
+        Ok(Self {
+            db: Arc::new(db),
+            queue,
+            inflate: false,
+            copies: Arc::new(std::sync::Mutex::new(Copies {
+                copied_upto: purged.map_or(0, |p| p.index),
+                ..Copies::default()
+            })),
+            recent: Arc::default(),
+            last_read: Arc::default(),
+        })
     }
 
-    /// Split the bodies out of entries written whole (by an earlier version), once: apply
-    /// then takes every enqueue of a split log for a key whose body is stored.
-    fn split_existing(&self) -> Result<(), redb::Error> {
-        let tx = self.db.begin_write()?;
-        if tx.open_table(META)?.get(KEY_SPLIT)?.is_some() {
-            return Ok(());
-        }
-        {
-            let mut log = tx.open_table(LOG)?;
-            let mut table = tx.open_table(BODIES)?;
-            let mut rewritten = Vec::new();
-            for row in log.iter()? {
-                let (k, v) = row?;
-                let Ok(mut entry) = crate::codec::decode::<Entry>(v.value()) else {
-                    continue;
-                };
-                let mut bodies = Vec::new();
-                self.split_bodies(&mut entry, &mut bodies);
-                if bodies.is_empty() {
-                    continue;
-                }
-                for (key, body) in &bodies {
-                    table.insert(*key, body.as_slice())?;
-                }
-                if let Ok(bytes) = crate::codec::encode(&entry) {
-                    rewritten.push((k.value(), bytes));
-                }
-            }
-            for (k, bytes) in rewritten {
-                log.insert(k, bytes.as_slice())?;
-            }
-            tx.open_table(META)?.insert(KEY_SPLIT, b"1".as_slice())?;
-        }
-        tx.commit()?;
-        Ok(())
+    fn copies(&self) -> std::sync::MutexGuard<'_, Copies> {
+        self.copies
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The body stored under `key` (None: released, or never here).
@@ -253,10 +239,10 @@ impl LogStore {
     }
 
     /// `f` of the body stored under `key` (None: released, or never here), without copying
-    /// it out first.
+    /// it out first: from memory (recently appended), its entry, or its copy.
     ///
     /// # Errors
-    /// When redb cannot read it.
+    /// When redb cannot read it or its entry does not decode.
     pub fn with_body<T>(
         &self,
         key: u64,
@@ -265,22 +251,75 @@ impl LogStore {
         if let Some(b) = self.recent().bodies.get(&key).cloned() {
             return Ok(Some(f(&b)));
         }
+        let index = key_index(key);
         let tx = self.db.begin_read()?;
+        if index > self.copies().copied_upto
+            && let Some(entry) = self.entry_at(&tx, index)?
+        {
+            let slot = usize::try_from(key & 0xFFFF).unwrap_or(usize::MAX);
+            if let openraft::EntryPayload::Normal(req) = &entry.payload
+                && let Some(Command::Enqueue(m)) = req.commands.get(slot)
+                && stub_size(&m.body).is_none()
+            {
+                return Ok(Some(f(&m.body)));
+            }
+        }
+        // Copied out (or a stub's, or a snapshot's).
         let bodies = tx.open_table(BODIES)?;
         Ok(bodies.get(key)?.map(|v| f(v.value())))
     }
 
-    /// The message under `key` left the queue on this replica: its body is deleted with the
-    /// next write (an append, or [`LogStore::flush_released`]).
-    pub fn release(&self, keys: impl IntoIterator<Item = u64>) {
-        let mut released = self
-            .released
+    /// The entry at `index`, decoded (the last one read is kept).
+    fn entry_at(
+        &self,
+        tx: &redb::ReadTransaction,
+        index: u64,
+    ) -> Result<Option<Arc<Entry>>, redb::Error> {
+        let mut last = self
+            .last_read
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(e) = last.as_ref()
+            && e.log_id.index == index
+        {
+            return Ok(Some(Arc::clone(e)));
+        }
+        let log = tx.open_table(LOG)?;
+        let Some(v) = log.get(index)? else {
+            return Ok(None);
+        };
+        let entry: Entry = crate::codec::decode(v.value())
+            .map_err(|e| redb::Error::Corrupted(format!("log entry {index}: {e}")))?;
+        let entry = Arc::new(entry);
+        *last = Some(Arc::clone(&entry));
+        Ok(Some(entry))
+    }
+
+    /// Forget the decoded entry if it is at `from` or after (truncated) or up to `upto`
+    /// (purged).
+    fn forget_read(&self, gone: impl Fn(u64) -> bool) {
+        let mut last = self
+            .last_read
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.as_ref().is_some_and(|e| gone(e.log_id.index)) {
+            *last = None;
+        }
+    }
+
+    /// The messages under `keys` left the queue on this replica: bodies copied out are
+    /// deleted with the next write (an append, or [`LogStore::flush_released`]); the others
+    /// go with their entries.
+    pub fn release(&self, keys: impl IntoIterator<Item = u64>) {
+        let mut copies = self.copies();
         let mut recent = self.recent();
         for k in keys {
             recent.remove(k);
-            released.push(k);
+            if key_index(k) <= copies.copied_upto {
+                copies.pending.push(k);
+            } else {
+                copies.above.push(k);
+            }
         }
     }
 
@@ -291,12 +330,74 @@ impl LogStore {
     }
 
     fn take_released(&self) -> Vec<u64> {
-        std::mem::take(
-            &mut *self
-                .released
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner),
-        )
+        std::mem::take(&mut self.copies().pending)
+    }
+
+    /// Entries up to `upto` now have their live bodies elsewhere (copied, or brought by a
+    /// snapshot): releases of keys up to there are deletions from now on, and those released
+    /// from `from` on in `above` (during a copy) may have been copied, so they are too.
+    fn copied(&self, upto: u64, from: usize) {
+        let mut copies = self.copies();
+        if upto <= copies.copied_upto {
+            return;
+        }
+        let Copies { pending, above, .. } = &mut *copies;
+        let late = above.get(from..).unwrap_or_default();
+        pending.extend(late.iter().copied().filter(|&k| key_index(k) <= upto));
+        above.retain(|&k| key_index(k) > upto);
+        copies.copied_upto = upto;
+    }
+
+    /// Copy the bodies of `live` (sorted keys of the messages the queue holds) whose entries
+    /// are at `upto` or before out of those entries, so the entries can be purged. Run before
+    /// every purge of a queue's log; returns how many were copied.
+    ///
+    /// # Errors
+    /// When redb cannot read or write; nothing is marked copied then.
+    pub fn copy_out(&self, live: &[u64], upto: u64) -> Result<usize, redb::Error> {
+        let (released, from) = {
+            let copies = self.copies();
+            if upto <= copies.copied_upto {
+                return Ok(0);
+            }
+            let mut released: Vec<u64> = copies.above.clone();
+            released.sort_unstable();
+            (released, copies.above.len())
+        };
+        let mut copied = 0;
+        let tx = self.db.begin_write()?;
+        {
+            let log = tx.open_table(LOG)?;
+            let mut bodies = tx.open_table(BODIES)?;
+            let mut current: Option<(u64, Entry)> = None;
+            for &key in live.iter().filter(|&&k| key_index(k) <= upto) {
+                if released.binary_search(&key).is_ok() || bodies.get(key)?.is_some() {
+                    continue;
+                }
+                let index = key_index(key);
+                if current.as_ref().is_none_or(|(i, _)| *i != index) {
+                    let Some(v) = log.get(index)? else {
+                        tracing::warn!(key, "a live message's entry and copy are both gone");
+                        continue;
+                    };
+                    let entry = crate::codec::decode(v.value())
+                        .map_err(|e| redb::Error::Corrupted(format!("log entry {index}: {e}")))?;
+                    current = Some((index, entry));
+                }
+                let Some((_, entry)) = &current else { continue };
+                let slot = usize::try_from(key & 0xFFFF).unwrap_or(usize::MAX);
+                if let openraft::EntryPayload::Normal(req) = &entry.payload
+                    && let Some(Command::Enqueue(m)) = req.commands.get(slot)
+                    && stub_size(&m.body).is_none()
+                {
+                    bodies.insert(key, m.body.as_slice())?;
+                    copied += 1;
+                }
+            }
+        }
+        tx.commit()?;
+        self.copied(upto, from);
+        Ok(copied)
     }
 
     /// Delete the bodies released since the last write (when no append came to do it).
@@ -319,11 +420,15 @@ impl LogStore {
         Ok(())
     }
 
-    /// Store bodies a snapshot brought (a member that was behind the purged log).
+    /// Store bodies a snapshot whose last entry is `upto` brought (a member that was behind
+    /// the purged log; its entries up to `upto` are purged after it is installed).
     ///
     /// # Errors
     /// When redb cannot write.
-    pub fn insert_bodies(&self, bodies: &[(u64, Vec<u8>)]) -> Result<(), redb::Error> {
+    pub fn insert_bodies(&self, bodies: &[(u64, Vec<u8>)], upto: u64) -> Result<(), redb::Error> {
+        // Every key released before: a snapshot's messages are live after its releases, so
+        // none of them is among the bodies; deleting them is harmless and keeps none behind.
+        let from = 0;
         let tx = self.db.begin_write()?;
         {
             let mut table = tx.open_table(BODIES)?;
@@ -332,6 +437,7 @@ impl LogStore {
             }
         }
         tx.commit()?;
+        self.copied(upto, from);
         Ok(())
     }
 
@@ -356,23 +462,32 @@ impl LogStore {
             dead
         };
         if !dead.is_empty() {
-            self.release(dead.iter().copied());
-            self.flush_released()?;
+            let tx = self.db.begin_write()?;
+            {
+                let mut bodies = tx.open_table(BODIES)?;
+                for &k in &dead {
+                    bodies.remove(k)?;
+                }
+            }
+            tx.commit()?;
         }
         Ok(dead.len())
     }
 
-    /// An append's write, encoded: the entries (bodies split out), the bodies, and the
-    /// releases it carries.
+    /// An append's write, encoded: the entries, the bodies for the recent cache (a queue's
+    /// log), and the deletions of released copies it carries.
     fn prepare(&self, entries: impl IntoIterator<Item = Entry>) -> Result<Write, bincode::Error> {
         let mut bodies = Vec::new();
         let encoded: Vec<(u64, Vec<u8>)> = entries
             .into_iter()
             .map(|mut e| {
-                self.split_bodies(&mut e, &mut bodies);
-                crate::codec::encode(&e).map(|b| (e.log_id.index, b))
+                let bytes = crate::codec::encode(&e)?;
+                if self.queue {
+                    take_bodies(&mut e, &mut bodies);
+                }
+                Ok((e.log_id.index, bytes))
             })
-            .collect::<Result<_, _>>()?;
+            .collect::<Result<_, bincode::Error>>()?;
         Ok(Write {
             db: Arc::clone(&self.db),
             encoded,
@@ -392,31 +507,6 @@ impl LogStore {
             .map_err(|e| e.to_string())?
             .commit()
             .map_err(|e| e.to_string())
-    }
-
-    /// Split the bodies out of `entry`'s enqueues (a split log), leaving stubs.
-    fn split_bodies(&self, entry: &mut Entry, bodies: &mut Vec<(u64, Vec<u8>)>) {
-        if !self.split {
-            return;
-        }
-        let openraft::EntryPayload::Normal(req) = &mut entry.payload else {
-            return;
-        };
-        let index = entry.log_id.index;
-        for (slot, c) in req.commands.iter_mut().enumerate().take(SLOTS_PER_ENTRY) {
-            let warren_broker::queue::machine::Command::Enqueue(m) = c else {
-                continue;
-            };
-            if stub_size(&m.body).is_some() {
-                continue;
-            }
-            // A record that does not parse stays whole (apply refuses it alike everywhere).
-            let Ok(size) = warren_broker::message::codec::record_body_len(&m.body) else {
-                continue;
-            };
-            let body = std::mem::replace(&mut m.body, stub(size));
-            bodies.push((body_key(index, slot), body));
-        }
     }
 
     /// Put the split-out bodies back into `entry` (those still stored).
@@ -471,9 +561,9 @@ impl LogStore {
     }
 
     /// Delete the entries whose index is in `range`, in one durable transaction, with
-    /// `then` written to the metadata; with `bodies`, the bodies of those entries too (a
-    /// truncation: they were never applied; a purge keeps them, live messages still needing
-    /// theirs and the others being released).
+    /// `then` written to the metadata; with `bodies`, the copies under their keys too (a
+    /// truncation: they were never applied; a purge keeps them, they are the copies of live
+    /// messages).
     fn delete(
         &self,
         range: impl RangeBounds<u64>,
@@ -514,6 +604,21 @@ impl LogStore {
     }
 }
 
+/// Move the bodies of `entry`'s enqueues (already encoded) into `bodies`, by key.
+fn take_bodies(entry: &mut Entry, bodies: &mut Vec<(u64, Vec<u8>)>) {
+    let openraft::EntryPayload::Normal(req) = &mut entry.payload else {
+        return;
+    };
+    let index = entry.log_id.index;
+    for (slot, c) in req.commands.iter_mut().enumerate().take(SLOTS_PER_ENTRY) {
+        if let Command::Enqueue(m) = c
+            && stub_size(&m.body).is_none()
+        {
+            bodies.push((body_key(index, slot), std::mem::take(&mut m.body)));
+        }
+    }
+}
+
 /// Remove the rows of `table` whose keys are in `range`.
 fn remove_range(
     table: &mut redb::Table<'_, u64, &[u8]>,
@@ -542,7 +647,7 @@ struct Write {
 }
 
 impl Write {
-    /// One durable transaction: entries, bodies, and the deletion of released bodies.
+    /// One durable transaction: the entries and the deletion of released copies.
     fn commit(self) -> Result<(), redb::Error> {
         let tx = self.db.begin_write()?;
         {
@@ -550,11 +655,8 @@ impl Write {
             for (index, bytes) in &self.encoded {
                 log.insert(*index, bytes.as_slice())?;
             }
-            if !self.bodies.is_empty() || !self.released.is_empty() {
+            if !self.released.is_empty() {
                 let mut table = tx.open_table(BODIES)?;
-                for (key, body) in &self.bodies {
-                    table.insert(*key, body.as_slice())?;
-                }
                 for key in self.released {
                     table.remove(key)?;
                 }
@@ -584,7 +686,7 @@ impl RaftLogReader<QueueRaft> for LogStore {
         let log = tx.open_table(LOG).map_err(read_logs_error)?;
         let bounds: (Bound<u64>, Bound<u64>) =
             (range.start_bound().cloned(), range.end_bound().cloned());
-        let bodies = if self.split && self.inflate {
+        let bodies = if self.queue && self.inflate {
             Some(tx.open_table(BODIES).map_err(read_logs_error)?)
         } else {
             None
@@ -670,6 +772,7 @@ impl RaftLogStorage<QueueRaft> for LogStore {
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError> {
         self.recent()
             .remove_from(log_id.index.min(u64::MAX >> 16) << 16);
+        self.forget_read(|i| i >= log_id.index);
         self.delete(log_id.index.., None, true)
     }
 
@@ -677,7 +780,12 @@ impl RaftLogStorage<QueueRaft> for LogStore {
         // The purge point and the deletion commit together: a crash in between cannot leave
         // entries below the recorded purge point, nor a gap above it.
         let purged = serde_json::to_vec(&log_id).map_err(write_logs_error)?;
-        self.delete(..=log_id.index, Some((KEY_PURGED, &purged)), false)
+        self.delete(..=log_id.index, Some((KEY_PURGED, &purged)), false)?;
+        self.forget_read(|i| i <= log_id.index);
+        // Copied out before (compaction), or brought by a snapshot (an install): either way
+        // the live bodies of these entries are copies now.
+        self.copied(log_id.index, 0);
+        Ok(())
     }
 }
 
@@ -738,13 +846,19 @@ mod tests {
             .collect()
     }
 
-    /// A split log applies from stubs and replicates whole entries; a released body goes
-    /// with the next write (its entry then replicates a stub); truncation takes the removed
-    /// entries' bodies, purging keeps live ones, a sweep takes what no message holds.
+    /// Reads after the recent cache: from the entry, or from the copy.
+    fn cold(store: &LogStore, key: u64) -> Option<Vec<u8>> {
+        store.recent().bodies.clear();
+        store.read_body(key).unwrap()
+    }
+
+    /// A queue's log keeps bodies in its entries (applied and replicated whole), reads them
+    /// by key, copies the live ones out before a purge and deletes a copy once released;
+    /// truncation and sweeps take what no message holds.
     #[tokio::test]
-    async fn bodies_are_split_out_put_back_released_and_swept() {
+    async fn bodies_are_read_from_entries_and_copied_out_before_a_purge() {
         let dir = tempfile::tempdir().unwrap();
-        let mut store = LogStore::open_split(&dir.path().join("q.redb")).unwrap();
+        let mut store = LogStore::open_queue(&dir.path().join("q.redb")).unwrap();
         store
             .append_now(vec![
                 entry(
@@ -754,92 +868,119 @@ mod tests {
                 entry(2, vec![enqueue("four")]),
             ])
             .unwrap();
-
         let applied = store.try_get_log_entries(1..3).await.unwrap();
-        let stubs = bodies_of(&applied[0]);
-        assert_eq!(stub_size(stubs[0].as_ref().unwrap()), Some(3));
-        assert_eq!(stubs[1], None);
-        assert_eq!(stub_size(stubs[2].as_ref().unwrap()), Some(5));
-
-        let mut reader = store.get_log_reader().await;
-        let sent = reader.try_get_log_entries(1..3).await.unwrap();
         assert_eq!(
-            bodies_of(&sent[0]),
+            bodies_of(&applied[0]),
             vec![Some(record("one")), None, Some(record("three"))]
         );
-        assert_eq!(bodies_of(&sent[1]), vec![Some(record("four"))]);
+        // From memory, then from the entry.
         assert_eq!(
             store.read_body(body_key(1, 2)).unwrap(),
             Some(record("three"))
         );
+        assert_eq!(cold(&store, body_key(1, 2)), Some(record("three")));
+        assert_eq!(cold(&store, body_key(2, 0)), Some(record("four")));
+        assert_eq!(cold(&store, body_key(1, 1)), None);
 
-        // Released: gone with the next append; the entry now replicates its stub.
+        // "one" left the queue; "three" and "four" are live: purging entry 1 copies "three".
         store.release([body_key(1, 0)]);
-        assert!(store.read_body(body_key(1, 0)).unwrap().is_some());
-        store
-            .append_now(vec![entry(3, vec![enqueue("five")])])
-            .unwrap();
-        assert_eq!(store.read_body(body_key(1, 0)).unwrap(), None);
-        let sent = reader.try_get_log_entries(1..2).await.unwrap();
-        let b = bodies_of(&sent[0]);
-        assert_eq!(stub_size(b[0].as_ref().unwrap()), Some(3));
-        assert_eq!(b[2], Some(record("three")));
-
-        // Truncating from 2 takes the bodies of entries 2 and 3.
-        store
-            .truncate(LogId::new(CommittedLeaderId::new(1, 1), 2))
-            .await
-            .unwrap();
-        assert_eq!(store.read_body(body_key(2, 0)).unwrap(), None);
-        assert_eq!(store.read_body(body_key(3, 0)).unwrap(), None);
-        // Purging entry 1 keeps the body of its message still live.
+        let live = [body_key(1, 2), body_key(2, 0)];
+        assert_eq!(store.copy_out(&live, 1).unwrap(), 1);
+        assert_eq!(store.copy_out(&live, 1).unwrap(), 0, "done once");
         store
             .purge(LogId::new(CommittedLeaderId::new(1, 1), 1))
             .await
             .unwrap();
-        assert_eq!(
-            store.read_body(body_key(1, 2)).unwrap(),
-            Some(record("three"))
-        );
+        assert_eq!(cold(&store, body_key(1, 2)), Some(record("three")));
+        assert_eq!(cold(&store, body_key(1, 0)), None);
+        assert_eq!(cold(&store, body_key(2, 0)), Some(record("four")));
+
+        // The copy goes with the next write once its message leaves.
+        store.release([body_key(1, 2)]);
+        assert_eq!(cold(&store, body_key(1, 2)), Some(record("three")));
+        store
+            .append_now(vec![entry(3, vec![enqueue("five")])])
+            .unwrap();
+        assert_eq!(cold(&store, body_key(1, 2)), None);
+
+        // Truncating from 2 takes entries 2 and 3 with their bodies.
+        store
+            .truncate(LogId::new(CommittedLeaderId::new(1, 1), 2))
+            .await
+            .unwrap();
+        assert_eq!(cold(&store, body_key(2, 0)), None);
+        assert_eq!(cold(&store, body_key(3, 0)), None);
+
         // A sweep keeps what the live set names and takes the rest.
-        assert_eq!(store.sweep(&[body_key(1, 2)], 1).unwrap(), 0);
+        store
+            .insert_bodies(&[(body_key(1, 0), record("one"))], 1)
+            .unwrap();
+        assert_eq!(store.sweep(&[body_key(1, 0)], 1).unwrap(), 0);
         assert_eq!(store.sweep(&[], 1).unwrap(), 1);
-        assert_eq!(store.read_body(body_key(1, 2)).unwrap(), None);
+        assert_eq!(cold(&store, body_key(1, 0)), None);
     }
 
-    /// A log written whole (an earlier version) has its bodies split out when first opened
-    /// as a quorum queue's log, once.
-    #[tokio::test]
-    async fn a_log_written_whole_is_split_when_opened_split() {
+    /// A message released while a copy-out runs is not left behind as a copy: released
+    /// before, it is not copied; released during, its possible copy is deleted.
+    #[test]
+    fn a_release_racing_a_copy_out_leaves_no_copy() {
         let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("old.redb");
-        LogStore::open(&path)
-            .unwrap()
-            .append_now(vec![entry(1, vec![enqueue("old")])])
+        let store = LogStore::open_queue(&dir.path().join("q.redb")).unwrap();
+        store
+            .append_now(vec![entry(1, vec![enqueue("a"), enqueue("b")])])
             .unwrap();
-        let mut store = LogStore::open_split(&path).unwrap();
-        let got = store.try_get_log_entries(1..2).await.unwrap();
-        assert_eq!(stub_size(bodies_of(&got[0])[0].as_ref().unwrap()), Some(3));
-        assert_eq!(
-            store.read_body(body_key(1, 0)).unwrap(),
-            Some(record("old"))
-        );
+        let (a, b) = (body_key(1, 0), body_key(1, 1));
+        // `a` released after the live set was taken, before the copy: not copied.
+        store.release([a]);
+        assert_eq!(store.copy_out(&[a, b], 1).unwrap(), 1);
+        assert_eq!(store.copies().pending, Vec::<u64>::new());
+        // `b` released by someone during a copy (after it read `above`): a deletion.
+        let from = store.copies().above.len();
+        store.copies().copied_upto = 0;
+        store.release([b]);
+        store.copied(1, from);
+        assert_eq!(store.copies().pending, vec![b]);
+        store.flush_released().unwrap();
+        let tx = store.db.begin_read().unwrap();
+        assert!(tx.open_table(BODIES).unwrap().get(b).unwrap().is_none());
+        assert!(tx.open_table(BODIES).unwrap().get(a).unwrap().is_none());
+    }
+
+    /// Logs of the version that split bodies out when appended (stubs in the entries, bodies
+    /// in the table) are read alike, and replicate whole.
+    #[tokio::test]
+    async fn a_log_with_split_out_bodies_is_still_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = LogStore::open_queue(&dir.path().join("old.redb")).unwrap();
+        let stub = {
+            let mut s = vec![STUB_TAG];
+            s.extend_from_slice(&3u32.to_be_bytes());
+            s
+        };
+        assert_eq!(stub_size(&stub), Some(3));
+        store
+            .append_now(vec![entry(
+                1,
+                vec![Command::Enqueue(ReplicatedMessage {
+                    body: stub,
+                    priority: 0,
+                    expiration_ms: None,
+                })],
+            )])
+            .unwrap();
+        store
+            .insert_bodies(&[(body_key(1, 0), record("old"))], 0)
+            .unwrap();
+        assert_eq!(cold(&store, body_key(1, 0)), Some(record("old")));
         let mut reader = store.get_log_reader().await;
         let sent = reader.try_get_log_entries(1..2).await.unwrap();
         assert_eq!(bodies_of(&sent[0]), vec![Some(record("old"))]);
-        drop((store, reader));
-        // Opened again: nothing to convert, the body still there.
-        let store = LogStore::open_split(&path).unwrap();
-        assert_eq!(
-            store.read_body(body_key(1, 0)).unwrap(),
-            Some(record("old"))
-        );
     }
 
-    /// A log that does not split (metadata, streams, the replication tests) keeps entries
-    /// whole for every reader.
+    /// Other logs (metadata, streams, the replication tests) keep entries whole for every
+    /// reader.
     #[tokio::test]
-    async fn an_unsplit_log_keeps_entries_whole() {
+    async fn other_logs_keep_entries_whole() {
         let dir = tempfile::tempdir().unwrap();
         let mut store = LogStore::open(&dir.path().join("m.redb")).unwrap();
         store
@@ -847,6 +988,5 @@ mod tests {
             .unwrap();
         let got = store.try_get_log_entries(1..2).await.unwrap();
         assert_eq!(bodies_of(&got[0]), vec![Some(record("one"))]);
-        assert_eq!(store.read_body(body_key(1, 0)).unwrap(), None);
     }
 }

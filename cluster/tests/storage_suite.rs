@@ -9,18 +9,18 @@ use warren_cluster::log_store::LogStore;
 use warren_cluster::state_machine::QueueStateMachine;
 use warren_cluster::types::{QueueRaft, StorageError};
 
-/// Builds a log store (whole, or with bodies split out as a quorum queue's) and a queue
+/// Builds a log store (a plain one, or a quorum queue's) and a queue
 /// state machine.
 struct Builder {
-    split: bool,
+    queue: bool,
 }
 
 impl StoreBuilder<QueueRaft, LogStore, QueueStateMachine, TempDir> for Builder {
     async fn build(&self) -> Result<(TempDir, LogStore, QueueStateMachine), StorageError> {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let path = dir.path().join("raft.redb");
-        let log = if self.split {
-            LogStore::open_split(&path)
+        let log = if self.queue {
+            LogStore::open_queue(&path)
         } else {
             LogStore::open(&path)
         }
@@ -31,15 +31,15 @@ impl StoreBuilder<QueueRaft, LogStore, QueueStateMachine, TempDir> for Builder {
 
 #[test]
 fn openraft_storage_conformance_suite() {
-    if let Err(e) = Suite::test_all(Builder { split: false }) {
+    if let Err(e) = Suite::test_all(Builder { queue: false }) {
         panic!("the storage suite failed: {e}");
     }
 }
 
-/// A quorum queue's log, bodies split out, passes the suite alike.
+/// A quorum queue's log passes the suite alike.
 #[test]
-fn openraft_storage_conformance_suite_with_bodies_split_out() {
-    if let Err(e) = Suite::test_all(Builder { split: true }) {
+fn openraft_storage_conformance_suite_for_a_quorum_queue_log() {
+    if let Err(e) = Suite::test_all(Builder { queue: true }) {
         panic!("the storage suite failed: {e}");
     }
 }

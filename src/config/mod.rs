@@ -107,6 +107,10 @@ pub struct ServerArgs {
     /// The CA that signs every node's cluster certificate (PEM).
     #[arg(long)]
     pub cluster_tls_ca: Option<PathBuf>,
+    /// Entries a quorum queue's log keeps at most before its snapshot for its oldest live
+    /// message; older live bodies are copied out and the log purged [default: 50000].
+    #[arg(long)]
+    pub quorum_log_pin_max: Option<u64>,
 }
 
 /// Effective configuration.
@@ -270,6 +274,10 @@ impl ServerConfig {
                     .filter(|s| !s.is_empty())
                     .unwrap_or_default(),
                 join: args.join || file.join.unwrap_or(false) || joining,
+                log_pin_max: args
+                    .quorum_log_pin_max
+                    .or(file.quorum_log_pin_max)
+                    .unwrap_or(warren_cluster::node::QUEUE_LOG_PIN_MAX),
                 tls: match (
                     args.cluster_tls_cert.or(file.cluster_tls_cert),
                     args.cluster_tls_key.or(file.cluster_tls_key),
@@ -476,6 +484,7 @@ mod tests {
             cluster_tls_key: None,
             cluster_tls_ca: None,
             join: false,
+            quorum_log_pin_max: None,
         }
     }
 

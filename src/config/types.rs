@@ -44,6 +44,7 @@ pub(crate) struct FileConfig {
     pub(crate) cluster_tls_key: Option<PathBuf>,
     pub(crate) cluster_tls_ca: Option<PathBuf>,
     pub(crate) join: Option<bool>,
+    pub(crate) quorum_log_pin_max: Option<u64>,
     pub(crate) product_name: Option<String>,
     pub(crate) product_version: Option<String>,
     pub(crate) default_user: Option<String>,
@@ -67,6 +68,8 @@ pub struct ClusterConfig {
     pub tls: Option<crate::tls::ClusterTlsFiles>,
     /// Join the cluster of `peers` rather than found it.
     pub join: bool,
+    /// Entries a quorum queue's log keeps at most for its oldest live message.
+    pub log_pin_max: u64,
 }
 
 /// Parse `name@host:port,...`.

@@ -59,6 +59,8 @@ pub struct ReplicaState {
     pub last_written_index: u64,
     /// The last index this replica's snapshot covers (0: none).
     pub snapshot_index: u64,
+    /// The last index purged from this replica's log (0: none).
+    pub purged_index: u64,
     /// `leader`, `follower`, `candidate`, `learner`, or `starting` (no Raft instance yet).
     pub role: &'static str,
     /// A hash of the queue machine's state as of `applied_index` (read under the lock that

@@ -35,6 +35,9 @@ pub struct NodeConfig {
     /// Join the running cluster of `peers` (seeds: some of its nodes, and this one for its
     /// own address) rather than found it with them.
     pub join: bool,
+    /// Entries a quorum queue's log keeps at most before its snapshot point for its oldest
+    /// live message ([`QUEUE_LOG_PIN_MAX`] by default).
+    pub queue_log_pin_max: u64,
 }
 
 /// Why a node could not start.

@@ -85,7 +85,7 @@ impl ClusterNode {
         let log = if queue.is_stream {
             LogStore::open(&path)
         } else {
-            LogStore::open_split(&path)
+            LogStore::open_queue(&path)
         }
         .map_err(|e| NodeError::Log(path.clone(), e))?;
         let bodies = (!queue.is_stream).then(|| {
@@ -233,7 +233,7 @@ impl ClusterNode {
     }
 }
 
-/// A quorum queue's message bodies on this node: in its log ([`LogStore::open_split`]).
+/// A quorum queue's message bodies on this node: in its log ([`LogStore::open_queue`]).
 #[derive(Debug)]
 pub(super) struct LogBodies {
     log: LogStore,
@@ -335,10 +335,9 @@ struct QueueApplied {
 
 impl QueueApplied {
     /// The machine's command for command `slot` of the entry at `index`. A quorum queue's
-    /// enqueue becomes its message's key: its log holds the body (split out when it was
-    /// appended; the entry gives a stub when applied after its append, the whole record
-    /// when openraft re-applies the log at start, from its reader). A stream's messages, and
-    /// those of other commands, are decoded.
+    /// enqueue becomes its message's key: its log holds the body (in the entry, or a stub of
+    /// a log written by the version that split bodies out). A stream's messages, and those of
+    /// other commands, are decoded.
     fn command(
         &self,
         index: u64,
@@ -447,7 +446,9 @@ impl Applied for QueueApplied {
                 let bodies: Vec<(u64, Vec<u8>)> =
                     full.bodies.into_iter().map(|b| (b.key, b.record)).collect();
                 if let Some(log) = self.bodies.as_ref() {
-                    log.log.insert_bodies(&bodies).map_err(|e| e.to_string())?;
+                    log.log
+                        .insert_bodies(&bodies, last)
+                        .map_err(|e| e.to_string())?;
                 }
                 crate::codec::decode(&full.machine).map_err(|e| e.to_string())?
             }
@@ -603,8 +604,9 @@ impl QueueReplica {
         bodies.sweep_in_background(self.queue.name.clone(), live, applied.index);
     }
 
-    /// Delete released bodies no write took yet, and purge the log up to where this
-    /// replica's snapshot and its oldest live message allow (see [`purge_point`]).
+    /// Delete released copies no write took yet, and purge the log up to where this
+    /// replica's snapshot and its oldest live message allow (see [`purge_point`]), the live
+    /// messages' bodies in the purged entries copied out first.
     pub(super) async fn compact_log(&self) {
         let (Some(bodies), Some(raft)) = (&self.bodies, self.raft.get()) else {
             return;
@@ -632,22 +634,52 @@ impl QueueReplica {
             });
             oldest
         });
-        let upto = purge_point(snapshot, oldest);
-        if upto > purged {
-            let _ = raft.trigger().purge_log(upto).await;
+        let pin_max = self
+            .node
+            .upgrade()
+            .map_or(QUEUE_LOG_PIN_MAX, |n| n.config.queue_log_pin_max);
+        let upto = purge_point(snapshot, oldest, pin_max);
+        if upto <= purged {
+            return;
+        }
+        // The live messages of the entries to purge keep their bodies as copies. A message
+        // added after this has a later entry; one removed after it is deleted again.
+        let live: Vec<u64> = self.queue.with_machine(|m| {
+            let mut keys = Vec::new();
+            m.for_each_message(|e| {
+                if let Entry::Logged { key, .. } = e
+                    && key_index(*key) <= upto
+                {
+                    keys.push(*key);
+                }
+            });
+            keys
+        });
+        let mut live = live;
+        live.sort_unstable();
+        let log = bodies.log.clone();
+        match tokio::task::spawn_blocking(move || log.copy_out(&live, upto)).await {
+            Ok(Ok(_)) => {
+                let _ = raft.trigger().purge_log(upto).await;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(queue = %self.queue.name, error = %e, "bodies not copied out: the log is not purged");
+            }
+            Err(e) => tracing::warn!(queue = %self.queue.name, error = %e, "copy-out failed"),
         }
     }
 }
 
 /// How far a quorum queue's log may be purged: up to [`QUEUE_LOG_KEEP`] entries before its
 /// snapshot point `snapshot`, and not past its oldest live message (the entry at index
-/// `oldest` enqueued it) unless that is more than [`QUEUE_LOG_PIN_MAX`] entries back. A
+/// `oldest` enqueued it) unless that is more than `pin_max` entries back
+/// ([`QUEUE_LOG_PIN_MAX`] by default, `--quorum-log-pin-max`). A
 /// member away for a while then catches up from the log (whose entries carry the bodies)
 /// rather than from a snapshot that must carry them.
-fn purge_point(snapshot: u64, oldest: Option<u64>) -> u64 {
+fn purge_point(snapshot: u64, oldest: Option<u64>, pin_max: u64) -> u64 {
     let base = snapshot.saturating_sub(QUEUE_LOG_KEEP);
     match oldest {
-        Some(o) if o <= base && snapshot - o <= QUEUE_LOG_PIN_MAX => o.saturating_sub(1),
+        Some(o) if o <= base && snapshot - o <= pin_max => o.saturating_sub(1),
         _ => base,
     }
 }
@@ -749,6 +781,7 @@ impl Replicator for QueueReplica {
             term: m.current_term,
             last_written_index: m.last_log_index.unwrap_or(0),
             snapshot_index: m.snapshot.map_or(0, |s| s.index),
+            purged_index: m.purged.map_or(0, |p| p.index),
             role,
             digest,
             learners: m
@@ -794,15 +827,24 @@ mod tests {
     #[test]
     fn the_purge_point_follows_the_oldest_live_message_within_bounds() {
         // Nothing live: keep QUEUE_LOG_KEEP before the snapshot.
-        assert_eq!(purge_point(10_000, None), 10_000 - QUEUE_LOG_KEEP);
+        assert_eq!(
+            purge_point(10_000, None, QUEUE_LOG_PIN_MAX),
+            10_000 - QUEUE_LOG_KEEP
+        );
         // Nothing snapshotted yet.
-        assert_eq!(purge_point(0, Some(5)), 0);
+        assert_eq!(purge_point(0, Some(5), QUEUE_LOG_PIN_MAX), 0);
         // The oldest live message is recent: the keep distance is the bound.
-        assert_eq!(purge_point(10_000, Some(9_800)), 10_000 - QUEUE_LOG_KEEP);
+        assert_eq!(
+            purge_point(10_000, Some(9_800), QUEUE_LOG_PIN_MAX),
+            10_000 - QUEUE_LOG_KEEP
+        );
         // Older, within the pin limit: the log stays from it on.
-        assert_eq!(purge_point(10_000, Some(500)), 499);
+        assert_eq!(purge_point(10_000, Some(500), QUEUE_LOG_PIN_MAX), 499);
         // Beyond the pin limit: it no longer holds the log.
         let s = QUEUE_LOG_PIN_MAX + 10_000;
-        assert_eq!(purge_point(s, Some(3)), s - QUEUE_LOG_KEEP);
+        assert_eq!(
+            purge_point(s, Some(3), QUEUE_LOG_PIN_MAX),
+            s - QUEUE_LOG_KEEP
+        );
     }
 }

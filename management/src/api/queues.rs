@@ -194,6 +194,7 @@ pub(super) async fn get_queue(
             "term": r.term,
             "last_written_index": r.last_written_index,
             "snapshot_index": r.snapshot_index,
+            "purged_index": r.purged_index,
             "role": r.role,
             "digest": r.digest,
             "learners": r.learners,
