@@ -60,6 +60,10 @@ pub const LOG_CACHE_BYTES: usize = 8 * 1024 * 1024;
 /// consumer that keeps up is served without reading them back (oldest dropped first).
 pub const RECENT_BODY_BYTES: usize = 2 * 1024 * 1024;
 
+/// Bytes of bodies one copy-out transaction writes at most ([`LogStore::copy_out`] commits as
+/// many as it needs): redb keeps a transaction's dirty pages in memory until it commits.
+pub const COPY_OUT_TXN_BYTES: usize = 4 * 1024 * 1024;
+
 /// The most recently appended bodies ([`RECENT_BODY_BYTES`] at most), by key.
 #[derive(Debug, Default)]
 struct Recent {
@@ -365,37 +369,50 @@ impl LogStore {
             (released, copies.above.len())
         };
         let mut copied = 0;
-        let tx = self.db.begin_write()?;
-        {
-            let log = tx.open_table(LOG)?;
-            let mut bodies = tx.open_table(BODIES)?;
-            let mut current: Option<(u64, Entry)> = None;
-            for &key in live.iter().filter(|&&k| key_index(k) <= upto) {
-                if released.binary_search(&key).is_ok() || bodies.get(key)?.is_some() {
-                    continue;
-                }
-                let index = key_index(key);
-                if current.as_ref().is_none_or(|(i, _)| *i != index) {
-                    let Some(v) = log.get(index)? else {
-                        tracing::warn!(key, "a live message's entry and copy are both gone");
+        let mut keys = live
+            .iter()
+            .copied()
+            .filter(|&k| key_index(k) <= upto)
+            .peekable();
+        while keys.peek().is_some() {
+            // Transactions of at most COPY_OUT_TXN_BYTES: redb holds a transaction's dirty
+            // pages in memory until it commits, and a backlog can be gigabytes.
+            let mut bytes = 0;
+            let tx = self.db.begin_write()?;
+            {
+                let log = tx.open_table(LOG)?;
+                let mut bodies = tx.open_table(BODIES)?;
+                let mut current: Option<(u64, Entry)> = None;
+                while bytes < COPY_OUT_TXN_BYTES {
+                    let Some(key) = keys.next() else { break };
+                    if released.binary_search(&key).is_ok() || bodies.get(key)?.is_some() {
                         continue;
-                    };
-                    let entry = crate::codec::decode(v.value())
-                        .map_err(|e| redb::Error::Corrupted(format!("log entry {index}: {e}")))?;
-                    current = Some((index, entry));
-                }
-                let Some((_, entry)) = &current else { continue };
-                let slot = usize::try_from(key & 0xFFFF).unwrap_or(usize::MAX);
-                if let openraft::EntryPayload::Normal(req) = &entry.payload
-                    && let Some(Command::Enqueue(m)) = req.commands.get(slot)
-                    && stub_size(&m.body).is_none()
-                {
-                    bodies.insert(key, m.body.as_slice())?;
-                    copied += 1;
+                    }
+                    let index = key_index(key);
+                    if current.as_ref().is_none_or(|(i, _)| *i != index) {
+                        let Some(v) = log.get(index)? else {
+                            tracing::warn!(key, "a live message's entry and copy are both gone");
+                            continue;
+                        };
+                        let entry = crate::codec::decode(v.value()).map_err(|e| {
+                            redb::Error::Corrupted(format!("log entry {index}: {e}"))
+                        })?;
+                        current = Some((index, entry));
+                    }
+                    let Some((_, entry)) = &current else { continue };
+                    let slot = usize::try_from(key & 0xFFFF).unwrap_or(usize::MAX);
+                    if let openraft::EntryPayload::Normal(req) = &entry.payload
+                        && let Some(Command::Enqueue(m)) = req.commands.get(slot)
+                        && stub_size(&m.body).is_none()
+                    {
+                        bodies.insert(key, m.body.as_slice())?;
+                        bytes += m.body.len();
+                        copied += 1;
+                    }
                 }
             }
+            tx.commit()?;
         }
-        tx.commit()?;
         self.copied(upto, from);
         Ok(copied)
     }
@@ -944,6 +961,26 @@ mod tests {
         let tx = store.db.begin_read().unwrap();
         assert!(tx.open_table(BODIES).unwrap().get(b).unwrap().is_none());
         assert!(tx.open_table(BODIES).unwrap().get(a).unwrap().is_none());
+    }
+
+    /// A copy-out larger than one transaction's bound commits several and copies everything.
+    #[test]
+    fn a_large_copy_out_takes_several_transactions_and_copies_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = LogStore::open_queue(&dir.path().join("q.redb")).unwrap();
+        let big = "x".repeat(COPY_OUT_TXN_BYTES / 2 + 1);
+        let entries: Vec<Entry> = (1..=5).map(|i| entry(i, vec![enqueue(&big)])).collect();
+        store.append_now(entries).unwrap();
+        let live: Vec<u64> = (1..=5).map(|i| body_key(i, 0)).collect();
+        assert_eq!(store.copy_out(&live, 5).unwrap(), 5);
+        let tx = store.db.begin_read().unwrap();
+        let bodies = tx.open_table(BODIES).unwrap();
+        for k in live {
+            assert_eq!(
+                bodies.get(k).unwrap().unwrap().value(),
+                record(&big).as_slice()
+            );
+        }
     }
 
     /// Logs of the version that split bodies out when appended (stubs in the entries, bodies
