@@ -259,14 +259,9 @@ impl LogStore {
         let tx = self.db.begin_read()?;
         if index > self.copies().copied_upto
             && let Some(entry) = self.entry_at(&tx, index)?
+            && let Some(record) = record_in(&entry, key)
         {
-            let slot = usize::try_from(key & 0xFFFF).unwrap_or(usize::MAX);
-            if let openraft::EntryPayload::Normal(req) = &entry.payload
-                && let Some(Command::Enqueue(m)) = req.commands.get(slot)
-                && stub_size(&m.body).is_none()
-            {
-                return Ok(Some(f(&m.body)));
-            }
+            return Ok(Some(f(record)));
         }
         // Copied out (or a stub's, or a snapshot's).
         let bodies = tx.open_table(BODIES)?;
@@ -400,13 +395,9 @@ impl LogStore {
                         current = Some((index, entry));
                     }
                     let Some((_, entry)) = &current else { continue };
-                    let slot = usize::try_from(key & 0xFFFF).unwrap_or(usize::MAX);
-                    if let openraft::EntryPayload::Normal(req) = &entry.payload
-                        && let Some(Command::Enqueue(m)) = req.commands.get(slot)
-                        && stub_size(&m.body).is_none()
-                    {
-                        bodies.insert(key, m.body.as_slice())?;
-                        bytes += m.body.len();
+                    if let Some(record) = record_in(entry, key) {
+                        bodies.insert(key, record)?;
+                        bytes += record.len();
                         copied += 1;
                     }
                 }
@@ -618,6 +609,18 @@ impl LogStore {
         };
         let entry: Entry = crate::codec::decode(v.value()).map_err(read_logs_error)?;
         Ok(Some(entry.log_id))
+    }
+}
+
+/// The whole record `key` names in `entry` (None: not an enqueue there, or a stub).
+fn record_in(entry: &Entry, key: u64) -> Option<&[u8]> {
+    let slot = usize::try_from(key & 0xFFFF).ok()?;
+    let openraft::EntryPayload::Normal(req) = &entry.payload else {
+        return None;
+    };
+    match req.commands.get(slot) {
+        Some(Command::Enqueue(m)) if stub_size(&m.body).is_none() => Some(&m.body),
+        _ => None,
     }
 }
 

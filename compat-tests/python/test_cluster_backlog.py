@@ -58,6 +58,32 @@ def publish(c, i, q, n, first=0, window=1000):
         safe_close(conn)
 
 
+def drain(c, i, q, total):
+    """Consume and ack q through node i until its `total` messages (body(0) ..) have all come,
+    each intact and, unless redelivered, once."""
+    seen = set()
+    conn = c.connect(i)
+    try:
+        ch = conn.channel()
+        ch.basic_qos(prefetch_count=500)
+        deadline = time.monotonic() + 180
+        for method, _props, data in ch.consume(q, inactivity_timeout=5):
+            if method is None:
+                assert time.monotonic() < deadline, f"{len(seen)} of {total} after 180 s"
+                continue
+            k = int(data[1:7])
+            assert data == body(k), f"message {k} damaged"
+            assert k not in seen or method.redelivered, f"message {k} delivered twice"
+            seen.add(k)
+            ch.basic_ack(method.delivery_tag)
+            if len(seen) == total:
+                break
+        ch.cancel()
+    finally:
+        safe_close(conn)
+    assert seen == set(range(total))
+
+
 @pytest.mark.timeout(240)
 def test_a_backlog_stays_on_disk_through_a_follower_restart(cluster_factory):
     c = cluster_factory(3)
@@ -94,27 +120,7 @@ def test_a_backlog_stays_on_disk_through_a_follower_restart(cluster_factory):
         f"restarted follower at {restarted >> 20} MB")
 
     # Drained through the restarted follower: every message once, bodies intact.
-    seen = set()
-    conn = c.connect(follower)
-    try:
-        ch = conn.channel()
-        ch.basic_qos(prefetch_count=500)
-        deadline = time.monotonic() + 180
-        for method, _props, data in ch.consume(q, inactivity_timeout=5):
-            if method is None:
-                assert time.monotonic() < deadline, f"{len(seen)} of {total} after 180 s"
-                continue
-            k = int(data[1:7])
-            assert data == body(k), f"message {k} damaged"
-            assert k not in seen or method.redelivered, f"message {k} delivered twice"
-            seen.add(k)
-            ch.basic_ack(method.delivery_tag)
-            if len(seen) == total:
-                break
-        ch.cancel()
-    finally:
-        safe_close(conn)
-    assert seen == set(range(total))
+    drain(c, follower, q, total)
     for i in range(3):
         eventually(lambda i=i: depth_on(c, i, q), lambda d: d == 0, 60, f"n{i + 1} empty")
 
@@ -161,24 +167,4 @@ def test_live_messages_keep_their_bodies_when_their_entries_are_purged(cluster_f
                "the restarted follower holding the queue")
     # The first messages now exist only as copies: read them through a new leader.
     c.kill9(leader)
-    reader = follower
-    seen = set()
-    conn = c.connect(reader)
-    try:
-        ch = conn.channel()
-        ch.basic_qos(prefetch_count=500)
-        deadline = time.monotonic() + 180
-        for method, _props, data in ch.consume(q, inactivity_timeout=5):
-            if method is None:
-                assert time.monotonic() < deadline, f"{len(seen)} of {PURGED} after 180 s"
-                continue
-            k = int(data[1:7])
-            assert data == body(k), f"message {k} damaged"
-            seen.add(k)
-            ch.basic_ack(method.delivery_tag)
-            if len(seen) == PURGED:
-                break
-        ch.cancel()
-    finally:
-        safe_close(conn)
-    assert seen == set(range(PURGED))
+    drain(c, follower, q, PURGED)
