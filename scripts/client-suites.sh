@@ -65,6 +65,12 @@ EXCLUDED_PYAMQP=(
 # the socket closed after the first of 32 concurrent connection.close), so each also runs 10
 # more times in its own process.
 REPEAT_GO=(TestChannelExceptionWithCloseIssue43 TestConcurrentClose)
+# Races in the test itself, re-run in their own process (3 times, all must pass) when the main run
+# fails in them and nowhere else. TestDeclareArgsRejectToDeadLetterQueue spins 10 back-to-back
+# basic.get on the dead-letter queue while a consumer goroutine rejects the message: over 200 runs
+# with fresh queues (2026-12-03, this machine) it needed up to 8 of its 10 gets on RabbitMQ 4.0.5 and
+# up to 6 on Warren's release build; one CI run of the debug build needed more than 10.
+RACY_GO=(TestDeclareArgsRejectToDeadLetterQueue)
 
 # ---------------------------------------------------------------- helpers
 declare -A RESULT TIME
@@ -148,8 +154,21 @@ suite_go() {
   ( cd "$dst" && AMQP_URL="$URL/" "$WORK/amqp091.test" -test.v -test.run "$run" -test.timeout 5m ) >"$WORK/go.log" 2>&1 || rc=1
   echo "amqp091-go: $(grep -c '^--- PASS' "$WORK/go.log") passed, $(grep -c '^--- FAIL' "$WORK/go.log") failed, $(grep -c '^--- SKIP' "$WORK/go.log") skipped"
   [ $rc -eq 0 ] || grep -E -B3 '^--- FAIL|^panic' "$WORK/go.log" | grep -v '^=== RUN' | head -40
-  # Separate processes: after a failure of Issue43 a late t.Log panics the whole binary.
   local t n f
+  if [ $rc -ne 0 ] && ! grep -q '^panic' "$WORK/go.log"; then
+    local failed; failed=$(sed -n 's/^--- FAIL: \([A-Za-z0-9_]*\).*/\1/p' "$WORK/go.log")
+    local others; others=$(grep -vxF -f <(printf '%s\n' "${RACY_GO[@]}") <<<"$failed")
+    if [ -n "$failed" ] && [ -z "$others" ]; then
+      rc=0
+      for t in $failed; do
+        f=0; for n in 1 2 3; do
+          ( cd "$dst" && AMQP_URL="$URL/" "$WORK/amqp091.test" -test.v -test.run "^$t\$" ) >>"$WORK/go-racy.log" 2>&1 || f=$((f+1))
+        done
+        echo "amqp091-go racy $t failed in the main run; re-run: $((3-f))/3 passed"; [ $f -eq 0 ] || rc=1
+      done
+    fi
+  fi
+  # Separate processes: after a failure of Issue43 a late t.Log panics the whole binary.
   for t in "${REPEAT_GO[@]}"; do
     f=0; for n in $(seq 10); do
       ( cd "$dst" && AMQP_URL="$URL/" "$WORK/amqp091.test" -test.v -test.run "^$t\$" ) >>"$WORK/go-repeat.log" 2>&1 || f=$((f+1))
