@@ -6,6 +6,7 @@ the home killed -9 gives RabbitMQ's 404 on the other nodes and cancels their con
 nothing confirmed is lost once it restarts."""
 
 import time
+import urllib.parse
 import uuid
 
 import pika
@@ -390,3 +391,69 @@ def test_a_publish_to_a_queue_whose_home_is_down_is_nacked(cluster3):
         safe_close(conn)
     assert eventually(lambda: depth(c, 2, up_q), lambda d: d == 1, deadline=20,
                       what="the live queue holding the fanout's message") == 1
+
+
+def on_node(c, i, v):
+    """Whether listing entry `v` names node i as its node."""
+    return str(v.get("node", "")).startswith(c.nodes[i].name)
+
+
+@pytest.mark.timeout(120)
+def test_connections_and_channels_are_listed_from_every_node(cluster3):
+    """/api/connections and /api/channels list the whole cluster through any node, each entry
+    with its node, as RabbitMQ's API does; one connection is shown, its channels listed and
+    it is closed through a node it is not on."""
+    c = cluster3
+    tag = uuid.uuid4().hex[:8]
+    a = c.connect(0, client_properties={"connection_name": f"a.{tag}"})
+    a.channel()
+    a.channel()
+    b = c.connect(1, client_properties={"connection_name": f"b.{tag}"})
+    b.channel()
+    try:
+        def mine(i, path):
+            status, items = c.mgmt_get(i, path)
+            assert status == 200, (status, items)
+            return [v for v in items if tag in json_name(v)]
+
+        def json_name(v):
+            return str(v.get("user_provided_name") or
+                       v.get("connection_details", {}).get("user_provided_name") or "")
+
+        for i in range(3):
+            conns = mine(i, "/api/connections")
+            assert sorted(v["user_provided_name"] for v in conns) == [f"a.{tag}", f"b.{tag}"]
+            by = {v["user_provided_name"]: v for v in conns}
+            assert on_node(c, 0, by[f"a.{tag}"]) and on_node(c, 1, by[f"b.{tag}"]), conns
+            chans = mine(i, "/api/channels")
+            assert sorted((json_name(v), v["number"]) for v in chans) == [
+                (f"a.{tag}", 1), (f"a.{tag}", 2), (f"b.{tag}", 1)], chans
+            assert all(on_node(c, 0 if json_name(v) == f"a.{tag}" else 1, v) for v in chans)
+            assert len(mine(i, "/api/vhosts/%2F/connections")) == 2
+
+        # One connection through a node it is not on: shown, its channels, one channel.
+        a_name = next(v["name"] for v in mine(0, "/api/connections")
+                      if v["user_provided_name"] == f"a.{tag}")
+        quoted = urllib.parse.quote(a_name, safe="")
+        status, info = c.mgmt_get(2, f"/api/connections/{quoted}")
+        assert status == 200 and on_node(c, 0, info), info
+        status, chans = c.mgmt_get(2, f"/api/connections/{quoted}/channels")
+        assert status == 200 and sorted(v["number"] for v in chans) == [1, 2], chans
+        status, chan = c.mgmt_get(2, "/api/channels/" + urllib.parse.quote(f"{a_name} (2)", safe=""))
+        assert status == 200 and chan["number"] == 2 and on_node(c, 0, chan), chan
+        assert c.mgmt_get(2, "/api/connections/" + urllib.parse.quote("no such", safe=""))[0] == 404
+
+        # Closed through n3: the client on n1 hears 320 CONNECTION_FORCED with the reason.
+        status, _ = c.mgmt_request(2, "DELETE", f"/api/connections/{quoted}")
+        assert status == 204
+        with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
+            end = time.monotonic() + 10
+            while time.monotonic() < end:
+                a.process_data_events(time_limit=0.1)
+        assert closed.value.reply_code == 320
+        assert "Closed via management plugin" in closed.value.reply_text
+        eventually(lambda: [json_name(v) for v in mine(1, "/api/connections")],
+                   lambda names: names == [f"b.{tag}"], what="the closed connection gone")
+    finally:
+        safe_close(a)
+        safe_close(b)

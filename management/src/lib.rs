@@ -70,6 +70,10 @@ impl AppState {
     /// State for `broker` on `node`, with no rates sampled yet.
     #[must_use]
     pub fn new(broker: Arc<Broker>, node: NodeInfo) -> Self {
+        // Other nodes' `/api/connections` and `/api/channels` ask this node for its own.
+        broker.set_local_listings(Arc::new(api::connections::NodeListings::new(
+            &broker, &node.node,
+        )));
         Self {
             broker,
             node: Arc::new(node),

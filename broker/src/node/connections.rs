@@ -202,6 +202,19 @@ impl Connections {
     }
 }
 
+/// What this node's management layer lists when another node asks (registered with
+/// [`crate::node::broker::Broker::set_local_listings`]: the broker cannot import the layer
+/// that renders its API).
+pub trait LocalListings: Send + Sync + std::fmt::Debug {
+    /// This node's `kind` as a JSON array (UTF-8), every entry (the asking node filters by
+    /// its caller); `done` gets it.
+    fn listing(
+        &self,
+        kind: crate::routing::cluster::Listing,
+        done: Box<dyn FnOnce(Vec<u8>) + Send>,
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -21,8 +21,9 @@ pub use crate::queue::replica::{
 pub use crate::queue::{QueueStats, REMOTE_OWNER, ServeDone};
 use crate::routing::cluster::set_applying;
 pub use crate::routing::cluster::{
-    ClusterHooks, DefinitionChange, MemberChange, MembershipError, NodeStatus, TopologyChange,
-    TransferDone, TransferError, applying,
+    ClosedDone, ClusterHooks, DefinitionChange, Listing, ListingsDone, MemberChange,
+    MembershipError, NodeStatus, PEER_LISTING_WAIT, TopologyChange, TransferDone, TransferError,
+    applying,
 };
 
 /// Make a change another node made (idempotent: this node may have made it itself).

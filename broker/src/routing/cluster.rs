@@ -58,7 +58,33 @@ pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
     /// stand for election. `done` gets the new leader's name (`to` unless an election went
     /// elsewhere), or why leadership did not move; the log is never at risk either way.
     fn transfer_leader(&self, queue: &Arc<Queue>, to: &str, done: TransferDone);
+    /// The other running nodes' management listings of `kind`, asked concurrently: `done`
+    /// gets one JSON array per node that answered within [`PEER_LISTING_WAIT`] (a node that
+    /// is down or slow is left out, as RabbitMQ leaves out a node that does not answer).
+    fn peer_listings(&self, kind: Listing, done: ListingsDone);
+    /// Close connection `name` (320 CONNECTION_FORCED with `reason`) wherever in the cluster
+    /// it is open, this node excepted: `done` gets whether a node had it.
+    fn close_peer_connection(&self, name: String, reason: String, done: ClosedDone);
 }
+
+/// What a management listing across the cluster asks each node for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum Listing {
+    /// `/api/connections`: every AMQP connection open on the node.
+    Connections,
+    /// `/api/channels`: every channel of those connections.
+    Channels,
+}
+
+/// Longest a node waits for another's listing.
+pub const PEER_LISTING_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Receives the other nodes' listings, each a JSON array (UTF-8) of the objects the node's
+/// own API would list, unfiltered (the asking node applies its caller's visibility).
+pub type ListingsDone = Box<dyn FnOnce(Vec<Vec<u8>>) + Send>;
+
+/// Receives whether another node had the connection to close.
+pub type ClosedDone = Box<dyn FnOnce(bool) + Send>;
 
 /// Receives a leadership transfer's outcome.
 pub type TransferDone = Box<dyn FnOnce(Result<String, TransferError>) + Send>;

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use warren_broker::durable::QueueRecord;
 use warren_broker::node::replication::{
-    ClusterHooks, MemberChange, MembershipError, NodeStatus, TransferDone, TransferError,
+    ClosedDone, ClusterHooks, Listing, ListingsDone, MemberChange, MembershipError, NodeStatus,
+    PEER_LISTING_WAIT, TransferDone, TransferError,
 };
 use warren_broker::queue::Queue;
 use warren_store::writer::Completion;
@@ -145,6 +146,50 @@ impl ClusterHooks for ClusterNode {
                     || crate::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
             })
             .collect()
+    }
+
+    fn peer_listings(&self, kind: Listing, done: ListingsDone) {
+        let asks: Vec<_> = self
+            .running_peers()
+            .into_iter()
+            .filter_map(|id| self.classic_peer(id))
+            .map(|mut peer| {
+                tokio::spawn(async move {
+                    match tokio::time::timeout(PEER_LISTING_WAIT, peer.listing(kind)).await {
+                        Ok(Ok(json)) => Some(json),
+                        _ => None,
+                    }
+                })
+            })
+            .collect();
+        tokio::spawn(async move {
+            let mut out = Vec::with_capacity(asks.len());
+            for ask in asks {
+                if let Ok(Some(json)) = ask.await {
+                    out.push(json);
+                }
+            }
+            done(out);
+        });
+    }
+
+    fn close_peer_connection(&self, name: String, reason: String, done: ClosedDone) {
+        let peers: Vec<_> = self
+            .running_peers()
+            .into_iter()
+            .filter_map(|id| self.classic_peer(id))
+            .collect();
+        tokio::spawn(async move {
+            // A connection name holds its peer and local address: at most one node has it.
+            for mut peer in peers {
+                let ask = peer.close_connection(name.clone(), reason.clone());
+                if let Ok(Ok(true)) = tokio::time::timeout(PEER_LISTING_WAIT, ask).await {
+                    done(true);
+                    return;
+                }
+            }
+            done(false);
+        });
     }
 
     fn transfer_leader(&self, queue: &Arc<Queue>, to: &str, done: TransferDone) {

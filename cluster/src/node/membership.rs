@@ -31,6 +31,15 @@ impl ClusterNode {
             .collect()
     }
 
+    /// The other members that are not down (as [`ClusterNode::is_down`] judges).
+    pub(super) fn running_peers(&self) -> Vec<NodeId> {
+        self.current()
+            .into_iter()
+            .map(|(id, _)| id)
+            .filter(|id| *id != self.me && !self.is_down(*id))
+            .collect()
+    }
+
     pub(super) fn member(&self, id: NodeId) -> Option<Member> {
         self.registry
             .read()

@@ -21,6 +21,8 @@ use ring::hmac;
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
 
+use warren_broker::node::replication::Listing;
+
 use crate::proposer::ProposeError;
 use crate::types::{NodeId, QueueRaft};
 
@@ -322,6 +324,36 @@ impl ClassicPeer {
     pub async fn stats(&mut self) -> Result<Vec<RemoteQueueStats>, TransportError> {
         match self.0.call(Request::ClassicStats).await? {
             Response::ClassicStats(stats) => Ok(stats),
+            _ => Err(TransportError::Frame("a response of another kind".into())),
+        }
+    }
+
+    /// The peer's management listing of `kind` (a JSON array, UTF-8).
+    ///
+    /// # Errors
+    /// The peer could not be reached or answered out of turn.
+    pub async fn listing(&mut self, kind: Listing) -> Result<Vec<u8>, TransportError> {
+        match self.0.call(Request::Listing(kind)).await? {
+            Response::Listing(json) => Ok(json),
+            _ => Err(TransportError::Frame("a response of another kind".into())),
+        }
+    }
+
+    /// Close AMQP connection `name` if it is open on the peer; whether it was.
+    ///
+    /// # Errors
+    /// The peer could not be reached or answered out of turn.
+    pub async fn close_connection(
+        &mut self,
+        name: String,
+        reason: String,
+    ) -> Result<bool, TransportError> {
+        match self
+            .0
+            .call(Request::CloseConnection { name, reason })
+            .await?
+        {
+            Response::Closed(found) => Ok(found),
             _ => Err(TransportError::Frame("a response of another kind".into())),
         }
     }

@@ -13,6 +13,8 @@ use ring::rand::{SecureRandom, SystemRandom};
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
+use warren_broker::node::replication::Listing;
+
 use crate::proposer::{ProposeError, Proposer};
 use crate::types::{NodeId, QueueRaft, QueueRequest};
 
@@ -75,6 +77,10 @@ pub trait ClassicService: Send + Sync {
     fn deliver(&self, from: NodeId, events: Vec<RemoteEvent>) -> Vec<u64>;
     /// The classic queues held here, for the proxies on node `from`.
     fn stats(&self, from: NodeId) -> Vec<RemoteQueueStats>;
+    /// This node's management listing of `kind` (a JSON array, UTF-8).
+    fn listing(&self, kind: Listing) -> tokio::sync::oneshot::Receiver<Vec<u8>>;
+    /// Close AMQP connection `name` if it is open here; whether it was.
+    fn close_connection(&self, name: &str, reason: String) -> bool;
 }
 
 impl std::fmt::Debug for Groups {
@@ -434,6 +440,18 @@ async fn serve_classic(
             }
             (Request::Deliver(events), _) => Response::Delivered(service.deliver(from, events)),
             (Request::ClassicStats, _) => Response::ClassicStats(service.stats(from)),
+            (Request::Listing(kind), _) => {
+                // An empty array when the management layer does not answer (not started).
+                Response::Listing(
+                    service
+                        .listing(kind)
+                        .await
+                        .unwrap_or_else(|_| b"[]".to_vec()),
+                )
+            }
+            (Request::CloseConnection { name, reason }, _) => {
+                Response::Closed(service.close_connection(&name, reason))
+            }
             (Request::Ping, _) => Response::Pong,
             _ => return Err(TransportError::Frame("not a classic queue request".into())),
         };
@@ -569,7 +587,10 @@ async fn serve_connection(
             }),
             Request::Campaign => Response::Campaigning(campaign(&raft, hello.from).await),
             Request::Abstain(ms) => Response::Abstaining(abstain(&served, hello.from, ms)),
-            Request::Deliver(_) | Request::ClassicStats => {
+            Request::Deliver(_)
+            | Request::ClassicStats
+            | Request::Listing(_)
+            | Request::CloseConnection { .. } => {
                 return Err(TransportError::Frame(
                     "a classic request to a Raft group".into(),
                 ));

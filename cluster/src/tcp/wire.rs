@@ -12,6 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use warren_broker::node::replication::Listing;
 use warren_broker::queue::machine::{Command, Reply};
 
 use crate::proposer::ProposeError;
@@ -150,6 +151,16 @@ pub(super) enum Request {
     Deliver(Vec<RemoteEvent>),
     /// To a classic queue's home: its queues' depths and consumers, for the proxies there.
     ClassicStats,
+    /// To any node: its management listing of this kind (`/api/connections` through another
+    /// node lists the whole cluster).
+    Listing(Listing),
+    /// To any node: close this AMQP connection if it is open there.
+    CloseConnection {
+        /// RabbitMQ's connection name (`peer -> local`).
+        name: String,
+        /// The connection.close text (320 CONNECTION_FORCED).
+        reason: String,
+    },
 }
 
 /// What a classic queue's home sends to another node's consumers of it.
@@ -218,6 +229,10 @@ pub(super) enum Response {
     Delivered(Vec<u64>),
     /// The home's classic queues.
     ClassicStats(Vec<RemoteQueueStats>),
+    /// The node's listing: a JSON array, UTF-8.
+    Listing(Vec<u8>),
+    /// Whether the node had the connection (it is closing now).
+    Closed(bool),
 }
 
 /// What a node forwards to a group's leader.

@@ -3,10 +3,13 @@
 //! per-vhost and per-connection views: list, show and close connections, list and show
 //! channels (asked of their connection tasks).
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use axum::extract::{Path, State};
 use serde_json::{Value, json};
+use warren_broker::node::broker::Broker;
+use warren_broker::node::connections::LocalListings;
+use warren_broker::node::replication::Listing;
 
 use super::{ApiResult, no_content, ok_json, vhost_for};
 use crate::auth::Caller;
@@ -67,12 +70,98 @@ pub(super) fn visible_connections(
         .collect()
 }
 
+/// What this node lists for other nodes' `/api/connections` and `/api/channels` (every
+/// entry; the asking node applies its caller's visibility).
+#[derive(Debug)]
+pub struct NodeListings {
+    broker: Weak<Broker>,
+    node: String,
+}
+
+impl NodeListings {
+    /// Listings of `broker`'s connections on node `node` (weak: the broker holds this).
+    #[must_use]
+    pub fn new(broker: &Arc<Broker>, node: &str) -> Self {
+        Self {
+            broker: Arc::downgrade(broker),
+            node: node.to_string(),
+        }
+    }
+}
+
+impl LocalListings for NodeListings {
+    fn listing(&self, kind: Listing, done: Box<dyn FnOnce(Vec<u8>) + Send>) {
+        let Some(broker) = self.broker.upgrade() else {
+            done(b"[]".to_vec());
+            return;
+        };
+        let node = self.node.clone();
+        let encode = |v: Vec<Value>| serde_json::to_vec(&Value::Array(v)).unwrap_or_default();
+        match kind {
+            Listing::Connections => done(encode(
+                broker
+                    .connections()
+                    .list()
+                    .iter()
+                    .map(|h| connection_json(&node, h))
+                    .collect(),
+            )),
+            Listing::Channels => {
+                tokio::spawn(async move {
+                    let chans = channels_of(broker.connections().list()).await;
+                    done(encode(
+                        chans
+                            .iter()
+                            .map(|(h, c)| channel_json(&node, h, c))
+                            .collect(),
+                    ));
+                });
+            }
+        }
+    }
+}
+
+/// The other nodes' entries of `kind` that `caller` may see (monitoring and administrator
+/// users see all, others their own), as RabbitMQ's API lists the whole cluster.
+async fn peer_entries(state: &AppState, caller: &Caller, kind: Listing) -> Vec<Value> {
+    let Some(cluster) = state.broker.cluster() else {
+        return Vec::new();
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    cluster.peer_listings(
+        kind,
+        Box::new(move |lists| {
+            let _ = tx.send(lists);
+        }),
+    );
+    let lists = rx.await.unwrap_or_default();
+    lists
+        .iter()
+        .filter_map(|json| serde_json::from_slice::<Vec<Value>>(json).ok())
+        .flatten()
+        .filter(|v| caller.sees_all_vhosts() || v["user"].as_str() == Some(caller.name.as_str()))
+        .collect()
+}
+
+/// Every connection of the cluster `caller` may see that `keep` keeps, sorted by name.
+async fn cluster_connections(
+    state: &AppState,
+    caller: &Caller,
+    keep: impl Fn(&Value) -> bool,
+) -> Vec<Value> {
+    let mut all: Vec<Value> = visible_connections(state, caller)
+        .iter()
+        .map(|h| connection_json(&state.node.node, h))
+        .chain(peer_entries(state, caller, Listing::Connections).await)
+        .filter(|v| keep(v))
+        .collect();
+    all.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+    all
+}
+
 pub(super) async fn list_connections(State(state): State<AppState>, caller: Caller) -> ApiResult {
     ok_json(Value::Array(
-        visible_connections(&state, &caller)
-            .iter()
-            .map(|h| connection_json(&state.node.node, h))
-            .collect(),
+        cluster_connections(&state, &caller, |_| true).await,
     ))
 }
 
@@ -83,12 +172,22 @@ pub(super) async fn list_vhost_connections(
 ) -> ApiResult {
     vhost_for(&state, &caller, &vhost)?;
     ok_json(Value::Array(
-        visible_connections(&state, &caller)
-            .iter()
-            .filter(|h| h.info.vhost == vhost)
-            .map(|h| connection_json(&state.node.node, h))
-            .collect(),
+        cluster_connections(&state, &caller, |v| v["vhost"].as_str() == Some(&vhost)).await,
     ))
+}
+
+/// Connection `name` wherever in the cluster it is, if `caller` may see it.
+async fn find_connection(state: &AppState, caller: &Caller, name: &str) -> Option<Value> {
+    if let Some(h) = visible_connections(state, caller)
+        .into_iter()
+        .find(|h| h.info.name == name)
+    {
+        return Some(connection_json(&state.node.node, &h));
+    }
+    peer_entries(state, caller, Listing::Connections)
+        .await
+        .into_iter()
+        .find(|v| v["name"].as_str() == Some(name))
 }
 
 pub(super) async fn get_connection(
@@ -96,11 +195,11 @@ pub(super) async fn get_connection(
     caller: Caller,
     Path(name): Path<String>,
 ) -> ApiResult {
-    let h = visible_connections(&state, &caller)
-        .into_iter()
-        .find(|h| h.info.name == name)
-        .ok_or_else(ApiError::not_found)?;
-    ok_json(connection_json(&state.node.node, &h))
+    ok_json(
+        find_connection(&state, &caller, &name)
+            .await
+            .ok_or_else(ApiError::not_found)?,
+    )
 }
 
 /// DELETE /api/connections/{name}: 320 CONNECTION_FORCED with the `X-Reason` header's text
@@ -111,12 +210,11 @@ pub(super) async fn close_connection(
     Path(name): Path<String>,
     headers: axum::http::HeaderMap,
 ) -> ApiResult {
-    let h = visible_connections(&state, &caller)
-        .into_iter()
-        .find(|h| h.info.name == name)
+    let found = find_connection(&state, &caller, &name)
+        .await
         .ok_or_else(ApiError::not_found)?;
     // Seeing every connection (monitoring) is not closing them: administrators or the owner.
-    if !caller.is_admin() && h.info.user != caller.name {
+    if !caller.is_admin() && found["user"].as_str() != Some(caller.name.as_str()) {
         return Err(ApiError::unauthorised("Not administrator user"));
     }
     let reason = headers
@@ -124,8 +222,26 @@ pub(super) async fn close_connection(
         .and_then(|v| v.to_str().ok())
         .unwrap_or("Closed via management plugin")
         .to_string();
-    h.request_close(reason);
-    no_content()
+    if let Some(h) = state.broker.connections().find(&name) {
+        h.request_close(reason);
+        return no_content();
+    }
+    let Some(cluster) = state.broker.cluster() else {
+        return Err(ApiError::not_found());
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    cluster.close_peer_connection(
+        name,
+        reason,
+        Box::new(move |closed| {
+            let _ = tx.send(closed);
+        }),
+    );
+    if rx.await.unwrap_or(false) {
+        no_content()
+    } else {
+        Err(ApiError::not_found())
+    }
 }
 
 // ---------------------------------------------------------------- channels
@@ -191,26 +307,32 @@ fn channel_json(
     })
 }
 
+/// Every channel of the cluster `caller` may see whose JSON `keep` keeps: this node's
+/// (asked of their connection tasks) then the other nodes', sorted by name.
 async fn channels_filtered(
     state: &AppState,
     caller: &Caller,
-    keep: impl Fn(&Handle) -> bool,
-) -> Value {
-    let conns = visible_connections(state, caller)
-        .into_iter()
-        .filter(|h| keep(h))
+    keep: impl Fn(&Value) -> bool,
+) -> Vec<Value> {
+    let conns = visible_connections(state, caller);
+    let (here, there) = tokio::join!(
+        channels_of(conns),
+        peer_entries(state, caller, Listing::Channels)
+    );
+    let mut all: Vec<Value> = here
+        .iter()
+        .map(|(h, c)| channel_json(&state.node.node, h, c))
+        .chain(there)
+        .filter(|v| keep(v))
         .collect();
-    Value::Array(
-        channels_of(conns)
-            .await
-            .iter()
-            .map(|(h, c)| channel_json(&state.node.node, h, c))
-            .collect(),
-    )
+    all.sort_by(|a, b| a["name"].as_str().cmp(&b["name"].as_str()));
+    all
 }
 
 pub(super) async fn list_channels(State(state): State<AppState>, caller: Caller) -> ApiResult {
-    ok_json(channels_filtered(&state, &caller, |_| true).await)
+    ok_json(Value::Array(
+        channels_filtered(&state, &caller, |_| true).await,
+    ))
 }
 
 pub(super) async fn list_vhost_channels(
@@ -219,7 +341,9 @@ pub(super) async fn list_vhost_channels(
     Path(vhost): Path<String>,
 ) -> ApiResult {
     vhost_for(&state, &caller, &vhost)?;
-    ok_json(channels_filtered(&state, &caller, |h| h.info.vhost == vhost).await)
+    ok_json(Value::Array(
+        channels_filtered(&state, &caller, |v| v["vhost"].as_str() == Some(&vhost)).await,
+    ))
 }
 
 pub(super) async fn list_connection_channels(
@@ -227,13 +351,11 @@ pub(super) async fn list_connection_channels(
     caller: Caller,
     Path(name): Path<String>,
 ) -> ApiResult {
-    if !visible_connections(&state, &caller)
-        .iter()
-        .any(|h| h.info.name == name)
-    {
+    if find_connection(&state, &caller, &name).await.is_none() {
         return Err(ApiError::not_found());
     }
-    ok_json(channels_filtered(&state, &caller, |h| h.info.name == name).await)
+    let of = |v: &Value| v["connection_details"]["name"].as_str() == Some(&name);
+    ok_json(Value::Array(channels_filtered(&state, &caller, of).await))
 }
 
 /// `GET /api/channels/{name}`: one channel, named `<connection name> (<number>)`.
@@ -247,10 +369,18 @@ pub(super) async fn get_channel(
         .and_then(|n| n.rsplit_once(" ("))
         .and_then(|(c, n)| Some((c, n.parse::<u16>().ok()?)))
         .ok_or_else(ApiError::not_found)?;
-    let conns = visible_connections(&state, &caller)
+    let conns: Vec<Handle> = visible_connections(&state, &caller)
         .into_iter()
         .filter(|h| h.info.name == conn)
         .collect();
+    if conns.is_empty() {
+        // Not a connection of this node: another node's, if any has it.
+        return peer_entries(&state, &caller, Listing::Channels)
+            .await
+            .into_iter()
+            .find(|v| v["name"].as_str() == Some(name.as_str()))
+            .map_or_else(|| Err(ApiError::not_found()), ok_json);
+    }
     channels_of(conns)
         .await
         .iter()

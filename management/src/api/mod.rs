@@ -25,7 +25,7 @@ use crate::{ApiError, AppState, REQUEST_BODY_MAX};
 mod bindings;
 mod commit;
 mod common;
-mod connections;
+pub(crate) mod connections;
 mod consumers;
 mod definitions;
 mod exchanges;

@@ -93,6 +93,8 @@ pub struct Broker {
     stats: Arc<crate::stats::GlobalStats>,
     /// The cluster this node is in (set once at start-up; every vhost gets it).
     cluster: std::sync::OnceLock<Arc<dyn crate::routing::cluster::ClusterHooks>>,
+    /// What the management layer lists for other nodes (set once when it starts).
+    local_listings: std::sync::OnceLock<Arc<dyn crate::node::connections::LocalListings>>,
 }
 
 impl Broker {
@@ -145,6 +147,7 @@ impl Broker {
             connections: crate::node::connections::Connections::default(),
             stats: Arc::default(),
             cluster: std::sync::OnceLock::new(),
+            local_listings: std::sync::OnceLock::new(),
         };
         b.vhosts.write().insert(
             "/".into(),
@@ -198,6 +201,18 @@ impl Broker {
     #[must_use]
     pub fn cluster(&self) -> Option<&Arc<dyn crate::routing::cluster::ClusterHooks>> {
         self.cluster.get()
+    }
+
+    /// Register what this node lists for other nodes' management API (the first call wins).
+    pub fn set_local_listings(&self, l: Arc<dyn crate::node::connections::LocalListings>) {
+        let _ = self.local_listings.set(l);
+    }
+
+    /// What this node lists for other nodes' management API (None before the management
+    /// layer started, or on a node without one).
+    #[must_use]
+    pub fn local_listings(&self) -> Option<&Arc<dyn crate::node::connections::LocalListings>> {
+        self.local_listings.get()
     }
 
     /// A fresh id (connections, consumers), unique in this process.

@@ -26,7 +26,7 @@ use std::sync::{Arc, PoisonError, Weak};
 use std::time::Duration;
 
 use warren_broker::durable::QueueRecord;
-use warren_broker::node::replication::{decode_entry, decode_message};
+use warren_broker::node::replication::{Listing, decode_entry, decode_message};
 use warren_broker::queue::Queue;
 use warren_broker::queue::machine::Command;
 
@@ -212,6 +212,37 @@ impl ClassicService for Service {
             }
         }
         out
+    }
+
+    fn listing(&self, kind: Listing) -> tokio::sync::oneshot::Receiver<Vec<u8>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        // Without a management layer the sender drops, and the peer answers an empty list.
+        if let Some(l) = self
+            .0
+            .upgrade()
+            .and_then(|n| n.broker.local_listings().cloned())
+        {
+            l.listing(
+                kind,
+                Box::new(move |json| {
+                    let _ = tx.send(json);
+                }),
+            );
+        }
+        rx
+    }
+
+    fn close_connection(&self, name: &str, reason: String) -> bool {
+        let Some(h) = self
+            .0
+            .upgrade()
+            .and_then(|n| n.broker.connections().find(name))
+            .filter(|h| !h.is_closing())
+        else {
+            return false;
+        };
+        h.request_close(reason);
+        true
     }
 }
 
