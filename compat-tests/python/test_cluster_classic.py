@@ -457,3 +457,55 @@ def test_connections_and_channels_are_listed_from_every_node(cluster3):
     finally:
         safe_close(a)
         safe_close(b)
+
+
+@pytest.mark.timeout(120)
+def test_direct_reply_to_across_nodes(cluster3):
+    """An RPC requester on n1 (amq.rabbitmq.reply-to) and its server on n3: the requests go
+    through a classic queue homed on n2, the replies, published through n3 to the reply name,
+    reach the requester on n1 in order; a reply name no node issued is unroutable."""
+    c = cluster3
+    q = name("rpc")
+    declare_classic(c, 1, q)
+    wait_visible(c, q, [0, 2])
+    requester = c.connect(0)
+    server = c.connect(2)
+    try:
+        rch = requester.channel()
+        replies = []
+        rch.basic_consume("amq.rabbitmq.reply-to",
+                          lambda ch_, m, p, b: replies.append((b.decode(), p.correlation_id)),
+                          auto_ack=True)
+        for k in range(20):
+            rch.basic_publish("", q, f"req{k}".encode(), pika.BasicProperties(
+                reply_to="amq.rabbitmq.reply-to", correlation_id=str(k)))
+
+        sch = server.channel()
+        sch.confirm_delivery()
+        reply_names = set()
+        served = []
+        for _ in range(20):
+            m, props, body = eventually(lambda: sch.basic_get(q, auto_ack=True),
+                                        lambda r: r[0] is not None, what="a request on n3")
+            reply_names.add(props.reply_to)
+            # Mandatory: an unroutable reply would raise UnroutableError here.
+            sch.basic_publish("", props.reply_to, b"re:" + body,
+                              pika.BasicProperties(correlation_id=props.correlation_id),
+                              mandatory=True)
+            served.append(body)
+        assert len(reply_names) == 1, reply_names
+        (reply_name,) = reply_names
+        assert reply_name.startswith("amq.rabbitmq.reply-to."), reply_name
+
+        end = time.monotonic() + 10
+        while len(replies) < 20 and time.monotonic() < end:
+            requester.process_data_events(time_limit=0.1)
+        assert replies == [(f"re:req{k}", str(k)) for k in range(20)], replies
+
+        # A name of the same form that no node issued: returned.
+        bogus = reply_name.rsplit(".", 1)[0] + ".999999"
+        with pytest.raises(pika.exceptions.UnroutableError):
+            sch.basic_publish("", bogus, b"nobody", mandatory=True)
+    finally:
+        safe_close(requester)
+        safe_close(server)

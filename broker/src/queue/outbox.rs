@@ -68,6 +68,14 @@ pub enum Outbound {
         /// The reply.
         message: Arc<crate::message::Message>,
     },
+    /// A direct reply-to message for a requester on another node (only in the outbox of a
+    /// cluster's link to that node, never a connection's).
+    PeerReply {
+        /// The vhost it was published in.
+        vhost: String,
+        /// The reply (its routing key is the requester's reply name).
+        message: Arc<crate::message::Message>,
+    },
     /// The reply to a basic.get on a replicated queue (it commits before it is known).
     Got {
         /// Channel of the get.

@@ -65,6 +65,12 @@ pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
     /// Close connection `name` (320 CONNECTION_FORCED with `reason`) wherever in the cluster
     /// it is open, this node excepted: `done` gets whether a node had it.
     fn close_peer_connection(&self, name: String, reason: String, done: ClosedDone);
+    /// Where direct replies for requesters on the node numbered `node` go (push
+    /// [`Outbound::PeerReply`]; delivered in order): None when no running node other than this
+    /// one has that number.
+    ///
+    /// [`Outbound::PeerReply`]: crate::queue::outbox::Outbound::PeerReply
+    fn reply_outbox(&self, node: u64) -> Option<Arc<crate::queue::outbox::Outbox>>;
 }
 
 /// What a management listing across the cluster asks each node for.

@@ -14,7 +14,7 @@ use crate::node::access::{Perm, Resource};
 use crate::queue::machine::{ConsumerSpec, MachineError};
 use crate::queue::outbox::Outbound;
 use crate::queue::{ConsumerSink, Queue};
-use crate::routing::reply_to::REPLY_TO_PREFIX;
+use crate::routing::reply_to::reply_name;
 
 use super::common::{
     apply_acks, consumer_deadline, expand_queue_name, stream_requeue_refused, stream_unsupported,
@@ -112,7 +112,8 @@ impl Call<'_> {
         } else {
             c.consumer_tag.as_str().to_string()
         };
-        let name = format!("{REPLY_TO_PREFIX}{}", ctx.broker.unique_name(""));
+        let node = ctx.broker.cluster().map(|c| c.node_number());
+        let name = reply_name(&ctx.broker.unique_name(""), node);
         ctx.vhost
             .replies
             .register(&name, &ctx.outbox, ch, self.chan.epoch);

@@ -41,6 +41,8 @@ impl Session {
                     epoch,
                     message,
                 } => self.deliver_reply(channel, epoch, &message, out),
+                // Only a cluster link's outbox carries these.
+                Outbound::PeerReply { .. } => {}
                 done @ (Outbound::Committed { .. } | Outbound::Confirmed { .. }) => {
                     self.store_completion(&done);
                 }

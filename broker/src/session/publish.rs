@@ -13,8 +13,9 @@ use warren_amqp::{AmqpError, ReplyCode};
 use crate::exchange::RoutingHeaders;
 use crate::message::Message;
 use crate::node::access::{Perm, Resource};
+use crate::queue::outbox::Outbound;
 use crate::queue::{Enqueued, Queue, publish_routed};
-use crate::routing::reply_to::{REPLY_TO, REPLY_TO_PREFIX};
+use crate::routing::reply_to::{REPLY_TO, REPLY_TO_PREFIX, reply_node};
 
 use super::{Call, Channel, Ctx, Mode, TxPublish};
 
@@ -133,7 +134,7 @@ impl Call<'_> {
         let seq = self.chan.mode.next_publish_seq();
         let mut outcome = Enqueued::Gone;
         if is_direct_reply(&message.exchange, &message.routing_key)
-            && ctx.vhost.replies.deliver(message)
+            && (ctx.vhost.replies.deliver(message) || forward_reply(ctx, message))
         {
             outcome = Enqueued::Accepted;
         }
@@ -248,6 +249,26 @@ fn schedule_delayed(
     let mode = &mut chan.mode;
     ctx.vhost.delayed.schedule(message, due, durable, || {
         mode.durable_completion(ctx, epoch, ch, seq)
+    });
+    true
+}
+
+/// Send a direct reply whose requester is on another node there; false when its name names
+/// no other running node of the cluster (then it is unroutable).
+fn forward_reply(ctx: &Ctx, message: &Arc<Message>) -> bool {
+    let Some(cluster) = ctx.broker.cluster() else {
+        return false;
+    };
+    let Some(node) = reply_node(&message.routing_key).filter(|n| *n != cluster.node_number())
+    else {
+        return false;
+    };
+    let Some(outbox) = cluster.reply_outbox(node) else {
+        return false;
+    };
+    outbox.push(Outbound::PeerReply {
+        vhost: ctx.vhost.name.clone(),
+        message: Arc::clone(message),
     });
     true
 }

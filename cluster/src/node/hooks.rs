@@ -11,6 +11,7 @@ use warren_broker::node::replication::{
     PEER_LISTING_WAIT, TransferDone, TransferError,
 };
 use warren_broker::queue::Queue;
+use warren_broker::queue::outbox::Outbox;
 use warren_store::writer::Completion;
 
 use crate::types::MetaChange;
@@ -190,6 +191,16 @@ impl ClusterHooks for ClusterNode {
             }
             done(false);
         });
+    }
+
+    fn reply_outbox(&self, node: u64) -> Option<Arc<Outbox>> {
+        let id = self
+            .current()
+            .into_iter()
+            .find(|(id, m)| m.number == node && *id != self.me)
+            .map(|(id, _)| id)
+            .filter(|id| !self.is_down(*id))?;
+        Some(Arc::clone(&self.weak_self().upgrade()?.pump(id).outbox))
     }
 
     fn transfer_leader(&self, queue: &Arc<Queue>, to: &str, done: TransferDone) {

@@ -184,6 +184,15 @@ pub enum RemoteEvent {
         /// Times it was returned before.
         delivery_count: u32,
     },
+    /// A direct reply-to message for a requester attached to the receiving node.
+    Reply {
+        /// The vhost it was published in.
+        vhost: String,
+        /// The reply (its routing key is the requester's reply name), as
+        /// [`warren_broker::node::replication::encode_message`] encodes it.
+        #[serde(with = "warren_broker::node::replication::raw_bytes")]
+        message: Vec<u8>,
+    },
     /// The consumer was cancelled at the home (its queue was deleted).
     Cancel {
         /// The queue's vhost.

@@ -178,6 +178,17 @@ impl ClassicService for Service {
                         unknown.push(consumer);
                     }
                 }
+                RemoteEvent::Reply { vhost, message } => {
+                    // A requester gone meanwhile drops it, as a reply to a closed channel is.
+                    match decode_message(&message) {
+                        Ok(m) => {
+                            if let Some(vh) = node.broker.vhost(&vhost) {
+                                vh.replies.deliver(&Arc::new(m));
+                            }
+                        }
+                        Err(e) => tracing::error!(error = %e, "an undecodable direct reply"),
+                    }
+                }
                 RemoteEvent::Cancel {
                     vhost,
                     queue,

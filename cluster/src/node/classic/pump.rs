@@ -1,12 +1,13 @@
 //! Deliveries from the classic queues held here to consumers attached on a peer: one
 //! [`Pump`] per peer, whose outbox is those consumers' sink in the queues here, drained by a
-//! task that sends what it holds to the peer in batches.
+//! task that sends what it holds to the peer in batches. Direct replies published here for
+//! requesters on that peer travel the same way, in order.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
-use warren_broker::node::replication::encode_loaded;
+use warren_broker::node::replication::{encode_loaded, encode_message};
 use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{ConsumerId, MsgId};
 use warren_broker::queue::outbox::{Outbound, Outbox};
@@ -24,7 +25,7 @@ const RESEND_PAUSE: Duration = Duration::from_millis(200);
 /// One peer's consumers of the classic queues held here.
 pub(in crate::node) struct Pump {
     /// Their sink in the queues here.
-    pub(super) outbox: Arc<Outbox>,
+    pub(in crate::node) outbox: Arc<Outbox>,
     /// Each consumer's queue (vhost, name), for the cancellations the outbox carries
     /// without one.
     pub(super) consumers: Mutex<HashMap<ConsumerId, (String, String)>>,
@@ -122,6 +123,11 @@ fn events(pump: &Pump, items: Vec<Outbound>) -> (Vec<Vec<RemoteEvent>>, Vec<Vec<
                     queue,
                     consumer,
                 }
+            }
+            Outbound::PeerReply { vhost, message } => {
+                let message = encode_message(&message);
+                bytes += message.len();
+                RemoteEvent::Reply { vhost, message }
             }
             // Confirms, commits and replies go to the proxy's own connections there.
             _ => continue,
