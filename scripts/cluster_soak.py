@@ -2,7 +2,8 @@
 """Run Warren's total-queue cluster checker for long durations or many runs.
 
 Each run starts a fresh cluster of real `warren server` processes (compat-tests/python/
-cluster_harness.py), drives one quorum queue with two confirmed publishers and an acking
+cluster_harness.py), drives one quorum queue (or, with --queue-type classic, a durable classic queue used through
+the nodes other than its home) with two confirmed publishers and an acking
 consumer while a fault thread kills (-9) and pauses (SIGSTOP) nodes, then drains the queue and
 checks: lost = 0, unexpected = 0, duplicates only for redelivered or republished ids, and (when
 the binary reports `raft` for a queue) that every replica reaches the same applied index with
@@ -29,8 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "compat-tests" / "python"))
 
-from cluster_harness import (FAULT_KINDS, PARTITION_MODES, Cluster,  # noqa: E402
-                             cluster_supported, log, run_total_queue_check, summarize)
+from cluster_harness import (CHECK_QUEUE_TYPES, CLASSIC_FAULT_KINDS,  # noqa: E402
+                             FAULT_KINDS, PARTITION_MODES, Cluster, cluster_supported, log,
+                             run_total_queue_check, summarize)
 
 
 def main():
@@ -48,6 +50,10 @@ def main():
     ap.add_argument("--no-proxy", action="store_true",
                     help="nodes talk directly (no partition faults)")
     ap.add_argument("--publishers", type=int, default=2)
+    ap.add_argument("--queue-type", choices=CHECK_QUEUE_TYPES, default="quorum",
+                    help="the checked queue: quorum, or a durable classic queue homed on a "
+                         "random node, used through the others (faults: "
+                         f"{', '.join(CLASSIC_FAULT_KINDS)})")
     ap.add_argument("--binary", default=os.environ.get("WARREN_BIN"),
                     help="warren binary (default: WARREN_BIN or target/debug/warren)")
     ap.add_argument("--log-level", default=None, help="nodes' --log-level (default info)")
@@ -65,6 +71,8 @@ def main():
     unknown = set(kinds) - set(FAULT_KINDS)
     if unknown:
         sys.exit(f"cluster_soak: unknown fault kinds {sorted(unknown)}")
+    if args.queue_type == "classic" and set(kinds) - set(CLASSIC_FAULT_KINDS):
+        sys.exit(f"cluster_soak: a classic queue takes only {', '.join(CLASSIC_FAULT_KINDS)}")
     if args.no_proxy and "partition" in kinds:
         sys.exit("cluster_soak: partition faults need the proxy")
 
@@ -78,7 +86,8 @@ def main():
             seed = None if args.seed is None else args.seed + run
             r = run_total_queue_check(cluster, seconds=args.seconds, seed=seed,
                                       publishers=args.publishers, kinds=kinds,
-                                      order=args.order, partition_mode=args.partition_mode)
+                                      order=args.order, partition_mode=args.partition_mode,
+                                      queue_type=args.queue_type)
         except Exception:
             cluster.keep = True
             print(cluster.report())

@@ -835,7 +835,9 @@ class Cluster:
 
     def leader_views(self, queue, exclude=()):
         """{node: (the leader it names or None, how many members it lists)} from every node
-        that is up (not in `exclude`) and knows `queue`."""
+        that is up (not in `exclude`) and knows `queue`. A classic queue's "leader" is its
+        home (its `node`; no `leader` or `members`): it leads once it is up and the others
+        name it."""
         views = {}
         for i in self.up_nodes(exclude):
             try:
@@ -848,7 +850,8 @@ class Cluster:
                 views[i] = (i, 1)
             else:
                 members = info.get("members") or []
-                views[i] = (self.node_index(info.get("leader")), len(members) or len(self.nodes))
+                leader = info.get("leader") if "members" in info else info.get("node")
+                views[i] = (self.node_index(leader), len(members) or len(self.nodes))
         return views
 
     def leader_of(self, queue, exclude=()):
@@ -1900,18 +1903,48 @@ def check_replicas(cluster, queue, deadline=20.0):
             "summary": f"REPLICAS DISAGREE at index {index}: digests {named}"}
 
 
+CHECK_QUEUE_TYPES = ("quorum", "classic")
+# A classic queue has one copy on its home node: no members to change, no leadership to move.
+CLASSIC_FAULT_KINDS = ("kill9", "pause", "term", "partition", "killall")
+
+
+def declare_classic(cluster, i, queue, deadline=30.0):
+    """Declare durable classic `queue` through node i (its home), retrying as declare_quorum."""
+    end = time.monotonic() + deadline
+    while True:
+        conn = None
+        try:
+            conn = cluster.connect(i)
+            conn.channel().queue_declare(queue, durable=True)
+            return
+        except CLIENT_ERRORS as e:
+            if time.monotonic() > end:
+                raise AssertionError(f"declare of {queue} on {cluster.nodes[i].name} kept "
+                                     f"failing for {deadline}s: {e!r}") from e
+            time.sleep(0.2)
+        finally:
+            safe_close(conn)
+
+
 def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
                           kinds=("kill9", "pause"), queue=None, drain_deadline=90.0,
                           order="random", partition_mode="mixed", replica_deadline=20.0,
-                          until_each_kind=False):
+                          until_each_kind=False, queue_type="quorum"):
     """One run of the total-queue checker on a started cluster. Returns a dict with the
     CheckResult ("result"), fault counts, client statistics, the replica-agreement check
     ("replicas", see check_replicas) and any errors ("errors": faults that did not recover,
     workers that crashed, replicas that disagree or never converge); the caller asserts.
-    `order` and `partition_mode` go to the FaultInjector."""
+    `order` and `partition_mode` go to the FaultInjector. With queue_type "classic" the
+    queue is a durable classic queue homed on a random node, and the publishers and the
+    consumer start on the other nodes (everything goes through proxies to the home; faults
+    hit the home half the time, as they hit a quorum queue's leader)."""
+    if queue_type not in CHECK_QUEUE_TYPES:
+        raise ValueError(f"queue_type must be one of {CHECK_QUEUE_TYPES}")
+    if queue_type == "classic" and set(kinds) - set(CLASSIC_FAULT_KINDS):
+        raise ValueError(f"classic queues take only the faults {CLASSIC_FAULT_KINDS}")
     seed = random.randrange(1 << 30) if seed is None else seed
     rng = random.Random(seed)
-    queue = queue or f"cluster.check.{uuid.uuid4().hex[:10]}"
+    queue = queue or f"cluster.check.{queue_type}.{uuid.uuid4().hex[:10]}"
     history = History()
     stats = collections.Counter()
     watchdog = Watchdog()
@@ -1919,16 +1952,26 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
     errors = []
     log(f"checker: seed={seed} seconds={seconds} queue={queue} nodes={len(cluster)} "
         f"faults={list(kinds)} order={order} partition_mode={partition_mode} "
-        f"proxied={cluster.proxied}")
+        f"proxied={cluster.proxied} type={queue_type}")
 
-    declare_quorum(cluster, 0, queue)
-    wait_visible(cluster, queue, range(len(cluster)))
+    n = len(cluster)
+    if queue_type == "classic":
+        home = rng.randrange(n)
+        declare_classic(cluster, home, queue)
+        elsewhere = [i for i in range(n) if i != home] or [home]
+    else:
+        declare_quorum(cluster, 0, queue)
+        elsewhere = list(range(n))
+    wait_visible(cluster, queue, range(n))
     cluster.wait_for_leader(queue)
 
     consumer = Consumer(cluster, queue, history, cons_stop, watchdog, stats,
-                        node=rng.randrange(len(cluster)))
-    pubs = [Publisher(cluster, queue, history, n, pub_stop, watchdog, stats)
-            for n in range(publishers)]
+                        node=rng.choice(elsewhere))
+    pubs = [Publisher(cluster, queue, history, k, pub_stop, watchdog, stats)
+            for k in range(publishers)]
+    if queue_type == "classic":
+        for k, p in enumerate(pubs):
+            p.node = elsewhere[k % len(elsewhere)]
     faults = FaultInjector(cluster, queue, fault_stop, rng, kinds=kinds, order=order,
                            partition_mode=partition_mode)
     workers = [consumer, *pubs, faults]
@@ -1982,8 +2025,12 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
             stats["swept after drain"] += sweep(cluster, cluster.up_nodes(), queue, history)
         except AssertionError as e:
             errors.append(str(e))
-        # No traffic now: every replica must reach the same applied index and state.
-        replicas = check_replicas(cluster, queue, deadline=replica_deadline)
+        # No traffic now: every replica must reach the same applied index and state (a
+        # classic queue has one copy).
+        replicas = (check_replicas(cluster, queue, deadline=replica_deadline)
+                    if queue_type == "quorum" else
+                    {"supported": False, "agree": None, "index": None, "nodes": 1, "views": {},
+                     "summary": "classic queue: one copy, on its home"})
         log(f"checker: {replicas['summary']}")
         if replicas["supported"] is not False and not replicas["agree"]:
             errors.append(replicas["summary"])

@@ -714,3 +714,14 @@ def test_total_queue_checker_under_partitions_and_whole_cluster_kills(cluster_fa
 
     run_checker(cluster_factory, capsys, kinds, order="cycle",
                 partition_mode=PARTITION_MODE, until_each_kind=True)
+
+
+@pytest.mark.timeout(int(CHECK_RUNS * (2 * CHECK_SECONDS + 300)))
+def test_total_queue_checker_on_a_classic_queue(cluster_factory, capsys):
+    """The checker on a durable classic queue homed on one node, its publishers and consumer
+    on the others (every operation through a proxy): kill -9, SIGSTOP, SIGTERM, a partition
+    and a whole-cluster kill, each at least once, lose no confirmed message and create none
+    (the home's faults make it unavailable, not lossy)."""
+    run_checker(cluster_factory, capsys, ("kill9", "pause", "term", "partition", "killall"),
+                order="cycle", partition_mode=PARTITION_MODE, until_each_kind=True,
+                queue_type="classic")
