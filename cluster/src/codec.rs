@@ -24,6 +24,18 @@ pub fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, bincode::Error> {
     options().serialize(value)
 }
 
+/// Encode `value` into `out` as [`encode`] would (a size pass, then the bytes, with no copy
+/// of the value in memory).
+///
+/// # Errors
+/// When it does not serialize, is over [`VALUE_MAX`], or `out` fails.
+pub fn encode_into<T: Serialize>(
+    out: &mut dyn std::io::Write,
+    value: &T,
+) -> Result<(), bincode::Error> {
+    options().serialize_into(out, value)
+}
+
 /// Decode a value [`encode`] wrote.
 ///
 /// # Errors

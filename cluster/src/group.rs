@@ -29,6 +29,14 @@ pub trait Applied: Send + Sync + 'static {
     /// # Errors
     /// When it does not encode.
     fn snapshot(&self) -> Result<Vec<u8>, String>;
+    /// The whole state, encoded as [`Applied::snapshot`] encodes it, written to `out` (a
+    /// snapshot file): a large state should stream rather than be encoded in memory first.
+    ///
+    /// # Errors
+    /// When it does not encode or `out` fails.
+    fn snapshot_into(&self, out: &mut dyn std::io::Write) -> Result<(), String> {
+        out.write_all(&self.snapshot()?).map_err(|e| e.to_string())
+    }
     /// Replace the state by a snapshot's, which covers the log up to index `last` (0: none).
     ///
     /// # Errors
@@ -98,24 +106,8 @@ impl<A> Clone for GroupStateMachine<A> {
     }
 }
 
-/// A snapshot as kept on disk: openraft's meta and the snapshot's bytes.
-type StoredSnapshot = (SnapshotMeta<NodeId, BasicNode>, Vec<u8>);
-
-/// Write `bytes` to `path` durably: a temporary file, fsynced, renamed over it, the directory
-/// fsynced (a crash leaves the old snapshot or the new one, never half of one).
-fn write_durably(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
-    use std::io::Write;
-    let tmp = path.with_extension("snapshot-tmp");
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(bytes)?;
-    f.sync_all()?;
-    drop(f);
-    std::fs::rename(&tmp, path)?;
-    if let Some(dir) = path.parent() {
-        std::fs::File::open(dir)?.sync_all()?;
-    }
-    Ok(())
-}
+/// A snapshot as kept on disk (see [`crate::snapshot_file`]).
+type StoredSnapshot = crate::snapshot_file::Stored<SnapshotMeta<NodeId, BasicNode>, Tracked>;
 
 fn sm_error(verb: ErrorVerb, e: impl std::fmt::Display) -> StorageError {
     StorageIOError::new(
@@ -148,39 +140,35 @@ impl<A: Applied> GroupStateMachine<A> {
     /// The snapshot there cannot be read or does not decode.
     pub fn restored(applied: Arc<A>, path: std::path::PathBuf) -> Result<Self, String> {
         let mut sm = Self::over(applied);
-        match std::fs::read(&path) {
-            Ok(file) => {
-                let (meta, bytes): StoredSnapshot =
-                    crate::codec::decode(&file).map_err(|e| format!("{}: {e}", path.display()))?;
-                let data: SnapshotData =
-                    crate::codec::decode(&bytes).map_err(|e| format!("{}: {e}", path.display()))?;
-                let last = data.tracked.last_applied.map_or(0, |l| l.index);
-                sm.applied.install(&data.state, last)?;
-                let mut inner = sm.lock();
-                inner.tracked = data.tracked;
-                inner.snapshot = Some((meta, None));
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(format!("{}: {e}", path.display())),
+        if let Some(stored) = crate::snapshot_file::read::<_, Tracked>(&path)? {
+            let last = stored.tracked.last_applied.map_or(0, |l| l.index);
+            sm.applied
+                .install(stored.state(), last)
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+            let mut inner = sm.lock();
+            inner.tracked = stored.tracked.clone();
+            inner.snapshot = Some((stored.meta, None));
         }
         sm.snapshot_path = Some(Arc::new(path));
         Ok(sm)
     }
 
-    /// Keep the current snapshot on disk (before openraft may purge the entries it covers).
+    /// Keep a snapshot whose bytes arrived whole on disk (an installed one), in the layout
+    /// [`crate::snapshot_file`] gives, before openraft may purge the entries it covers.
     // openraft's own storage error type, returned through its traits.
     #[allow(clippy::result_large_err)]
     fn persist(
         &self,
         meta: &SnapshotMeta<NodeId, BasicNode>,
-        bytes: &[u8],
+        data: &SnapshotData,
     ) -> Result<(), StorageError> {
         let Some(path) = &self.snapshot_path else {
             return Ok(());
         };
-        let file =
-            crate::codec::encode(&(meta, bytes)).map_err(|e| sm_error(ErrorVerb::Write, e))?;
-        write_durably(path, &file).map_err(|e| sm_error(ErrorVerb::Write, e))
+        crate::snapshot_file::write(path, meta, &data.tracked, |out| {
+            out.write_all(&data.state).map_err(|e| e.to_string())
+        })
+        .map_err(|e| sm_error(ErrorVerb::Write, e))
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -204,10 +192,15 @@ impl<A: Applied> GroupStateMachine<A> {
                 "a snapshot neither kept nor stored",
             ));
         };
-        let file = std::fs::read(path.as_path()).map_err(|e| sm_error(ErrorVerb::Read, e))?;
-        let (_, bytes): StoredSnapshot =
-            crate::codec::decode(&file).map_err(|e| sm_error(ErrorVerb::Read, e))?;
-        Ok(bytes)
+        let stored: StoredSnapshot = crate::snapshot_file::read(path.as_path())
+            .map_err(|e| sm_error(ErrorVerb::Read, e))?
+            .ok_or_else(|| sm_error(ErrorVerb::Read, "the snapshot file is gone"))?;
+        // What a snapshot sent to another member carries (the layout it always had).
+        crate::codec::encode(&SnapshotData {
+            tracked: stored.tracked.clone(),
+            state: stored.state().to_vec(),
+        })
+        .map_err(|e| sm_error(ErrorVerb::Read, e))
     }
 
     /// The group's Raft instance has started: a current snapshot read from now on is one to
@@ -240,15 +233,6 @@ impl<A: Applied> RaftSnapshotBuilder<QueueRaft> for GroupStateMachine<A> {
     async fn build_snapshot(&mut self) -> Result<Snapshot<QueueRaft>, StorageError> {
         // Under the lock, so no entry is applied between the state and its last id.
         let mut inner = self.lock();
-        let state = self
-            .applied
-            .snapshot()
-            .map_err(|e| sm_error(ErrorVerb::Read, e))?;
-        let bytes = crate::codec::encode(&SnapshotData {
-            tracked: inner.tracked.clone(),
-            state,
-        })
-        .map_err(|e| sm_error(ErrorVerb::Read, e))?;
         inner.snapshots_built += 1;
         let last = inner.tracked.last_applied;
         let meta = SnapshotMeta {
@@ -261,8 +245,30 @@ impl<A: Applied> RaftSnapshotBuilder<QueueRaft> for GroupStateMachine<A> {
                 inner.snapshots_built
             ),
         };
-        self.persist(&meta, &bytes)?;
-        inner.snapshot = Some((meta.clone(), self.kept(bytes.clone())));
+        if let Some(path) = &self.snapshot_path {
+            // Streamed to the file as it is encoded. openraft takes only the meta of a built
+            // snapshot (its state machine worker), and reads a snapshot to send through
+            // `get_current_snapshot`: the one returned here carries no bytes.
+            crate::snapshot_file::write(path, &meta, &inner.tracked, |out| {
+                self.applied.snapshot_into(out)
+            })
+            .map_err(|e| sm_error(ErrorVerb::Write, e))?;
+            inner.snapshot = Some((meta.clone(), None));
+            return Ok(Snapshot {
+                meta,
+                snapshot: Box::new(Cursor::new(Vec::new())),
+            });
+        }
+        let state = self
+            .applied
+            .snapshot()
+            .map_err(|e| sm_error(ErrorVerb::Read, e))?;
+        let bytes = crate::codec::encode(&SnapshotData {
+            tracked: inner.tracked.clone(),
+            state,
+        })
+        .map_err(|e| sm_error(ErrorVerb::Read, e))?;
+        inner.snapshot = Some((meta.clone(), Some(bytes.clone())));
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(bytes)),
@@ -334,8 +340,8 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
                 .map_err(|e| sm_error(ErrorVerb::Write, e))?;
             bytes = crate::codec::encode(&data).map_err(|e| sm_error(ErrorVerb::Write, e))?;
         }
+        self.persist(meta, &data)?;
         inner.tracked = data.tracked;
-        self.persist(meta, &bytes)?;
         inner.snapshot = Some((meta.clone(), self.kept(bytes)));
         Ok(())
     }

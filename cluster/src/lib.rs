@@ -7,6 +7,7 @@
 //! - [`codec`]: the binary encoding of entries, snapshots and frames.
 //! - [`log_store`]: the Raft log, vote and commit index in redb (durable before acknowledged).
 //! - [`group`]: openraft's state machine over any replicated state, with snapshots.
+//! - [`snapshot_file`]: a replica's current snapshot on disk, streamed as it is encoded.
 //! - [`state_machine`]: the queue machine alone as that state (tests, benchmarks).
 //! - [`node`]: a cluster node: the metadata group, a replica per quorum queue applying into
 //!   the broker's queue, forwarding to leaders, down nodes.
@@ -21,6 +22,7 @@ pub mod log_store;
 pub mod network;
 pub mod node;
 pub mod proposer;
+pub mod snapshot_file;
 pub mod state_machine;
 pub mod tcp;
 pub mod types;

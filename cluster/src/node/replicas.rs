@@ -434,6 +434,18 @@ impl Applied for QueueApplied {
             .map_err(|e| e.to_string())
     }
 
+    fn snapshot_into(&self, out: &mut dyn std::io::Write) -> Result<(), String> {
+        if self.queue.stream().is_some() {
+            let bytes = self.snapshot()?;
+            return out.write_all(&bytes).map_err(|e| e.to_string());
+        }
+        // Streamed under the queue's lock: the encoded machine (tens of bytes a message) is
+        // never in memory whole.
+        self.queue
+            .with_machine(|m| crate::codec::encode_into(out, m))
+            .map_err(|e| e.to_string())
+    }
+
     fn install(&self, bytes: &[u8], last: u64) -> Result<(), String> {
         if let Some(stream) = self.queue.stream() {
             let snapshot: warren_broker::queue::stream::StreamSnapshot =
