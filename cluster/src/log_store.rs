@@ -54,7 +54,7 @@ const BODIES: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_bodies");
 
 /// redb's page cache per log (its default is 1 GiB per database, which a node with a log per
 /// queue cannot afford; bodies read back are usually in the OS page cache anyway).
-pub const LOG_CACHE_BYTES: usize = 8 * 1024 * 1024;
+pub const LOG_CACHE_BYTES: usize = 2 * 1024 * 1024;
 
 /// Bytes of the most recently appended bodies a queue's log keeps in memory as well, so a
 /// consumer that keeps up is served without reading them back (oldest dropped first).

@@ -27,7 +27,7 @@ impl<M: MessageRef> QueueMachine<M> {
         ttl.map(|t| now.saturating_add(t))
     }
 
-    fn is_expired(&self, r: &Ready<M>) -> bool {
+    fn is_expired<T>(&self, r: &Ready<T>) -> bool {
         r.expires_at().is_some_and(|at| at <= self.now) && self.arriving != Some(r.id)
     }
 
@@ -38,7 +38,7 @@ impl<M: MessageRef> QueueMachine<M> {
         if !self
             .levels
             .values()
-            .any(|l| l.peek().is_some_and(|r| self.is_expired(r)))
+            .any(|l| l.peek().is_some_and(|r| self.is_expired(&r)))
         {
             return;
         }
@@ -49,7 +49,7 @@ impl<M: MessageRef> QueueMachine<M> {
                     .levels
                     .get(&level)
                     .and_then(Level::peek)
-                    .is_some_and(|r| self.is_expired(r));
+                    .is_some_and(|r| self.is_expired(&r));
                 if !head_expired {
                     break;
                 }

@@ -34,8 +34,12 @@ impl<M: MessageRef> QueueMachine<M> {
                     .all(|(a, b)| a.id < b.id),
                 "fresh is FIFO"
             );
-            for r in l.fresh.iter().chain(l.returned.values()) {
-                assert_eq!(self.level_of(&r.msg), *level, "message in its level");
+            for r in l
+                .fresh
+                .iter()
+                .chain(l.returned.values().map(super::ready::Ready::as_ref))
+            {
+                assert_eq!(self.level_of(r.msg), *level, "message in its level");
                 ready_bytes += r.msg.size();
                 ready_count += 1;
             }

@@ -11,8 +11,11 @@
 //!   levels: every push and pop goes through [`QueueMachine::push_fresh`],
 //!   [`QueueMachine::push_returned`] or [`QueueMachine::pop_level`], which keep them.
 
-use std::collections::{BTreeMap, VecDeque};
+mod fresh;
 
+use std::collections::BTreeMap;
+
+use self::fresh::FreshQueue;
 use super::command::{Effect, Removal};
 use super::{MessageRef, MsgId, QueueMachine};
 
@@ -85,6 +88,17 @@ impl<M> Ready<M> {
     pub(super) fn delivery_count(&self) -> u32 {
         self.returns & !REDELIVERED_BIT
     }
+
+    /// The same record with its message borrowed.
+    pub(super) fn as_ref(&self) -> Ready<&M> {
+        Ready {
+            id: self.id,
+            enqueued_at: self.enqueued_at,
+            msg: &self.msg,
+            expires_after: self.expires_after,
+            returns: self.returns,
+        }
+    }
 }
 
 /// [`Ready`] as serialized: every field whole (the layout snapshots always had).
@@ -130,14 +144,15 @@ impl<'de, M: serde::Deserialize<'de>> serde::Deserialize<'de> for Ready<M> {
 /// Ready messages of one priority.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub(super) struct Level<M> {
-    pub(super) fresh: VecDeque<Ready<M>>,
+    /// Never-returned messages, compact (a long queue is mostly these).
+    pub(super) fresh: FreshQueue<M>,
     pub(super) returned: BTreeMap<MsgId, Ready<M>>,
 }
 
 impl<M> Default for Level<M> {
     fn default() -> Self {
         Self {
-            fresh: VecDeque::new(),
+            fresh: FreshQueue::default(),
             returned: BTreeMap::new(),
         }
     }
@@ -155,16 +170,20 @@ impl<M> Level<M> {
         }
     }
 
-    pub(super) fn peek(&self) -> Option<&Ready<M>> {
-        self.returned.values().next().or_else(|| self.fresh.front())
+    pub(super) fn peek(&self) -> Option<Ready<&M>> {
+        self.returned
+            .values()
+            .next()
+            .map(Ready::as_ref)
+            .or_else(|| self.fresh.front())
     }
 
-    fn get_mut(&mut self, id: MsgId) -> Option<&mut Ready<M>> {
+    /// The message of the ready record with `id`, if this level holds it.
+    fn get_mut(&mut self, id: MsgId) -> Option<&mut M> {
         if let Some(r) = self.returned.get_mut(&id) {
-            return Some(r);
+            return Some(&mut r.msg);
         }
-        let i = self.fresh.binary_search_by_key(&id, |r| r.id).ok()?;
-        self.fresh.get_mut(i)
+        self.fresh.get_mut(id)
     }
 }
 
@@ -187,9 +206,13 @@ impl<M: MessageRef> QueueMachine<M> {
     pub fn oldest_ready_at(&self) -> Option<u64> {
         self.levels
             .values()
-            .flat_map(|l| [l.returned.values().next(), l.fresh.front()])
+            .flat_map(|l| {
+                [
+                    l.returned.values().next().map(|r| r.enqueued_at),
+                    l.fresh.front().map(|r| r.enqueued_at),
+                ]
+            })
             .flatten()
-            .map(|r| r.enqueued_at)
             .min()
     }
 
@@ -197,7 +220,7 @@ impl<M: MessageRef> QueueMachine<M> {
     pub fn for_each_message(&self, mut f: impl FnMut(&M)) {
         for level in self.levels.values() {
             level.returned.values().for_each(|r| f(&r.msg));
-            level.fresh.iter().for_each(|r| f(&r.msg));
+            level.fresh.iter().for_each(|r| f(r.msg));
         }
         self.unacked.values().for_each(|u| f(&u.msg));
     }
@@ -242,7 +265,11 @@ impl<M: MessageRef> QueueMachine<M> {
     pub(super) fn purge(&mut self, effects: &mut Vec<Effect<M>>) -> u32 {
         let n = self.ready_len();
         for (_, level) in std::mem::take(&mut self.levels).into_iter().rev() {
-            for r in level.returned.into_values().chain(level.fresh) {
+            for r in level
+                .returned
+                .into_values()
+                .chain(level.fresh.into_records())
+            {
                 effects.push(Effect::Removed {
                     id: r.id,
                     msg: r.msg,
@@ -260,7 +287,7 @@ impl<M: MessageRef> QueueMachine<M> {
     pub(super) fn swap(&mut self, id: MsgId, msg: M) {
         let level = self.level_of(&msg);
         let slot = match self.levels.get_mut(&level).and_then(|l| l.get_mut(id)) {
-            Some(r) => Some((&mut r.msg, true)),
+            Some(m) => Some((m, true)),
             None => self.unacked.get_mut(&id).map(|u| (&mut u.msg, false)),
         };
         if let Some((old, ready)) = slot {
@@ -282,7 +309,7 @@ impl<M: MessageRef> QueueMachine<M> {
         self.ready_count += 1;
         let l = self.levels.entry(level).or_default();
         debug_assert!(
-            l.fresh.back().is_none_or(|b| b.id < r.id),
+            l.fresh.last_id().is_none_or(|b| b < r.id),
             "fresh ids increase"
         );
         l.fresh.push_back(r);
