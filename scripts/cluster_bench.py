@@ -20,7 +20,8 @@ r1..r3@localhost on AMQP ports 5681-5683 and distribution ports 25681-25683, def
 configuration apart from ports, directories and no plugins; r2 and r3 join r1 with
 `rabbitmqctl join_cluster`. Warren: target/release/warren, nodes n1..n3 on AMQP 5701-5703,
 cluster 26001-26003, management 15801-15803, Prometheus 15901-15903. Raw JSON of every
-warren-perf run goes to target/cluster-bench/.
+warren-perf run goes to target/cluster-bench/. `WARREN_BENCH_BIN=<path>` runs another build of
+warren (an older tree's, for a same-hour comparison).
 
 Python 3 standard library only; the failover publishers use the small AMQP 0-9-1 client below.
 """
@@ -51,7 +52,8 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WARREN = ROOT / "target/release/warren"
+# WARREN_BENCH_BIN: another build of the binary (an older tree, for a same-hour comparison).
+WARREN = Path(os.environ.get("WARREN_BENCH_BIN", ROOT / "target/release/warren"))
 PERF = ROOT / "target/release/warren-perf"
 OUT_DIR = ROOT / "target/cluster-bench"
 DOC = ROOT / "docs/benchmarks.md"

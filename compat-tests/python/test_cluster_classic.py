@@ -400,16 +400,20 @@ def on_node(c, i, v):
 
 @pytest.mark.timeout(120)
 def test_connections_and_channels_are_listed_from_every_node(cluster3):
-    """/api/connections and /api/channels list the whole cluster through any node, each entry
-    with its node, as RabbitMQ's API does; one connection is shown, its channels listed and
-    it is closed through a node it is not on."""
+    """/api/connections, /api/channels and /api/consumers list the whole cluster through any
+    node, each entry with its node, as RabbitMQ's API does (a queue's view lists its consumers
+    on every node); one connection is shown, its channels listed and it is closed through a
+    node it is not on."""
     c = cluster3
     tag = uuid.uuid4().hex[:8]
+    q = name("listed")
+    declare_classic(c, 2, q)
+    wait_visible(c, q, [0, 1])
     a = c.connect(0, client_properties={"connection_name": f"a.{tag}"})
-    a.channel()
+    a.channel().basic_consume(q, lambda *_: None, consumer_tag=f"ca.{tag}")
     a.channel()
     b = c.connect(1, client_properties={"connection_name": f"b.{tag}"})
-    b.channel()
+    b.channel().basic_consume(q, lambda *_: None, consumer_tag=f"cb.{tag}")
     try:
         def mine(i, path):
             status, items = c.mgmt_get(i, path)
@@ -430,6 +434,20 @@ def test_connections_and_channels_are_listed_from_every_node(cluster3):
                 (f"a.{tag}", 1), (f"a.{tag}", 2), (f"b.{tag}", 1)], chans
             assert all(on_node(c, 0 if json_name(v) == f"a.{tag}" else 1, v) for v in chans)
             assert len(mine(i, "/api/vhosts/%2F/connections")) == 2
+            # Consumers too: each on its connection's node; the queue (homed on n3) lists both.
+            for path in ("/api/consumers", "/api/consumers/%2F"):
+                status, consumers = c.mgmt_get(i, path)
+                assert status == 200, consumers
+                got = {k["consumer_tag"]: k for k in consumers if tag in k["consumer_tag"]}
+                assert sorted(got) == [f"ca.{tag}", f"cb.{tag}"], consumers
+                assert on_node(c, 0, got[f"ca.{tag}"]["channel_details"]), got
+                assert on_node(c, 1, got[f"cb.{tag}"]["channel_details"]), got
+            # The view asks for them once the queue counts consumers (through another node
+            # than the home, from the home's report: up to a second old).
+            eventually(lambda: sorted(k["consumer_tag"] for k in
+                                      c.mgmt_get(i, f"/api/queues/%2F/{q}")[1]["consumer_details"]),
+                       lambda tags: tags == [f"ca.{tag}", f"cb.{tag}"],
+                       what=f"both consumers in the queue's view on node {i}")
 
         # One connection through a node it is not on: shown, its channels, one channel.
         a_name = next(v["name"] for v in mine(0, "/api/connections")

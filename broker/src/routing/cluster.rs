@@ -80,6 +80,8 @@ pub enum Listing {
     Connections,
     /// `/api/channels`: every channel of those connections.
     Channels,
+    /// `/api/consumers`: every consumer of those channels.
+    Consumers,
 }
 
 /// Longest a node waits for another's listing.

@@ -66,11 +66,16 @@ pub(super) fn send_retrying(
                 Err(ReplicationError::Unknown(_)) => idempotent,
                 Ok(_) => false,
             };
-            // A proxy's home that is down fails its commands at once (no retry for them).
+            // A proxy's home that is down fails its publishes and gets at once (no retry for
+            // them). Acks, returns and cancels are retried until the deadline all the same:
+            // "down" here is this node's view, which the home need not share (a short cut
+            // can look like one from a side), and a return lost while the home is up would
+            // leave its messages checked out to a consumer that is gone. A home down for
+            // longer than the deadline has detached this node's consumers itself.
             let home_down = next
                 .home
                 .is_some_and(|h| next.node.upgrade().is_none_or(|n| n.is_down(h)));
-            if retry && !home_down && std::time::Instant::now() < deadline {
+            if retry && (idempotent || !home_down) && std::time::Instant::now() < deadline {
                 // On the node's runtime: a submission may come from the timer thread.
                 let runtime = next.runtime.clone();
                 runtime.spawn(async move {

@@ -117,13 +117,19 @@ impl LocalListings for NodeListings {
                     ));
                 });
             }
+            Listing::Consumers => {
+                tokio::spawn(async move {
+                    let chans = channels_of(broker.connections().list()).await;
+                    done(encode(super::consumers::consumer_entries(&node, &chans)));
+                });
+            }
         }
     }
 }
 
 /// The other nodes' entries of `kind` that `caller` may see (monitoring and administrator
 /// users see all, others their own), as RabbitMQ's API lists the whole cluster.
-async fn peer_entries(state: &AppState, caller: &Caller, kind: Listing) -> Vec<Value> {
+pub(super) async fn peer_entries(state: &AppState, caller: &Caller, kind: Listing) -> Vec<Value> {
     let Some(cluster) = state.broker.cluster() else {
         return Vec::new();
     };
@@ -139,7 +145,13 @@ async fn peer_entries(state: &AppState, caller: &Caller, kind: Listing) -> Vec<V
         .iter()
         .filter_map(|json| serde_json::from_slice::<Vec<Value>>(json).ok())
         .flatten()
-        .filter(|v| caller.sees_all_vhosts() || v["user"].as_str() == Some(caller.name.as_str()))
+        .filter(|v| {
+            // A connection or channel names its user; a consumer, its channel's.
+            let user = v["user"]
+                .as_str()
+                .or_else(|| v["channel_details"]["user"].as_str());
+            caller.sees_all_vhosts() || user == Some(caller.name.as_str())
+        })
         .collect()
 }
 

@@ -144,8 +144,11 @@ fn events(pump: &Pump, items: Vec<Outbound>) -> (Vec<Vec<RemoteEvent>>, Vec<Vec<
 }
 
 /// Send one batch, again while the peer is up and did not answer; deliveries to consumers the
-/// peer does not have go back to their queues. Once the peer is down its consumers are
-/// detached here, which returns what they held.
+/// peer does not have go back to their queues, and so do those of a batch given up (the peer
+/// down, or not dialable): "down" is this node's view of the moment, which need not last
+/// until the watch detaches the peer's consumers, and a delivery dropped while its consumer
+/// stays attached here would stay checked out to it for good. A delivery given back that the
+/// peer did take (its answer lost) is delivered again, redelivered.
 async fn send(
     node: &Arc<ClusterNode>,
     peer: NodeId,
@@ -156,14 +159,24 @@ async fn send(
     if events.is_empty() {
         return;
     }
+    let give_up = |sent: &[Sent]| {
+        for s in sent {
+            s.queue.give_back(vec![s.id]);
+        }
+    };
     loop {
         if node.is_down(peer) {
+            // Not at once: the consumer is still attached here, and what goes back would be
+            // delivered to it again straight away.
+            tokio::time::sleep(RESEND_PAUSE).await;
+            give_up(&sent);
             return;
         }
         let c = match conn {
             Some(c) => c,
             None => {
                 let Some(fresh) = node.classic_peer(peer) else {
+                    give_up(&sent);
                     return;
                 };
                 conn.insert(fresh)
