@@ -434,6 +434,13 @@ def test_connections_and_channels_are_listed_from_every_node(cluster3):
                 (f"a.{tag}", 1), (f"a.{tag}", 2), (f"b.{tag}", 1)], chans
             assert all(on_node(c, 0 if json_name(v) == f"a.{tag}" else 1, v) for v in chans)
             assert len(mine(i, "/api/vhosts/%2F/connections")) == 2
+            # The overview's totals are the cluster's, as the listings are.
+            status, overview = c.mgmt_get(i, "/api/overview")
+            assert status == 200, overview
+            status, everyone = c.mgmt_get(i, "/api/connections")
+            totals = overview["object_totals"]
+            assert totals["connections"] == len(everyone) >= 2, (totals, everyone)
+            assert totals["channels"] == len(c.mgmt_get(i, "/api/channels")[1]) >= 3, totals
             # Consumers too: each on its connection's node; the queue (homed on n3) lists both.
             for path in ("/api/consumers", "/api/consumers/%2F"):
                 status, consumers = c.mgmt_get(i, path)

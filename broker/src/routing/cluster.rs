@@ -82,6 +82,9 @@ pub enum Listing {
     Channels,
     /// `/api/consumers`: every consumer of those channels.
     Consumers,
+    /// `/api/overview`'s `object_totals`: one object with the node's `connections` and
+    /// `channels` counts.
+    Totals,
 }
 
 /// Longest a node waits for another's listing.

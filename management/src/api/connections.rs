@@ -117,6 +117,10 @@ impl LocalListings for NodeListings {
                     ));
                 });
             }
+            Listing::Totals => done(encode(vec![json!({
+                "connections": broker.connection_count(),
+                "channels": broker.channel_count(),
+            })])),
             Listing::Consumers => {
                 tokio::spawn(async move {
                     let chans = channels_of(broker.connections().list()).await;
@@ -125,6 +129,32 @@ impl LocalListings for NodeListings {
             }
         }
     }
+}
+
+/// The other nodes' connection and channel counts summed (for `/api/overview`, to a caller
+/// who sees every vhost).
+pub(super) async fn peer_totals(state: &AppState) -> (u64, u64) {
+    let Some(cluster) = state.broker.cluster() else {
+        return (0, 0);
+    };
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    cluster.peer_listings(
+        Listing::Totals,
+        Box::new(move |lists| {
+            let _ = tx.send(lists);
+        }),
+    );
+    rx.await
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|json| serde_json::from_slice::<Vec<Value>>(json).ok())
+        .flatten()
+        .fold((0, 0), |(c, h), v| {
+            (
+                c + v["connections"].as_u64().unwrap_or(0),
+                h + v["channels"].as_u64().unwrap_or(0),
+            )
+        })
 }
 
 /// The other nodes' entries of `kind` that `caller` may see (monitoring and administrator

@@ -33,6 +33,13 @@ pub(super) async fn overview(State(state): State<AppState>, caller: Caller) -> A
                    "path": "/", "port": addr.port().to_string()})
         })
         .collect();
+    // As RabbitMQ's, the totals cover the cluster (queues and their consumers are known to
+    // every node; connections and channels are asked of the others).
+    let (peer_connections, peer_channels) = if caller.sees_all_vhosts() {
+        super::connections::peer_totals(&state).await
+    } else {
+        (0, 0)
+    };
     let events = state.broker.stats();
     let count = |e| events.events(e);
     let zero_rate = json!({"rate": 0.0});
@@ -96,8 +103,8 @@ pub(super) async fn overview(State(state): State<AppState>, caller: Caller) -> A
             "messages_unacknowledged_details": zero_rate,
         },
         "object_totals": {
-            "connections": state.broker.connection_count(),
-            "channels": state.broker.channel_count(),
+            "connections": state.broker.connection_count() + peer_connections,
+            "channels": state.broker.channel_count() + peer_channels,
             "exchanges": t.exchanges,
             "queues": t.queues,
             "consumers": t.consumers,
