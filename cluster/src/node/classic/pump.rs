@@ -166,8 +166,8 @@ async fn send(
     };
     loop {
         if node.is_down(peer) {
-            // Not at once: the consumer is still attached here, and what goes back would be
-            // delivered to it again straight away.
+            // Not at once (nor below): the consumer may still be attached here, and what goes
+            // back would be delivered to it again straight away.
             tokio::time::sleep(RESEND_PAUSE).await;
             give_up(&sent);
             return;
@@ -176,6 +176,7 @@ async fn send(
             Some(c) => c,
             None => {
                 let Some(fresh) = node.classic_peer(peer) else {
+                    tokio::time::sleep(RESEND_PAUSE).await;
                     give_up(&sent);
                     return;
                 };
