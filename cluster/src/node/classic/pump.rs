@@ -148,17 +148,19 @@ fn events(pump: &Pump, items: Vec<Outbound>) -> (Vec<Vec<RemoteEvent>>, Vec<Vec<
 /// down, or not dialable): "down" is this node's view of the moment, which need not last
 /// until the watch detaches the peer's consumers, and a delivery dropped while its consumer
 /// stays attached here would stay checked out to it for good. A delivery given back that the
-/// peer did take (its answer lost) is delivered again, redelivered.
+/// peer did take (its answer lost) is delivered again, redelivered; so is one sent again (the
+/// soak saw a batch whose answer was lost to a cut reach the same consumer twice).
 async fn send(
     node: &Arc<ClusterNode>,
     peer: NodeId,
     conn: &mut Option<ClassicPeer>,
-    events: Vec<RemoteEvent>,
+    mut events: Vec<RemoteEvent>,
     sent: Vec<Sent>,
 ) {
     if events.is_empty() {
         return;
     }
+    let mut attempt = 0u32;
     let give_up = |sent: &[Sent]| {
         for s in sent {
             s.queue.give_back(vec![s.id]);
@@ -183,6 +185,16 @@ async fn send(
                 conn.insert(fresh)
             }
         };
+        if attempt == 1 {
+            // The peer may have handed the first attempt's deliveries to their consumers (its
+            // answer lost): as again, they may have been delivered before.
+            for e in &mut events {
+                if let RemoteEvent::Deliver { redelivered, .. } = e {
+                    *redelivered = true;
+                }
+            }
+        }
+        attempt = attempt.saturating_add(1);
         match tokio::time::timeout(super::super::FORWARD_REPLY_MAX, c.deliver(events.clone())).await
         {
             Ok(Ok(unknown)) => {
