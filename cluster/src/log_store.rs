@@ -56,6 +56,14 @@ const BODIES: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_bodies");
 /// queue cannot afford; bodies read back are usually in the OS page cache anyway).
 pub const LOG_CACHE_BYTES: usize = 2 * 1024 * 1024;
 
+/// redb's page cache for the other logs (a replicated stream's, the metadata's): redb's own
+/// default, as before issue 22. A stream's consumers read its entries back from the log, and
+/// with smaller caches those reads go to the file: three consumers from `first` fell from
+/// 49.6k to 30.8k msg/s (2 MiB) and 32.8k (64 MiB), CPU per message from 23 to 34-43 µs
+/// (docs/benchmarks.md). So a busy stream may hold up to this much of its log in RAM, until
+/// streams serve reads from their own segments (issue 23).
+pub const STREAM_LOG_CACHE_BYTES: usize = 1024 * 1024 * 1024;
+
 /// Bytes of the most recently appended bodies a queue's log keeps in memory as well, so a
 /// consumer that keeps up is served without reading them back (oldest dropped first).
 pub const RECENT_BODY_BYTES: usize = 2 * 1024 * 1024;
@@ -202,7 +210,11 @@ impl LogStore {
 
     fn open_with(path: &Path, queue: bool) -> Result<Self, redb::Error> {
         let db = Database::builder()
-            .set_cache_size(LOG_CACHE_BYTES)
+            .set_cache_size(if queue {
+                LOG_CACHE_BYTES
+            } else {
+                STREAM_LOG_CACHE_BYTES
+            })
             .create(path)?;
         let tx = db.begin_write()?;
         tx.open_table(LOG)?;
