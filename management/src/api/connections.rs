@@ -131,15 +131,14 @@ impl LocalListings for NodeListings {
     }
 }
 
-/// The other nodes' connection and channel counts summed (for `/api/overview`, to a caller
-/// who sees every vhost).
-pub(super) async fn peer_totals(state: &AppState) -> (u64, u64) {
+/// Every entry of `kind` the other running nodes list (each node's JSON array, concatenated).
+async fn peer_lists(state: &AppState, kind: Listing) -> Vec<Value> {
     let Some(cluster) = state.broker.cluster() else {
-        return (0, 0);
+        return Vec::new();
     };
     let (tx, rx) = tokio::sync::oneshot::channel();
     cluster.peer_listings(
-        Listing::Totals,
+        kind,
         Box::new(move |lists| {
             let _ = tx.send(lists);
         }),
@@ -149,6 +148,15 @@ pub(super) async fn peer_totals(state: &AppState) -> (u64, u64) {
         .iter()
         .filter_map(|json| serde_json::from_slice::<Vec<Value>>(json).ok())
         .flatten()
+        .collect()
+}
+
+/// The other nodes' connection and channel counts summed (for `/api/overview`, to a caller
+/// who sees every vhost).
+pub(super) async fn peer_totals(state: &AppState) -> (u64, u64) {
+    peer_lists(state, Listing::Totals)
+        .await
+        .iter()
         .fold((0, 0), |(c, h), v| {
             (
                 c + v["connections"].as_u64().unwrap_or(0),
@@ -160,21 +168,9 @@ pub(super) async fn peer_totals(state: &AppState) -> (u64, u64) {
 /// The other nodes' entries of `kind` that `caller` may see (monitoring and administrator
 /// users see all, others their own), as RabbitMQ's API lists the whole cluster.
 pub(super) async fn peer_entries(state: &AppState, caller: &Caller, kind: Listing) -> Vec<Value> {
-    let Some(cluster) = state.broker.cluster() else {
-        return Vec::new();
-    };
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    cluster.peer_listings(
-        kind,
-        Box::new(move |lists| {
-            let _ = tx.send(lists);
-        }),
-    );
-    let lists = rx.await.unwrap_or_default();
-    lists
-        .iter()
-        .filter_map(|json| serde_json::from_slice::<Vec<Value>>(json).ok())
-        .flatten()
+    peer_lists(state, kind)
+        .await
+        .into_iter()
         .filter(|v| {
             // A connection or channel names its user; a consumer, its channel's.
             let user = v["user"]

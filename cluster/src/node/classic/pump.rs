@@ -161,29 +161,20 @@ async fn send(
         return;
     }
     let mut attempt = 0u32;
-    let give_up = |sent: &[Sent]| {
-        for s in sent {
-            s.queue.give_back(vec![s.id]);
-        }
-    };
     loop {
-        if node.is_down(peer) {
-            // Not at once (nor below): the consumer may still be attached here, and what goes
-            // back would be delivered to it again straight away.
-            tokio::time::sleep(RESEND_PAUSE).await;
-            give_up(&sent);
-            return;
+        let down = node.is_down(peer);
+        if conn.is_none() && !down {
+            *conn = node.classic_peer(peer);
         }
-        let c = match conn {
-            Some(c) => c,
-            None => {
-                let Some(fresh) = node.classic_peer(peer) else {
-                    tokio::time::sleep(RESEND_PAUSE).await;
-                    give_up(&sent);
-                    return;
-                };
-                conn.insert(fresh)
+        let Some(c) = conn.as_mut().filter(|_| !down) else {
+            // Down, or not dialable.
+            // Not at once: the consumer may still be attached here, and what goes back would
+            // be delivered to it again straight away.
+            tokio::time::sleep(RESEND_PAUSE).await;
+            for s in &sent {
+                s.queue.give_back(vec![s.id]);
             }
+            return;
         };
         if attempt == 1 {
             // The peer may have handed the first attempt's deliveries to their consumers (its

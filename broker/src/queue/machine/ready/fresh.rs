@@ -67,14 +67,24 @@ impl<M> Chunk<M> {
             taken: 0,
             ats: VecDeque::new(),
             msgs: VecDeque::new(),
-            shape: Shape::Dense {
-                expires_after: r.expires_after,
-                returns: r.returns,
-            },
+            shape: Shape::Sparse(VecDeque::new()),
         };
-        c.ats.push_back(0);
-        c.msgs.push_back(r.msg);
+        c.start_over(r);
         c
+    }
+
+    /// Make an empty chunk hold only `r`, numbering from it (its deques kept).
+    fn start_over(&mut self, r: Ready<M>) {
+        debug_assert!(self.ats.is_empty(), "only an empty chunk starts over");
+        self.base_id = r.id;
+        self.base_at = r.enqueued_at;
+        self.taken = 0;
+        self.shape = Shape::Dense {
+            expires_after: r.expires_after,
+            returns: r.returns,
+        };
+        self.ats.push_back(0);
+        self.msgs.push_back(r.msg);
     }
 
     fn len(&self) -> usize {
@@ -84,16 +94,8 @@ impl<M> Chunk<M> {
     /// Add `r` at the back if it fits: room left, and its offsets within `u32`.
     fn try_push(&mut self, r: Ready<M>) -> Result<(), Ready<M>> {
         if self.ats.is_empty() {
-            // An emptied last chunk starts over from this record (keeping its deques).
-            self.base_id = r.id;
-            self.base_at = r.enqueued_at;
-            self.taken = 0;
-            self.shape = Shape::Dense {
-                expires_after: r.expires_after,
-                returns: r.returns,
-            };
-            self.ats.push_back(0);
-            self.msgs.push_back(r.msg);
+            // An emptied last chunk starts over from this record.
+            self.start_over(r);
             return Ok(());
         }
         let offsets =
@@ -155,14 +157,8 @@ impl<M> Chunk<M> {
 
     fn pop_front(&mut self) -> Option<Ready<M>> {
         let msg = self.msgs.pop_front()?;
-        let [id, expires_after, returns] = self.rest(0);
-        let r = Ready {
-            id: self.base_id + u64::from(id),
-            enqueued_at: self.base_at + u64::from(self.ats.pop_front()?),
-            msg,
-            expires_after,
-            returns,
-        };
+        let r = self.record(0, msg);
+        self.ats.pop_front();
         match &mut self.shape {
             Shape::Dense { .. } => self.taken += 1,
             Shape::Sparse(rest) => {
