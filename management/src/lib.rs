@@ -71,7 +71,7 @@ impl AppState {
     #[must_use]
     pub fn new(broker: Arc<Broker>, node: NodeInfo) -> Self {
         // Other nodes' `/api/connections` and `/api/channels` ask this node for its own.
-        broker.set_local_listings(Arc::new(api::connections::NodeListings::new(
+        broker.set_local_listings(Arc::new(api::node_listings::NodeListings::new(
             &broker, &node.node,
         )));
         Self {

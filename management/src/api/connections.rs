@@ -3,12 +3,10 @@
 //! per-vhost and per-connection views: list, show and close connections, list and show
 //! channels (asked of their connection tasks).
 
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use axum::extract::{Path, State};
 use serde_json::{Value, json};
-use warren_broker::node::broker::Broker;
-use warren_broker::node::connections::LocalListings;
 use warren_broker::node::replication::Listing;
 
 use super::{ApiResult, no_content, ok_json, vhost_for};
@@ -16,7 +14,10 @@ use crate::auth::Caller;
 use crate::json::table_to_json;
 use crate::{ApiError, AppState};
 
-fn connection_json(node: &str, h: &warren_broker::node::connections::ConnectionHandle) -> Value {
+pub(super) fn connection_json(
+    node: &str,
+    h: &warren_broker::node::connections::ConnectionHandle,
+) -> Value {
     let i = &h.info;
     let mut v = json!({
         "name": i.name,
@@ -68,67 +69,6 @@ pub(super) fn visible_connections(
         .into_iter()
         .filter(|h| caller.sees_all_vhosts() || h.info.user == caller.name)
         .collect()
-}
-
-/// What this node lists for other nodes' `/api/connections` and `/api/channels` (every
-/// entry; the asking node applies its caller's visibility).
-#[derive(Debug)]
-pub struct NodeListings {
-    broker: Weak<Broker>,
-    node: String,
-}
-
-impl NodeListings {
-    /// Listings of `broker`'s connections on node `node` (weak: the broker holds this).
-    #[must_use]
-    pub fn new(broker: &Arc<Broker>, node: &str) -> Self {
-        Self {
-            broker: Arc::downgrade(broker),
-            node: node.to_string(),
-        }
-    }
-}
-
-impl LocalListings for NodeListings {
-    fn listing(&self, kind: Listing, done: Box<dyn FnOnce(Vec<u8>) + Send>) {
-        let Some(broker) = self.broker.upgrade() else {
-            done(b"[]".to_vec());
-            return;
-        };
-        let node = self.node.clone();
-        let encode = |v: Vec<Value>| serde_json::to_vec(&Value::Array(v)).unwrap_or_default();
-        match kind {
-            Listing::Connections => done(encode(
-                broker
-                    .connections()
-                    .list()
-                    .iter()
-                    .map(|h| connection_json(&node, h))
-                    .collect(),
-            )),
-            Listing::Channels => {
-                tokio::spawn(async move {
-                    let chans = channels_of(broker.connections().list()).await;
-                    done(encode(
-                        chans
-                            .iter()
-                            .map(|(h, c)| channel_json(&node, h, c))
-                            .collect(),
-                    ));
-                });
-            }
-            Listing::Totals => done(encode(vec![json!({
-                "connections": broker.connection_count(),
-                "channels": broker.channel_count(),
-            })])),
-            Listing::Consumers => {
-                tokio::spawn(async move {
-                    let chans = channels_of(broker.connections().list()).await;
-                    done(encode(super::consumers::consumer_entries(&node, &chans)));
-                });
-            }
-        }
-    }
 }
 
 /// Every entry of `kind` the other running nodes list (each node's JSON array, concatenated).
@@ -318,7 +258,7 @@ pub(super) fn channel_name(h: &Handle, number: u16) -> String {
     format!("{} ({number})", h.info.name)
 }
 
-fn channel_json(
+pub(super) fn channel_json(
     node: &str,
     h: &Handle,
     c: &warren_broker::node::connections::ChannelInfo,

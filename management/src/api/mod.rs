@@ -32,6 +32,7 @@ mod exchanges;
 mod health;
 mod leadership;
 mod limits;
+pub(crate) mod node_listings;
 mod nodes;
 mod overview;
 mod permissions;
