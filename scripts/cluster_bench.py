@@ -346,6 +346,7 @@ class WarrenCluster:
         self.amqp = {f"n{i}": 5700 + i for i in (1, 2, 3)}
         self.mgmt = {f"n{i}": 15800 + i for i in (1, 2, 3)}
         self.procs = {}
+        self.extra_args = []  # appended to every node's command line
 
     def start_node(self, n):
         """Start node `n` (again: its data directory is kept)."""
@@ -357,7 +358,7 @@ class WarrenCluster:
                "--cluster-secret", "bench", "--amqp-listen", f"127.0.0.1:{5700 + i}",
                "--management-listen", f"127.0.0.1:{15800 + i}",
                "--prometheus-listen", f"127.0.0.1:{15900 + i}",
-               "--data-dir", str(self.root / n / "data"), "--log-level", "warn"]
+               "--data-dir", str(self.root / n / "data"), "--log-level", "warn"] + self.extra_args
         logf = open(self.root / n / "warren.log", "ab")
         self.procs[n] = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)

@@ -17,6 +17,13 @@ messages, per node.
     scripts/quorum_backlog.py --messages 100000    # quick check
     scripts/quorum_backlog.py --doc                # also write the section into docs/benchmarks.md
 
+With `--behind` the follower is instead killed before the publish and started once the
+backlog is in and the leader's log is purged past it (`--quorum-log-pin-max 0` on every
+node): it catches up from a snapshot that carries the backlog's bodies, which the script times,
+with both ends' peak RSS meanwhile; the drain then runs without a restart.
+
+    scripts/quorum_backlog.py --behind             # the member behind the purged log
+
 Python 3 standard library only. Raw figures go to target/cluster-bench/backlog-*.json.
 """
 
@@ -118,12 +125,53 @@ def wait_until(pred, timeout, what):
     raise RuntimeError(f"timed out waiting for {what} (last: {v!r})")
 
 
+def raft_field(cluster, node, field):
+    info = queue_info(cluster, node)
+    return ((info or {}).get("raft") or {}).get(field)
+
+
+def catch_up_from_snapshot(cluster, sampler, leader, follower, args):
+    """Start `follower`, down since before the publish, once the leader's log is purged past
+    it; time its catch-up (from a snapshot carrying the bodies) and both ends' peak RSS."""
+    wait_until(lambda: (raft_field(cluster, leader, "purged_index") or 0) > 100, 120,
+               "the leader's log purged past the stopped follower")
+    behind = {"node": follower, "leader_purged_index": raft_field(cluster, leader, "purged_index"),
+              "leader_rss_before_mb": round(rss_mb(cluster.pids()[leader]), 1)}
+    sampler.phase = "behind"
+    t_start = time.monotonic()
+    cluster.start_node(follower)
+    cb.wait_port(cluster.amqp[follower], time.monotonic() + 60)
+
+    def caught_up():
+        a, b = applied(cluster, follower), applied(cluster, leader)
+        return a is not None and b is not None and a >= b
+    wait_until(caught_up, 600, f"{follower} back at the leader's index")
+    wait_until(lambda: (queue_info(cluster, follower) or {}).get("messages") == args.messages,
+               120, f"{follower} holding the backlog")
+    behind["caught_up_s"] = round(time.monotonic() - t_start, 1)
+    behind["follower_purged_index"] = raft_field(cluster, follower, "purged_index")
+    behind["follower_peak_mb"] = round(sampler.peak.get(("behind", follower), 0), 1)
+    behind["leader_peak_mb"] = round(sampler.peak.get(("behind", leader), 0), 1)
+    behind["follower_rss_mb"] = round(rss_mb(cluster.pids()[follower]), 1)
+    queues = root_of(cluster) / follower / "data"
+    behind["follower_data_mb"] = round(sum(f.stat().st_size for f in queues.rglob("*")
+                                           if f.is_file()) / 2**20, 1)
+    print(json.dumps({"behind": behind}), flush=True)
+    return behind
+
+
+def root_of(cluster):
+    return cluster.root
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=1_000_000)
     ap.add_argument("--restart", default="n3", help="the follower restarted during the drain")
     ap.add_argument("--restart-after", type=float, default=1.0,
                     help="seconds into the drain at which that follower is killed")
+    ap.add_argument("--behind", action="store_true",
+                    help="the follower is down during the publish and catches up from a snapshot")
     ap.add_argument("--doc", action="store_true")
     args = ap.parse_args()
     for b in (cb.WARREN, cb.PERF):
@@ -133,6 +181,8 @@ def main():
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root = Path(tempfile.mkdtemp(prefix="warren-backlog-"))
     cluster = cb.WarrenCluster(root)
+    if args.behind:
+        cluster.extra_args = ["--quorum-log-pin-max", "0"]
     cluster.start()
     result = {"messages": args.messages, "size": 1024, "date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()}, {cb.os.cpu_count()} cores",
@@ -144,6 +194,9 @@ def main():
         time.sleep(2)
         base = {n: rss_mb(p) for n, p in cluster.pids().items()}
         result["rss_before_mb"] = base
+        follower = args.restart if args.restart != leader else "n2"
+        if args.behind:
+            cluster.kill(follower)
         sampler.start()
 
         sampler.phase = "publish"
@@ -158,11 +211,13 @@ def main():
         result["publish_rate"] = round(args.messages / result["publish_s"])
         # Every replica applied the backlog.
         top = wait_until(lambda: applied(cluster, leader), 30, "the leader's index")
-        for n in cluster.nodes:
+        for n in cluster.pids():
             wait_until(lambda n=n: (applied(cluster, n) or 0) >= top, 120, f"{n} applied")
         wait_until(lambda: depth(cluster) == args.messages, 60, "the whole backlog counted")
         time.sleep(3)
         held = {n: rss_mb(p) for n, p in cluster.pids().items()}
+        if args.behind:
+            result["behind"] = catch_up_from_snapshot(cluster, sampler, leader, follower, args)
         result["rss_backlog_mb"] = held
         result["bytes_per_message"] = {
             n: round((held[n] - base[n]) * 1024 * 1024 / args.messages, 1) for n in held}
@@ -170,12 +225,23 @@ def main():
                                      for n in cluster.nodes}
 
         sampler.phase = "drain"
-        follower = args.restart if args.restart != leader else "n2"
         t0 = time.monotonic()
         d = perf(["--producers", "0", "--consumers", "1", "--cmessages",
                         str(args.messages), "--no-declare", "--prefetch", "1000",
                         "--multi-ack", "100"],
                  cb.OUT_DIR / f"backlog-{stamp}-drain.json")
+        if args.behind:
+            _, err = d.communicate(timeout=1200)
+            if d.returncode != 0:
+                raise RuntimeError(f"warren-perf drain failed: {err}")
+            result["drain_s"] = round(time.monotonic() - t0, 1)
+            result["drain_rate"] = round(args.messages / result["drain_s"])
+            result["peak_mb"] = {n: round(max((mb for _, mb in sampler.rss[n]), default=0), 1)
+                                 for n in cluster.nodes}
+            out = cb.OUT_DIR / f"backlog-behind-{stamp}.json"
+            out.write_text(json.dumps(result, indent=2))
+            print(json.dumps(result, indent=2))
+            return
         time.sleep(args.restart_after)
         restart = {"node": follower, "depth_at_kill": depth(cluster)}
         cluster.kill(follower)

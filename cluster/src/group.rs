@@ -5,7 +5,8 @@
 //! Entry times are kept monotonic (`max(at, previous)`), so a new leader with a slower clock
 //! cannot move a queue's time backwards; replicas never read their own clocks.
 
-use std::io::Cursor;
+use std::io::{Read, Seek, Write};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use openraft::storage::RaftStateMachine;
@@ -15,6 +16,7 @@ use openraft::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::snapshot_data::{Built, SnapshotBuf};
 use crate::types::{NodeId, QueueRaft, QueueRequest, QueueResponse, StorageError};
 
 type Entry = openraft::Entry<QueueRaft>;
@@ -42,18 +44,41 @@ pub trait Applied: Send + Sync + 'static {
     /// # Errors
     /// When the bytes do not decode.
     fn install(&self, bytes: &[u8], last: u64) -> Result<(), String>;
+    /// Replace the state by a snapshot's read from `state`, as another member sent it (with
+    /// what [`Applied::expand_into`] added, which may be far larger than memory: a quorum
+    /// queue's bodies). The default reads it whole and installs that.
+    ///
+    /// # Errors
+    /// When the bytes do not read or decode.
+    fn install_from(&self, state: &mut dyn Read, last: u64) -> Result<(), String> {
+        let mut bytes = Vec::new();
+        state.read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+        self.install(&bytes, last)
+    }
     /// Whether [`Applied::snapshot`] leaves data out that a snapshot sent to another member
-    /// must carry ([`Applied::expand`]): a stream's snapshot is where its log is, its files
-    /// being the state.
+    /// must carry ([`Applied::expand_into`]): a stream's snapshot is where its log is, its
+    /// files being the state; a quorum queue's holds its messages' keys, the bodies being in
+    /// the log.
     fn expands(&self) -> bool {
         false
     }
-    /// The snapshot `state` with what a member that receives it needs (the stream's chunks).
+    /// Write the snapshot `state` (read from the snapshot file, up to index `last`) to `out`
+    /// with what a member that receives it needs (the stream's chunks, the queue's bodies).
+    /// Runs on a thread of its own while entries are applied, so it reads only what stays
+    /// valid: data the snapshot's state refers to.
     ///
     /// # Errors
-    /// When the data cannot be read.
-    fn expand(&self, state: &[u8]) -> Result<Vec<u8>, String> {
-        Ok(state.to_vec())
+    /// When the data cannot be read or `out` fails.
+    fn expand_into(
+        &self,
+        state: &mut dyn Read,
+        last: u64,
+        out: &mut dyn Write,
+    ) -> Result<(), String> {
+        let _ = last;
+        std::io::copy(state, out)
+            .map(drop)
+            .map_err(|e| e.to_string())
     }
 }
 
@@ -64,14 +89,16 @@ struct Tracked {
     now: u64,
 }
 
-/// A snapshot: what openraft tracks, and `A`'s state.
+/// A snapshot as openraft sent it before snapshots were streamed (bincode of this): what
+/// openraft tracks, and `A`'s state. Still read from members of that version.
 #[derive(Serialize, Deserialize)]
 struct SnapshotData {
     tracked: Tracked,
     state: Vec<u8>,
 }
 
-/// The current snapshot's meta and, unless it is on disk, its bytes.
+/// The current snapshot's meta and, unless it is on disk, its bytes ([`crate::snapshot_file`]'s
+/// layout).
 type CurrentSnapshot = (SnapshotMeta<NodeId, BasicNode>, Option<Vec<u8>>);
 
 struct Inner {
@@ -81,9 +108,39 @@ struct Inner {
     /// already, in the state).
     snapshot: Option<CurrentSnapshot>,
     snapshots_built: u64,
-    /// Snapshots read from here now go to other members ([`Applied::expand`] applies):
+    /// Snapshots read from here now go to other members ([`Applied::expand_into`] applies):
     /// openraft also reads the current one while it starts, for its metadata only.
     sending: bool,
+    /// Snapshots handed out to be sent, each with its own id (a retried send after a failed
+    /// one is a new transfer to the member, never resumed into a file of other bytes).
+    sends: u64,
+    /// The id of the current snapshot whose expanded form is complete at [`sent_path`]: sent
+    /// again as it is, not built again for every attempt to reach a member.
+    sent_file: Option<String>,
+}
+
+/// Where the expanded form of a group's current snapshot, kept at `snapshot`, is cached
+/// while members may still need it (until the next snapshot replaces it).
+#[must_use]
+pub fn sent_path(snapshot: &Path) -> PathBuf {
+    snapshot.with_extension("snapshot-sent")
+}
+
+/// Run `f`, which blocks (reads or writes a whole snapshot), telling a multi-threaded runtime
+/// so that its other tasks move to another thread meanwhile.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+/// The directory a snapshot file at `path` is in.
+fn dir_of(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
 }
 
 /// One replica's state machine. Clones share it (the snapshot builder is a clone).
@@ -93,7 +150,7 @@ pub struct GroupStateMachine<A> {
     /// Where the current snapshot is kept (None: in memory only, for tests). The state itself
     /// lives in memory: after a restart it comes back from this snapshot and the log entries
     /// after it (openraft purges the entries a snapshot covers).
-    snapshot_path: Option<Arc<std::path::PathBuf>>,
+    snapshot_path: Option<Arc<PathBuf>>,
 }
 
 impl<A> Clone for GroupStateMachine<A> {
@@ -127,6 +184,8 @@ impl<A: Applied> GroupStateMachine<A> {
                 snapshot: None,
                 snapshots_built: 0,
                 sending: false,
+                sends: 0,
+                sent_file: None,
             })),
             applied,
             snapshot_path: None,
@@ -138,8 +197,10 @@ impl<A: Applied> GroupStateMachine<A> {
     ///
     /// # Errors
     /// The snapshot there cannot be read or does not decode.
-    pub fn restored(applied: Arc<A>, path: std::path::PathBuf) -> Result<Self, String> {
+    pub fn restored(applied: Arc<A>, path: PathBuf) -> Result<Self, String> {
         let mut sm = Self::over(applied);
+        // An expanded snapshot of the previous run is not known to be complete.
+        let _ = std::fs::remove_file(sent_path(&path));
         if let Some(stored) = crate::snapshot_file::read::<_, Tracked>(&path)? {
             let last = stored.tracked.last_applied.map_or(0, |l| l.index);
             sm.applied
@@ -153,38 +214,37 @@ impl<A: Applied> GroupStateMachine<A> {
         Ok(sm)
     }
 
-    /// Keep a snapshot whose bytes arrived whole on disk (an installed one), in the layout
-    /// [`crate::snapshot_file`] gives, before openraft may purge the entries it covers.
-    // openraft's own storage error type, returned through its traits.
-    #[allow(clippy::result_large_err)]
-    fn persist(
-        &self,
-        meta: &SnapshotMeta<NodeId, BasicNode>,
-        data: &SnapshotData,
-    ) -> Result<(), StorageError> {
-        let Some(path) = &self.snapshot_path else {
-            return Ok(());
-        };
-        crate::snapshot_file::write(path, meta, &data.tracked, |out| {
-            out.write_all(&data.state).map_err(|e| e.to_string())
-        })
-        .map_err(|e| sm_error(ErrorVerb::Write, e))
-    }
-
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// What to keep in memory of a snapshot just persisted: nothing when it is on disk.
-    fn kept(&self, bytes: Vec<u8>) -> Option<Vec<u8>> {
-        self.snapshot_path.is_none().then_some(bytes)
+    /// Make `meta` and `tracked` with the state `state` writes the current snapshot: written
+    /// durably to the snapshot file (before openraft may purge the entries it covers), or
+    /// kept in memory without one. Returns what to keep in memory.
+    fn store(
+        &self,
+        meta: &SnapshotMeta<NodeId, BasicNode>,
+        tracked: &Tracked,
+        state: impl FnOnce(&mut dyn Write) -> Result<(), String>,
+    ) -> Result<Option<Vec<u8>>, String> {
+        let Some(path) = &self.snapshot_path else {
+            let mut bytes = Vec::new();
+            crate::snapshot_file::write_to(&mut bytes, meta, tracked, state)?;
+            return Ok(Some(bytes));
+        };
+        crate::snapshot_file::write(path, meta, tracked, state)?;
+        // The expanded form of the one replaced is of no use now.
+        let _ = std::fs::remove_file(sent_path(path));
+        Ok(None)
     }
 
-    /// The current snapshot's bytes (from memory, or read back from its file).
+    /// The current snapshot's bytes in [`crate::snapshot_file`]'s layout, as they go to
+    /// another member: the file itself (opened now, so a snapshot that replaces it later does
+    /// not change what is read), or the bytes kept in memory.
     #[allow(clippy::result_large_err)]
-    fn snapshot_bytes(&self, kept: Option<&Vec<u8>>) -> Result<Vec<u8>, StorageError> {
+    fn current_bytes(&self, kept: Option<Vec<u8>>) -> Result<SnapshotBuf, StorageError> {
         if let Some(bytes) = kept {
-            return Ok(bytes.clone());
+            return Ok(SnapshotBuf::memory(bytes));
         }
         let Some(path) = &self.snapshot_path else {
             return Err(sm_error(
@@ -192,15 +252,71 @@ impl<A: Applied> GroupStateMachine<A> {
                 "a snapshot neither kept nor stored",
             ));
         };
+        let read =
+            |e: std::io::Error| sm_error(ErrorVerb::Read, format!("{}: {e}", path.display()));
+        let mut file = std::fs::File::open(path.as_path()).map_err(read)?;
+        let mut first = [0u8; 8];
+        let n = file.read(&mut first).map_err(read)?;
+        if crate::snapshot_file::is_layout(&first[..n]) {
+            return Ok(SnapshotBuf::file(file));
+        }
+        // A file of version 1, from before an upgrade: sent in the current layout.
         let stored: StoredSnapshot = crate::snapshot_file::read(path.as_path())
             .map_err(|e| sm_error(ErrorVerb::Read, e))?
             .ok_or_else(|| sm_error(ErrorVerb::Read, "the snapshot file is gone"))?;
-        // What a snapshot sent to another member carries (the layout it always had).
-        crate::codec::encode(&SnapshotData {
-            tracked: stored.tracked.clone(),
-            state: stored.state().to_vec(),
+        let mut bytes = Vec::new();
+        crate::snapshot_file::write_to(&mut bytes, &stored.meta, &stored.tracked, |out| {
+            out.write_all(stored.state()).map_err(|e| e.to_string())
         })
-        .map_err(|e| sm_error(ErrorVerb::Read, e))
+        .map_err(|e| sm_error(ErrorVerb::Read, e))?;
+        Ok(SnapshotBuf::memory(bytes))
+    }
+
+    /// Install a snapshot another member sent, read from `input`; returns what openraft
+    /// tracks and what to keep in memory of it.
+    fn install_from(
+        &self,
+        meta: &SnapshotMeta<NodeId, BasicNode>,
+        mut input: Box<dyn Read + Send>,
+    ) -> Result<(Tracked, Option<Vec<u8>>), String> {
+        let last = meta.last_log_id.map_or(0, |l| l.index);
+        let mut first = Vec::with_capacity(8);
+        (&mut input)
+            .take(8)
+            .read_to_end(&mut first)
+            .map_err(|e| e.to_string())?;
+        let mut input = std::io::Cursor::new(first).chain(input);
+        let (tracked, state) = if crate::snapshot_file::is_layout(input.get_ref().0.get_ref()) {
+            let (_sent_meta, tracked): (SnapshotMeta<NodeId, BasicNode>, Tracked) =
+                crate::snapshot_file::read_head(&mut input)?;
+            if self.applied.expands() {
+                // Streamed into the state; what is stored is the state's own short form.
+                self.applied.install_from(&mut input, last)?;
+                (tracked, None)
+            } else {
+                let mut state = Vec::new();
+                input.read_to_end(&mut state).map_err(|e| e.to_string())?;
+                self.applied.install(&state, last)?;
+                (tracked, Some(state))
+            }
+        } else {
+            let mut bytes = Vec::new();
+            input.read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+            let data: SnapshotData = crate::codec::decode(&bytes).map_err(|e| e.to_string())?;
+            drop(bytes);
+            self.applied.install(&data.state, last)?;
+            (
+                data.tracked,
+                (!self.applied.expands()).then_some(data.state),
+            )
+        };
+        let kept = match state {
+            Some(state) => self.store(meta, &tracked, |out| {
+                out.write_all(&state).map_err(|e| e.to_string())
+            })?,
+            None => self.store(meta, &tracked, |out| self.applied.snapshot_into(out))?,
+        };
+        Ok((tracked, kept))
     }
 
     /// The group's Raft instance has started: a current snapshot read from now on is one to
@@ -245,35 +361,103 @@ impl<A: Applied> RaftSnapshotBuilder<QueueRaft> for GroupStateMachine<A> {
                 inner.snapshots_built
             ),
         };
-        if let Some(path) = &self.snapshot_path {
-            // Streamed to the file as it is encoded. openraft takes only the meta of a built
-            // snapshot (its state machine worker), and reads a snapshot to send through
-            // `get_current_snapshot`: the one returned here carries no bytes.
-            crate::snapshot_file::write(path, &meta, &inner.tracked, |out| {
-                self.applied.snapshot_into(out)
-            })
-            .map_err(|e| sm_error(ErrorVerb::Write, e))?;
-            inner.snapshot = Some((meta.clone(), None));
-            return Ok(Snapshot {
-                meta,
-                snapshot: Box::new(Cursor::new(Vec::new())),
-            });
-        }
-        let state = self
-            .applied
-            .snapshot()
-            .map_err(|e| sm_error(ErrorVerb::Read, e))?;
-        let bytes = crate::codec::encode(&SnapshotData {
-            tracked: inner.tracked.clone(),
-            state,
-        })
-        .map_err(|e| sm_error(ErrorVerb::Read, e))?;
-        inner.snapshot = Some((meta.clone(), Some(bytes.clone())));
+        // Streamed to the file as it is encoded. openraft takes only the meta of a built
+        // snapshot (its state machine worker), and reads a snapshot to send through
+        // `get_current_snapshot`: the one returned here carries no bytes when it is on disk.
+        let kept =
+            blocking(|| self.store(&meta, &inner.tracked, |out| self.applied.snapshot_into(out)))
+                .map_err(|e| sm_error(ErrorVerb::Write, e))?;
+        inner.snapshot = Some((meta.clone(), kept.clone()));
+        inner.sent_file = None;
         Ok(Snapshot {
             meta,
-            snapshot: Box::new(Cursor::new(bytes)),
+            snapshot: Box::new(SnapshotBuf::memory(kept.unwrap_or_default())),
         })
     }
+}
+
+impl<A: Applied> GroupStateMachine<A> {
+    /// The expanded form of the current snapshot (meta `meta`, read from `stored`), built on
+    /// a thread of its own: the returned bytes wait for it when first read. A complete one
+    /// is cached at [`sent_path`] for the next member or attempt; if it cannot be built, the
+    /// short form goes (the member then starts its copy again at the snapshot's end) rather
+    /// than an error that would stop the group.
+    fn send_expanded(
+        &self,
+        meta: &SnapshotMeta<NodeId, BasicNode>,
+        stored: SnapshotBuf,
+    ) -> SnapshotBuf {
+        let (tx, rx) = tokio::sync::oneshot::channel::<Built>();
+        let applied = Arc::clone(&self.applied);
+        let inner = Arc::clone(&self.inner);
+        let path = self.snapshot_path.clone();
+        let id = meta.snapshot_id.clone();
+        let spawned = std::thread::Builder::new()
+            .name("snapshot-send".into())
+            .spawn(move || {
+                let built = (|| -> Built {
+                    let mut input = stored.into_blocking_reader().map_err(|e| e.to_string())?;
+                    let (stored_meta, tracked): (SnapshotMeta<NodeId, BasicNode>, Tracked) =
+                        crate::snapshot_file::read_head(&mut input)?;
+                    let last = stored_meta.last_log_id.map_or(0, |l| l.index);
+                    let dir = path
+                        .as_deref()
+                        .map_or_else(std::env::temp_dir, |p| dir_of(p).to_path_buf());
+                    let expanded = write_temp(&dir, |out| {
+                        crate::snapshot_file::write_to(out, &stored_meta, &tracked, |out| {
+                            applied.expand_into(&mut input, last, out)
+                        })
+                    });
+                    match (expanded, path.as_deref()) {
+                        (Ok(file), Some(path)) => {
+                            let file = file
+                                .persist(sent_path(path))
+                                .map_err(|e| e.error.to_string())?;
+                            let mut inner = inner.lock().unwrap_or_else(PoisonError::into_inner);
+                            // Unless a newer snapshot replaced it meanwhile.
+                            if inner.snapshot.as_ref().map(|(m, _)| &m.snapshot_id) == Some(&id) {
+                                inner.sent_file = Some(id);
+                            } else {
+                                let _ = std::fs::remove_file(sent_path(path));
+                            }
+                            Ok(file)
+                        }
+                        (Ok(file), None) => Ok(file.into_file()),
+                        (Err(e), _) => {
+                            // The stored snapshot as it is (already in the layout sent).
+                            tracing::error!(error = %e, "a snapshot is sent without its data");
+                            input
+                                .seek(std::io::SeekFrom::Start(0))
+                                .map_err(|e| e.to_string())?;
+                            write_temp(&dir, |out| {
+                                std::io::copy(&mut input, out)
+                                    .map(drop)
+                                    .map_err(|e| e.to_string())
+                            })
+                            .map(tempfile::NamedTempFile::into_file)
+                        }
+                    }
+                })();
+                let _ = tx.send(built);
+            });
+        if let Err(e) = spawned {
+            // The receiver sees the builder gone: this attempt fails, and openraft retries.
+            tracing::error!(error = %e, "no thread to build a snapshot to send");
+        }
+        SnapshotBuf::building(rx)
+    }
+}
+
+/// A new file in `dir` that `write` fills, flushed (durability is not needed: a file sent
+/// is rebuilt after a crash).
+fn write_temp(
+    dir: &Path,
+    write: impl FnOnce(&mut dyn Write) -> Result<(), String>,
+) -> Result<tempfile::NamedTempFile, String> {
+    let file = tempfile::NamedTempFile::new_in(dir).map_err(|e| e.to_string())?;
+    let mut out = std::io::BufWriter::with_capacity(crate::snapshot_file::WRITE_BUFFER, file);
+    write(&mut out)?;
+    out.into_inner().map_err(|e| e.error().to_string())
 }
 
 impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
@@ -316,64 +500,68 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
         self.clone()
     }
 
-    async fn begin_receiving_snapshot(&mut self) -> Result<Box<Cursor<Vec<u8>>>, StorageError> {
-        Ok(Box::new(Cursor::new(Vec::new())))
+    async fn begin_receiving_snapshot(&mut self) -> Result<Box<SnapshotBuf>, StorageError> {
+        let dir = self.snapshot_path.as_deref().map(|p| dir_of(p));
+        SnapshotBuf::receiving(dir)
+            .map(Box::new)
+            .map_err(|e| sm_error(ErrorVerb::Write, e))
     }
 
     async fn install_snapshot(
         &mut self,
         meta: &SnapshotMeta<NodeId, BasicNode>,
-        snapshot: Box<Cursor<Vec<u8>>>,
+        snapshot: Box<SnapshotBuf>,
     ) -> Result<(), StorageError> {
-        let mut bytes = snapshot.into_inner();
-        let mut data: SnapshotData =
-            crate::codec::decode(&bytes).map_err(|e| sm_error(ErrorVerb::Write, e))?;
+        let input = snapshot
+            .into_reader()
+            .await
+            .map_err(|e| sm_error(ErrorVerb::Read, e))?;
+        // Under the lock, so no reader sees the new state with the old applied id.
         let mut inner = self.lock();
-        self.applied
-            .install(&data.state, meta.last_log_id.map_or(0, |l| l.index))
+        let (tracked, kept) = blocking(|| self.install_from(meta, input))
             .map_err(|e| sm_error(ErrorVerb::Write, e))?;
-        if self.applied.expands() {
-            // What was sent carried the data, now in the state's own files: keep the short form.
-            data.state = self
-                .applied
-                .snapshot()
-                .map_err(|e| sm_error(ErrorVerb::Write, e))?;
-            bytes = crate::codec::encode(&data).map_err(|e| sm_error(ErrorVerb::Write, e))?;
-        }
-        self.persist(meta, &data)?;
-        inner.tracked = data.tracked;
-        inner.snapshot = Some((meta.clone(), self.kept(bytes)));
+        inner.tracked = tracked;
+        inner.snapshot = Some((meta.clone(), kept));
+        inner.sent_file = None;
         Ok(())
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<QueueRaft>>, StorageError> {
-        let inner = self.lock();
-        let Some((meta, kept)) = inner.snapshot.as_ref() else {
-            return Ok(None);
-        };
-        let bytes = &self.snapshot_bytes(kept.as_ref())?;
-        let bytes = if self.applied.expands() && inner.sending {
-            // Sent to a member behind the purged log: with the data it needs. If that
-            // cannot be built, the short form goes (the member then starts its copy again
-            // at the snapshot's end) rather than an error that would stop the group.
-            let mut data: SnapshotData =
-                crate::codec::decode(bytes).map_err(|e| sm_error(ErrorVerb::Read, e))?;
-            match self.applied.expand(&data.state).and_then(|state| {
-                data.state = state;
-                crate::codec::encode(&data).map_err(|e| e.to_string())
-            }) {
-                Ok(full) => full,
-                Err(e) => {
-                    tracing::error!(error = %e, "a snapshot is sent without its data");
-                    bytes.clone()
-                }
+        let (mut meta, stored, cached) = {
+            let mut inner = self.lock();
+            let Some((meta, kept)) = inner.snapshot.clone() else {
+                return Ok(None);
+            };
+            // Opened under the lock: the bytes are those of `meta`.
+            let stored = self.current_bytes(kept)?;
+            if !(self.applied.expands() && inner.sending) {
+                return Ok(Some(Snapshot {
+                    meta,
+                    snapshot: Box::new(stored),
+                }));
             }
-        } else {
-            bytes.clone()
+            inner.sends += 1;
+            let cached = match (&self.snapshot_path, &inner.sent_file) {
+                (Some(path), Some(id)) if *id == meta.snapshot_id => {
+                    std::fs::File::open(sent_path(path)).ok()
+                }
+                _ => None,
+            };
+            let sends = inner.sends;
+            (meta, stored, cached.map(|file| (file, sends)))
         };
+        // Sent to a member behind the purged log: with the data it needs.
+        let (data, sends) = match cached {
+            Some((file, sends)) => (SnapshotBuf::file(file), sends),
+            None => {
+                let sends = self.lock().sends;
+                (self.send_expanded(&meta, stored), sends)
+            }
+        };
+        meta.snapshot_id = format!("{}-sent-{sends}", meta.snapshot_id);
         Ok(Some(Snapshot {
-            meta: meta.clone(),
-            snapshot: Box::new(Cursor::new(bytes)),
+            meta,
+            snapshot: Box::new(data),
         }))
     }
 }
@@ -410,6 +598,202 @@ mod tests {
                 meta: Vec::new(),
             }),
         }
+    }
+
+    /// A state whose snapshot sent to another member carries data its stored one leaves out
+    /// (as a quorum queue's carries the bodies): `EXTRA` bytes after the state.
+    #[derive(Default)]
+    struct Expanding {
+        counted: Counted,
+        /// Expanding fails (the short form must go instead).
+        broken: std::sync::atomic::AtomicBool,
+        /// What the last install read after the state.
+        received_extra: Mutex<usize>,
+    }
+
+    const EXTRA: usize = 3 * 1024 * 1024 + 17;
+
+    impl Applied for Expanding {
+        fn apply(&self, at: u64, index: u64, request: QueueRequest) -> QueueResponse {
+            self.counted.apply(at, index, request)
+        }
+        fn snapshot(&self) -> Result<Vec<u8>, String> {
+            self.counted.snapshot()
+        }
+        fn install(&self, bytes: &[u8], last: u64) -> Result<(), String> {
+            *self.received_extra.lock().unwrap() = 0;
+            self.counted.install(bytes, last)
+        }
+        fn install_from(&self, input: &mut dyn Read, last: u64) -> Result<(), String> {
+            // As a quorum queue's: the expanded form by its first bytes, else the short one.
+            let mut all = Vec::new();
+            input.read_to_end(&mut all).map_err(|e| e.to_string())?;
+            let Some(mut input) = all.strip_prefix(b"EXPANDED") else {
+                return self.install(&all, last);
+            };
+            let input = &mut input;
+            let mut len = [0u8; 8];
+            input.read_exact(&mut len).map_err(|e| e.to_string())?;
+            let mut state = vec![0u8; u64::from_le_bytes(len) as usize];
+            input.read_exact(&mut state).map_err(|e| e.to_string())?;
+            let mut extra = Vec::new();
+            input.read_to_end(&mut extra).map_err(|e| e.to_string())?;
+            assert!(extra.iter().all(|b| *b == 7), "the data as sent");
+            self.counted.install(&state, last)?;
+            *self.received_extra.lock().unwrap() = extra.len();
+            Ok(())
+        }
+        fn expands(&self) -> bool {
+            true
+        }
+        fn expand_into(
+            &self,
+            input: &mut dyn Read,
+            _last: u64,
+            out: &mut dyn Write,
+        ) -> Result<(), String> {
+            if self.broken.load(std::sync::atomic::Ordering::Relaxed) {
+                return Err("the data is unreadable".into());
+            }
+            let mut state = Vec::new();
+            input.read_to_end(&mut state).map_err(|e| e.to_string())?;
+            let state = &state[..];
+            let io = |e: std::io::Error| e.to_string();
+            out.write_all(b"EXPANDED").map_err(io)?;
+            out.write_all(&(state.len() as u64).to_le_bytes())
+                .map_err(io)?;
+            out.write_all(state).map_err(io)?;
+            out.write_all(&vec![7u8; EXTRA]).map_err(io)
+        }
+    }
+
+    async fn bytes_of(snapshot: Snapshot<QueueRaft>) -> Vec<u8> {
+        let mut bytes = Vec::new();
+        snapshot
+            .snapshot
+            .into_reader()
+            .await
+            .unwrap()
+            .read_to_end(&mut bytes)
+            .unwrap();
+        bytes
+    }
+
+    /// Received as openraft receives it: chunks written into what `begin_receiving_snapshot`
+    /// gave, then installed.
+    async fn receive(
+        to: &mut GroupStateMachine<Expanding>,
+        meta: &SnapshotMeta<NodeId, BasicNode>,
+        bytes: &[u8],
+    ) {
+        use tokio::io::AsyncWriteExt;
+        let mut buf = to.begin_receiving_snapshot().await.unwrap();
+        for chunk in bytes.chunks(1024 * 1024) {
+            buf.write_all(chunk).await.unwrap();
+        }
+        buf.shutdown().await.unwrap();
+        to.install_snapshot(meta, buf).await.unwrap();
+    }
+
+    /// A snapshot for a member behind the purged log is written to a file with its data on a
+    /// thread of its own, sent from there (again from the cached file for the next attempt,
+    /// each attempt with its own id), received into an unnamed file, and kept by the member
+    /// in its short form; a newer snapshot drops the cached one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_snapshot_is_sent_with_its_data_through_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let sent_file = sent_path(&dir.path().join("a.snapshot"));
+        let mut a = GroupStateMachine::restored(
+            Arc::new(Expanding::default()),
+            dir.path().join("a.snapshot"),
+        )
+        .unwrap();
+        a.apply((1..=5).map(entry)).await.unwrap();
+        let built = a.build_snapshot().await.unwrap();
+        // Before the Raft instance starts, openraft reads only the short form.
+        let short = a.get_current_snapshot().await.unwrap().unwrap();
+        assert_eq!(short.meta, built.meta);
+        let short = bytes_of(short).await;
+        assert!(crate::snapshot_file::is_layout(&short));
+
+        a.started();
+        let first = a.get_current_snapshot().await.unwrap().unwrap();
+        assert_eq!(first.meta.last_log_id, built.meta.last_log_id);
+        assert_eq!(
+            first.meta.snapshot_id,
+            format!("{}-sent-1", built.meta.snapshot_id)
+        );
+        let meta = first.meta.clone();
+        let full = bytes_of(first).await;
+        assert!(full.len() > EXTRA, "{} bytes sent", full.len());
+        assert!(sent_file.exists(), "the expanded form is cached");
+        let again = a.get_current_snapshot().await.unwrap().unwrap();
+        assert_eq!(
+            again.meta.snapshot_id,
+            format!("{}-sent-2", built.meta.snapshot_id)
+        );
+        assert_eq!(bytes_of(again).await, full, "sent again from the cache");
+
+        let mut b = GroupStateMachine::restored(
+            Arc::new(Expanding::default()),
+            dir.path().join("b.snapshot"),
+        )
+        .unwrap();
+        receive(&mut b, &meta, &full).await;
+        assert_eq!(*b.applied().received_extra.lock().unwrap(), EXTRA);
+        assert_eq!(b.last_applied().map(|l| l.index), Some(5));
+        let stored = std::fs::metadata(dir.path().join("b.snapshot"))
+            .unwrap()
+            .len();
+        assert!(
+            stored < 1024,
+            "the member keeps the short form: {stored} bytes"
+        );
+        // After a restart the member has the state from its own file.
+        let c = GroupStateMachine::restored(
+            Arc::new(Expanding::default()),
+            dir.path().join("b.snapshot"),
+        )
+        .unwrap();
+        assert_eq!(
+            *c.applied().counted.0.lock().unwrap(),
+            vec![1001, 1002, 1003, 1004, 1005]
+        );
+        let mut names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(
+            names,
+            ["a.snapshot", "a.snapshot-sent", "b.snapshot"],
+            "no file in transit left"
+        );
+
+        a.apply([entry(6)]).await.unwrap();
+        a.build_snapshot().await.unwrap();
+        assert!(!sent_file.exists(), "a newer snapshot drops the cached one");
+
+        // Data that cannot be read: the short form goes, and installs.
+        a.applied()
+            .broken
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let fallback = a.get_current_snapshot().await.unwrap().unwrap();
+        let meta = fallback.meta.clone();
+        let short = bytes_of(fallback).await;
+        assert!(short.len() < 1024, "{} bytes", short.len());
+        assert!(!sent_file.exists(), "a short form is not cached");
+        let mut d = GroupStateMachine::restored(
+            Arc::new(Expanding::default()),
+            dir.path().join("d.snapshot"),
+        )
+        .unwrap();
+        receive(&mut d, &meta, &short).await;
+        assert_eq!(d.last_applied().map(|l| l.index), Some(6));
+        assert_eq!(
+            *d.applied().counted.0.lock().unwrap(),
+            (1001..=1006).collect::<Vec<_>>()
+        );
     }
 
     /// openraft purges the entries a snapshot covers: a replica that restarts must find the

@@ -22,6 +22,7 @@ pub mod log_store;
 pub mod network;
 pub mod node;
 pub mod proposer;
+pub mod snapshot_data;
 pub mod snapshot_file;
 pub mod state_machine;
 pub mod tcp;

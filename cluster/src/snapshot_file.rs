@@ -58,6 +58,30 @@ struct V1Data<T> {
     state: Vec<u8>,
 }
 
+/// Write a snapshot in this layout to `out`: `meta`, `tracked`, then what `state` writes
+/// (what is kept on disk, and what is sent to another member).
+///
+/// # Errors
+/// `out` fails, or `state` does.
+pub fn write_to<M: Serialize, T: Serialize>(
+    out: &mut dyn Write,
+    meta: &M,
+    tracked: &T,
+    state: impl FnOnce(&mut dyn Write) -> Result<(), String>,
+) -> Result<(), String> {
+    let io = |e: std::io::Error| e.to_string();
+    out.write_all(MAGIC).map_err(io)?;
+    for part in [
+        crate::codec::encode(meta).map_err(|e| e.to_string())?,
+        crate::codec::encode(tracked).map_err(|e| e.to_string())?,
+    ] {
+        out.write_all(&(part.len() as u64).to_le_bytes())
+            .map_err(io)?;
+        out.write_all(&part).map_err(io)?;
+    }
+    state(out)
+}
+
 /// Write a snapshot to `path` durably: `meta`, `tracked`, then what `state` writes.
 ///
 /// # Errors
@@ -72,16 +96,7 @@ pub fn write<M: Serialize, T: Serialize>(
     let file = std::fs::File::create(&tmp).map_err(|e| format!("{}: {e}", tmp.display()))?;
     let mut out = std::io::BufWriter::with_capacity(WRITE_BUFFER, file);
     let io = |e: std::io::Error| format!("{}: {e}", tmp.display());
-    out.write_all(MAGIC).map_err(io)?;
-    for part in [
-        crate::codec::encode(meta).map_err(|e| e.to_string())?,
-        crate::codec::encode(tracked).map_err(|e| e.to_string())?,
-    ] {
-        out.write_all(&(part.len() as u64).to_le_bytes())
-            .map_err(io)?;
-        out.write_all(&part).map_err(io)?;
-    }
-    state(&mut out)?;
+    write_to(&mut out, meta, tracked, state).map_err(|e| format!("{}: {e}", tmp.display()))?;
     let file = out.into_inner().map_err(|e| io(e.into_error()))?;
     file.sync_all().map_err(io)?;
     drop(file);
@@ -92,6 +107,45 @@ pub fn write<M: Serialize, T: Serialize>(
             .map_err(|e| format!("{}: {e}", dir.display()))?;
     }
     Ok(())
+}
+
+/// Whether `first` (a snapshot's first bytes) starts this layout (version 2).
+#[must_use]
+pub fn is_layout(first: &[u8]) -> bool {
+    first.starts_with(MAGIC)
+}
+
+/// Read the meta and tracked state of a snapshot in this layout (version 2) from `input`,
+/// leaving it at the first byte of the group's state.
+///
+/// # Errors
+/// `input` fails, or it is not such a snapshot (no magic, truncated, damaged).
+pub fn read_head<M: DeserializeOwned, T: DeserializeOwned>(
+    input: &mut dyn std::io::Read,
+) -> Result<(M, T), String> {
+    let io = |e: std::io::Error| format!("a snapshot's head: {e}");
+    let mut magic = [0u8; 8];
+    input.read_exact(&mut magic).map_err(io)?;
+    if &magic != MAGIC {
+        return Err("not a snapshot in the version 2 layout".into());
+    }
+    let mut part = || -> Result<Vec<u8>, String> {
+        let mut len = [0u8; 8];
+        input.read_exact(&mut len).map_err(io)?;
+        let len = u64::from_le_bytes(len);
+        if len > crate::codec::VALUE_MAX {
+            return Err(format!("a snapshot part of {len} bytes"));
+        }
+        let mut bytes = vec![0u8; usize::try_from(len).map_err(|e| e.to_string())?];
+        input.read_exact(&mut bytes).map_err(io)?;
+        Ok(bytes)
+    };
+    let meta = part()?;
+    let tracked = part()?;
+    Ok((
+        crate::codec::decode(&meta).map_err(|e| e.to_string())?,
+        crate::codec::decode(&tracked).map_err(|e| e.to_string())?,
+    ))
 }
 
 /// Split `bytes` at a little-endian u64 length and that many bytes after it.
@@ -170,6 +224,24 @@ mod tests {
         assert_eq!(back.tracked, vec![1, 2, 3]);
         assert_eq!(back.state(), &state[..]);
         assert!(!path.with_extension("snapshot-tmp").exists());
+    }
+
+    #[test]
+    fn a_head_reads_from_a_stream_and_leaves_it_at_the_state() {
+        let mut bytes = Vec::new();
+        write_to(&mut bytes, &"meta", &9u64, |out| {
+            out.write_all(b"state").map_err(|e| e.to_string())
+        })
+        .unwrap();
+        assert!(is_layout(&bytes));
+        let mut input = &bytes[..];
+        let (meta, tracked): (String, u64) = read_head(&mut input).unwrap();
+        assert_eq!((meta.as_str(), tracked), ("meta", 9));
+        assert_eq!(input, b"state");
+        let mut short = &bytes[..12];
+        assert!(read_head::<String, u64>(&mut short).is_err(), "truncated");
+        let mut other = &b"not a snapshot at all"[..];
+        assert!(read_head::<String, u64>(&mut other).is_err());
     }
 
     #[test]

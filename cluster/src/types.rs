@@ -1,7 +1,5 @@
 //! The Raft type configuration of a replicated queue.
 
-use std::io::Cursor;
-
 use openraft::{BasicNode, Entry, TokioRuntime};
 use serde::{Deserialize, Serialize};
 use warren_broker::queue::machine::{Command, MachineError, MessageRef, Reply};
@@ -138,7 +136,7 @@ openraft::declare_raft_types!(
         NodeId = u64,
         Node = BasicNode,
         Entry = Entry<QueueRaft>,
-        SnapshotData = Cursor<Vec<u8>>,
+        SnapshotData = crate::snapshot_data::SnapshotBuf,
         AsyncRuntime = TokioRuntime,
 );
 

@@ -23,11 +23,12 @@ BODY = 1024
 RSS_PER_MESSAGE_MAX = 800
 
 
-def rss_bytes(c, i):
+def rss_bytes(c, i, field="VmRSS"):
+    """Node i's resident set (VmRSS), or its peak so far (VmHWM)."""
     for line in open(f"/proc/{c.nodes[i].proc.pid}/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError(f"no {field}")
 
 
 def depth_on(c, i, q):
@@ -35,9 +36,9 @@ def depth_on(c, i, q):
     return None if info is None else info.get("messages")
 
 
-def body(k):
+def body(k, size=BODY):
     head = f"m{k:06d}:".encode()
-    return head + bytes([k % 251]) * (BODY - len(head))
+    return head + bytes([k % 251]) * (size - len(head))
 
 
 def publish(c, i, q, n, first=0, window=1000):
@@ -58,7 +59,7 @@ def publish(c, i, q, n, first=0, window=1000):
         safe_close(conn)
 
 
-def drain(c, i, q, total):
+def drain(c, i, q, total, size=BODY):
     """Consume and ack q through node i until its `total` messages (body(0) ..) have all come,
     each intact and, unless redelivered, once."""
     seen = set()
@@ -72,7 +73,7 @@ def drain(c, i, q, total):
                 assert time.monotonic() < deadline, f"{len(seen)} of {total} after 180 s"
                 continue
             k = int(data[1:7])
-            assert data == body(k), f"message {k} damaged"
+            assert data == body(k, size), f"message {k} damaged"
             assert k not in seen or method.redelivered, f"message {k} delivered twice"
             seen.add(k)
             ch.basic_ack(method.delivery_tag)
@@ -168,3 +169,54 @@ def test_live_messages_keep_their_bodies_when_their_entries_are_purged(cluster_f
     # The first messages now exist only as copies: read them through a new leader.
     c.kill9(leader)
     drain(c, follower, q, PURGED)
+
+
+SENT = 6_500
+SENT_BODY = 16 * 1024
+
+
+@pytest.mark.timeout(300)
+def test_a_member_behind_the_purged_log_gets_the_bodies_streamed_in_a_snapshot(cluster_factory):
+    """A follower down while the leader's log is purged past everything it has gets a snapshot
+    carrying the live messages' bodies (about 100 MB here). Neither end holds them in memory:
+    the leader writes them to a file, which openraft sends a chunk at a time, and the follower
+    writes the chunks to a file and then the bodies to its log in batches; before, both built
+    the whole snapshot in memory (twice the bodies on each). Then the follower serves every
+    body intact with the old leader gone."""
+    import pika
+    c = cluster_factory(3, extra_args=["--quorum-log-pin-max", "0"])
+    q = "sent-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, q)
+    leader = c.wait_for_leader(q)
+    follower = next(i for i in range(3) if i != leader)
+    c.kill9(follower)
+    # One entry per message, past the first snapshot (5000 entries) and the 1000 kept before it.
+    conn = c.connect(leader)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        props = pika.BasicProperties(delivery_mode=2)
+        for k in range(SENT):
+            ch.basic_publish("", q, body(k, SENT_BODY), props)
+    finally:
+        safe_close(conn)
+    eventually(lambda: raft_of(c, leader, q).get("purged_index", 0), lambda p: p >= 3000, 60,
+               "the leader's log purged past everything the follower has")
+    bodies = SENT * SENT_BODY
+    leader_peak = rss_bytes(c, leader, "VmHWM")
+
+    c.start_node(follower)
+    eventually(lambda: depth_on(c, follower, q), lambda d: d == SENT, 120,
+               "the restarted follower holding the queue")
+    log = c.nodes[follower].log_path.read_text(errors="replace")
+    assert "installed a snapshot with its bodies" in log, "the follower caught up from a snapshot"
+    follower_peak = rss_bytes(c, follower, "VmHWM")
+    leader_grew = rss_bytes(c, leader, "VmHWM") - leader_peak
+    print(f"bodies {bodies >> 20} MB; follower peak {follower_peak >> 20} MB; "
+          f"leader peak grew {leader_grew >> 20} MB")
+    assert follower_peak < bodies * 3 // 4, f"follower peaked at {follower_peak >> 20} MB"
+    assert leader_grew < bodies // 4, f"the leader's peak grew by {leader_grew >> 20} MB"
+
+    # The follower's copies are all there: read through it with the old leader gone.
+    c.kill9(leader)
+    drain(c, follower, q, SENT, SENT_BODY)

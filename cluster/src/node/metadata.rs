@@ -120,7 +120,9 @@ impl ClusterNode {
                             let _ = raft.shutdown().await;
                         }
                         // The log of a deleted incarnation is never read again.
-                        let _ = std::fs::remove_file(path.with_extension("snapshot"));
+                        let snapshot = path.with_extension("snapshot");
+                        let _ = std::fs::remove_file(crate::group::sent_path(&snapshot));
+                        let _ = std::fs::remove_file(snapshot);
                         let _ = std::fs::remove_file(path);
                     });
                 }

@@ -59,8 +59,8 @@ use crate::tcp::{Addresses, Forwarded, GroupId, Groups, Secret, TcpNetwork};
 use crate::types::{NodeId, QueueRaft};
 
 pub use config::{
-    NodeConfig, NodeError, Peer, QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX, STREAM_SNAPSHOT_EVERY,
-    STREAM_SNAPSHOT_EVERY_ENV, STREAM_SNAPSHOT_TIMEOUT_MS, node_id, queue_raft_config, raft_config,
+    NodeConfig, NodeError, Peer, QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX, SNAPSHOT_INSTALL_TIMEOUT_MS,
+    STREAM_SNAPSHOT_EVERY, STREAM_SNAPSHOT_EVERY_ENV, node_id, queue_raft_config, raft_config,
     stream_raft_config,
 };
 pub use forwarding::{FORWARD_BATCH_MAX, FORWARD_QUEUE_MAX, RETRY_FOR};

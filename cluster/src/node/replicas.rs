@@ -4,6 +4,7 @@
 //! as the broker reports them.
 
 use std::collections::BTreeMap;
+use std::io::Read;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 
@@ -295,8 +296,9 @@ impl BodySource for LogBodies {
     }
 }
 
-/// A quorum queue's snapshot as sent to a member behind the purged log: the machine (whose
-/// messages are keys) and the bodies of its messages. Starts with [`FULL_SNAPSHOT_MAGIC`].
+/// A quorum queue's snapshot as members of the previous version sent it to a member behind
+/// the purged log, built in memory: the machine (whose messages are keys) and the bodies of
+/// its messages. Starts with [`FULL_SNAPSHOT_MAGIC`]; still installed from such a member.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct FullSnapshot {
     #[serde(with = "crate::codec::raw_bytes")]
@@ -313,6 +315,37 @@ struct SnapshotBody {
 
 /// First bytes of a [`FullSnapshot`] (a machine's own encoding never starts so).
 const FULL_SNAPSHOT_MAGIC: &[u8; 8] = b"WQFULL01";
+
+/// First bytes of a quorum queue's snapshot as sent to a member behind the purged log, written
+/// and read as a stream (little-endian lengths):
+///
+/// | bytes | field |
+/// |---|---|
+/// | 8 | magic `WQFULL02` |
+/// | per body: 1, 8, 4, `n` | tag 1, key, `n`: length of the record, the record |
+/// | 1 | tag 0: the end of the bodies |
+/// | rest | the machine, encoded (its messages are keys), as the snapshot file holds it |
+///
+/// The sender copies the machine from its snapshot file and reads the bodies one at a time;
+/// the receiver holds the machine and [`SNAPSHOT_BODY_BATCH`] bytes of bodies at most.
+const STREAMED_SNAPSHOT_MAGIC: &[u8; 8] = b"WQFULL02";
+
+/// Bytes of bodies from a received snapshot written to the log in one transaction.
+pub const SNAPSHOT_BODY_BATCH: usize = 16 * 1024 * 1024;
+
+fn read_u64(input: &mut dyn std::io::Read) -> Result<u64, String> {
+    let mut b = [0u8; 8];
+    input.read_exact(&mut b).map_err(|e| e.to_string())?;
+    Ok(u64::from_le_bytes(b))
+}
+
+/// A length read from a snapshot, refused past what any encoded value may take.
+fn checked_len(len: u64) -> Result<usize, String> {
+    if len > crate::codec::VALUE_MAX {
+        return Err(format!("a snapshot claims a part of {len} bytes"));
+    }
+    usize::try_from(len).map_err(|e| e.to_string())
+}
 
 /// The keys of the logged messages `machine` holds, sorted.
 fn logged_keys(machine: &QueueMachine<Entry>) -> Vec<u64> {
@@ -464,8 +497,116 @@ impl Applied for QueueApplied {
                 }
                 crate::codec::decode(&full.machine).map_err(|e| e.to_string())?
             }
+            None if bytes.starts_with(STREAMED_SNAPSHOT_MAGIC) => {
+                return self.install_from(&mut &bytes[..], last);
+            }
             None => crate::codec::decode(bytes).map_err(|e| e.to_string())?,
         };
+        self.install_machine(machine, last);
+        Ok(())
+    }
+
+    fn install_from(&self, input: &mut dyn std::io::Read, last: u64) -> Result<(), String> {
+        let mut first = Vec::with_capacity(8);
+        <&mut dyn Read as Read>::take(&mut *input, 8)
+            .read_to_end(&mut first)
+            .map_err(|e| e.to_string())?;
+        if self.queue.stream().is_some() || first != STREAMED_SNAPSHOT_MAGIC {
+            input.read_to_end(&mut first).map_err(|e| e.to_string())?;
+            return self.install(&first, last);
+        }
+        let log = self.bodies.as_ref().ok_or("a queue without its log")?;
+        // Bodies first, in batches: once the machine is installed, its messages read them.
+        let mut batch: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut batch_bytes = 0;
+        let mut received = 0u64;
+        loop {
+            let mut tag = [0u8; 1];
+            input.read_exact(&mut tag).map_err(|e| e.to_string())?;
+            match tag[0] {
+                0 => break,
+                1 => {}
+                other => return Err(format!("a snapshot's body has tag {other}")),
+            }
+            let key = read_u64(input)?;
+            let mut len = [0u8; 4];
+            input.read_exact(&mut len).map_err(|e| e.to_string())?;
+            let mut record = vec![0u8; checked_len(u64::from(u32::from_le_bytes(len)))?];
+            input.read_exact(&mut record).map_err(|e| e.to_string())?;
+            batch_bytes += record.len();
+            batch.push((key, record));
+            received += 1;
+            if batch_bytes >= SNAPSHOT_BODY_BATCH {
+                // Marked copied only with the last batch, once all are in.
+                log.log
+                    .insert_bodies(&batch, 0)
+                    .map_err(|e| e.to_string())?;
+                batch.clear();
+                batch_bytes = 0;
+            }
+        }
+        log.log
+            .insert_bodies(&batch, last)
+            .map_err(|e| e.to_string())?;
+        drop(batch);
+        let mut machine = Vec::new();
+        input.read_to_end(&mut machine).map_err(|e| e.to_string())?;
+        let machine: QueueMachine<Entry> =
+            crate::codec::decode(&machine).map_err(|e| e.to_string())?;
+        tracing::info!(queue = %self.queue.name, bodies = received, last, "installed a snapshot with its bodies");
+        self.install_machine(machine, last);
+        Ok(())
+    }
+
+    fn expands(&self) -> bool {
+        true
+    }
+
+    fn expand_into(
+        &self,
+        state: &mut dyn Read,
+        last: u64,
+        out: &mut dyn std::io::Write,
+    ) -> Result<(), String> {
+        let Some(stream) = self.queue.stream() else {
+            // The bodies of the snapshot's messages: the member it goes to is behind the
+            // purged log, so its entries will not bring them. Those the queue holds now from
+            // entries up to `last` are the snapshot's still live; the others were settled
+            // since, which the log brings to the member.
+            let bodies = self.bodies.as_ref().ok_or("a queue without its log")?;
+            let mut keys = self.queue.with_machine(logged_keys);
+            keys.retain(|&k| key_index(k) <= last);
+            let io = |e: std::io::Error| e.to_string();
+            out.write_all(STREAMED_SNAPSHOT_MAGIC).map_err(io)?;
+            for key in keys {
+                let written = bodies
+                    .log
+                    .with_body(key, |record| -> std::io::Result<()> {
+                        let len = u32::try_from(record.len()).map_err(std::io::Error::other)?;
+                        out.write_all(&[1])?;
+                        out.write_all(&key.to_le_bytes())?;
+                        out.write_all(&len.to_le_bytes())?;
+                        out.write_all(record)
+                    })
+                    .map_err(|e| e.to_string())?;
+                // None: released since the keys were taken.
+                written.transpose().map_err(io)?;
+            }
+            out.write_all(&[0]).map_err(io)?;
+            return std::io::copy(state, out).map(drop).map_err(io);
+        };
+        let mut bytes = Vec::new();
+        state.read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+        let snapshot: warren_broker::queue::stream::StreamSnapshot =
+            crate::codec::decode(&bytes).map_err(|e| e.to_string())?;
+        let full = stream.expand(snapshot).map_err(|e| e.to_string())?;
+        crate::codec::encode_into(out, &full).map_err(|e| e.to_string())
+    }
+}
+
+impl QueueApplied {
+    /// Make `machine`, a snapshot's up to index `last`, the queue's state.
+    fn install_machine(&self, machine: QueueMachine<Entry>, last: u64) {
         let live = logged_keys(&machine);
         self.queue.install_machine(machine);
         // The replaced state's bodies (those of entries the snapshot covers that it does not
@@ -475,40 +616,6 @@ impl Applied for QueueApplied {
         {
             bodies.sweep_in_background(self.queue.name.clone(), live, last);
         }
-        Ok(())
-    }
-
-    fn expands(&self) -> bool {
-        true
-    }
-
-    fn expand(&self, state: &[u8]) -> Result<Vec<u8>, String> {
-        let Some(stream) = self.queue.stream() else {
-            // The bodies of the snapshot's messages: the member it goes to is behind the
-            // purged log, so its entries will not bring them.
-            let bodies = self.bodies.as_ref().ok_or("a queue without its log")?;
-            let machine: QueueMachine<Entry> =
-                crate::codec::decode(state).map_err(|e| e.to_string())?;
-            let keys = logged_keys(&machine);
-            drop(machine);
-            let mut full = FullSnapshot {
-                machine: state.to_vec(),
-                bodies: Vec::with_capacity(keys.len()),
-            };
-            for key in keys {
-                // Released since (settled after the snapshot point): the log brings that.
-                if let Ok(record) = bodies.record(key) {
-                    full.bodies.push(SnapshotBody { key, record });
-                }
-            }
-            let mut out = FULL_SNAPSHOT_MAGIC.to_vec();
-            out.extend(crate::codec::encode(&full).map_err(|e| e.to_string())?);
-            return Ok(out);
-        };
-        let snapshot: warren_broker::queue::stream::StreamSnapshot =
-            crate::codec::decode(state).map_err(|e| e.to_string())?;
-        let full = stream.expand(snapshot).map_err(|e| e.to_string())?;
-        crate::codec::encode(&full).map_err(|e| e.to_string())
     }
 }
 
