@@ -24,13 +24,16 @@ with both ends' peak RSS meanwhile; the drain then runs without a restart.
 
     scripts/quorum_backlog.py --behind             # the member behind the purged log
 
-Python 3 standard library only. Raw figures go to target/cluster-bench/backlog-*.json.
+Python 3 standard library only. The cluster's data directory is removed at the end (kept with
+WARREN_BENCH_KEEP=1). Raw figures go to target/cluster-bench/backlog-*.json.
 """
 
 import argparse
 import datetime
 import json
+import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -285,6 +288,9 @@ def main():
     finally:
         sampler.stop.set()
         cluster.stop()
+        # A million-message run leaves gigabytes of logs: kept only when asked.
+        if os.environ.get("WARREN_BENCH_KEEP") != "1":
+            shutil.rmtree(root, ignore_errors=True)
     out = cb.OUT_DIR / f"backlog-{stamp}.json"
     out.write_text(json.dumps(result, indent=2))
     text = report(result)

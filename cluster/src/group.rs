@@ -117,6 +117,48 @@ struct Inner {
     /// The id of the current snapshot whose expanded form is complete at [`sent_path`]: sent
     /// again as it is, not built again for every attempt to reach a member.
     sent_file: Option<String>,
+    /// A snapshot from another member is being installed (its bodies written), without the
+    /// lock: snapshots are not built meanwhile.
+    installing: bool,
+    /// Expanded forms being built, by snapshot id, with the sends waiting for each: one build
+    /// a snapshot however many attempts or members ask meanwhile.
+    building: std::collections::BTreeMap<String, Vec<tokio::sync::oneshot::Sender<Built>>>,
+}
+
+/// Tells this process's snapshot sends from a previous run's (whose counters started over):
+/// a member resuming a transfer by id never resumes into another run's bytes.
+fn process_nonce() -> u64 {
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NONCE.get_or_init(|| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        now ^ u64::from(std::process::id()).rotate_left(32)
+    })
+}
+
+/// The prefix of the files an expanded form of the snapshot at `snapshot` is built in.
+fn building_prefix(snapshot: &Path) -> String {
+    format!(
+        "{}.sending-",
+        snapshot
+            .file_name()
+            .map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+    )
+}
+
+/// Remove the files of snapshots in transit of the group whose snapshot is at `snapshot`: the
+/// cached expanded form and any half-built one (a crash leaves them).
+pub fn remove_transit_files(snapshot: &Path) {
+    let _ = std::fs::remove_file(sent_path(snapshot));
+    let prefix = building_prefix(snapshot);
+    if let Ok(entries) = std::fs::read_dir(dir_of(snapshot)) {
+        for entry in entries.flatten() {
+            if entry.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+    }
 }
 
 /// Where the expanded form of a group's current snapshot, kept at `snapshot`, is cached
@@ -186,6 +228,8 @@ impl<A: Applied> GroupStateMachine<A> {
                 sending: false,
                 sends: 0,
                 sent_file: None,
+                installing: false,
+                building: std::collections::BTreeMap::new(),
             })),
             applied,
             snapshot_path: None,
@@ -200,7 +244,7 @@ impl<A: Applied> GroupStateMachine<A> {
     pub fn restored(applied: Arc<A>, path: PathBuf) -> Result<Self, String> {
         let mut sm = Self::over(applied);
         // An expanded snapshot of the previous run is not known to be complete.
-        let _ = std::fs::remove_file(sent_path(&path));
+        remove_transit_files(&path);
         if let Some(stored) = crate::snapshot_file::read::<_, Tracked>(&path)? {
             let last = stored.tracked.last_applied.map_or(0, |l| l.index);
             sm.applied
@@ -272,9 +316,10 @@ impl<A: Applied> GroupStateMachine<A> {
         Ok(SnapshotBuf::memory(bytes))
     }
 
-    /// Install a snapshot another member sent, read from `input`; returns what openraft
-    /// tracks and what to keep in memory of it.
-    fn install_from(
+    /// Install into the state a snapshot another member sent, read from `input`; returns
+    /// what openraft tracks and, unless the state expands (its short form is then stored),
+    /// the state's bytes.
+    fn install_state(
         &self,
         meta: &SnapshotMeta<NodeId, BasicNode>,
         mut input: Box<dyn Read + Send>,
@@ -287,8 +332,14 @@ impl<A: Applied> GroupStateMachine<A> {
             .map_err(|e| e.to_string())?;
         let mut input = std::io::Cursor::new(first).chain(input);
         let (tracked, state) = if crate::snapshot_file::is_layout(input.get_ref().0.get_ref()) {
-            let (_sent_meta, tracked): (SnapshotMeta<NodeId, BasicNode>, Tracked) =
+            let (sent_meta, tracked): (SnapshotMeta<NodeId, BasicNode>, Tracked) =
                 crate::snapshot_file::read_head(&mut input)?;
+            if sent_meta.last_log_id != meta.last_log_id {
+                return Err(format!(
+                    "a snapshot up to {:?} sent as one up to {:?}",
+                    sent_meta.last_log_id, meta.last_log_id
+                ));
+            }
             if self.applied.expands() {
                 // Streamed into the state; what is stored is the state's own short form.
                 self.applied.install_from(&mut input, last)?;
@@ -310,17 +361,33 @@ impl<A: Applied> GroupStateMachine<A> {
                 (!self.applied.expands()).then_some(data.state),
             )
         };
-        let kept = match state {
-            Some(state) => self.store(meta, &tracked, |out| {
+        Ok((tracked, state))
+    }
+
+    /// Store an installed snapshot (`state`: its bytes, or None to store the state's short
+    /// form); returns what to keep in memory.
+    fn store_installed(
+        &self,
+        meta: &SnapshotMeta<NodeId, BasicNode>,
+        tracked: &Tracked,
+        state: Option<Vec<u8>>,
+    ) -> Result<Option<Vec<u8>>, String> {
+        match state {
+            Some(state) => self.store(meta, tracked, |out| {
                 out.write_all(&state).map_err(|e| e.to_string())
-            })?,
-            None => self.store(meta, &tracked, |out| self.applied.snapshot_into(out))?,
-        };
-        Ok((tracked, kept))
+            }),
+            None => self.store(meta, tracked, |out| self.applied.snapshot_into(out)),
+        }
+    }
+
+    /// The lock, unless a snapshot is being installed.
+    fn lock_unless_installing(&self) -> Option<MutexGuard<'_, Inner>> {
+        let inner = self.lock();
+        (!inner.installing).then_some(inner)
     }
 
     /// The group's Raft instance has started: a current snapshot read from now on is one to
-    /// send, and [`Applied::expand`] applies to it.
+    /// send, and [`Applied::expand_into`] applies to it.
     pub fn started(&self) {
         self.lock().sending = true;
     }
@@ -347,8 +414,15 @@ impl<A: Applied> GroupStateMachine<A> {
 
 impl<A: Applied> RaftSnapshotBuilder<QueueRaft> for GroupStateMachine<A> {
     async fn build_snapshot(&mut self) -> Result<Snapshot<QueueRaft>, StorageError> {
-        // Under the lock, so no entry is applied between the state and its last id.
-        let mut inner = self.lock();
+        // Under the lock, so no entry is applied between the state and its last id; not while
+        // a snapshot from another member is being installed (the state may be replaced
+        // before its applied id is).
+        let mut inner = loop {
+            if let Some(inner) = self.lock_unless_installing() {
+                break inner;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        };
         inner.snapshots_built += 1;
         let last = inner.tracked.last_applied;
         let meta = SnapshotMeta {
@@ -377,89 +451,157 @@ impl<A: Applied> RaftSnapshotBuilder<QueueRaft> for GroupStateMachine<A> {
 }
 
 impl<A: Applied> GroupStateMachine<A> {
-    /// The expanded form of the current snapshot (meta `meta`, read from `stored`), built on
-    /// a thread of its own: the returned bytes wait for it when first read. A complete one
-    /// is cached at [`sent_path`] for the next member or attempt; if it cannot be built, the
-    /// short form goes (the member then starts its copy again at the snapshot's end) rather
-    /// than an error that would stop the group.
-    fn send_expanded(
+    /// The cached expanded form of the current snapshot `meta`, opened at its start, if it is
+    /// complete and its head is that snapshot's.
+    fn cached_expanded(
         &self,
+        inner: &Inner,
+        meta: &SnapshotMeta<NodeId, BasicNode>,
+    ) -> Option<std::fs::File> {
+        let path = sent_path(self.snapshot_path.as_deref()?);
+        if inner.sent_file.as_deref() != Some(meta.snapshot_id.as_str()) {
+            return None;
+        }
+        let mut file = std::fs::File::open(path).ok()?;
+        let (head, _): (SnapshotMeta<NodeId, BasicNode>, Tracked) =
+            crate::snapshot_file::read_head(&mut std::io::BufReader::new(&mut file)).ok()?;
+        if head.snapshot_id != meta.snapshot_id {
+            return None;
+        }
+        file.seek(std::io::SeekFrom::Start(0)).ok()?;
+        Some(file)
+    }
+
+    /// Start building the expanded form of the current snapshot `meta` (read from `stored`) on
+    /// a thread of its own; `inner` is this machine's, locked. The sends waiting for it get
+    /// it when it is done ([`finish_expanded`]). Returns `stored` back if no thread starts.
+    fn spawn_expanded(
+        &self,
+        inner: &mut Inner,
         meta: &SnapshotMeta<NodeId, BasicNode>,
         stored: SnapshotBuf,
-    ) -> SnapshotBuf {
-        let (tx, rx) = tokio::sync::oneshot::channel::<Built>();
+    ) -> Result<(), SnapshotBuf> {
         let applied = Arc::clone(&self.applied);
-        let inner = Arc::clone(&self.inner);
+        let shared = Arc::clone(&self.inner);
         let path = self.snapshot_path.clone();
         let id = meta.snapshot_id.clone();
+        let (tx, rx) = std::sync::mpsc::channel::<SnapshotBuf>();
         let spawned = std::thread::Builder::new()
             .name("snapshot-send".into())
             .spawn(move || {
-                let built = (|| -> Built {
-                    let mut input = stored.into_blocking_reader().map_err(|e| e.to_string())?;
-                    let (stored_meta, tracked): (SnapshotMeta<NodeId, BasicNode>, Tracked) =
-                        crate::snapshot_file::read_head(&mut input)?;
-                    let last = stored_meta.last_log_id.map_or(0, |l| l.index);
-                    let dir = path
-                        .as_deref()
-                        .map_or_else(std::env::temp_dir, |p| dir_of(p).to_path_buf());
-                    let expanded = write_temp(&dir, |out| {
-                        crate::snapshot_file::write_to(out, &stored_meta, &tracked, |out| {
-                            applied.expand_into(&mut input, last, out)
-                        })
-                    });
-                    match (expanded, path.as_deref()) {
-                        (Ok(file), Some(path)) => {
-                            let file = file
-                                .persist(sent_path(path))
-                                .map_err(|e| e.error.to_string())?;
-                            let mut inner = inner.lock().unwrap_or_else(PoisonError::into_inner);
-                            // Unless a newer snapshot replaced it meanwhile.
-                            if inner.snapshot.as_ref().map(|(m, _)| &m.snapshot_id) == Some(&id) {
-                                inner.sent_file = Some(id);
-                            } else {
-                                let _ = std::fs::remove_file(sent_path(path));
-                            }
-                            Ok(file)
-                        }
-                        (Ok(file), None) => Ok(file.into_file()),
-                        (Err(e), _) => {
-                            // The stored snapshot as it is (already in the layout sent).
-                            tracing::error!(error = %e, "a snapshot is sent without its data");
-                            input
-                                .seek(std::io::SeekFrom::Start(0))
-                                .map_err(|e| e.to_string())?;
-                            write_temp(&dir, |out| {
-                                std::io::copy(&mut input, out)
-                                    .map(drop)
-                                    .map_err(|e| e.to_string())
-                            })
-                            .map(tempfile::NamedTempFile::into_file)
-                        }
+                let Ok(stored) = rx.recv() else {
+                    return;
+                };
+                let mut input = stored.into_blocking_reader();
+                let built = match &mut input {
+                    Ok(input) => {
+                        build_expanded(&*applied, path.as_deref().map(PathBuf::as_path), input)
                     }
-                })();
-                let _ = tx.send(built);
+                    Err(e) => Err(e.to_string()),
+                };
+                finish_expanded(
+                    &shared,
+                    path.as_deref().map(PathBuf::as_path),
+                    &id,
+                    built,
+                    input.ok(),
+                );
             });
-        if let Err(e) = spawned {
-            // The receiver sees the builder gone: this attempt fails, and openraft retries.
-            tracing::error!(error = %e, "no thread to build a snapshot to send");
+        match spawned {
+            Ok(_) => {
+                let _ = tx.send(stored);
+                inner.building.insert(meta.snapshot_id.clone(), Vec::new());
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "no thread to build a snapshot to send: its short form goes");
+                Err(stored)
+            }
         }
-        SnapshotBuf::building(rx)
     }
 }
 
-/// A new file in `dir` that `write` fills, flushed (durability is not needed: a file sent
-/// is rebuilt after a crash).
-fn write_temp(
-    dir: &Path,
-    write: impl FnOnce(&mut dyn Write) -> Result<(), String>,
+/// The expanded form of the snapshot `input` holds (in the snapshot file's layout), written to
+/// a new file next to the snapshot (or in the temporary directory without one).
+fn build_expanded<A: Applied>(
+    applied: &A,
+    snapshot: Option<&Path>,
+    input: &mut Box<dyn crate::snapshot_data::ReadSeek>,
 ) -> Result<tempfile::NamedTempFile, String> {
-    let file = tempfile::NamedTempFile::new_in(dir).map_err(|e| e.to_string())?;
+    let (meta, tracked): (SnapshotMeta<NodeId, BasicNode>, Tracked) =
+        crate::snapshot_file::read_head(input)?;
+    let last = meta.last_log_id.map_or(0, |l| l.index);
+    let mut builder = tempfile::Builder::new();
+    let prefix = snapshot.map(building_prefix).unwrap_or_default();
+    builder.prefix(&prefix);
+    let file = match snapshot {
+        Some(p) => builder.tempfile_in(dir_of(p)),
+        None => builder.tempfile(),
+    }
+    .map_err(|e| e.to_string())?;
     let mut out = std::io::BufWriter::with_capacity(crate::snapshot_file::WRITE_BUFFER, file);
-    write(&mut out)?;
+    crate::snapshot_file::write_to(&mut out, &meta, &tracked, |out| {
+        applied.expand_into(input, last, out)
+    })?;
     out.into_inner().map_err(|e| e.error().to_string())
 }
 
+/// Hand the expanded form `built` of snapshot `id` to the sends waiting for it (each its own
+/// file descriptor, read from its own offset), and cache it while `id` is still the current
+/// snapshot. If it failed, each gets the short form read back from `stored` instead: a member
+/// given it starts its copy again at the snapshot's end, where an error would stop the group.
+fn finish_expanded(
+    inner: &Mutex<Inner>,
+    snapshot: Option<&Path>,
+    id: &str,
+    built: Result<tempfile::NamedTempFile, String>,
+    mut stored: Option<Box<dyn crate::snapshot_data::ReadSeek>>,
+) {
+    let mut inner = inner.lock().unwrap_or_else(PoisonError::into_inner);
+    let waiters = inner.building.remove(id).unwrap_or_default();
+    let current = inner.snapshot.as_ref().map(|(m, _)| m.snapshot_id.as_str()) == Some(id);
+    // Where each waiter opens the built bytes: the cache, or the temporary file's name.
+    let (at, _temporary) = match (built, snapshot) {
+        (Ok(file), Some(snapshot)) if current => match file.persist(sent_path(snapshot)) {
+            Ok(_) => {
+                inner.sent_file = Some(id.to_string());
+                (Ok(sent_path(snapshot)), None)
+            }
+            Err(e) => (Ok(e.file.path().to_path_buf()), Some(e.file)),
+        },
+        (Ok(file), _) => (Ok(file.path().to_path_buf()), Some(file)),
+        (Err(e), _) => (Err(e), None),
+    };
+    let mut short: Option<Result<Vec<u8>, String>> = None;
+    for waiter in waiters {
+        let opened = at
+            .as_ref()
+            .map_err(Clone::clone)
+            .and_then(|p| std::fs::File::open(p).map_err(|e| e.to_string()));
+        let buf = match opened {
+            Ok(file) => Ok(SnapshotBuf::file(file)),
+            Err(e) => {
+                let bytes = short.get_or_insert_with(|| {
+                    tracing::error!(error = %e, "a snapshot is sent without its data");
+                    let mut bytes = Vec::new();
+                    match stored.as_mut() {
+                        Some(input) => input
+                            .seek(std::io::SeekFrom::Start(0))
+                            .and_then(|_| input.read_to_end(&mut bytes))
+                            .map(|_| bytes)
+                            .map_err(|e| e.to_string()),
+                        None => Err("the snapshot file is unreadable".into()),
+                    }
+                });
+                bytes
+                    .clone()
+                    .map(SnapshotBuf::memory)
+                    .map_err(|short| format!("{e}, and its short form: {short}"))
+            }
+        };
+        let _ = waiter.send(buf);
+    }
+}
 impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
     type SnapshotBuilder = Self;
 
@@ -502,9 +644,7 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
 
     async fn begin_receiving_snapshot(&mut self) -> Result<Box<SnapshotBuf>, StorageError> {
         let dir = self.snapshot_path.as_deref().map(|p| dir_of(p));
-        SnapshotBuf::receiving(dir)
-            .map(Box::new)
-            .map_err(|e| sm_error(ErrorVerb::Write, e))
+        Ok(Box::new(SnapshotBuf::receiving(dir)))
     }
 
     async fn install_snapshot(
@@ -516,10 +656,28 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
             .into_reader()
             .await
             .map_err(|e| sm_error(ErrorVerb::Read, e))?;
-        // Under the lock, so no reader sees the new state with the old applied id.
-        let mut inner = self.lock();
-        let (tracked, kept) = blocking(|| self.install_from(meta, input))
-            .map_err(|e| sm_error(ErrorVerb::Write, e))?;
+        let write = |e: String| sm_error(ErrorVerb::Write, e);
+        let (mut inner, tracked, state) = if self.applied.expands() {
+            // A backlog's bodies go into the log first, which takes long: not under the lock,
+            // which readers on the async workers take (a queue's figures for the management
+            // API, its log's compaction), or they would stall the node's runtime and with it
+            // its Raft heartbeats. The state itself is swapped at the end of the install, so
+            // a reader may see the new state with the old applied id for that moment only; a
+            // snapshot build waits (`installing`; taking the lock waits for one under way).
+            self.lock().installing = true;
+            let installed = blocking(|| self.install_state(meta, input));
+            let mut inner = self.lock();
+            inner.installing = false;
+            let (tracked, state) = installed.map_err(write)?;
+            (inner, tracked, state)
+        } else {
+            // Small: under the lock, so no reader sees the new state with the old applied id.
+            let inner = self.lock();
+            let (tracked, state) = blocking(|| self.install_state(meta, input)).map_err(write)?;
+            (inner, tracked, state)
+        };
+        // Stored under the lock: a snapshot being built writes the same file.
+        let kept = blocking(|| self.store_installed(meta, &tracked, state)).map_err(write)?;
         inner.tracked = tracked;
         inner.snapshot = Some((meta.clone(), kept));
         inner.sent_file = None;
@@ -527,9 +685,9 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<QueueRaft>>, StorageError> {
-        let (mut meta, stored, cached) = {
+        let (meta, data) = {
             let mut inner = self.lock();
-            let Some((meta, kept)) = inner.snapshot.clone() else {
+            let Some((mut meta, kept)) = inner.snapshot.clone() else {
                 return Ok(None);
             };
             // Opened under the lock: the bytes are those of `meta`.
@@ -541,24 +699,35 @@ impl<A: Applied> RaftStateMachine<QueueRaft> for GroupStateMachine<A> {
                 }));
             }
             inner.sends += 1;
-            let cached = match (&self.snapshot_path, &inner.sent_file) {
-                (Some(path), Some(id)) if *id == meta.snapshot_id => {
-                    std::fs::File::open(sent_path(path)).ok()
+            let sent_id = format!(
+                "{}-sent-{:x}-{}",
+                meta.snapshot_id,
+                process_nonce(),
+                inner.sends
+            );
+            let data = match self.cached_expanded(&inner, &meta) {
+                Some(file) => SnapshotBuf::file(file),
+                None => {
+                    let (tx, rx) = tokio::sync::oneshot::channel::<Built>();
+                    let waiting = if inner.building.contains_key(&meta.snapshot_id) {
+                        Ok(())
+                    } else {
+                        self.spawn_expanded(&mut inner, &meta, stored)
+                    };
+                    match waiting {
+                        Ok(()) => {
+                            if let Some(waiters) = inner.building.get_mut(&meta.snapshot_id) {
+                                waiters.push(tx);
+                            }
+                            SnapshotBuf::building(rx)
+                        }
+                        Err(stored) => stored,
+                    }
                 }
-                _ => None,
             };
-            let sends = inner.sends;
-            (meta, stored, cached.map(|file| (file, sends)))
+            meta.snapshot_id = sent_id;
+            (meta, data)
         };
-        // Sent to a member behind the purged log: with the data it needs.
-        let (data, sends) = match cached {
-            Some((file, sends)) => (SnapshotBuf::file(file), sends),
-            None => {
-                let sends = self.lock().sends;
-                (self.send_expanded(&meta, stored), sends)
-            }
-        };
-        meta.snapshot_id = format!("{}-sent-{sends}", meta.snapshot_id);
         Ok(Some(Snapshot {
             meta,
             snapshot: Box::new(data),
@@ -609,6 +778,8 @@ mod tests {
         broken: std::sync::atomic::AtomicBool,
         /// What the last install read after the state.
         received_extra: Mutex<usize>,
+        /// How many times the data was written for a send.
+        expansions: std::sync::atomic::AtomicUsize,
     }
 
     const EXTRA: usize = 3 * 1024 * 1024 + 17;
@@ -655,6 +826,8 @@ mod tests {
             if self.broken.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err("the data is unreadable".into());
             }
+            self.expansions
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let mut state = Vec::new();
             input.read_to_end(&mut state).map_err(|e| e.to_string())?;
             let state = &state[..];
@@ -717,22 +890,32 @@ mod tests {
         assert!(crate::snapshot_file::is_layout(&short));
 
         a.started();
+        // Two members (or attempts) asking while it is built share one build.
         let first = a.get_current_snapshot().await.unwrap().unwrap();
+        let second = a.get_current_snapshot().await.unwrap().unwrap();
         assert_eq!(first.meta.last_log_id, built.meta.last_log_id);
-        assert_eq!(
-            first.meta.snapshot_id,
-            format!("{}-sent-1", built.meta.snapshot_id)
+        let sent = format!("{}-sent-", built.meta.snapshot_id);
+        assert!(
+            first.meta.snapshot_id.starts_with(&sent),
+            "{}",
+            first.meta.snapshot_id
+        );
+        assert_ne!(
+            first.meta.snapshot_id, second.meta.snapshot_id,
+            "each send its own id"
         );
         let meta = first.meta.clone();
         let full = bytes_of(first).await;
         assert!(full.len() > EXTRA, "{} bytes sent", full.len());
+        assert_eq!(bytes_of(second).await, full);
         assert!(sent_file.exists(), "the expanded form is cached");
         let again = a.get_current_snapshot().await.unwrap().unwrap();
-        assert_eq!(
-            again.meta.snapshot_id,
-            format!("{}-sent-2", built.meta.snapshot_id)
-        );
         assert_eq!(bytes_of(again).await, full, "sent again from the cache");
+        let builds = a
+            .applied()
+            .expansions
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(builds, 1, "one build for three sends");
 
         let mut b = GroupStateMachine::restored(
             Arc::new(Expanding::default()),
@@ -769,6 +952,24 @@ mod tests {
             ["a.snapshot", "a.snapshot-sent", "b.snapshot"],
             "no file in transit left"
         );
+
+        // Bytes of one snapshot offered under another's meta are refused, not installed.
+        {
+            use tokio::io::AsyncWriteExt;
+            let mut wrong = meta.clone();
+            wrong.last_log_id = Some(LogId::new(CommittedLeaderId::new(1, 1), 4));
+            let mut e = GroupStateMachine::restored(
+                Arc::new(Expanding::default()),
+                dir.path().join("e.snapshot"),
+            )
+            .unwrap();
+            let mut buf = e.begin_receiving_snapshot().await.unwrap();
+            buf.write_all(&full).await.unwrap();
+            buf.shutdown().await.unwrap();
+            assert!(e.install_snapshot(&wrong, buf).await.is_err());
+            assert_eq!(e.last_applied(), None);
+            assert!(e.applied().counted.0.lock().unwrap().is_empty());
+        }
 
         a.apply([entry(6)]).await.unwrap();
         a.build_snapshot().await.unwrap();

@@ -23,8 +23,9 @@ use tokio::io::{AsyncRead, AsyncSeek, AsyncWrite, ReadBuf};
 pub trait ReadSeek: Read + Seek + Send {}
 impl<T: Read + Seek + Send> ReadSeek for T {}
 
-/// What a builder hands over: the finished file (positioned anywhere), or why it failed.
-pub type Built = Result<std::fs::File, String>;
+/// What a builder hands over: the finished bytes (a file, positioned anywhere, or memory;
+/// never another builder), or why there are none.
+pub type Built = Result<SnapshotBuf, String>;
 
 enum Inner {
     Memory(Cursor<Vec<u8>>),
@@ -79,14 +80,30 @@ impl SnapshotBuf {
     }
 
     /// A snapshot file being received: an unnamed file in `dir` (removed when it closes,
-    /// whatever happens), or memory without one.
-    ///
-    /// # Errors
-    /// The file cannot be created.
-    pub fn receiving(dir: Option<&std::path::Path>) -> std::io::Result<Self> {
-        match dir {
-            Some(dir) => Ok(Self::file(tempfile::tempfile_in(dir)?)),
-            None => Ok(Self::memory(Vec::new())),
+    /// whatever happens), or memory without one or when it cannot be created (a failure
+    /// here would stop the group's state machine).
+    #[must_use]
+    pub fn receiving(dir: Option<&std::path::Path>) -> Self {
+        match dir.map(tempfile::tempfile_in) {
+            Some(Ok(file)) => Self::file(file),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "a snapshot is received into memory");
+                Self::memory(Vec::new())
+            }
+            None => Self::memory(Vec::new()),
+        }
+    }
+
+    /// What a builder's `built` holds, as bytes to read.
+    fn settle(
+        built: Result<Built, tokio::sync::oneshot::error::RecvError>,
+    ) -> std::io::Result<Inner> {
+        let buf = built
+            .map_err(|_| std::io::Error::other("the snapshot's builder stopped"))?
+            .map_err(std::io::Error::other)?;
+        match buf.inner {
+            Inner::Building(_) => Err(std::io::Error::other("a builder handed over a builder")),
+            inner => Ok(inner),
         }
     }
 
@@ -95,13 +112,14 @@ impl SnapshotBuf {
     /// # Errors
     /// The builder failed or the file cannot be rewound.
     pub async fn into_reader(self) -> std::io::Result<Box<dyn Read + Send>> {
-        let mut file = match self.inner {
-            Inner::Memory(c) => return Ok(Box::new(Cursor::new(c.into_inner()))),
+        let inner = match self.inner {
+            Inner::Building(rx) => Self::settle(rx.await)?,
+            inner => inner,
+        };
+        let mut file = match inner {
             Inner::File(f) => f,
-            Inner::Building(rx) => rx
-                .await
-                .map_err(|_| std::io::Error::other("the snapshot's builder stopped"))?
-                .map_err(std::io::Error::other)?,
+            Inner::Memory(c) => return Ok(Box::new(Cursor::new(c.into_inner()))),
+            Inner::Building(_) => unreachable!("settled"),
         };
         file.seek(SeekFrom::Start(0))?;
         Ok(Box::new(std::io::BufReader::with_capacity(
@@ -116,13 +134,14 @@ impl SnapshotBuf {
     /// # Errors
     /// The builder failed or the file cannot be rewound.
     pub fn into_blocking_reader(self) -> std::io::Result<Box<dyn ReadSeek>> {
-        let mut file = match self.inner {
-            Inner::Memory(c) => return Ok(Box::new(Cursor::new(c.into_inner()))),
+        let inner = match self.inner {
+            Inner::Building(rx) => Self::settle(rx.blocking_recv())?,
+            inner => inner,
+        };
+        let mut file = match inner {
             Inner::File(f) => f,
-            Inner::Building(rx) => rx
-                .blocking_recv()
-                .map_err(|_| std::io::Error::other("the snapshot's builder stopped"))?
-                .map_err(std::io::Error::other)?,
+            Inner::Memory(c) => return Ok(Box::new(Cursor::new(c.into_inner()))),
+            Inner::Building(_) => unreachable!("settled"),
         };
         file.seek(SeekFrom::Start(0))?;
         Ok(Box::new(std::io::BufReader::with_capacity(
@@ -134,13 +153,15 @@ impl SnapshotBuf {
     /// Wait for a builder's file; Ready(Ok) once the bytes can be read.
     fn poll_built(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         if let Inner::Building(rx) = &mut self.inner {
-            let built = ready!(Pin::new(rx).poll(cx))
-                .map_err(|_| std::io::Error::other("the snapshot's builder stopped"))?
-                .map_err(std::io::Error::other)?;
-            self.inner = Inner::File(built);
+            let built = ready!(Pin::new(rx).poll(cx));
+            self.inner = Self::settle(built)?;
         }
-        if let (Some(pos), Inner::File(f)) = (self.pending_seek.take(), &mut self.inner) {
-            f.seek(pos)?;
+        if let Some(pos) = self.pending_seek.take() {
+            match &mut self.inner {
+                Inner::File(f) => drop(f.seek(pos)?),
+                Inner::Memory(c) => drop(c.seek(pos)?),
+                Inner::Building(_) => unreachable!("settled"),
+            }
         }
         Poll::Ready(Ok(()))
     }
@@ -185,8 +206,19 @@ impl AsyncWrite for SnapshotBuf {
         Poll::Ready(Ok(()))
     }
 
+    /// The end of what was received: anything after it (a longer transfer of the same id
+    /// written into it before) is cut off.
     fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Poll::Ready(Ok(()))
+        let this = self.get_mut();
+        Poll::Ready(match &mut this.inner {
+            Inner::File(f) => f.stream_position().and_then(|end| f.set_len(end)),
+            Inner::Memory(c) => {
+                let end = usize::try_from(c.position()).unwrap_or(usize::MAX);
+                c.get_mut().truncate(end);
+                Ok(())
+            }
+            Inner::Building(_) => Ok(()),
+        })
     }
 }
 
@@ -239,8 +271,8 @@ mod tests {
     #[tokio::test]
     async fn memory_and_files_read_back_what_was_written() {
         let dir = tempfile::tempdir().unwrap();
-        written_then_read(SnapshotBuf::receiving(None).unwrap()).await;
-        written_then_read(SnapshotBuf::receiving(Some(dir.path())).unwrap()).await;
+        written_then_read(SnapshotBuf::receiving(None)).await;
+        written_then_read(SnapshotBuf::receiving(Some(dir.path()))).await;
         // The received file has no name: nothing is left behind in the directory.
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
@@ -252,7 +284,7 @@ mod tests {
         let builder = std::thread::spawn(move || {
             let mut f = tempfile::tempfile().unwrap();
             f.write_all(b"0123456789").unwrap();
-            let _ = tx.send(Ok(f));
+            let _ = tx.send(Ok(SnapshotBuf::file(f)));
         });
         // As openraft's sender does: the size first, then chunks from offsets.
         let end = buf.seek(SeekFrom::End(0)).await.unwrap();
@@ -267,5 +299,32 @@ mod tests {
         let mut failed = SnapshotBuf::building(rx);
         tx.send(Err("no bodies".into())).unwrap();
         assert!(failed.seek(SeekFrom::End(0)).await.is_err());
+
+        let (tx, rx) = tokio::sync::oneshot::channel::<Built>();
+        let mut in_memory = SnapshotBuf::building(rx);
+        tx.send(Ok(SnapshotBuf::memory(b"abc".to_vec()))).unwrap();
+        assert_eq!(in_memory.seek(SeekFrom::End(0)).await.unwrap(), 3);
+    }
+
+    #[tokio::test]
+    async fn a_shorter_transfer_into_the_same_buffer_leaves_no_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        for mut buf in [
+            SnapshotBuf::receiving(None),
+            SnapshotBuf::receiving(Some(dir.path())),
+        ] {
+            buf.write_all(&[9u8; 5000]).await.unwrap();
+            // openraft starts a transfer of the same id again from offset 0.
+            buf.seek(SeekFrom::Start(0)).await.unwrap();
+            buf.write_all(b"short").await.unwrap();
+            buf.shutdown().await.unwrap();
+            let mut back = Vec::new();
+            buf.into_reader()
+                .await
+                .unwrap()
+                .read_to_end(&mut back)
+                .unwrap();
+            assert_eq!(back, b"short");
+        }
     }
 }

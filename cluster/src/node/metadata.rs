@@ -121,7 +121,7 @@ impl ClusterNode {
                         }
                         // The log of a deleted incarnation is never read again.
                         let snapshot = path.with_extension("snapshot");
-                        let _ = std::fs::remove_file(crate::group::sent_path(&snapshot));
+                        crate::group::remove_transit_files(&snapshot);
                         let _ = std::fs::remove_file(snapshot);
                         let _ = std::fs::remove_file(path);
                     });
