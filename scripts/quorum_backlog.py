@@ -23,6 +23,7 @@ node): it catches up from a snapshot that carries the backlog's bodies, which th
 with both ends' peak RSS meanwhile; the drain then runs without a restart.
 
     scripts/quorum_backlog.py --behind             # the member behind the purged log
+    scripts/quorum_backlog.py --behind --pin-max 50000   # the default bound: from the log
 
 Python 3 standard library only. The cluster's data directory is removed at the end (kept with
 WARREN_BENCH_KEEP=1). Raw figures go to target/cluster-bench/backlog-*.json.
@@ -136,8 +137,9 @@ def raft_field(cluster, node, field):
 def catch_up_from_snapshot(cluster, sampler, leader, follower, args):
     """Start `follower`, down since before the publish, once the leader's log is purged past
     it; time its catch-up (from a snapshot carrying the bodies) and both ends' peak RSS."""
-    wait_until(lambda: (raft_field(cluster, leader, "purged_index") or 0) > 100, 120,
-               "the leader's log purged past the stopped follower")
+    if args.pin_max in (None, 0):
+        wait_until(lambda: (raft_field(cluster, leader, "purged_index") or 0) > 100, 120,
+                   "the leader's log purged past the stopped follower")
     behind = {"node": follower, "leader_purged_index": raft_field(cluster, leader, "purged_index"),
               "leader_rss_before_mb": round(rss_mb(cluster.pids()[leader]), 1)}
     sampler.phase = "behind"
@@ -175,6 +177,10 @@ def main():
                     help="seconds into the drain at which that follower is killed")
     ap.add_argument("--behind", action="store_true",
                     help="the follower is down during the publish and catches up from a snapshot")
+    ap.add_argument("--pin-max", type=int, default=None,
+                    help="--quorum-log-pin-max for every node (--behind: 0 unless given; with "
+                         "a bound the log is not purged past the backlog, so the member "
+                         "catches up from the log)")
     ap.add_argument("--doc", action="store_true")
     args = ap.parse_args()
     for b in (cb.WARREN, cb.PERF):
@@ -184,12 +190,14 @@ def main():
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root = Path(tempfile.mkdtemp(prefix="warren-backlog-"))
     cluster = cb.WarrenCluster(root)
-    if args.behind:
-        cluster.extra_args = ["--quorum-log-pin-max", "0"]
+    pin_max = args.pin_max if args.pin_max is not None else (0 if args.behind else None)
+    if pin_max is not None:
+        cluster.extra_args = ["--quorum-log-pin-max", str(pin_max)]
+    result_pin = pin_max
     cluster.start()
     result = {"messages": args.messages, "size": 1024, "date": datetime.date.today().isoformat(),
               "machine": f"{platform.machine()}, {cb.os.cpu_count()} cores",
-              "version": cluster.version()}
+              "version": cluster.version(), "quorum_log_pin_max": result_pin}
     sampler = Sampler(cluster)
     try:
         cb.until_declared(cluster.amqp["n1"], QUEUE, 60)
