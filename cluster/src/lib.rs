@@ -6,6 +6,8 @@
 //! - [`types`]: the Raft type configuration, the replicated message and the entry payload.
 //! - [`codec`]: the binary encoding of entries, snapshots and frames.
 //! - [`log_store`]: the Raft log, vote and commit index in redb (durable before acknowledged).
+//! - [`node_log`]: the node-wide database the logs of all quorum queue groups share, and its
+//!   writer committing the writes of every group in one transaction (group commit).
 //! - [`group`]: openraft's state machine over any replicated state, with snapshots.
 //! - [`snapshot_file`]: a replica's current snapshot on disk, streamed as it is encoded.
 //! - [`state_machine`]: the queue machine alone as that state (tests, benchmarks).
@@ -21,6 +23,7 @@ pub mod group;
 pub mod log_store;
 pub mod network;
 pub mod node;
+pub mod node_log;
 pub mod proposer;
 pub mod snapshot_data;
 pub mod snapshot_file;

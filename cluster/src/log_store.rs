@@ -1,7 +1,13 @@
 //! The Raft log of one group in redb: entries by index, and the vote, the commit index and the
-//! last purged id as metadata. Every write is a redb transaction committed with its default
-//! `Durability::Immediate` (fsync) before openraft is told it is done, so an entry counted
-//! towards a majority is on disk, and a vote given is never forgotten across a crash.
+//! last purged id as metadata. Every write is a job of the database's writer
+//! ([`NodeLog`]), committed with redb's `Durability::Immediate` (fsync) before openraft is
+//! told it is done, so an entry counted towards a majority is on disk, and a vote given is
+//! never forgotten across a crash.
+//!
+//! The quorum queues of a node share one database ([`LogStore::in_node_log`]): a group is
+//! three tables in it, and the writer commits the writes of every group that has some ready in
+//! one transaction (one fsync). A stream's log and the metadata's have a database each
+//! ([`LogStore::open`]).
 //!
 //! Entries are stored in the binary [`codec`](crate::codec), one redb value each; the small
 //! metadata values are JSON.
@@ -38,22 +44,20 @@ use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{
     ErrorSubject, ErrorVerb, LogId, LogState, OptionalSend, RaftLogReader, StorageIOError, Vote,
 };
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{ReadableDatabase, ReadableTable};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use warren_broker::queue::machine::Command;
 
+use crate::node_log::{GroupTables, NodeLog, bodies_table, log_table, meta_table};
 use crate::types::{NodeId, QueueRaft, StorageError};
 
 type Entry = openraft::Entry<QueueRaft>;
 
-const LOG: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_log");
-const META: TableDefinition<&str, &[u8]> = TableDefinition::new("raft_meta");
-const BODIES: TableDefinition<u64, &[u8]> = TableDefinition::new("raft_bodies");
-
-/// redb's page cache per log (its default is 1 GiB per database, which a node with a log per
-/// queue cannot afford; bodies read back are usually in the OS page cache anyway).
+/// redb's page cache of a quorum queue's log in a file of its own ([`LogStore::open_queue`]:
+/// tests, tools). The queues of a node share the node-wide log's cache instead
+/// ([`crate::node_log::NODE_LOG_CACHE_BYTES`]).
 pub const LOG_CACHE_BYTES: usize = 2 * 1024 * 1024;
 
 /// redb's page cache for the other logs (a replicated stream's, the metadata's): redb's own
@@ -162,7 +166,8 @@ fn write_logs_error(e: impl std::fmt::Display) -> StorageError {
 /// a clone).
 #[derive(Debug, Clone)]
 pub struct LogStore {
-    db: Arc<Database>,
+    log: Arc<NodeLog>,
+    tables: Arc<GroupTables>,
     /// A quorum queue's log: bodies are read by key and copied out before a purge.
     queue: bool,
     /// Reads put split-out bodies back (the reader openraft replicates from).
@@ -196,7 +201,11 @@ impl LogStore {
     /// # Errors
     /// When redb cannot open or initialise the file.
     pub fn open(path: &Path) -> Result<Self, redb::Error> {
-        Self::open_with(path, false)
+        Self::over(
+            NodeLog::open(path, STREAM_LOG_CACHE_BYTES)?,
+            GroupTables::single(),
+            false,
+        )
     }
 
     /// Open or create a quorum queue's log at `path`: its bodies read by key and copied out
@@ -205,30 +214,33 @@ impl LogStore {
     /// # Errors
     /// When redb cannot open or initialise the file.
     pub fn open_queue(path: &Path) -> Result<Self, redb::Error> {
-        Self::open_with(path, true)
+        Self::over(
+            NodeLog::open(path, LOG_CACHE_BYTES)?,
+            GroupTables::single(),
+            true,
+        )
     }
 
-    fn open_with(path: &Path, queue: bool) -> Result<Self, redb::Error> {
-        let db = Database::builder()
-            .set_cache_size(if queue {
-                LOG_CACHE_BYTES
-            } else {
-                STREAM_LOG_CACHE_BYTES
-            })
-            .create(path)?;
-        let tx = db.begin_write()?;
-        tx.open_table(LOG)?;
-        tx.open_table(META)?;
-        tx.open_table(BODIES)?;
-        tx.commit()?;
+    /// Open or create the log of quorum queue group `group` in the node-wide log `log`, its
+    /// bodies read by key and copied out before a purge.
+    ///
+    /// # Errors
+    /// When redb cannot create its tables or read its metadata.
+    pub fn in_node_log(log: &Arc<NodeLog>, group: u64) -> Result<Self, redb::Error> {
+        Self::over(Arc::clone(log), GroupTables::of_group(group), true)
+    }
+
+    fn over(log: Arc<NodeLog>, tables: GroupTables, queue: bool) -> Result<Self, redb::Error> {
+        log.create(&tables)?;
         let purged: Option<LogId<NodeId>> = {
-            let tx = db.begin_read()?;
-            let meta = tx.open_table(META)?;
+            let tx = log.db().begin_read()?;
+            let meta = tx.open_table(meta_table(&tables))?;
             meta.get(KEY_PURGED)?
                 .and_then(|v| serde_json::from_slice(v.value()).ok())
         };
         Ok(Self {
-            db: Arc::new(db),
+            log,
+            tables: Arc::new(tables),
             queue,
             inflate: false,
             copies: Arc::new(std::sync::Mutex::new(Copies {
@@ -268,7 +280,7 @@ impl LogStore {
             return Ok(Some(f(&b)));
         }
         let index = key_index(key);
-        let tx = self.db.begin_read()?;
+        let tx = self.log.db().begin_read()?;
         if index > self.copies().copied_upto
             && let Some(entry) = self.entry_at(&tx, index)?
             && let Some(record) = record_in(&entry, key)
@@ -276,7 +288,7 @@ impl LogStore {
             return Ok(Some(f(record)));
         }
         // Copied out (or a stub's, or a snapshot's).
-        let bodies = tx.open_table(BODIES)?;
+        let bodies = tx.open_table(bodies_table(&self.tables))?;
         Ok(bodies.get(key)?.map(|v| f(v.value())))
     }
 
@@ -295,7 +307,7 @@ impl LogStore {
         {
             return Ok(Some(Arc::clone(e)));
         }
-        let log = tx.open_table(LOG)?;
+        let log = tx.open_table(log_table(&self.tables))?;
         let Some(v) = log.get(index)? else {
             return Ok(None);
         };
@@ -382,13 +394,16 @@ impl LogStore {
             .filter(|&k| key_index(k) <= upto)
             .peekable();
         while keys.peek().is_some() {
-            // Transactions of at most COPY_OUT_TXN_BYTES: redb holds a transaction's dirty
-            // pages in memory until it commits, and a backlog can be gigabytes.
+            // Batches of at most COPY_OUT_TXN_BYTES: redb holds a transaction's dirty pages
+            // in memory until it commits, and a backlog can be gigabytes. Read (and decoded)
+            // here; the writer's job only inserts. Entries up to `upto` are committed, so
+            // nothing truncates them meanwhile.
+            let mut batch: Vec<(u64, Vec<u8>)> = Vec::new();
             let mut bytes = 0;
-            let tx = self.db.begin_write()?;
             {
-                let log = tx.open_table(LOG)?;
-                let mut bodies = tx.open_table(BODIES)?;
+                let tx = self.log.db().begin_read()?;
+                let log = tx.open_table(log_table(&self.tables))?;
+                let bodies = tx.open_table(bodies_table(&self.tables))?;
                 let mut current: Option<(u64, Entry)> = None;
                 while bytes < COPY_OUT_TXN_BYTES {
                     let Some(key) = keys.next() else { break };
@@ -408,13 +423,20 @@ impl LogStore {
                     }
                     let Some((_, entry)) = &current else { continue };
                     if let Some(record) = record_in(entry, key) {
-                        bodies.insert(key, record)?;
                         bytes += record.len();
-                        copied += 1;
+                        batch.push((key, record.to_vec()));
                     }
                 }
             }
-            tx.commit()?;
+            copied += batch.len();
+            let tables = Arc::clone(&self.tables);
+            self.log.write(move |tx| {
+                let mut bodies = tx.open_table(bodies_table(&tables))?;
+                for (key, record) in &batch {
+                    bodies.insert(*key, record.as_slice())?;
+                }
+                Ok(())
+            })?;
         }
         self.copied(upto, from);
         Ok(copied)
@@ -429,15 +451,14 @@ impl LogStore {
         if keys.is_empty() {
             return Ok(());
         }
-        let tx = self.db.begin_write()?;
-        {
-            let mut bodies = tx.open_table(BODIES)?;
+        let tables = Arc::clone(&self.tables);
+        self.log.write(move |tx| {
+            let mut bodies = tx.open_table(bodies_table(&tables))?;
             for k in keys {
                 bodies.remove(k)?;
             }
-        }
-        tx.commit()?;
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Store bodies a snapshot whose last entry is `upto` brought (a member that was behind
@@ -445,18 +466,18 @@ impl LogStore {
     ///
     /// # Errors
     /// When redb cannot write.
-    pub fn insert_bodies(&self, bodies: &[(u64, Vec<u8>)], upto: u64) -> Result<(), redb::Error> {
+    pub fn insert_bodies(&self, bodies: Vec<(u64, Vec<u8>)>, upto: u64) -> Result<(), redb::Error> {
         // Every key released before: a snapshot's messages are live after its releases, so
         // none of them is among the bodies; deleting them is harmless and keeps none behind.
         let from = 0;
-        let tx = self.db.begin_write()?;
-        {
-            let mut table = tx.open_table(BODIES)?;
-            for (k, body) in bodies {
+        let tables = Arc::clone(&self.tables);
+        self.log.write(move |tx| {
+            let mut table = tx.open_table(bodies_table(&tables))?;
+            for (k, body) in &bodies {
                 table.insert(*k, body.as_slice())?;
             }
-        }
-        tx.commit()?;
+            Ok(())
+        })?;
         self.copied(upto, from);
         Ok(())
     }
@@ -470,8 +491,8 @@ impl LogStore {
     pub fn sweep(&self, live: &[u64], upto_index: u64) -> Result<usize, redb::Error> {
         let end = (upto_index.saturating_add(1)).min(u64::MAX >> 16) << 16;
         let dead: Vec<u64> = {
-            let tx = self.db.begin_read()?;
-            let bodies = tx.open_table(BODIES)?;
+            let tx = self.log.db().begin_read()?;
+            let bodies = tx.open_table(bodies_table(&self.tables))?;
             let mut dead = Vec::new();
             for row in bodies.range(..end)? {
                 let k = row?.0.value();
@@ -481,17 +502,18 @@ impl LogStore {
             }
             dead
         };
+        let n = dead.len();
         if !dead.is_empty() {
-            let tx = self.db.begin_write()?;
-            {
-                let mut bodies = tx.open_table(BODIES)?;
+            let tables = Arc::clone(&self.tables);
+            self.log.write(move |tx| {
+                let mut bodies = tx.open_table(bodies_table(&tables))?;
                 for &k in &dead {
                     bodies.remove(k)?;
                 }
-            }
-            tx.commit()?;
+                Ok(())
+            })?;
         }
-        Ok(dead.len())
+        Ok(n)
     }
 
     /// An append's write, encoded: the entries, the bodies for the recent cache (a queue's
@@ -509,7 +531,7 @@ impl LogStore {
             })
             .collect::<Result<_, bincode::Error>>()?;
         Ok(Write {
-            db: Arc::clone(&self.db),
+            tables: Arc::clone(&self.tables),
             encoded,
             bodies,
             released: self.take_released(),
@@ -523,17 +545,18 @@ impl LogStore {
     /// # Errors
     /// When they do not encode or redb cannot write.
     pub fn append_now(&self, entries: Vec<Entry>) -> Result<(), String> {
-        self.prepare(entries)
-            .map_err(|e| e.to_string())?
-            .commit()
-            .map_err(|e| e.to_string())
+        let write = self.prepare(entries).map_err(|e| e.to_string())?;
+        let (job, after) = write.split();
+        self.log.write(job).map_err(|e| e.to_string())?;
+        after.done();
+        Ok(())
     }
 
     /// Put the split-out bodies back into `entry` (those still stored).
     fn inflate_bodies(
         &self,
         entry: &mut Entry,
-        bodies: &redb::ReadOnlyTable<u64, &[u8]>,
+        bodies: &redb::ReadOnlyTable<u64, &'static [u8]>,
     ) -> Result<(), StorageError> {
         let openraft::EntryPayload::Normal(req) = &mut entry.payload else {
             return Ok(());
@@ -554,8 +577,10 @@ impl LogStore {
     }
 
     fn meta<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StorageError> {
-        let tx = self.db.begin_read().map_err(read_logs_error)?;
-        let table = tx.open_table(META).map_err(read_logs_error)?;
+        let tx = self.log.db().begin_read().map_err(read_logs_error)?;
+        let table = tx
+            .open_table(meta_table(&self.tables))
+            .map_err(read_logs_error)?;
         let Some(v) = table.get(key).map_err(read_logs_error)? else {
             return Ok(None);
         };
@@ -564,58 +589,66 @@ impl LogStore {
             .map_err(read_logs_error)
     }
 
-    fn set_meta<T: Serialize>(
+    async fn set_meta<T: Serialize>(
         &self,
-        key: &str,
+        key: &'static str,
         value: &T,
         subject: ErrorSubject<NodeId>,
     ) -> Result<(), StorageError> {
         let err = |e: &dyn std::fmt::Display| io_error(subject.clone(), ErrorVerb::Write, e);
         let bytes = serde_json::to_vec(value).map_err(|e| err(&e))?;
-        let tx = self.db.begin_write().map_err(|e| err(&e))?;
-        {
-            let mut table = tx.open_table(META).map_err(|e| err(&e))?;
-            table.insert(key, bytes.as_slice()).map_err(|e| err(&e))?;
-        }
-        tx.commit().map_err(|e| err(&e))
+        let tables = Arc::clone(&self.tables);
+        self.log
+            .write_async(move |tx| {
+                tx.open_table(meta_table(&tables))?
+                    .insert(key, bytes.as_slice())?;
+                Ok(())
+            })
+            .await
+            .map_err(|e| err(&e))
     }
 
     /// Delete the entries whose index is in `range`, in one durable transaction, with
     /// `then` written to the metadata; with `bodies`, the copies under their keys too (a
     /// truncation: they were never applied; a purge keeps them, they are the copies of live
     /// messages).
-    fn delete(
+    async fn delete(
         &self,
-        range: impl RangeBounds<u64>,
-        then: Option<(&str, &[u8])>,
+        range: (Bound<u64>, Bound<u64>),
+        then: Option<(&'static str, Vec<u8>)>,
         bodies: bool,
     ) -> Result<(), StorageError> {
-        let tx = self.db.begin_write().map_err(write_logs_error)?;
-        {
-            let start = range.start_bound().cloned();
-            let mut log = tx.open_table(LOG).map_err(write_logs_error)?;
-            remove_range(&mut log, (start, range.end_bound().cloned()))?;
-            if bodies {
-                let key = |i: u64| i.min(u64::MAX >> 16) << 16;
-                let from = match start {
-                    Bound::Included(i) => Bound::Included(key(i)),
-                    Bound::Excluded(i) => Bound::Included(key(i.saturating_add(1))),
-                    Bound::Unbounded => Bound::Unbounded,
-                };
-                let mut table = tx.open_table(BODIES).map_err(write_logs_error)?;
-                remove_range(&mut table, (from, Bound::Unbounded))?;
-            }
-            if let Some((key, value)) = then {
-                let mut meta = tx.open_table(META).map_err(write_logs_error)?;
-                meta.insert(key, value).map_err(write_logs_error)?;
-            }
-        }
-        tx.commit().map_err(write_logs_error)
+        let tables = Arc::clone(&self.tables);
+        self.log
+            .write_async(move |tx| {
+                let start = range.0;
+                let mut log = tx.open_table(log_table(&tables))?;
+                remove_range(&mut log, range)?;
+                if bodies {
+                    let key = |i: u64| i.min(u64::MAX >> 16) << 16;
+                    let from = match start {
+                        Bound::Included(i) => Bound::Included(key(i)),
+                        Bound::Excluded(i) => Bound::Included(key(i.saturating_add(1))),
+                        Bound::Unbounded => Bound::Unbounded,
+                    };
+                    let mut table = tx.open_table(bodies_table(&tables))?;
+                    remove_range(&mut table, (from, Bound::Unbounded))?;
+                }
+                if let Some((key, value)) = then {
+                    let mut meta = tx.open_table(meta_table(&tables))?;
+                    meta.insert(key, value.as_slice())?;
+                }
+                Ok(())
+            })
+            .await
+            .map_err(write_logs_error)
     }
 
     fn last_entry_id(&self) -> Result<Option<LogId<NodeId>>, StorageError> {
-        let tx = self.db.begin_read().map_err(read_logs_error)?;
-        let log = tx.open_table(LOG).map_err(read_logs_error)?;
+        let tx = self.log.db().begin_read().map_err(read_logs_error)?;
+        let log = tx
+            .open_table(log_table(&self.tables))
+            .map_err(read_logs_error)?;
         let Some((_, v)) = log.last().map_err(read_logs_error)? else {
             return Ok(None);
         };
@@ -655,57 +688,80 @@ fn take_bodies(entry: &mut Entry, bodies: &mut Vec<(u64, Vec<u8>)>) {
 fn remove_range(
     table: &mut redb::Table<'_, u64, &[u8]>,
     range: (Bound<u64>, Bound<u64>),
-) -> Result<(), StorageError> {
+) -> Result<(), redb::Error> {
     // `retain_in` would scan the same range; collecting keys keeps the borrow simple.
     let keys: Vec<u64> = table
-        .range(range)
-        .map_err(write_logs_error)?
+        .range(range)?
         .map(|r| r.map(|(k, _)| k.value()))
-        .collect::<Result<_, _>>()
-        .map_err(write_logs_error)?;
+        .collect::<Result<_, _>>()?;
     for k in keys {
-        table.remove(k).map_err(write_logs_error)?;
+        table.remove(k)?;
     }
     Ok(())
 }
 
 /// See [`LogStore::prepare`].
 struct Write {
-    db: Arc<Database>,
+    tables: Arc<GroupTables>,
     encoded: Vec<(u64, Vec<u8>)>,
     bodies: Vec<(u64, Vec<u8>)>,
     released: Vec<u64>,
     recent: Arc<std::sync::Mutex<Recent>>,
 }
 
+/// What an append does once its transaction is durable: its bodies go to the recent cache.
+struct AfterWrite {
+    bodies: Vec<(u64, Vec<u8>)>,
+    recent: Arc<std::sync::Mutex<Recent>>,
+}
+
+impl AfterWrite {
+    fn done(self) {
+        if self.bodies.is_empty() {
+            return;
+        }
+        let mut recent = self
+            .recent
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (key, body) in self.bodies {
+            // Moved, not copied.
+            recent.insert(key, bytes::Bytes::from(body));
+        }
+    }
+}
+
 impl Write {
-    /// One durable transaction: the entries and the deletion of released copies.
-    fn commit(self) -> Result<(), redb::Error> {
-        let tx = self.db.begin_write()?;
-        {
-            let mut log = tx.open_table(LOG)?;
-            for (index, bytes) in &self.encoded {
+    /// The writer's job (the entries and the deletion of released copies, in the batch's
+    /// transaction) and what follows its commit.
+    #[allow(clippy::type_complexity)]
+    fn split(
+        self,
+    ) -> (
+        impl FnOnce(&redb::WriteTransaction) -> Result<(), redb::Error> + Send + 'static,
+        AfterWrite,
+    ) {
+        let Self {
+            tables,
+            encoded,
+            bodies,
+            released,
+            recent,
+        } = self;
+        let job = move |tx: &redb::WriteTransaction| {
+            let mut log = tx.open_table(log_table(&tables))?;
+            for (index, bytes) in &encoded {
                 log.insert(*index, bytes.as_slice())?;
             }
-            if !self.released.is_empty() {
-                let mut table = tx.open_table(BODIES)?;
-                for key in self.released {
+            if !released.is_empty() {
+                let mut table = tx.open_table(bodies_table(&tables))?;
+                for key in released {
                     table.remove(key)?;
                 }
             }
-        }
-        tx.commit()?;
-        if !self.bodies.is_empty() {
-            let mut recent = self
-                .recent
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            for (key, body) in self.bodies {
-                // Moved, not copied.
-                recent.insert(key, bytes::Bytes::from(body));
-            }
-        }
-        Ok(())
+            Ok(())
+        };
+        (job, AfterWrite { bodies, recent })
     }
 }
 
@@ -714,12 +770,17 @@ impl RaftLogReader<QueueRaft> for LogStore {
         &mut self,
         range: RB,
     ) -> Result<Vec<Entry>, StorageError> {
-        let tx = self.db.begin_read().map_err(read_logs_error)?;
-        let log = tx.open_table(LOG).map_err(read_logs_error)?;
+        let tx = self.log.db().begin_read().map_err(read_logs_error)?;
+        let log = tx
+            .open_table(log_table(&self.tables))
+            .map_err(read_logs_error)?;
         let bounds: (Bound<u64>, Bound<u64>) =
             (range.start_bound().cloned(), range.end_bound().cloned());
         let bodies = if self.queue && self.inflate {
-            Some(tx.open_table(BODIES).map_err(read_logs_error)?)
+            Some(
+                tx.open_table(bodies_table(&self.tables))
+                    .map_err(read_logs_error)?,
+            )
         } else {
             None
         };
@@ -757,7 +818,7 @@ impl RaftLogStorage<QueueRaft> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError> {
-        self.set_meta(KEY_VOTE, vote, ErrorSubject::Vote)
+        self.set_meta(KEY_VOTE, vote, ErrorSubject::Vote).await
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError> {
@@ -769,6 +830,7 @@ impl RaftLogStorage<QueueRaft> for LogStore {
         committed: Option<LogId<NodeId>>,
     ) -> Result<(), StorageError> {
         self.set_meta(KEY_COMMITTED, &committed, ErrorSubject::Store)
+            .await
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError> {
@@ -785,12 +847,12 @@ impl RaftLogStorage<QueueRaft> for LogStore {
         I::IntoIter: OptionalSend,
     {
         let write = self.prepare(entries).map_err(write_logs_error)?;
-        // The commit fsyncs: off the async workers, which must keep serving heartbeats.
-        let result = tokio::task::spawn_blocking(move || write.commit())
-            .await
-            .map_err(write_logs_error)?;
-        match result {
+        let (job, after) = write.split();
+        // The writer commits it with the other groups' writes ready now, and fsyncs off the
+        // async workers, which must keep serving heartbeats.
+        match self.log.write_async(job).await {
             Ok(()) => {
+                after.done();
                 callback.log_io_completed(Ok(()));
                 Ok(())
             }
@@ -805,14 +867,24 @@ impl RaftLogStorage<QueueRaft> for LogStore {
         self.recent()
             .remove_from(log_id.index.min(u64::MAX >> 16) << 16);
         self.forget_read(|i| i >= log_id.index);
-        self.delete(log_id.index.., None, true)
+        self.delete(
+            (Bound::Included(log_id.index), Bound::Unbounded),
+            None,
+            true,
+        )
+        .await
     }
 
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError> {
         // The purge point and the deletion commit together: a crash in between cannot leave
         // entries below the recorded purge point, nor a gap above it.
         let purged = serde_json::to_vec(&log_id).map_err(write_logs_error)?;
-        self.delete(..=log_id.index, Some((KEY_PURGED, &purged)), false)?;
+        self.delete(
+            (Bound::Unbounded, Bound::Included(log_id.index)),
+            Some((KEY_PURGED, purged)),
+            false,
+        )
+        .await?;
         self.forget_read(|i| i <= log_id.index);
         // Copied out before (compaction), or brought by a snapshot (an install): either way
         // the live bodies of these entries are copies now.
@@ -945,7 +1017,7 @@ mod tests {
 
         // A sweep keeps what the live set names and takes the rest.
         store
-            .insert_bodies(&[(body_key(1, 0), record("one"))], 1)
+            .insert_bodies(vec![(body_key(1, 0), record("one"))], 1)
             .unwrap();
         assert_eq!(store.sweep(&[body_key(1, 0)], 1).unwrap(), 0);
         assert_eq!(store.sweep(&[], 1).unwrap(), 1);
@@ -973,9 +1045,10 @@ mod tests {
         store.copied(1, from);
         assert_eq!(store.copies().pending, vec![b]);
         store.flush_released().unwrap();
-        let tx = store.db.begin_read().unwrap();
-        assert!(tx.open_table(BODIES).unwrap().get(b).unwrap().is_none());
-        assert!(tx.open_table(BODIES).unwrap().get(a).unwrap().is_none());
+        let tx = store.log.db().begin_read().unwrap();
+        let bodies = tx.open_table(bodies_table(&store.tables)).unwrap();
+        assert!(bodies.get(b).unwrap().is_none());
+        assert!(bodies.get(a).unwrap().is_none());
     }
 
     /// A copy-out larger than one transaction's bound commits several and copies everything.
@@ -988,8 +1061,8 @@ mod tests {
         store.append_now(entries).unwrap();
         let live: Vec<u64> = (1..=5).map(|i| body_key(i, 0)).collect();
         assert_eq!(store.copy_out(&live, 5).unwrap(), 5);
-        let tx = store.db.begin_read().unwrap();
-        let bodies = tx.open_table(BODIES).unwrap();
+        let tx = store.log.db().begin_read().unwrap();
+        let bodies = tx.open_table(bodies_table(&store.tables)).unwrap();
         for k in live {
             assert_eq!(
                 bodies.get(k).unwrap().unwrap().value(),
@@ -1021,7 +1094,7 @@ mod tests {
             )])
             .unwrap();
         store
-            .insert_bodies(&[(body_key(1, 0), record("old"))], 0)
+            .insert_bodies(vec![(body_key(1, 0), record("old"))], 0)
             .unwrap();
         assert_eq!(cold(&store, body_key(1, 0)), Some(record("old")));
         let mut reader = store.get_log_reader().await;

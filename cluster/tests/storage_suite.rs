@@ -6,20 +6,33 @@ use openraft::testing::{StoreBuilder, Suite};
 use tempfile::TempDir;
 use warren_broker::queue::machine::QueueConfig;
 use warren_cluster::log_store::LogStore;
+use warren_cluster::node_log::NodeLog;
 use warren_cluster::state_machine::QueueStateMachine;
 use warren_cluster::types::{QueueRaft, StorageError};
 
-/// Builds a log store (a plain one, or a quorum queue's) and a queue
-/// state machine.
+/// Builds a log store (a plain one, a quorum queue's in a file of its own, or a quorum queue
+/// group's in a node-wide log) and a queue state machine.
 struct Builder {
     queue: bool,
+    node_log: bool,
 }
 
 impl StoreBuilder<QueueRaft, LogStore, QueueStateMachine, TempDir> for Builder {
     async fn build(&self) -> Result<(TempDir, LogStore, QueueStateMachine), StorageError> {
         let dir = tempfile::tempdir().expect("a temporary directory");
         let path = dir.path().join("raft.redb");
-        let log = if self.queue {
+        let log = if self.node_log {
+            let node = NodeLog::open(&path, 1 << 20).expect("a node log");
+            // Another group's entries beside it: the suite sees only its own group's.
+            let other = LogStore::in_node_log(&node, 1).expect("another group");
+            other
+                .append_now(vec![openraft::Entry {
+                    log_id: openraft::LogId::new(openraft::CommittedLeaderId::new(9, 9), 5),
+                    payload: openraft::EntryPayload::Blank,
+                }])
+                .expect("another group's entry");
+            LogStore::in_node_log(&node, 42)
+        } else if self.queue {
             LogStore::open_queue(&path)
         } else {
             LogStore::open(&path)
@@ -31,7 +44,10 @@ impl StoreBuilder<QueueRaft, LogStore, QueueStateMachine, TempDir> for Builder {
 
 #[test]
 fn openraft_storage_conformance_suite() {
-    if let Err(e) = Suite::test_all(Builder { queue: false }) {
+    if let Err(e) = Suite::test_all(Builder {
+        queue: false,
+        node_log: false,
+    }) {
         panic!("the storage suite failed: {e}");
     }
 }
@@ -39,7 +55,21 @@ fn openraft_storage_conformance_suite() {
 /// A quorum queue's log passes the suite alike.
 #[test]
 fn openraft_storage_conformance_suite_for_a_quorum_queue_log() {
-    if let Err(e) = Suite::test_all(Builder { queue: true }) {
+    if let Err(e) = Suite::test_all(Builder {
+        queue: true,
+        node_log: false,
+    }) {
+        panic!("the storage suite failed: {e}");
+    }
+}
+
+/// A quorum queue group's log in the node-wide log (beside another group's) passes it alike.
+#[test]
+fn openraft_storage_conformance_suite_for_a_group_in_the_node_log() {
+    if let Err(e) = Suite::test_all(Builder {
+        queue: true,
+        node_log: true,
+    }) {
         panic!("the storage suite failed: {e}");
     }
 }

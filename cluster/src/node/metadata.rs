@@ -115,15 +115,26 @@ impl ClusterNode {
                     self.groups.remove(&gid);
                     let raft = replica.raft.get().cloned();
                     let path = self.queue_log_path(*incarnation);
+                    let snapshot = self.queue_snapshot_path(*incarnation);
+                    let node_log = Arc::clone(&self.queue_log);
+                    let tables = crate::node_log::GroupTables::of_group(*incarnation);
+                    let in_node_log = !replica.queue.is_stream;
                     tokio::spawn(async move {
                         if let Some(raft) = raft {
                             let _ = raft.shutdown().await;
                         }
                         // The log of a deleted incarnation is never read again.
-                        let snapshot = path.with_extension("snapshot");
                         crate::group::remove_transit_files(&snapshot);
                         let _ = std::fs::remove_file(snapshot);
                         let _ = std::fs::remove_file(path);
+                        if in_node_log {
+                            let dropped =
+                                tokio::task::spawn_blocking(move || node_log.drop_group(&tables))
+                                    .await;
+                            if let Ok(Err(e)) = dropped {
+                                tracing::warn!(error = %e, "a deleted queue's log tables were not dropped");
+                            }
+                        }
                     });
                 }
                 let done = take_waiting(&self.deleting, *incarnation);

@@ -126,6 +126,8 @@ pub struct ClusterNode {
     meta_forwarder: OnceLock<Forwarder>,
     /// Queue groups served here, by incarnation.
     queues: Mutex<HashMap<u64, Arc<QueueReplica>>>,
+    /// The Raft log every quorum queue group on this node writes to (`queues/raft-log.redb`).
+    queue_log: Arc<crate::node_log::NodeLog>,
     /// Declares made here, waiting for their commit: the queue to serve and the completion.
     declaring: Mutex<HashMap<u64, Completion>>,
     /// Deletes made here, waiting for their commit.
@@ -208,6 +210,10 @@ impl ClusterNode {
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| NodeError::Io(format!("cluster port {}: {e}", config.listen)))?;
+        let queue_log_path = config.data_dir.join("queues").join("raft-log.redb");
+        let queue_log =
+            crate::node_log::NodeLog::open(&queue_log_path, crate::node_log::NODE_LOG_CACHE_BYTES)
+                .map_err(|e| NodeError::Log(queue_log_path.clone(), e))?;
         let me = node_id(&config.name);
         let mut addresses = Addresses::default();
         if let Some(tls) = &config.tls {
@@ -256,6 +262,7 @@ impl ClusterNode {
             meta: OnceLock::new(),
             meta_forwarder: OnceLock::new(),
             queues: Mutex::new(HashMap::new()),
+            queue_log,
             declaring: Mutex::new(HashMap::new()),
             deleting: Mutex::new(HashMap::new()),
             members: Mutex::new(HashMap::new()),

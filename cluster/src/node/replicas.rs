@@ -20,6 +20,7 @@ use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 
 use crate::group::{Applied, GroupStateMachine};
 use crate::log_store::{LogStore, SLOTS_PER_ENTRY, body_key, key_index, stub_size};
+use crate::node_log::GroupTables;
 use crate::proposer::{ProposeError, Proposer};
 use crate::tcp::{Forwarded, GroupId, TcpNetwork};
 use crate::types::{NodeId, QueueRaft, QueueRequest, QueueResponse, ReplicatedMessage};
@@ -37,6 +38,12 @@ impl ClusterNode {
             .join(format!("{incarnation:016x}"))
     }
 
+    /// Where a queue's current snapshot is.
+    pub(super) fn queue_snapshot_path(&self, incarnation: u64) -> PathBuf {
+        self.queue_log_path(incarnation).with_extension("snapshot")
+    }
+
+    /// A replicated stream's log; a quorum queue's before the node-wide log (imported then).
     pub(super) fn queue_log_path(&self, incarnation: u64) -> PathBuf {
         self.config
             .data_dir
@@ -81,12 +88,21 @@ impl ClusterNode {
             incarnation,
         };
         let path = self.queue_log_path(incarnation);
-        // A quorum queue's bodies stay in its log ([`LogBodies`]); a stream's chunks are in
-        // its files.
+        // A quorum queue's bodies stay in its log ([`LogBodies`]), in the node-wide log (a
+        // file of its own before: imported once); a stream's chunks are in its files.
         let log = if queue.is_stream {
             LogStore::open(&path)
         } else {
-            LogStore::open_queue(&path)
+            let tables = GroupTables::of_group(incarnation);
+            self.queue_log
+                .create(&tables)
+                .and_then(|()| self.queue_log.import(&path, &tables))
+                .and_then(|imported| {
+                    if imported {
+                        tracing::info!(queue = %record.name, "imported the queue's log into the node's");
+                    }
+                    LogStore::in_node_log(&self.queue_log, incarnation)
+                })
         }
         .map_err(|e| NodeError::Log(path.clone(), e))?;
         let bodies = (!queue.is_stream).then(|| {
@@ -102,7 +118,7 @@ impl ClusterNode {
                 queue: Arc::clone(&queue),
                 bodies: bodies.clone(),
             }),
-            self.queue_log_path(incarnation).with_extension("snapshot"),
+            self.queue_snapshot_path(incarnation),
         )
         .map_err(NodeError::Io)?;
         let replica = Arc::new(QueueReplica {
@@ -492,7 +508,7 @@ impl Applied for QueueApplied {
                     full.bodies.into_iter().map(|b| (b.key, b.record)).collect();
                 if let Some(log) = self.bodies.as_ref() {
                     log.log
-                        .insert_bodies(&bodies, last)
+                        .insert_bodies(bodies, last)
                         .map_err(|e| e.to_string())?;
                 }
                 crate::codec::decode(&full.machine).map_err(|e| e.to_string())?
@@ -539,16 +555,14 @@ impl Applied for QueueApplied {
             if batch_bytes >= SNAPSHOT_BODY_BATCH {
                 // Marked copied only with the last batch, once all are in.
                 log.log
-                    .insert_bodies(&batch, 0)
+                    .insert_bodies(std::mem::take(&mut batch), 0)
                     .map_err(|e| e.to_string())?;
-                batch.clear();
                 batch_bytes = 0;
             }
         }
         log.log
-            .insert_bodies(&batch, last)
+            .insert_bodies(batch, last)
             .map_err(|e| e.to_string())?;
-        drop(batch);
         let mut machine = Vec::new();
         input.read_to_end(&mut machine).map_err(|e| e.to_string())?;
         let machine: QueueMachine<Entry> =
