@@ -429,14 +429,7 @@ impl LogStore {
                 }
             }
             copied += batch.len();
-            let tables = Arc::clone(&self.tables);
-            self.log.write(move |tx| {
-                let mut bodies = tx.open_table(bodies_table(&tables))?;
-                for (key, record) in &batch {
-                    bodies.insert(*key, record.as_slice())?;
-                }
-                Ok(())
-            })?;
+            self.put_bodies(batch)?;
         }
         self.copied(upto, from);
         Ok(copied)
@@ -451,11 +444,28 @@ impl LogStore {
         if keys.is_empty() {
             return Ok(());
         }
+        self.remove_bodies(keys)
+    }
+
+    /// Store `bodies` under their keys, durably.
+    fn put_bodies(&self, bodies: Vec<(u64, Vec<u8>)>) -> Result<(), redb::Error> {
         let tables = Arc::clone(&self.tables);
         self.log.write(move |tx| {
-            let mut bodies = tx.open_table(bodies_table(&tables))?;
+            let mut table = tx.open_table(bodies_table(&tables))?;
+            for (k, body) in &bodies {
+                table.insert(*k, body.as_slice())?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Delete the bodies under `keys`, durably.
+    fn remove_bodies(&self, keys: Vec<u64>) -> Result<(), redb::Error> {
+        let tables = Arc::clone(&self.tables);
+        self.log.write(move |tx| {
+            let mut table = tx.open_table(bodies_table(&tables))?;
             for k in keys {
-                bodies.remove(k)?;
+                table.remove(k)?;
             }
             Ok(())
         })
@@ -470,14 +480,7 @@ impl LogStore {
         // Every key released before: a snapshot's messages are live after its releases, so
         // none of them is among the bodies; deleting them is harmless and keeps none behind.
         let from = 0;
-        let tables = Arc::clone(&self.tables);
-        self.log.write(move |tx| {
-            let mut table = tx.open_table(bodies_table(&tables))?;
-            for (k, body) in &bodies {
-                table.insert(*k, body.as_slice())?;
-            }
-            Ok(())
-        })?;
+        self.put_bodies(bodies)?;
         self.copied(upto, from);
         Ok(())
     }
@@ -504,14 +507,7 @@ impl LogStore {
         };
         let n = dead.len();
         if !dead.is_empty() {
-            let tables = Arc::clone(&self.tables);
-            self.log.write(move |tx| {
-                let mut bodies = tx.open_table(bodies_table(&tables))?;
-                for &k in &dead {
-                    bodies.remove(k)?;
-                }
-                Ok(())
-            })?;
+            self.remove_bodies(dead)?;
         }
         Ok(n)
     }

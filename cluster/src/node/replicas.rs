@@ -94,9 +94,9 @@ impl ClusterNode {
             LogStore::open(&path)
         } else {
             let tables = GroupTables::of_group(incarnation);
+            // The import opens (so creates) the tables it writes; in_node_log creates the rest.
             self.queue_log
-                .create(&tables)
-                .and_then(|()| self.queue_log.import(&path, &tables))
+                .import(&path, &tables)
                 .and_then(|imported| {
                     if imported {
                         tracing::info!(queue = %record.name, "imported the queue's log into the node's");
