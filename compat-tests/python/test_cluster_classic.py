@@ -557,3 +557,135 @@ def test_direct_reply_to_across_nodes(cluster3):
     finally:
         safe_close(requester)
         safe_close(server)
+
+
+def get_all(c, i, queue, limit=100):
+    """basic.get (auto-ack) of `queue` through node i until it answers empty: the bodies."""
+    conn = c.connect(i)
+    try:
+        ch = conn.channel()
+        out = []
+        for _ in range(limit):
+            m, _, body = ch.basic_get(queue, auto_ack=True)
+            if m is None:
+                break
+            out.append(body.decode())
+        return out
+    finally:
+        safe_close(conn)
+
+
+@pytest.mark.timeout(120)
+def test_alternate_exchanges_and_policies_work_through_every_node(cluster3):
+    """An exchange's alternate exchange declared through n1 catches, through n2, what its
+    bindings do not route, into a queue homed on n3; a policy made through n3 (max-length)
+    bounds a queue homed on n1 that is published to through n2."""
+    c = cluster3
+    main, ae = name("main.ex"), name("ae.ex")
+    caught, bound = name("ae.caught"), name("ae.bound")
+    conn = c.connect(0)
+    ch = conn.channel()
+    ch.exchange_declare(ae, "fanout", durable=True)
+    ch.exchange_declare(main, "direct", durable=True, arguments={"alternate-exchange": ae})
+    safe_close(conn)
+    declare_classic(c, 2, caught, durable=True)
+    declare_classic(c, 0, bound, durable=True)
+    conn = c.connect(2)
+    ch = conn.channel()
+    ch.queue_bind(caught, ae)
+    ch.queue_bind(bound, main, routing_key="k")
+    safe_close(conn)
+    wait_visible(c, caught, [0, 1])
+    wait_visible(c, bound, [1, 2])
+
+    # Mandatory publishes through n2: none comes back, the unbound key lands on n3's queue.
+    eventually(lambda: publish(c, 1, ["probe"], main, "k", mandatory=True),
+               lambda r: r == [], what="the binding on n2")
+    assert publish(c, 1, ["a1", "a2"], main, "nowhere", mandatory=True) == []
+    assert publish(c, 1, ["b1"], main, "k", mandatory=True) == []
+    assert get_all(c, 0, caught) == ["a1", "a2"]
+    assert get_all(c, 1, bound) == ["probe", "b1"]
+
+    prefix = name("pol").replace(".", "_")
+    limited = f"{prefix}.q"
+    status, _ = c.mgmt_request(2, "PUT", f"/api/policies/%2F/{prefix}", {
+        "pattern": f"^{prefix}\\.", "definition": {"max-length": 2},
+        "apply-to": "queues"}, timeout=30)
+    assert status in (201, 204), status
+    declare_classic(c, 0, limited, durable=True)
+    wait_visible(c, limited, [1])
+    # The home applies the policy once the change reached it: a queue over its bound drops
+    # its head, whichever node the publisher used.
+    eventually(lambda: (publish(c, 1, ["p1", "p2", "p3"], routing_key=limited),
+                        depth(c, 0, limited))[1],
+               lambda d: d == 2, what="max-length 2 on n1")
+    assert publish(c, 1, ["x1", "x2", "x3"], routing_key=limited) == []
+    assert get_all(c, 2, limited) == ["x2", "x3"]
+    info = eventually(lambda: c.queue_info(1, limited), lambda v: v and v.get("policy"),
+                      what="policy named on n2")
+    assert info["policy"] == prefix, info
+
+
+@pytest.mark.timeout(120)
+def test_delays_ttls_and_server_named_queues_work_through_every_node(cluster3):
+    """A delayed-message exchange used through n2 delivers to a queue on n3 only after the
+    delay; a message's own TTL expires it in a queue on n1 published through n2; a
+    server-named queue declared through n2 is reachable through n1 and n3."""
+    c = cluster3
+    delayed, target = name("delay.ex"), name("delay.q")
+    conn = c.connect(0)
+    conn.channel().exchange_declare(delayed, "x-delayed-message", durable=True,
+                                    arguments={"x-delayed-type": "direct"})
+    safe_close(conn)
+    declare_classic(c, 2, target, durable=True)
+    conn = c.connect(2)
+    conn.channel().queue_bind(target, delayed, routing_key="k")
+    safe_close(conn)
+    wait_visible(c, target, [0, 1])
+
+    conn = c.connect(1)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    eventually(lambda: ch.exchange_declare(delayed, passive=True), lambda _: True,
+               what="the delayed exchange on n2")
+    sent = time.monotonic()
+    ch.basic_publish(delayed, "k", b"later", pika.BasicProperties(
+        delivery_mode=2, headers={"x-delay": 1500}))
+    ch.basic_publish(delayed, "k", b"now", pika.BasicProperties(delivery_mode=2))
+    safe_close(conn)
+    assert eventually(lambda: get_all(c, 0, target), lambda got: got != [],
+                      what="the undelayed message") == ["now"]
+    got = eventually(lambda: get_all(c, 0, target), lambda got: got != [],
+                     what="the delayed message")
+    assert got == ["later"] and time.monotonic() - sent >= 1.5
+
+    ttlq = name("ttl.q")
+    declare_classic(c, 0, ttlq, durable=True)
+    wait_visible(c, ttlq, [1, 2])
+    conn = c.connect(1)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("", ttlq, b"short", pika.BasicProperties(delivery_mode=2,
+                                                             expiration="200"))
+    ch.basic_publish("", ttlq, b"long", pika.BasicProperties(delivery_mode=2))
+    safe_close(conn)
+    eventually(lambda: depth(c, 0, ttlq), lambda d: d == 1, what="the short one expired")
+    assert get_all(c, 2, ttlq) == ["long"]
+
+    owner = c.connect(1)
+    try:
+        och = owner.channel()
+        gen = och.queue_declare("", exclusive=True).method.queue
+        assert gen.startswith("amq.gen-"), gen
+        plain = och.queue_declare("", durable=True).method.queue
+        assert plain.startswith("amq.gen-") and plain != gen
+        wait_visible(c, plain, [0, 2])
+        assert eventually(lambda: declare_reply(c, 0, gen, passive=True)[0],
+                          lambda code: code == 405, what="exclusive on n1") == 405
+        assert publish(c, 0, ["to-gen"], routing_key=gen, mandatory=True) == []
+        assert publish(c, 2, ["to-plain"], routing_key=plain, mandatory=True) == []
+        m, _, body = och.basic_get(gen, auto_ack=True)
+        assert body == b"to-gen"
+        assert get_all(c, 0, plain) == ["to-plain"]
+    finally:
+        safe_close(owner)
