@@ -58,16 +58,26 @@ pub(super) async fn write_frame<T: Serialize, W: AsyncWriteExt + Unpin>(
     s: &mut W,
     value: &T,
 ) -> Result<(), TransportError> {
-    let body = crate::codec::encode(value).map_err(|e| TransportError::Frame(e.to_string()))?;
-    let len = u32::try_from(body.len())
-        .ok()
-        .filter(|l| *l <= FRAME_MAX)
-        .ok_or_else(|| TransportError::Frame(format!("{} bytes to send", body.len())))?;
-    s.write_all(&len.to_be_bytes()).await?;
-    s.write_all(&body).await?;
+    let frame = encode_frame(value)?;
+    // One write per frame: the length and the body leave in the same segment (with
+    // TCP_NODELAY two writes were two packets, and two syscalls on each side).
+    s.write_all(&frame).await?;
     // TLS buffers until flushed (a no-op on plain TCP).
     s.flush().await?;
     Ok(())
+}
+
+/// `value` as a frame: its length (u32, big-endian) and its encoding.
+pub(super) fn encode_frame<T: Serialize>(value: &T) -> Result<Vec<u8>, TransportError> {
+    let mut frame = vec![0u8; 4];
+    crate::codec::encode_into(&mut frame, value)
+        .map_err(|e| TransportError::Frame(e.to_string()))?;
+    let len = u32::try_from(frame.len() - 4)
+        .ok()
+        .filter(|l| *l <= FRAME_MAX)
+        .ok_or_else(|| TransportError::Frame(format!("{} bytes to send", frame.len() - 4)))?;
+    frame[..4].copy_from_slice(&len.to_be_bytes());
+    Ok(frame)
 }
 
 /// A cluster connection: TCP, or TLS over TCP.
