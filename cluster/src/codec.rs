@@ -47,6 +47,22 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, bincode::Error> {
 
 pub use warren_broker::node::replication::raw_bytes;
 
+/// Decode a queue machine, also in the layout written before it had work-queue state
+/// ([`QueueMachineV1`](warren_broker::queue::machine::QueueMachineV1)): a snapshot taken by an
+/// older member still installs.
+///
+/// # Errors
+/// Neither layout decodes (the error is the current layout's).
+pub fn decode_machine<M: DeserializeOwned>(
+    bytes: &[u8],
+) -> Result<warren_broker::queue::machine::QueueMachine<M>, bincode::Error> {
+    decode(bytes).or_else(|e| {
+        decode::<warren_broker::queue::machine::QueueMachineV1<M>>(bytes)
+            .map(Into::into)
+            .map_err(|_| e)
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

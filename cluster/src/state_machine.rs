@@ -57,7 +57,7 @@ impl Applied for LocalQueue {
     }
 
     fn install(&self, bytes: &[u8], _last: u64) -> Result<(), String> {
-        let machine = crate::codec::decode(bytes).map_err(|e| e.to_string())?;
+        let machine = crate::codec::decode_machine(bytes).map_err(|e| e.to_string())?;
         let mut inner = self.lock();
         inner.0 = machine;
         // Effects of the replaced state no longer describe anything.

@@ -204,7 +204,14 @@ impl Queue {
             | Command::Expire
             | Command::Restore { .. }
             | Command::Swap { .. }
-            | Command::TrackOffset { .. } => Ok(Reply::Ok),
+            | Command::TrackOffset { .. }
+            | Command::ConfigureWork(_) => Ok(Reply::Ok),
+            // Claims and their tokens are served where the queue is, through its node's
+            // HTTP API (a proxy sends none).
+            Command::Claim { .. } => Ok(Reply::Claimed(Vec::new())),
+            Command::Extend { .. } | Command::AckLease { .. } | Command::Release { .. } => {
+                Ok(Reply::Lease(Err(machine::LeaseError::NotFound)))
+            }
         }
     }
 

@@ -511,12 +511,12 @@ impl Applied for QueueApplied {
                         .insert_bodies(bodies, last)
                         .map_err(|e| e.to_string())?;
                 }
-                crate::codec::decode(&full.machine).map_err(|e| e.to_string())?
+                crate::codec::decode_machine(&full.machine).map_err(|e| e.to_string())?
             }
             None if bytes.starts_with(STREAMED_SNAPSHOT_MAGIC) => {
                 return self.install_from(&mut &bytes[..], last);
             }
-            None => crate::codec::decode(bytes).map_err(|e| e.to_string())?,
+            None => crate::codec::decode_machine(bytes).map_err(|e| e.to_string())?,
         };
         self.install_machine(machine, last);
         Ok(())
@@ -566,7 +566,7 @@ impl Applied for QueueApplied {
         let mut machine = Vec::new();
         input.read_to_end(&mut machine).map_err(|e| e.to_string())?;
         let machine: QueueMachine<Entry> =
-            crate::codec::decode(&machine).map_err(|e| e.to_string())?;
+            crate::codec::decode_machine(&machine).map_err(|e| e.to_string())?;
         tracing::info!(queue = %self.queue.name, bodies = received, last, "installed a snapshot with its bodies");
         self.install_machine(machine, last);
         Ok(())

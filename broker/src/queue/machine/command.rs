@@ -6,7 +6,8 @@
 //! consumer specs), so their serialized form is fixed: new `Command` variants go last, so that
 //! logs written before them still decode.
 
-use super::config::QueueConfig;
+use super::config::{QueueConfig, WorkConfig};
+use super::lease::{Claimed, LeaseError, LeaseState};
 use super::{ConsumerId, MsgId};
 
 /// Why a message left the queue without being acknowledged or delivered.
@@ -127,6 +128,47 @@ pub enum Command<M> {
     /// channel close, cancel or node loss keep their place there too). After `TrackOffset`,
     /// so older logs still decode.
     Requeue(Vec<MsgId>),
+    /// Claim up to `max` ready messages under a lease (the work-queue contract; see
+    /// [`lease`](super::lease)). Replies [`Reply::Claimed`].
+    Claim {
+        /// Most messages to claim.
+        max: u32,
+        /// The lease, ms (None: the queue's default), cut to the queue's caps.
+        lease_ms: Option<u64>,
+        /// Who claims (kept with the lease).
+        worker: String,
+    },
+    /// Extend the lease of claim `(id, generation)` to `lease_ms` from now, within the
+    /// queue's caps. Replies [`Reply::Lease`].
+    Extend {
+        /// The message.
+        id: MsgId,
+        /// The claim's generation.
+        generation: u32,
+        /// The new lease from now, ms.
+        lease_ms: u64,
+    },
+    /// Acknowledge claim `(id, generation)`: the message leaves. Replies [`Reply::Lease`].
+    AckLease {
+        /// The message.
+        id: MsgId,
+        /// The claim's generation.
+        generation: u32,
+    },
+    /// Release claim `(id, generation)`: the message returns as a failed delivery, ready
+    /// after `delay_ms` (None: the retry policy's delay). Replies [`Reply::Lease`].
+    Release {
+        /// The message.
+        id: MsgId,
+        /// The claim's generation.
+        generation: u32,
+        /// Wait this long before it is ready again, ms.
+        delay_ms: Option<u64>,
+        /// Why the worker gave it back.
+        reason: String,
+    },
+    /// New work-queue settings (leases, delayed retries): a policy or declaration changed.
+    ConfigureWork(WorkConfig),
 }
 
 impl<M> Command<M> {
@@ -165,6 +207,37 @@ impl<M> Command<M> {
             Self::Down { node, before } => Command::Down { node, before },
             Self::TrackOffset { name, next } => Command::TrackOffset { name, next },
             Self::Requeue(ids) => Command::Requeue(ids),
+            Self::Claim {
+                max,
+                lease_ms,
+                worker,
+            } => Command::Claim {
+                max,
+                lease_ms,
+                worker,
+            },
+            Self::Extend {
+                id,
+                generation,
+                lease_ms,
+            } => Command::Extend {
+                id,
+                generation,
+                lease_ms,
+            },
+            Self::AckLease { id, generation } => Command::AckLease { id, generation },
+            Self::Release {
+                id,
+                generation,
+                delay_ms,
+                reason,
+            } => Command::Release {
+                id,
+                generation,
+                delay_ms,
+                reason,
+            },
+            Self::ConfigureWork(c) => Command::ConfigureWork(c),
         })
     }
 }
@@ -183,6 +256,23 @@ impl<M> Reply<M> {
                 Reply::Got(Some((id, f(m)?, redelivered, left, count)))
             }
             Self::Purged(n) => Reply::Purged(n),
+            Self::Claimed(claims) => Reply::Claimed(
+                claims
+                    .into_iter()
+                    .map(|c| {
+                        Ok(Claimed {
+                            id: c.id,
+                            msg: f(c.msg)?,
+                            generation: c.generation,
+                            delivery_count: c.delivery_count,
+                            redelivered: c.redelivered,
+                            lease_expires_at: c.lease_expires_at,
+                            enqueued_at: c.enqueued_at,
+                        })
+                    })
+                    .collect::<Result<_, E>>()?,
+            ),
+            Self::Lease(r) => Reply::Lease(r),
         })
     }
 }
@@ -241,6 +331,11 @@ pub enum Reply<M> {
     Got(Option<(MsgId, M, bool, u32, u32)>),
     /// Messages removed by a purge.
     Purged(u32),
+    /// What a [`Command::Claim`] took, in delivery order.
+    Claimed(Vec<Claimed<M>>),
+    /// The outcome of [`Command::Extend`], [`Command::AckLease`] or [`Command::Release`]:
+    /// the claim's state, or why the token changed nothing.
+    Lease(Result<LeaseState, LeaseError>),
 }
 
 /// Why a command was refused.

@@ -106,3 +106,134 @@ impl<M: MessageRef> QueueMachine<M> {
         self.config.overflow != Overflow::DropHead && self.would_overflow(msg.size())
     }
 }
+
+/// Which returns wait before the message is ready again (RabbitMQ 4.3's
+/// `x-delayed-retry-type`). A return is *failed* when the client said the delivery failed
+/// (basic.nack or basic.reject with requeue, a lease released) and *returned* otherwise (its
+/// channel closed, its consumer went, its node went down, its lease ran out).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub enum RetryOn {
+    /// No return waits (RabbitMQ's default).
+    #[default]
+    Disabled,
+    /// Every return waits.
+    All,
+    /// Failed returns wait.
+    Failed,
+    /// Returns that were not failures wait.
+    Returned,
+}
+
+/// Why a delivery came back to the queue (see [`RetryOn`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ReturnKind {
+    /// The client said the delivery failed.
+    Failed,
+    /// The delivery ended otherwise (channel, consumer, node or lease gone).
+    Returned,
+}
+
+/// How long a returned message waits before it is ready again: `x-delayed-retry-*`.
+///
+/// With `multiplier_milli` at 0 the delay is linear in the message's delivery count `n`
+/// (counting this return): `min(min_ms * n, max_ms)`, RabbitMQ 4.3's form. With a multiplier
+/// `m = multiplier_milli / 1000` it is exponential: `min(min_ms * m^(n-1), max_ms)`, then
+/// spread by up to `jitter_percent` either way (a deterministic function of the message id
+/// and `n`, so every replica computes the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct RetryPolicy {
+    /// Which returns wait.
+    pub on: RetryOn,
+    /// `x-delayed-retry-min`: the first delay, ms.
+    pub min_ms: u64,
+    /// `x-delayed-retry-max`: the longest delay, ms.
+    pub max_ms: u64,
+    /// `x-delayed-retry-multiplier` times 1000 (0: linear).
+    pub multiplier_milli: u32,
+    /// `x-delayed-retry-jitter`: percent of the delay added or taken at random (0..=100).
+    pub jitter_percent: u8,
+}
+
+impl RetryPolicy {
+    /// The delay before a message returned for `kind`, with `delivery_count` deliveries
+    /// returned so far (this one included), is ready again; 0 when it does not wait.
+    #[must_use]
+    pub fn delay_ms(&self, kind: ReturnKind, delivery_count: u32, id: u64) -> u64 {
+        let applies = match self.on {
+            RetryOn::Disabled => false,
+            RetryOn::All => true,
+            RetryOn::Failed => kind == ReturnKind::Failed,
+            RetryOn::Returned => kind == ReturnKind::Returned,
+        };
+        if !applies || self.min_ms == 0 {
+            return 0;
+        }
+        let n = u64::from(delivery_count.max(1));
+        let max = self.max_ms.max(self.min_ms);
+        let base = if self.multiplier_milli == 0 {
+            self.min_ms.saturating_mul(n).min(max)
+        } else {
+            let mut d = self.min_ms as f64;
+            let m = f64::from(self.multiplier_milli) / 1000.0;
+            for _ in 1..n.min(64) {
+                d *= m;
+                if d >= max as f64 {
+                    break;
+                }
+            }
+            (d.min(max as f64)) as u64
+        };
+        if self.jitter_percent == 0 {
+            return base;
+        }
+        let spread = base / 100 * u64::from(self.jitter_percent.min(100));
+        if spread == 0 {
+            return base;
+        }
+        // A fixed mix of id and count (splitmix64): the same on every replica and replay.
+        let mut z = id ^ (u64::from(delivery_count) << 32) ^ 0x9e37_79b9_7f4a_7c15;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (base - spread).saturating_add(z % (2 * spread + 1))
+    }
+}
+
+/// Default lease of a claim that names none, ms (SQS's default visibility timeout).
+pub const LEASE_DEFAULT_MS: u64 = 30_000;
+/// Default cap on one extension, ms (SQS's longest visibility timeout, 12 hours).
+pub const LEASE_EXTENSION_MAX_MS: u64 = 12 * 3_600_000;
+/// Default cap on a claim's whole lifetime from its claim, ms (12 hours, as SQS's).
+pub const LEASE_LIFETIME_MAX_MS: u64 = 12 * 3_600_000;
+
+/// Leases of claims (`x-lease-*` arguments and policy keys).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct LeaseConfig {
+    /// The lease of a claim that names none, ms.
+    pub default_ms: u64,
+    /// The longest one claim or extension may ask for, ms (longer asks are cut to it).
+    pub extension_max_ms: u64,
+    /// The longest a claim may live from its claim, ms: no extension goes past it.
+    pub lifetime_max_ms: u64,
+}
+
+impl Default for LeaseConfig {
+    fn default() -> Self {
+        Self {
+            default_ms: LEASE_DEFAULT_MS,
+            extension_max_ms: LEASE_EXTENSION_MAX_MS,
+            lifetime_max_ms: LEASE_LIFETIME_MAX_MS,
+        }
+    }
+}
+
+/// A queue's work-queue settings: leases and delayed retries. Apart from [`QueueConfig`]
+/// (whose replicated form is fixed) and changed by
+/// [`Command::ConfigureWork`](super::Command::ConfigureWork).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+pub struct WorkConfig {
+    /// Claim leases.
+    pub lease: LeaseConfig,
+    /// Delayed retries of returned messages.
+    pub retry: RetryPolicy,
+}

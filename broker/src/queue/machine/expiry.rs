@@ -82,13 +82,16 @@ impl<M: MessageRef> QueueMachine<M> {
         }
     }
 
-    /// The earliest time at which a message at the head of a level expires: the driver runs
+    /// The earliest time at which time alone changes the queue: a message at the head of a
+    /// level expires, a lease runs out or a delayed retry comes due. The driver runs
     /// [`Command::Expire`](super::Command::Expire) then.
     #[must_use]
     pub fn next_expiry(&self) -> Option<u64> {
         self.levels
             .values()
             .filter_map(|l| l.peek().and_then(|r| r.expires_at()))
+            .chain(self.work.leases.next_deadline())
+            .chain(self.work.scheduled.next_due())
             .min()
     }
 }

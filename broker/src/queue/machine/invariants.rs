@@ -13,8 +13,29 @@ impl<M: MessageRef> QueueMachine<M> {
     /// When an invariant is broken: that is a bug in the machine.
     pub fn check_invariants(&self) {
         let c = self.counters;
-        let live = (self.ready_len() + self.unacked.len()) as u64;
-        assert_eq!(live, c.live(), "message conservation");
+        assert_eq!(self.len() as u64, c.live(), "message conservation");
+        self.work.scheduled.check();
+        self.work.leases.check();
+        for (id, lease) in self.work.leases.iter() {
+            let u = self
+                .unacked
+                .get(id)
+                .expect("a lease names an unacked message");
+            assert!(u.consumer.is_none(), "a claim is held by no consumer");
+            assert_eq!(
+                lease.generation,
+                u.delivery_count.saturating_add(1),
+                "generation is the delivery count plus one"
+            );
+            assert!(lease.expires_at > self.now, "no lease has run out");
+            assert!(
+                self.levels.values().all(|l| !l.returned.contains_key(id)),
+                "a claimed message is not ready"
+            );
+        }
+        if let Some(due) = self.work.scheduled.next_due() {
+            assert!(due > self.now, "no scheduled message is due");
+        }
         let mut ready_bytes = 0;
         let mut ready_count = 0;
         for (level, l) in &self.levels {

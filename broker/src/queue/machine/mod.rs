@@ -52,15 +52,23 @@ mod consumers;
 mod deliver;
 mod expiry;
 mod invariants;
+pub mod lease;
 mod ready;
+mod schedule;
 mod settle;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 pub use command::{Command, ConsumerSpec, Effect, MachineError, Removal, Reply};
-pub use config::{DELIVERY_LIMIT_NONE, Overflow, QueueConfig};
+pub use config::{
+    DELIVERY_LIMIT_NONE, LeaseConfig, Overflow, QueueConfig, RetryOn, RetryPolicy, ReturnKind,
+    WorkConfig,
+};
 use consumers::Consumer;
+use lease::Leases;
+pub use lease::{Claimed, LeaseError, LeaseState};
 use ready::Level;
+use schedule::Scheduled;
 use settle::Unacked;
 
 /// Message id within one queue, assigned at enqueue, increasing.
@@ -119,6 +127,43 @@ pub struct Counters {
     pub acked: u64,
 }
 
+/// Counters of the work-queue contract (claims, leases, delayed retries).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct WorkCounters {
+    /// Messages claimed under a lease.
+    pub claimed: u64,
+    /// Leases extended.
+    pub extended: u64,
+    /// Claims released by their worker.
+    pub released: u64,
+    /// Leases that ran out.
+    pub lease_expired: u64,
+    /// Returns held for a delayed retry.
+    pub retries_delayed: u64,
+}
+
+/// The machine's work-queue state: leases of claims and messages scheduled for a delayed
+/// retry. Its own field, last, so that a machine encoded before it existed still decodes
+/// ([`QueueMachineV1`]).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Work<M> {
+    config: WorkConfig,
+    leases: Leases,
+    scheduled: Scheduled<M>,
+    counters: WorkCounters,
+}
+
+impl<M> Default for Work<M> {
+    fn default() -> Self {
+        Self {
+            config: WorkConfig::default(),
+            leases: Leases::default(),
+            scheduled: Scheduled::default(),
+            counters: WorkCounters::default(),
+        }
+    }
+}
+
 impl Counters {
     /// Messages still in the queue according to the counters.
     #[must_use]
@@ -154,6 +199,52 @@ pub struct QueueMachine<M> {
     ready_bytes: u64,
     unacked_bytes: u64,
     counters: Counters,
+    /// Leases and delayed retries (last: see [`Work`]).
+    work: Work<M>,
+}
+
+/// A [`QueueMachine`] as encoded before it had work-queue state: decode a stored or received
+/// machine as a `QueueMachine` first and, when that fails, as this, then convert.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct QueueMachineV1<M> {
+    config: QueueConfig,
+    now: u64,
+    arriving: Option<MsgId>,
+    next_id: MsgId,
+    levels: BTreeMap<u8, Level<M>>,
+    ready_count: usize,
+    unacked: HashMap<MsgId, Unacked<M>>,
+    consumers: BTreeMap<ConsumerId, Consumer>,
+    rings: BTreeMap<i32, VecDeque<ConsumerId>>,
+    exclusive_consumer: Option<ConsumerId>,
+    limited_consumers: usize,
+    attach_seq: u64,
+    ready_bytes: u64,
+    unacked_bytes: u64,
+    counters: Counters,
+}
+
+impl<M> From<QueueMachineV1<M>> for QueueMachine<M> {
+    fn from(v: QueueMachineV1<M>) -> Self {
+        Self {
+            config: v.config,
+            now: v.now,
+            arriving: v.arriving,
+            next_id: v.next_id,
+            levels: v.levels,
+            ready_count: v.ready_count,
+            unacked: v.unacked,
+            consumers: v.consumers,
+            rings: v.rings,
+            exclusive_consumer: v.exclusive_consumer,
+            limited_consumers: v.limited_consumers,
+            attach_seq: v.attach_seq,
+            ready_bytes: v.ready_bytes,
+            unacked_bytes: v.unacked_bytes,
+            counters: v.counters,
+            work: Work::default(),
+        }
+    }
 }
 
 /// A map serialized in key order (a `HashMap`'s own order differs between equal maps).
@@ -203,7 +294,40 @@ impl<M: MessageRef> QueueMachine<M> {
             ready_bytes: 0,
             unacked_bytes: 0,
             counters: Counters::default(),
+            work: Work::default(),
         }
+    }
+
+    /// An empty queue with `config` and work-queue settings `work`.
+    #[must_use]
+    pub fn with_configs(config: QueueConfig, work: WorkConfig) -> Self {
+        let mut m = Self::with_config(config);
+        m.work.config = work;
+        m
+    }
+
+    /// The queue's work-queue settings.
+    #[must_use]
+    pub fn work_config(&self) -> &WorkConfig {
+        &self.work.config
+    }
+
+    /// Work-queue counters (claims, leases, delayed retries).
+    #[must_use]
+    pub fn work_counters(&self) -> WorkCounters {
+        self.work.counters
+    }
+
+    /// Messages the queue holds: ready, unacked (claimed included) and scheduled.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.ready_len() + self.unacked.len() + self.work.scheduled.len()
+    }
+
+    /// Whether the queue holds no message.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     /// The id the next `Enqueue` will get.
@@ -227,6 +351,10 @@ impl<M: MessageRef> QueueMachine<M> {
     ) -> Result<Reply<M>, MachineError> {
         self.now = self.now.max(now_ms);
         self.arriving = None;
+        // Time passed: leases run out and delayed retries come due before the command sees
+        // the queue (so a stale token finds its lease gone, and a claim finds what is due).
+        self.expire_leases(effects);
+        self.promote_due();
         self.expire_heads(effects);
         let reply = match command {
             Command::Enqueue(msg) => {
@@ -269,12 +397,36 @@ impl<M: MessageRef> QueueMachine<M> {
             // Applies its own Cancel and Return commands, which end as every command does.
             Command::Down { node, before } => return self.down(now_ms, node, before, effects),
             Command::Return(ids) => {
-                self.return_messages(ids, false, effects);
+                self.return_messages(ids, false, ReturnKind::Returned, effects);
                 Reply::Ok
             }
             Command::Requeue(ids) => {
                 let to_back = self.config.returns_to_back();
-                self.return_messages(ids, to_back, effects);
+                self.return_messages(ids, to_back, ReturnKind::Failed, effects);
+                Reply::Ok
+            }
+            Command::Claim {
+                max,
+                lease_ms,
+                worker,
+            } => Reply::Claimed(self.claim(max, lease_ms, worker, effects)),
+            Command::Extend {
+                id,
+                generation,
+                lease_ms,
+            } => Reply::Lease(self.extend(id, generation, lease_ms)),
+            Command::AckLease { id, generation } => {
+                Reply::Lease(self.ack_lease(id, generation, effects))
+            }
+            // The reason travels in the log (what a worker said); the machine keeps none yet.
+            Command::Release {
+                id,
+                generation,
+                delay_ms,
+                reason: _,
+            } => Reply::Lease(self.release_lease(id, generation, delay_ms, effects)),
+            Command::ConfigureWork(config) => {
+                self.work.config = config;
                 Reply::Ok
             }
             Command::Get { no_ack } => Reply::Got(self.get(no_ack, effects)),
@@ -314,7 +466,7 @@ impl<M: MessageRef> QueueMachine<M> {
         // Dropping may have brought an expired message to a head.
         self.expire_heads(effects);
         debug_assert_eq!(
-            (self.ready_len() + self.unacked.len()) as u64,
+            self.len() as u64,
             self.counters.live(),
             "message conservation"
         );
@@ -324,5 +476,7 @@ impl<M: MessageRef> QueueMachine<M> {
     }
 }
 
+#[cfg(test)]
+mod lease_tests;
 #[cfg(test)]
 mod tests;

@@ -223,6 +223,19 @@ impl<M: MessageRef> QueueMachine<M> {
             level.fresh.iter().for_each(|r| f(r.msg));
         }
         self.unacked.values().for_each(|u| f(&u.msg));
+        self.work.scheduled.iter().for_each(|r| f(&r.msg));
+    }
+
+    /// The delivery count of the ready message `id`, if it is ready (a returned message
+    /// waits under its id; a fresh one was never delivered, or was requeued at the back
+    /// under a new id).
+    pub(super) fn ready_delivery_count(&self, id: MsgId) -> Option<u32> {
+        self.levels.values().find_map(|l| {
+            l.returned
+                .get(&id)
+                .map(Ready::delivery_count)
+                .or_else(|| l.fresh.get(id).map(|r| r.delivery_count()))
+        })
     }
 
     /// The priority level a message waits in: its priority capped at `x-max-priority`, or 0
@@ -261,9 +274,17 @@ impl<M: MessageRef> QueueMachine<M> {
         self.push_fresh(Ready::new(id, msg, redelivered, expires_at, 0, self.now));
     }
 
-    /// Remove all ready messages, highest level first; returns how many.
+    /// Remove all ready messages, highest level first, then the scheduled ones (waiting out
+    /// a delayed retry: not checked out, so a purge takes them too); returns how many.
     pub(super) fn purge(&mut self, effects: &mut Vec<Effect<M>>) -> u32 {
-        let n = self.ready_len();
+        let n = self.ready_len() + self.work.scheduled.len();
+        for r in self.work.scheduled.take_all() {
+            effects.push(Effect::Removed {
+                id: r.id,
+                msg: r.msg,
+                reason: Removal::Purged,
+            });
+        }
         for (_, level) in std::mem::take(&mut self.levels).into_iter().rev() {
             for r in level
                 .returned
@@ -286,18 +307,16 @@ impl<M: MessageRef> QueueMachine<M> {
     /// Replace the reference held for a ready or unacked message by one of the same size.
     pub(super) fn swap(&mut self, id: MsgId, msg: M) {
         let level = self.level_of(&msg);
-        let slot = match self.levels.get_mut(&level).and_then(|l| l.get_mut(id)) {
-            Some(m) => Some((m, true)),
-            None => self.unacked.get_mut(&id).map(|u| (&mut u.msg, false)),
+        let (slot, bytes) = match self.levels.get_mut(&level).and_then(|l| l.get_mut(id)) {
+            Some(m) => (Some(m), &mut self.ready_bytes),
+            None => match self.unacked.get_mut(&id) {
+                Some(u) => (Some(&mut u.msg), &mut self.unacked_bytes),
+                None => self.work.scheduled.get_mut(id),
+            },
         };
-        if let Some((old, ready)) = slot {
+        if let Some(old) = slot {
             let (before, after) = (old.size(), msg.size());
             *old = msg;
-            let bytes = if ready {
-                &mut self.ready_bytes
-            } else {
-                &mut self.unacked_bytes
-            };
             *bytes = *bytes - before + after;
         }
     }

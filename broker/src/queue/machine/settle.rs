@@ -9,6 +9,7 @@
 //! more delivery.
 
 use super::command::{Effect, Removal};
+use super::config::ReturnKind;
 use super::ready::Ready;
 use super::{ConsumerId, MessageRef, MsgId, QueueMachine};
 
@@ -72,71 +73,105 @@ impl<M: MessageRef> QueueMachine<M> {
     }
 
     /// Put unacked messages back, marked redelivered, counting a delivery each: removed
-    /// past the delivery limit; at the back under new ids when `to_back`, else in their
-    /// original place.
+    /// past the delivery limit; held for the retry policy's delay when it has one for `kind`;
+    /// else at the back under new ids when `to_back`, or in their original place.
     pub(super) fn return_messages(
         &mut self,
         ids: Vec<MsgId>,
         to_back: bool,
+        kind: ReturnKind,
         effects: &mut Vec<Effect<M>>,
     ) {
         for id in ids {
-            if let Some(Unacked {
-                msg,
-                expires_at,
-                delivery_count: count,
-                enqueued_at,
-                ..
-            }) = self.take_unacked(id)
-            {
-                let delivery_count = count.saturating_add(1);
-                if self
-                    .config
-                    .delivery_limit
-                    .is_some_and(|limit| delivery_count > limit)
-                {
-                    self.counters.discarded += 1;
-                    effects.push(Effect::Removed {
-                        id,
-                        msg,
-                        reason: Removal::DeliveryLimit,
-                    });
-                    continue;
-                }
-                if to_back {
-                    let new = self.next_id;
-                    self.next_id += 1;
-                    effects.push(Effect::Requeued {
-                        old: id,
-                        new,
-                        msg: msg.clone(),
-                    });
-                    self.push_fresh(Ready::new(
-                        new,
-                        msg,
-                        true,
-                        expires_at,
-                        delivery_count,
-                        enqueued_at,
-                    ));
-                    continue;
-                }
-                self.push_returned(Ready::new(
-                    id,
-                    msg,
-                    true,
-                    expires_at,
-                    delivery_count,
-                    enqueued_at,
-                ));
-            }
+            self.return_message(id, to_back, kind, None, effects);
         }
+    }
+
+    /// Return one unacked message in its place (see [`Self::return_messages`]), held for
+    /// `delay_ms` when given (else the retry policy's delay). Returns when a held message is
+    /// ready again.
+    pub(super) fn return_one(
+        &mut self,
+        id: MsgId,
+        kind: ReturnKind,
+        delay_ms: Option<u64>,
+        effects: &mut Vec<Effect<M>>,
+    ) -> Option<u64> {
+        self.return_message(id, false, kind, delay_ms, effects)
+    }
+
+    fn return_message(
+        &mut self,
+        id: MsgId,
+        to_back: bool,
+        kind: ReturnKind,
+        delay_ms: Option<u64>,
+        effects: &mut Vec<Effect<M>>,
+    ) -> Option<u64> {
+        let Unacked {
+            msg,
+            expires_at,
+            delivery_count: count,
+            enqueued_at,
+            ..
+        } = self.take_unacked(id)?;
+        let delivery_count = count.saturating_add(1);
+        if self
+            .config
+            .delivery_limit
+            .is_some_and(|limit| delivery_count > limit)
+        {
+            self.counters.discarded += 1;
+            effects.push(Effect::Removed {
+                id,
+                msg,
+                reason: Removal::DeliveryLimit,
+            });
+            return None;
+        }
+        let delay =
+            delay_ms.unwrap_or_else(|| self.work.config.retry.delay_ms(kind, delivery_count, id));
+        if delay > 0 {
+            // Back in its place when due (its id is below every fresh id from now on).
+            let due = self.now.saturating_add(delay);
+            let r = Ready::new(id, msg, true, expires_at, delivery_count, enqueued_at);
+            self.schedule(due, r);
+            return Some(due);
+        }
+        if to_back {
+            let new = self.next_id;
+            self.next_id += 1;
+            effects.push(Effect::Requeued {
+                old: id,
+                new,
+                msg: msg.clone(),
+            });
+            self.push_fresh(Ready::new(
+                new,
+                msg,
+                true,
+                expires_at,
+                delivery_count,
+                enqueued_at,
+            ));
+            return None;
+        }
+        self.push_returned(Ready::new(
+            id,
+            msg,
+            true,
+            expires_at,
+            delivery_count,
+            enqueued_at,
+        ));
+        None
     }
 
     /// Remove an unacked message, keeping the byte total and its consumer's count (which may
     /// give that consumer credit again).
     fn take_unacked(&mut self, id: MsgId) -> Option<Unacked<M>> {
         let u = self.unacked.remove(&id)?;
+        self.work.leases.remove(id);
         self.unacked_bytes -= u.msg.size();
         if let Some(cid) = u.consumer
             && let Some(c) = self.consumers.get_mut(&cid)

@@ -249,6 +249,16 @@ impl<M> FreshQueue<M> {
             .flat_map(|c| c.msgs.iter().enumerate().map(move |(i, m)| c.record(i, m)))
     }
 
+    /// The record with `id`, its message borrowed, if held.
+    pub(in crate::queue::machine) fn get(&self, id: MsgId) -> Option<Ready<&M>> {
+        let after = self
+            .chunks
+            .partition_point(|c| c.id_at(0).is_none_or(|first| first <= id));
+        let c = self.chunks.get(after.checked_sub(1)?)?;
+        let i = c.position(id)?;
+        Some(c.record(i, c.msgs.get(i)?))
+    }
+
     /// The message of the record with `id`, if held.
     pub(in crate::queue::machine) fn get_mut(&mut self, id: MsgId) -> Option<&mut M> {
         // The chunk holding id is the last whose first id is at most id.

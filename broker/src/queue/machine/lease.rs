@@ -1,0 +1,343 @@
+//! Claims under a lease: the work-queue contract (seeds 003 and 004).
+//!
+//! `Claim` takes up to `max` ready messages for a worker for a lease; each claim of a message
+//! has a **generation**, the number of times the message has been claimed or delivered so far,
+//! this time included. Every claim or delivery ends by the message leaving the queue or by a
+//! return that counts one more delivery, so the generation is the message's delivery count plus
+//! one at the moment of the claim and grows by one with every claim: a later claim always has a
+//! larger generation. A token (message id, generation) settles, extends or releases the claim
+//! only while that generation holds it and its lease runs; any other token changes nothing and
+//! gets a [`LeaseError`] saying why.
+//!
+//! A lease that runs out returns its message (a delivery counted, kind
+//! [`ReturnKind::Returned`]) at the start of the first command at or after its deadline; the
+//! driver runs [`Command::Expire`](super::Command::Expire) at
+//! [`QueueMachine::next_expiry`]. Nothing else is closed.
+//!
+//! Invariants:
+//! - every lease names an unacked message held by no consumer, and `by_deadline` holds exactly
+//!   one `(expires_at, id)` per lease;
+//! - a lease's generation is its message's delivery count plus one;
+//! - after every command no lease has run out (`expires_at > now`);
+//! - a lease never runs past `claimed_at + lifetime_max_ms` of the config it was extended
+//!   under.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::command::Effect;
+use super::config::ReturnKind;
+use super::settle::Unacked;
+use super::{MessageRef, MsgId, QueueMachine};
+
+/// A claim's lease.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct Lease {
+    /// The claim's generation (see the module doc).
+    pub(super) generation: u32,
+    /// Machine time of the claim (the lifetime cap counts from it).
+    pub(super) claimed_at: u64,
+    /// Machine time at which the lease runs out.
+    pub(super) expires_at: u64,
+    /// Who claimed it (as the driver names workers).
+    pub(super) worker: String,
+}
+
+/// The leases of claimed messages.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub(super) struct Leases {
+    by_id: BTreeMap<MsgId, Lease>,
+    by_deadline: BTreeSet<(u64, MsgId)>,
+}
+
+impl Leases {
+    pub(super) fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub(super) fn get(&self, id: MsgId) -> Option<&Lease> {
+        self.by_id.get(&id)
+    }
+
+    fn insert(&mut self, id: MsgId, lease: Lease) {
+        self.by_deadline.insert((lease.expires_at, id));
+        if let Some(old) = self.by_id.insert(id, lease) {
+            self.by_deadline.remove(&(old.expires_at, id));
+        }
+    }
+
+    /// Drop the lease of a message leaving the unacked set.
+    pub(super) fn remove(&mut self, id: MsgId) -> Option<Lease> {
+        let lease = self.by_id.remove(&id)?;
+        self.by_deadline.remove(&(lease.expires_at, id));
+        Some(lease)
+    }
+
+    fn set_deadline(&mut self, id: MsgId, expires_at: u64) {
+        if let Some(lease) = self.by_id.get_mut(&id) {
+            self.by_deadline.remove(&(lease.expires_at, id));
+            lease.expires_at = expires_at;
+            self.by_deadline.insert((expires_at, id));
+        }
+    }
+
+    /// The first lease run out at `now`.
+    fn first_due(&self, now: u64) -> Option<MsgId> {
+        self.by_deadline
+            .first()
+            .filter(|&&(at, _)| at <= now)
+            .map(|&(_, id)| id)
+    }
+
+    pub(super) fn next_deadline(&self) -> Option<u64> {
+        self.by_deadline.first().map(|&(at, _)| at)
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = (&MsgId, &Lease)> {
+        self.by_id.iter()
+    }
+
+    pub(super) fn oldest_claim(&self) -> Option<u64> {
+        self.by_id.values().map(|l| l.claimed_at).min()
+    }
+
+    /// Checks the index (see the module doc).
+    pub(super) fn check(&self) {
+        assert_eq!(
+            self.by_id.len(),
+            self.by_deadline.len(),
+            "one deadline each"
+        );
+        assert!(
+            self.by_deadline
+                .iter()
+                .all(|(at, id)| self.by_id.get(id).is_some_and(|l| l.expires_at == *at)),
+            "deadlines index the leases"
+        );
+    }
+}
+
+/// A message handed out by [`Command::Claim`](super::Command::Claim).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Claimed<M> {
+    /// Message id (with `generation`, the claim's token).
+    pub id: MsgId,
+    /// The message.
+    pub msg: M,
+    /// This claim's generation.
+    pub generation: u32,
+    /// Deliveries returned before this claim (`x-delivery-count`).
+    pub delivery_count: u32,
+    /// Delivered before.
+    pub redelivered: bool,
+    /// Machine time at which the lease runs out, ms.
+    pub lease_expires_at: u64,
+    /// Machine time the message entered the queue, ms.
+    pub enqueued_at: u64,
+}
+
+/// What a claim is after a lease command that succeeded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum LeaseState {
+    /// Still claimed, its lease running until `lease_expires_at`.
+    Claimed {
+        /// Machine time at which the lease runs out, ms.
+        lease_expires_at: u64,
+    },
+    /// Acknowledged: the message left the queue.
+    Acked,
+    /// Released: the message is ready again, or scheduled until `ready_at`.
+    Released {
+        /// Machine time from which it is ready again (None: ready now, or removed past the
+        /// delivery limit).
+        ready_at: Option<u64>,
+    },
+}
+
+/// Why a lease command changed nothing.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize,
+)]
+pub enum LeaseError {
+    /// The queue holds no message of that id (settled, removed, or never one).
+    #[error("unknown delivery")]
+    NotFound,
+    /// Another claim or delivery of the message superseded this generation.
+    #[error("stale generation (current {current})")]
+    StaleGeneration {
+        /// The message's current generation.
+        current: u32,
+    },
+    /// This generation's lease ran out (or was released) and nothing claimed the message since.
+    #[error("lease expired (generation {current})")]
+    LeaseExpired {
+        /// The message's current generation.
+        current: u32,
+    },
+}
+
+impl<M: MessageRef> QueueMachine<M> {
+    /// Messages claimed under a lease.
+    #[must_use]
+    pub fn leased_len(&self) -> usize {
+        self.work.leases.len()
+    }
+
+    /// Machine time of the oldest claim still leased, ms.
+    #[must_use]
+    pub fn oldest_claim_at(&self) -> Option<u64> {
+        self.work.leases.oldest_claim()
+    }
+
+    /// Claim up to `max` ready messages for `worker`, each for `lease_ms` (the queue's default
+    /// lease when None; at most its extension cap and lifetime cap).
+    pub(super) fn claim(
+        &mut self,
+        max: u32,
+        lease_ms: Option<u64>,
+        worker: String,
+        effects: &mut Vec<Effect<M>>,
+    ) -> Vec<Claimed<M>> {
+        let cfg = self.work.config.lease;
+        let lease = lease_ms
+            .unwrap_or(cfg.default_ms)
+            .clamp(1, cfg.extension_max_ms.max(1))
+            .min(cfg.lifetime_max_ms.max(1));
+        let expires_at = self.now.saturating_add(lease);
+        let mut out = Vec::new();
+        while out.len() < max as usize {
+            let Some(r) = self.pop_live(effects) else {
+                break;
+            };
+            let size = r.msg.size();
+            self.counters.got += 1;
+            self.counters.redelivered += u64::from(r.redelivered());
+            self.work.counters.claimed += 1;
+            self.unacked_bytes += size;
+            let delivery_count = r.delivery_count();
+            let generation = delivery_count.saturating_add(1);
+            self.unacked.insert(
+                r.id,
+                Unacked {
+                    msg: r.msg.clone(),
+                    consumer: None,
+                    owner: None,
+                    expires_at: r.expires_at(),
+                    delivery_count,
+                    enqueued_at: r.enqueued_at,
+                },
+            );
+            self.work.leases.insert(
+                r.id,
+                Lease {
+                    generation,
+                    claimed_at: self.now,
+                    expires_at,
+                    worker: worker.clone(),
+                },
+            );
+            let redelivered = r.redelivered();
+            out.push(Claimed {
+                id: r.id,
+                msg: r.msg,
+                generation,
+                delivery_count,
+                redelivered,
+                lease_expires_at: expires_at,
+                enqueued_at: r.enqueued_at,
+            });
+        }
+        out
+    }
+
+    /// The lease `(id, generation)` names, if it holds; else why not.
+    pub(super) fn check_token(&self, id: MsgId, generation: u32) -> Result<&Lease, LeaseError> {
+        if let Some(lease) = self.work.leases.get(id) {
+            return if lease.generation == generation {
+                Ok(lease)
+            } else {
+                Err(LeaseError::StaleGeneration {
+                    current: lease.generation,
+                })
+            };
+        }
+        if let Some(u) = self.unacked.get(&id) {
+            // Delivered to a consumer or basic.get since: that delivery is the current one.
+            return Err(LeaseError::StaleGeneration {
+                current: u.delivery_count.saturating_add(1),
+            });
+        }
+        let waiting = self
+            .ready_delivery_count(id)
+            .or_else(|| self.work.scheduled.get(id).map(|r| r.delivery_count()));
+        match waiting {
+            // Deliveries so far: the generation of the last claim or delivery.
+            Some(current) if current == generation => Err(LeaseError::LeaseExpired { current }),
+            Some(current) => Err(LeaseError::StaleGeneration { current }),
+            None => Err(LeaseError::NotFound),
+        }
+    }
+
+    /// Extend a claim's lease to `lease_ms` from now, within the caps.
+    pub(super) fn extend(
+        &mut self,
+        id: MsgId,
+        generation: u32,
+        lease_ms: u64,
+    ) -> Result<LeaseState, LeaseError> {
+        let cfg = self.work.config.lease;
+        let claimed_at = self.check_token(id, generation)?.claimed_at;
+        let asked = self
+            .now
+            .saturating_add(lease_ms.clamp(1, cfg.extension_max_ms.max(1)));
+        let cap = claimed_at.saturating_add(cfg.lifetime_max_ms.max(1));
+        // Never shorter than now + 1: an extension past the cap keeps the lease to the cap,
+        // and a cap already reached ends it at the next command.
+        let expires_at = asked.min(cap).max(self.now.saturating_add(1));
+        self.work.leases.set_deadline(id, expires_at);
+        self.work.counters.extended += 1;
+        Ok(LeaseState::Claimed {
+            lease_expires_at: expires_at,
+        })
+    }
+
+    /// Acknowledge a claim: its message leaves the queue.
+    pub(super) fn ack_lease(
+        &mut self,
+        id: MsgId,
+        generation: u32,
+        effects: &mut Vec<Effect<M>>,
+    ) -> Result<LeaseState, LeaseError> {
+        self.check_token(id, generation)?;
+        self.settle(vec![id], effects);
+        Ok(LeaseState::Acked)
+    }
+
+    /// Release a claim: its message returns (a failed delivery), ready again after `delay_ms`
+    /// (the retry policy's delay when None).
+    pub(super) fn release_lease(
+        &mut self,
+        id: MsgId,
+        generation: u32,
+        delay_ms: Option<u64>,
+        effects: &mut Vec<Effect<M>>,
+    ) -> Result<LeaseState, LeaseError> {
+        self.check_token(id, generation)?;
+        self.work.counters.released += 1;
+        let ready_at = self.return_one(id, ReturnKind::Failed, delay_ms, effects);
+        Ok(LeaseState::Released { ready_at })
+    }
+
+    /// Return the messages whose lease ran out (a delivery counted each).
+    pub(super) fn expire_leases(&mut self, effects: &mut Vec<Effect<M>>) {
+        while let Some(id) = self.work.leases.first_due(self.now) {
+            self.work.counters.lease_expired += 1;
+            let before = self.work.leases.len();
+            self.return_one(id, ReturnKind::Returned, None, effects);
+            debug_assert!(self.work.leases.len() < before, "an expired lease ends");
+            if self.work.leases.len() >= before {
+                // Never loop on a lease that did not go (a bug): drop it instead.
+                self.work.leases.remove(id);
+            }
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! Scheduled messages: returned messages waiting out a delayed retry (a retry policy, or a
+//! lease released with a delay) before they are ready again.
+//!
+//! Invariants:
+//! - a scheduled message is neither ready nor unacked; it counts as live (message
+//!   conservation: `ready + unacked + scheduled == live`);
+//! - `by_due` holds exactly one `(due, id)` per message of `by_id`, and `bytes` is their body
+//!   bytes;
+//! - after every command no scheduled message is due (it was made ready, in its place: a
+//!   scheduled id left `fresh` from its head, so it is smaller than every fresh id and goes back
+//!   among the returned messages).
+//!
+//! Due times are machine time (the command's `now`), so replicas and replays agree.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::ready::Ready;
+use super::{MessageRef, MsgId, QueueMachine};
+
+/// Messages waiting for their due time.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(super) struct Scheduled<M> {
+    by_id: BTreeMap<MsgId, Ready<M>>,
+    by_due: BTreeSet<(u64, MsgId)>,
+    bytes: u64,
+}
+
+impl<M> Default for Scheduled<M> {
+    fn default() -> Self {
+        Self {
+            by_id: BTreeMap::new(),
+            by_due: BTreeSet::new(),
+            bytes: 0,
+        }
+    }
+}
+
+impl<M: MessageRef> Scheduled<M> {
+    pub(super) fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub(super) fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    pub(super) fn get(&self, id: MsgId) -> Option<&Ready<M>> {
+        self.by_id.get(&id)
+    }
+
+    /// The message `id` and the byte total it counts in, if scheduled.
+    pub(super) fn get_mut(&mut self, id: MsgId) -> (Option<&mut M>, &mut u64) {
+        (self.by_id.get_mut(&id).map(|r| &mut r.msg), &mut self.bytes)
+    }
+
+    fn insert(&mut self, due: u64, r: Ready<M>) {
+        self.bytes += r.msg.size();
+        self.by_due.insert((due, r.id));
+        let previous = self.by_id.insert(r.id, r);
+        debug_assert!(previous.is_none(), "a message is scheduled once");
+    }
+
+    /// The first message due at or before `now`.
+    fn pop_due(&mut self, now: u64) -> Option<Ready<M>> {
+        let &(due, id) = self.by_due.first()?;
+        if due > now {
+            return None;
+        }
+        self.by_due.pop_first();
+        let r = self.by_id.remove(&id)?;
+        self.bytes -= r.msg.size();
+        Some(r)
+    }
+
+    /// Every scheduled message, taken out (a purge).
+    pub(super) fn take_all(&mut self) -> impl Iterator<Item = Ready<M>> {
+        self.by_due.clear();
+        self.bytes = 0;
+        std::mem::take(&mut self.by_id).into_values()
+    }
+
+    pub(super) fn next_due(&self) -> Option<u64> {
+        self.by_due.first().map(|&(due, _)| due)
+    }
+
+    /// When message `id` is due (tests; O(scheduled)).
+    #[cfg(test)]
+    pub(super) fn due(&self, id: MsgId) -> Option<u64> {
+        self.by_due.iter().find(|&&(_, i)| i == id).map(|&(d, _)| d)
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = &Ready<M>> {
+        self.by_id.values()
+    }
+
+    /// Checks this module's invariants (see the module doc).
+    pub(super) fn check(&self) {
+        assert_eq!(self.by_id.len(), self.by_due.len(), "one due time each");
+        assert!(
+            self.by_due
+                .iter()
+                .all(|(_, id)| self.by_id.contains_key(id)),
+            "due times name scheduled messages"
+        );
+        let bytes: u64 = self.by_id.values().map(|r| r.msg.size()).sum();
+        assert_eq!(bytes, self.bytes, "scheduled bytes");
+    }
+}
+
+impl<M: MessageRef> QueueMachine<M> {
+    /// Messages waiting out a delayed retry.
+    #[must_use]
+    pub fn scheduled_len(&self) -> usize {
+        self.work.scheduled.len()
+    }
+
+    /// Body bytes of scheduled messages.
+    #[must_use]
+    pub fn scheduled_bytes(&self) -> u64 {
+        self.work.scheduled.bytes()
+    }
+
+    /// Hold a returned message until machine time `due`.
+    pub(super) fn schedule(&mut self, due: u64, r: Ready<M>) {
+        self.work.counters.retries_delayed += 1;
+        self.work.scheduled.insert(due, r);
+    }
+
+    /// Make every scheduled message that is due ready again, in its place.
+    pub(super) fn promote_due(&mut self) {
+        while let Some(r) = self.work.scheduled.pop_due(self.now) {
+            self.push_returned(r);
+        }
+    }
+
+    /// When the next scheduled message is due (machine time, ms).
+    #[must_use]
+    pub fn next_scheduled(&self) -> Option<u64> {
+        self.work.scheduled.next_due()
+    }
+}
