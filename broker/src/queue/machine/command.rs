@@ -7,7 +7,6 @@
 //! logs written before them still decode.
 
 use super::config::{QueueConfig, WorkConfig};
-use super::lease::{Claimed, LeaseError, LeaseState};
 use super::{ConsumerId, MsgId};
 
 /// Why a message left the queue without being acknowledged or delivered.
@@ -129,7 +128,7 @@ pub enum Command<M> {
     /// so older logs still decode.
     Requeue(Vec<MsgId>),
     /// Claim up to `max` ready messages under a lease (the work-queue contract; see
-    /// [`lease`](super::lease)). Replies [`Reply::Claimed`].
+    /// the `lease` module). Replies [`Reply::Claimed`].
     Claim {
         /// Most messages to claim.
         max: u32,
@@ -349,4 +348,63 @@ pub enum MachineError {
     /// The consumer id is already attached.
     #[error("consumer already attached")]
     DuplicateConsumer,
+}
+
+/// A message handed out by [`Command::Claim`](super::Command::Claim).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Claimed<M> {
+    /// Message id (with `generation`, the claim's token).
+    pub id: MsgId,
+    /// The message.
+    pub msg: M,
+    /// This claim's generation.
+    pub generation: u32,
+    /// Deliveries returned before this claim (`x-delivery-count`).
+    pub delivery_count: u32,
+    /// Delivered before.
+    pub redelivered: bool,
+    /// Machine time at which the lease runs out, ms.
+    pub lease_expires_at: u64,
+    /// Machine time the message entered the queue, ms.
+    pub enqueued_at: u64,
+}
+
+/// What a claim is after a lease command that succeeded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum LeaseState {
+    /// Still claimed, its lease running until `lease_expires_at`.
+    Claimed {
+        /// Machine time at which the lease runs out, ms.
+        lease_expires_at: u64,
+    },
+    /// Acknowledged: the message left the queue.
+    Acked,
+    /// Released: the message is ready again, or scheduled until `ready_at`.
+    Released {
+        /// Machine time from which it is ready again (None: ready now, or removed past the
+        /// delivery limit).
+        ready_at: Option<u64>,
+    },
+}
+
+/// Why a lease command changed nothing.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize,
+)]
+pub enum LeaseError {
+    /// The queue holds no message of that id (settled, removed, or never one).
+    #[error("unknown delivery")]
+    NotFound,
+    /// Another claim or delivery of the message superseded this generation.
+    #[error("stale generation (current {current})")]
+    StaleGeneration {
+        /// The message's current generation.
+        current: u32,
+    },
+    /// This generation's lease ran out (or was released) and nothing claimed the message since.
+    #[error("lease expired (generation {current})")]
+    LeaseExpired {
+        /// The message's current generation.
+        current: u32,
+    },
 }

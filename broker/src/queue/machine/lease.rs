@@ -24,7 +24,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::command::Effect;
+use super::command::{Claimed, Effect, LeaseError, LeaseState};
 use super::config::ReturnKind;
 use super::settle::Unacked;
 use super::{MessageRef, MsgId, QueueMachine};
@@ -114,65 +114,6 @@ impl Leases {
             "deadlines index the leases"
         );
     }
-}
-
-/// A message handed out by [`Command::Claim`](super::Command::Claim).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Claimed<M> {
-    /// Message id (with `generation`, the claim's token).
-    pub id: MsgId,
-    /// The message.
-    pub msg: M,
-    /// This claim's generation.
-    pub generation: u32,
-    /// Deliveries returned before this claim (`x-delivery-count`).
-    pub delivery_count: u32,
-    /// Delivered before.
-    pub redelivered: bool,
-    /// Machine time at which the lease runs out, ms.
-    pub lease_expires_at: u64,
-    /// Machine time the message entered the queue, ms.
-    pub enqueued_at: u64,
-}
-
-/// What a claim is after a lease command that succeeded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum LeaseState {
-    /// Still claimed, its lease running until `lease_expires_at`.
-    Claimed {
-        /// Machine time at which the lease runs out, ms.
-        lease_expires_at: u64,
-    },
-    /// Acknowledged: the message left the queue.
-    Acked,
-    /// Released: the message is ready again, or scheduled until `ready_at`.
-    Released {
-        /// Machine time from which it is ready again (None: ready now, or removed past the
-        /// delivery limit).
-        ready_at: Option<u64>,
-    },
-}
-
-/// Why a lease command changed nothing.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize,
-)]
-pub enum LeaseError {
-    /// The queue holds no message of that id (settled, removed, or never one).
-    #[error("unknown delivery")]
-    NotFound,
-    /// Another claim or delivery of the message superseded this generation.
-    #[error("stale generation (current {current})")]
-    StaleGeneration {
-        /// The message's current generation.
-        current: u32,
-    },
-    /// This generation's lease ran out (or was released) and nothing claimed the message since.
-    #[error("lease expired (generation {current})")]
-    LeaseExpired {
-        /// The message's current generation.
-        current: u32,
-    },
 }
 
 impl<M: MessageRef> QueueMachine<M> {

@@ -39,12 +39,21 @@
 //!   cancel and node down;
 //! - `deliver`: handing ready messages out (to consumers with credit, and basic.get);
 //! - `expiry`: message TTLs;
+//! - `lease`: claims under a lease, generation-fenced ack, extend and release, lease expiry
+//!   (the work-queue contract);
+//! - `schedule`: messages waiting out a delayed retry;
 //! - `invariants`: [`QueueMachine::check_invariants`].
 //!
 //! The handlers call each other freely (one type's methods), but the files' imports run one
 //! way: `config` imports no sibling; `command` imports `config`; `ready` and `consumers` import
 //! `command`; `settle` and `expiry` import `command` and `ready`; `deliver` imports `command`
-//! and `settle`; `invariants` imports `config`.
+//! and `settle`; `schedule` imports `ready`; `lease` imports `command`, `config` and `settle`;
+//! `invariants` imports `config`.
+//!
+//! Work-queue state (leases, scheduled messages, their settings and counters) sits in one
+//! field, `work`, last in the machine, so that a machine encoded before it existed still
+//! decodes ([`QueueMachineV1`]). Its settings ([`WorkConfig`]) are apart from
+//! [`QueueConfig`], whose replicated form (in `Configure` log entries) stays as it was.
 
 mod command;
 mod config;
@@ -52,21 +61,22 @@ mod consumers;
 mod deliver;
 mod expiry;
 mod invariants;
-pub mod lease;
+mod lease;
 mod ready;
 mod schedule;
 mod settle;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
-pub use command::{Command, ConsumerSpec, Effect, MachineError, Removal, Reply};
+pub use command::{
+    Claimed, Command, ConsumerSpec, Effect, LeaseError, LeaseState, MachineError, Removal, Reply,
+};
 pub use config::{
     DELIVERY_LIMIT_NONE, LeaseConfig, Overflow, QueueConfig, RetryOn, RetryPolicy, ReturnKind,
     WorkConfig,
 };
 use consumers::Consumer;
 use lease::Leases;
-pub use lease::{Claimed, LeaseError, LeaseState};
 use ready::Level;
 use schedule::Scheduled;
 use settle::Unacked;
