@@ -53,6 +53,14 @@ const KNOWN_KEYS: &[&str] = &[
     "max-age",
     "stream-max-segment-size-bytes",
     "stream-filter-size-bytes",
+    "lease-ms",
+    "lease-extension-max-ms",
+    "lease-lifetime-max-ms",
+    "delayed-retry-type",
+    "delayed-retry-min",
+    "delayed-retry-max",
+    "delayed-retry-multiplier",
+    "delayed-retry-jitter",
 ];
 
 /// Keys an operator policy may set: limits, which combine with the queue's own (the lower
@@ -199,6 +207,7 @@ impl Policy {
                 "max-age must be an interval such as 7D, 12h or 30m".into(),
             ));
         }
+        crate::args::work::check_policy(&def.definition).map_err(PolicyError)?;
         if let Some(o) = text(&def.definition, "overflow")
             && !["drop-head", "reject-publish", "reject-publish-dlx"].contains(&o.as_str())
         {
@@ -257,6 +266,8 @@ pub struct QueueSettings {
     pub dead_letter: Option<DeadLetterTarget>,
     /// `expires` in milliseconds.
     pub expires: Option<u64>,
+    /// Leases and delayed retries (`x-lease-*`, `x-delayed-retry-*` and their policy keys).
+    pub work: crate::queue::machine::WorkConfig,
 }
 
 /// Combine declare arguments, a policy and an operator policy with RabbitMQ's precedence.
@@ -321,6 +332,7 @@ pub fn queue_settings(
         config,
         dead_letter,
         expires,
+        work: crate::args::work::work_config(args, policy.map(|p| &p.def.definition)),
     }
 }
 

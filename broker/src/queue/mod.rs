@@ -13,6 +13,7 @@ mod consume;
 mod dead_letter;
 mod expiry;
 pub mod host;
+mod lease;
 pub mod limiter;
 pub mod machine;
 pub mod outbox;
@@ -24,6 +25,7 @@ mod settle;
 pub mod stream;
 
 pub use host::{NoHost, QueueHost};
+pub use lease::{ClaimDone, ClaimOutcome, LeaseCallError, LeaseDone, LeaseOutcome};
 use publish::below_flow_release;
 pub use publish::{Enqueued, publish_routed};
 use publish::{Join, publish_local};
@@ -100,6 +102,25 @@ pub struct QueueStats {
     pub counters: machine::Counters,
     /// How long the oldest ready message has waited, in milliseconds (None: nothing ready).
     pub oldest_ready_age_ms: Option<u64>,
+    /// Claims, leases and delayed retries (the work-queue contract).
+    #[serde(default)]
+    pub work: WorkStats,
+}
+
+/// A queue's work-queue figures: what waits out a delayed retry, what is claimed, and how
+/// long the oldest claim has been out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct WorkStats {
+    /// Messages scheduled for a delayed retry (neither ready nor unacked).
+    pub scheduled: u64,
+    /// Body bytes of scheduled messages.
+    pub scheduled_bytes: u64,
+    /// Messages claimed under a lease (counted in `unacked` too).
+    pub leased: u64,
+    /// How long the oldest claim still leased has been out, ms.
+    pub oldest_claim_age_ms: Option<u64>,
+    /// Lifetime counters: claims, extensions, releases, expired leases, delayed retries.
+    pub counters: machine::WorkCounters,
 }
 
 #[derive(Debug)]
@@ -251,7 +272,7 @@ impl Queue {
             flow_drained: tokio::sync::Notify::new(),
             replica: std::sync::OnceLock::new(),
             state: Mutex::new(State {
-                machine: QueueMachine::with_config(settings.config),
+                machine: QueueMachine::with_configs(settings.config, settings.work),
                 dead_letter: settings.dead_letter,
                 expires: settings.expires,
                 sinks: HashMap::new(),
@@ -400,10 +421,17 @@ impl Queue {
             st.expires = settings.expires;
             match self.replica() {
                 Some(replica) => {
-                    self.submit_quietly(replica, vec![Command::Configure(settings.config)])
+                    let mut commands = vec![Command::Configure(settings.config)];
+                    if *st.machine.work_config() != settings.work {
+                        commands.push(Command::ConfigureWork(settings.work));
+                    }
+                    self.submit_quietly(replica, commands);
                 }
                 None => {
                     let _ = self.run(&mut st, Command::Configure(settings.config));
+                    if *st.machine.work_config() != settings.work {
+                        let _ = self.run(&mut st, Command::ConfigureWork(settings.work));
+                    }
                 }
             }
         }
@@ -652,6 +680,7 @@ impl Queue {
                     ..machine::Counters::default()
                 },
                 oldest_ready_age_ms: None,
+                work: WorkStats::default(),
             };
         }
         let st = self.state.lock();
@@ -666,6 +695,16 @@ impl Queue {
                 .machine
                 .oldest_ready_at()
                 .map(|at| self.now_ms().saturating_sub(at)),
+            work: WorkStats {
+                scheduled: st.machine.scheduled_len() as u64,
+                scheduled_bytes: st.machine.scheduled_bytes(),
+                leased: st.machine.leased_len() as u64,
+                oldest_claim_age_ms: st
+                    .machine
+                    .oldest_claim_at()
+                    .map(|at| self.now_ms().saturating_sub(at)),
+                counters: st.machine.work_counters(),
+            },
         }
     }
 

@@ -206,11 +206,31 @@ impl Queue {
             | Command::Swap { .. }
             | Command::TrackOffset { .. }
             | Command::ConfigureWork(_) => Ok(Reply::Ok),
-            // Claims and their tokens are served where the queue is, through its node's
-            // HTTP API (a proxy sends none).
-            Command::Claim { .. } => Ok(Reply::Claimed(Vec::new())),
+            // A proxy's claim: taken here, bodies sent along (as a get's).
+            Command::Claim { .. } => {
+                let claims = self.claim_here(command).unwrap_or_default();
+                Ok(Reply::Claimed(
+                    claims
+                        .into_iter()
+                        .filter_map(|c| {
+                            let id = c.id;
+                            match c.msg.load().and_then(|l| loaded_message(&l)) {
+                                Ok(m) => Some(c.map(|_| Entry::Mem(m))),
+                                Err(e) => {
+                                    // Its lease runs out and it is claimed again.
+                                    tracing::error!(queue = %self.name, id, error = %e, "unreadable message");
+                                    None
+                                }
+                            }
+                        })
+                        .collect(),
+                ))
+            }
             Command::Extend { .. } | Command::AckLease { .. } | Command::Release { .. } => {
-                Ok(Reply::Lease(Err(machine::LeaseError::NotFound)))
+                Ok(Reply::Lease(
+                    self.settle_lease_here(command)
+                        .unwrap_or(Err(machine::LeaseError::NotFound)),
+                ))
             }
         }
     }

@@ -144,6 +144,9 @@ pub enum Command<M> {
         id: MsgId,
         /// The claim's generation.
         generation: u32,
+        /// When the message entered the queue (the claim's `enqueued_at`): a message of
+        /// another queue incarnation or a restored one under the same id differs.
+        enqueued_at: u64,
         /// The new lease from now, ms.
         lease_ms: u64,
     },
@@ -153,6 +156,8 @@ pub enum Command<M> {
         id: MsgId,
         /// The claim's generation.
         generation: u32,
+        /// When the message entered the queue (the claim's `enqueued_at`).
+        enqueued_at: u64,
     },
     /// Release claim `(id, generation)`: the message returns as a failed delivery, ready
     /// after `delay_ms` (None: the retry policy's delay). Replies [`Reply::Lease`].
@@ -161,6 +166,8 @@ pub enum Command<M> {
         id: MsgId,
         /// The claim's generation.
         generation: u32,
+        /// When the message entered the queue (the claim's `enqueued_at`).
+        enqueued_at: u64,
         /// Wait this long before it is ready again, ms.
         delay_ms: Option<u64>,
         /// Why the worker gave it back.
@@ -218,21 +225,33 @@ impl<M> Command<M> {
             Self::Extend {
                 id,
                 generation,
+                enqueued_at,
                 lease_ms,
             } => Command::Extend {
                 id,
                 generation,
+                enqueued_at,
                 lease_ms,
             },
-            Self::AckLease { id, generation } => Command::AckLease { id, generation },
+            Self::AckLease {
+                id,
+                generation,
+                enqueued_at,
+            } => Command::AckLease {
+                id,
+                generation,
+                enqueued_at,
+            },
             Self::Release {
                 id,
                 generation,
+                enqueued_at,
                 delay_ms,
                 reason,
             } => Command::Release {
                 id,
                 generation,
+                enqueued_at,
                 delay_ms,
                 reason,
             },
@@ -258,17 +277,7 @@ impl<M> Reply<M> {
             Self::Claimed(claims) => Reply::Claimed(
                 claims
                     .into_iter()
-                    .map(|c| {
-                        Ok(Claimed {
-                            id: c.id,
-                            msg: f(c.msg)?,
-                            generation: c.generation,
-                            delivery_count: c.delivery_count,
-                            redelivered: c.redelivered,
-                            lease_expires_at: c.lease_expires_at,
-                            enqueued_at: c.enqueued_at,
-                        })
-                    })
+                    .map(|c| c.try_map(&mut f))
                     .collect::<Result<_, E>>()?,
             ),
             Self::Lease(r) => Reply::Lease(r),
@@ -392,7 +401,8 @@ pub enum LeaseState {
     Debug, Clone, Copy, PartialEq, Eq, thiserror::Error, serde::Serialize, serde::Deserialize,
 )]
 pub enum LeaseError {
-    /// The queue holds no message of that id (settled, removed, or never one).
+    /// The queue holds no message of that id and enqueue time (settled, removed, never one,
+    /// or the queue was declared anew or restored since the claim).
     #[error("unknown delivery")]
     NotFound,
     /// Another claim or delivery of the message superseded this generation.
@@ -407,4 +417,28 @@ pub enum LeaseError {
         /// The message's current generation.
         current: u32,
     },
+}
+
+impl<M> Claimed<M> {
+    /// The same claim over another message reference.
+    ///
+    /// # Errors
+    /// The error of `f`.
+    pub fn try_map<N, E>(self, f: impl FnOnce(M) -> Result<N, E>) -> Result<Claimed<N>, E> {
+        Ok(Claimed {
+            id: self.id,
+            msg: f(self.msg)?,
+            generation: self.generation,
+            delivery_count: self.delivery_count,
+            redelivered: self.redelivered,
+            lease_expires_at: self.lease_expires_at,
+            enqueued_at: self.enqueued_at,
+        })
+    }
+
+    /// The same claim over another message reference.
+    pub fn map<N>(self, f: impl FnOnce(M) -> N) -> Claimed<N> {
+        let Ok(c) = self.try_map(|m| Ok::<N, std::convert::Infallible>(f(m)));
+        c
+    }
 }

@@ -5,7 +5,7 @@
 //! this time included. Every claim or delivery ends by the message leaving the queue or by a
 //! return that counts one more delivery, so the generation is the message's delivery count plus
 //! one at the moment of the claim and grows by one with every claim: a later claim always has a
-//! larger generation. A token (message id, generation) settles, extends or releases the claim
+//! larger generation. A token (message id, generation, enqueue time) settles, extends or releases the claim
 //! only while that generation holds it and its lease runs; any other token changes nothing and
 //! gets a [`LeaseError`] saying why.
 //!
@@ -28,6 +28,13 @@ use super::command::{Claimed, Effect, LeaseError, LeaseState};
 use super::config::ReturnKind;
 use super::settle::Unacked;
 use super::{MessageRef, MsgId, QueueMachine};
+
+/// What names a claim: the message id, the claim's generation and the message's enqueue time
+/// (machine ms). The enqueue time tells apart messages that share an id across a queue's
+/// incarnations (a queue deleted and declared again numbers from 1; a durable classic queue's
+/// restored messages enter again at their restore time), so a token from before cannot touch
+/// them.
+pub(super) type Token = (MsgId, u32, u64);
 
 /// A claim's lease.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -190,9 +197,14 @@ impl<M: MessageRef> QueueMachine<M> {
         out
     }
 
-    /// The lease `(id, generation)` names, if it holds; else why not.
-    pub(super) fn check_token(&self, id: MsgId, generation: u32) -> Result<&Lease, LeaseError> {
+    /// The lease a token `(id, generation, enqueued_at)` names, if it holds; else why not.
+    pub(super) fn check_token(&self, token: Token) -> Result<&Lease, LeaseError> {
+        let (id, generation, enqueued_at) = token;
         if let Some(lease) = self.work.leases.get(id) {
+            let u = self.unacked.get(&id);
+            if u.is_none_or(|u| u.enqueued_at != enqueued_at) {
+                return Err(LeaseError::NotFound);
+            }
             return if lease.generation == generation {
                 Ok(lease)
             } else {
@@ -202,14 +214,24 @@ impl<M: MessageRef> QueueMachine<M> {
             };
         }
         if let Some(u) = self.unacked.get(&id) {
+            if u.enqueued_at != enqueued_at {
+                return Err(LeaseError::NotFound);
+            }
             // Delivered to a consumer or basic.get since: that delivery is the current one.
             return Err(LeaseError::StaleGeneration {
                 current: u.delivery_count.saturating_add(1),
             });
         }
         let waiting = self
-            .ready_delivery_count(id)
-            .or_else(|| self.work.scheduled.get(id).map(|r| r.delivery_count()));
+            .ready_record(id)
+            .or_else(|| {
+                self.work
+                    .scheduled
+                    .get(id)
+                    .map(|r| (r.delivery_count(), r.enqueued_at))
+            })
+            .filter(|&(_, at)| at == enqueued_at)
+            .map(|(count, _)| count);
         match waiting {
             // Deliveries so far: the generation of the last claim or delivery.
             Some(current) if current == generation => Err(LeaseError::LeaseExpired { current }),
@@ -219,14 +241,10 @@ impl<M: MessageRef> QueueMachine<M> {
     }
 
     /// Extend a claim's lease to `lease_ms` from now, within the caps.
-    pub(super) fn extend(
-        &mut self,
-        id: MsgId,
-        generation: u32,
-        lease_ms: u64,
-    ) -> Result<LeaseState, LeaseError> {
+    pub(super) fn extend(&mut self, token: Token, lease_ms: u64) -> Result<LeaseState, LeaseError> {
         let cfg = self.work.config.lease;
-        let claimed_at = self.check_token(id, generation)?.claimed_at;
+        let claimed_at = self.check_token(token)?.claimed_at;
+        let id = token.0;
         let asked = self
             .now
             .saturating_add(lease_ms.clamp(1, cfg.extension_max_ms.max(1)));
@@ -244,12 +262,11 @@ impl<M: MessageRef> QueueMachine<M> {
     /// Acknowledge a claim: its message leaves the queue.
     pub(super) fn ack_lease(
         &mut self,
-        id: MsgId,
-        generation: u32,
+        token: Token,
         effects: &mut Vec<Effect<M>>,
     ) -> Result<LeaseState, LeaseError> {
-        self.check_token(id, generation)?;
-        self.settle(vec![id], effects);
+        self.check_token(token)?;
+        self.settle(vec![token.0], effects);
         Ok(LeaseState::Acked)
     }
 
@@ -257,14 +274,13 @@ impl<M: MessageRef> QueueMachine<M> {
     /// (the retry policy's delay when None).
     pub(super) fn release_lease(
         &mut self,
-        id: MsgId,
-        generation: u32,
+        token: Token,
         delay_ms: Option<u64>,
         effects: &mut Vec<Effect<M>>,
     ) -> Result<LeaseState, LeaseError> {
-        self.check_token(id, generation)?;
+        self.check_token(token)?;
         self.work.counters.released += 1;
-        let ready_at = self.return_one(id, ReturnKind::Failed, delay_ms, effects);
+        let ready_at = self.return_one(token.0, ReturnKind::Failed, delay_ms, effects);
         Ok(LeaseState::Released { ready_at })
     }
 

@@ -48,14 +48,21 @@ fn lease(q: &mut QueueMachine<M>, now: u64, c: Command<M>) -> Result<LeaseState,
     }
 }
 
+// The unit tests enqueue at machine time 0, so their tokens carry enqueued_at 0.
+
 fn ack(id: MsgId, generation: u32) -> Command<M> {
-    Command::AckLease { id, generation }
+    Command::AckLease {
+        id,
+        generation,
+        enqueued_at: 0,
+    }
 }
 
 fn extend(id: MsgId, generation: u32, lease_ms: u64) -> Command<M> {
     Command::Extend {
         id,
         generation,
+        enqueued_at: 0,
         lease_ms,
     }
 }
@@ -64,6 +71,7 @@ fn release(id: MsgId, generation: u32, delay_ms: Option<u64>) -> Command<M> {
     Command::Release {
         id,
         generation,
+        enqueued_at: 0,
         delay_ms,
         reason: "test".into(),
     }
@@ -197,6 +205,40 @@ fn release_with_a_delay_schedules_the_message_back_in_its_place() {
     assert_eq!(q.scheduled_len(), 0);
 }
 
+/// A durable classic queue's restart restores its messages at their restore time: a token
+/// issued before names a message of the same id but another enqueue time, and is refused as
+/// unknown, even when the new claim has the same generation.
+#[test]
+fn a_token_from_before_a_restore_is_unknown() {
+    let mut q = machine(WorkConfig::default());
+    run(&mut q, 0, Command::Enqueue(M(1)));
+    let before = claim(&mut q, 0, 1, None);
+    let mut restored = machine(WorkConfig::default());
+    run(
+        &mut restored,
+        5_000,
+        Command::Restore {
+            id: before[0].id,
+            msg: M(1),
+            redelivered: true,
+            expires_at: None,
+        },
+    );
+    let after = claim(&mut restored, 5_000, 1, None);
+    assert_eq!((after[0].id, after[0].generation), (before[0].id, 1));
+    assert_eq!(after[0].enqueued_at, 5_000);
+    assert_eq!(
+        lease(&mut restored, 5_001, ack(before[0].id, 1)),
+        Err(LeaseError::NotFound)
+    );
+    let token = Command::AckLease {
+        id: after[0].id,
+        generation: 1,
+        enqueued_at: after[0].enqueued_at,
+    };
+    assert_eq!(lease(&mut restored, 5_002, token), Ok(LeaseState::Acked));
+}
+
 /// RabbitMQ 4.3's delayed retry: linear in the delivery count up to the max, applied to the
 /// kind of return the policy names.
 #[test]
@@ -292,6 +334,7 @@ fn a_claim_past_the_delivery_limit_is_removed() {
         Command::Release {
             id: c[0].id,
             generation: 2,
+            enqueued_at: 0,
             delay_ms: None,
             reason: "poison".into(),
         },
@@ -390,6 +433,8 @@ struct Model {
     now: u64,
     next_id: MsgId,
     msgs: BTreeMap<MsgId, State>,
+    /// Each message's enqueue time (its tokens carry it).
+    at: BTreeMap<MsgId, u64>,
     limit: Option<u32>,
     work: WorkConfig,
 }
@@ -416,6 +461,7 @@ impl Model {
         let count = g;
         if self.limit.is_some_and(|l| count > l) {
             self.msgs.remove(&id);
+            self.at.remove(&id);
             return None;
         }
         let d = delay.unwrap_or_else(|| self.delay(kind, count));
@@ -456,7 +502,10 @@ impl Model {
         }
     }
 
-    fn check(&self, id: MsgId, g: u32) -> Result<(u64, u64), LeaseError> {
+    fn check(&self, id: MsgId, g: u32, at: u64) -> Result<(u64, u64), LeaseError> {
+        if self.at.get(&id) != Some(&at) {
+            return Err(LeaseError::NotFound);
+        }
         match self.msgs.get(&id) {
             None => Err(LeaseError::NotFound),
             Some(State::Claimed {
@@ -514,10 +563,10 @@ fn op() -> impl Strategy<Value = Op> {
         3 => Just(Op::Enqueue),
         3 => (1u32..4, proptest::option::of(1u64..300))
             .prop_map(|(max, lease_ms)| Op::Claim { max, lease_ms }),
-        2 => (any::<usize>(), 0u32..3, 1u64..400)
+        2 => (any::<usize>(), 0u32..4, 1u64..400)
             .prop_map(|(pick, skew, lease_ms)| Op::Extend { pick, skew, lease_ms }),
-        2 => (any::<usize>(), 0u32..3).prop_map(|(pick, skew)| Op::Ack { pick, skew }),
-        2 => (any::<usize>(), 0u32..3, proptest::option::of(0u64..200))
+        2 => (any::<usize>(), 0u32..4).prop_map(|(pick, skew)| Op::Ack { pick, skew }),
+        2 => (any::<usize>(), 0u32..4, proptest::option::of(0u64..200))
             .prop_map(|(pick, skew, delay_ms)| Op::Release { pick, skew, delay_ms }),
         3 => (0u64..150).prop_map(Op::Advance),
         1 => Just(Op::Snapshot),
@@ -578,7 +627,9 @@ proptest! {
     ) {
         let config = QueueConfig { delivery_limit: limit, ..QueueConfig::default() };
         let mut q: QueueMachine<M> = QueueMachine::with_configs(config, work);
-        let mut model = Model { now: 0, next_id: 1, msgs: BTreeMap::new(), limit, work };
+        let mut model = Model {
+            now: 0, next_id: 1, msgs: BTreeMap::new(), at: BTreeMap::new(), limit, work,
+        };
         let mut log: Vec<(u64, Command<M>)> = Vec::new();
         let mut halfway: Option<(usize, String)> = None;
         let mut now = 0u64;
@@ -604,16 +655,18 @@ proptest! {
                     worker: "w".into(),
                 },
                 Op::Extend { pick, skew, lease_ms } => {
-                    let (id, g) = token(&model, *pick, *skew);
-                    Command::Extend { id, generation: g, lease_ms: *lease_ms }
+                    let (id, generation, enqueued_at) = token(&model, *pick, *skew);
+                    Command::Extend { id, generation, enqueued_at, lease_ms: *lease_ms }
                 }
                 Op::Ack { pick, skew } => {
-                    let (id, generation) = token(&model, *pick, *skew);
-                    Command::AckLease { id, generation }
+                    let (id, generation, enqueued_at) = token(&model, *pick, *skew);
+                    Command::AckLease { id, generation, enqueued_at }
                 }
                 Op::Release { pick, skew, delay_ms } => {
-                    let (id, generation) = token(&model, *pick, *skew);
-                    Command::Release { id, generation, delay_ms: *delay_ms, reason: "r".into() }
+                    let (id, generation, enqueued_at) = token(&model, *pick, *skew);
+                    Command::Release {
+                        id, generation, enqueued_at, delay_ms: *delay_ms, reason: "r".into(),
+                    }
                 }
             };
             log.push((now, command.clone()));
@@ -623,6 +676,7 @@ proptest! {
             match (command, reply) {
                 (Command::Enqueue(_), Reply::Ok) => {
                     model.msgs.insert(model.next_id, State::Ready(0));
+                    model.at.insert(model.next_id, model.now);
                     model.next_id += 1;
                 }
                 (Command::Expire, Reply::Ok) => {}
@@ -658,8 +712,8 @@ proptest! {
                         });
                     }
                 }
-                (Command::Extend { id, generation, lease_ms }, Reply::Lease(r)) => {
-                    let want = model.check(id, generation).map(|(claimed_at, _)| {
+                (Command::Extend { id, generation, enqueued_at, lease_ms }, Reply::Lease(r)) => {
+                    let want = model.check(id, generation, enqueued_at).map(|(claimed_at, _)| {
                         let cfg = model.work.lease;
                         let at = (model.now + lease_ms.clamp(1, cfg.extension_max_ms))
                             .min(claimed_at + cfg.lifetime_max_ms)
@@ -671,15 +725,16 @@ proptest! {
                     });
                     prop_assert_eq!(r, want);
                 }
-                (Command::AckLease { id, generation }, Reply::Lease(r)) => {
-                    let want = model.check(id, generation).map(|_| {
+                (Command::AckLease { id, generation, enqueued_at }, Reply::Lease(r)) => {
+                    let want = model.check(id, generation, enqueued_at).map(|_| {
                         model.msgs.remove(&id);
+                        model.at.remove(&id);
                         LeaseState::Acked
                     });
                     prop_assert_eq!(r, want);
                 }
-                (Command::Release { id, generation, delay_ms, .. }, Reply::Lease(r)) => {
-                    let want = match model.check(id, generation) {
+                (Command::Release { id, generation, enqueued_at, delay_ms, .. }, Reply::Lease(r)) => {
+                    let want = match model.check(id, generation, enqueued_at) {
                         Ok(_) => {
                             let ready_at = model.put_back(id, generation, ReturnKind::Failed, delay_ms);
                             Ok(LeaseState::Released { ready_at })
@@ -694,7 +749,7 @@ proptest! {
             let mut seen = BTreeMap::new();
             for (id, s) in &model.msgs {
                 let machine_state = match s {
-                    State::Ready(_) => q.ready_delivery_count(*id).map(State::Ready),
+                    State::Ready(_) => q.ready_record(*id).map(|(c, _)| State::Ready(c)),
                     State::Claimed { .. } => q.work.leases.get(*id).map(|l| State::Claimed {
                         generation: l.generation,
                         claimed_at: l.claimed_at,
@@ -730,21 +785,24 @@ proptest! {
     }
 }
 
-/// A token for the `pick`-th message the model knows: its current generation, or one before
-/// or after it (`skew` 1 and 2).
-fn token(model: &Model, pick: usize, skew: u32) -> (MsgId, u32) {
+/// A token for the `pick`-th message the model knows: its current generation, one before or
+/// after it (`skew` 1 and 2), or the right generation with another enqueue time (3: the
+/// message of another incarnation under the same id).
+fn token(model: &Model, pick: usize, skew: u32) -> (MsgId, u32, u64) {
     let ids: Vec<MsgId> = model.msgs.keys().copied().collect();
     let Some(&id) = ids.get(pick % ids.len().max(1)) else {
         // Nothing in the queue: a token of a message settled or never there.
-        return (model.next_id.saturating_sub(1).max(1), 1);
+        return (model.next_id.saturating_sub(1).max(1), 1, 0);
     };
     let current = match model.msgs[&id] {
         State::Claimed { generation, .. } => generation,
         State::Ready(c) | State::Scheduled { count: c, .. } => c,
     };
+    let at = model.at[&id];
     match skew {
-        0 => (id, current),
-        1 => (id, current.saturating_sub(1)),
-        _ => (id, current + 1),
+        0 => (id, current, at),
+        1 => (id, current.saturating_sub(1), at),
+        2 => (id, current + 1, at),
+        _ => (id, current, at + 1),
     }
 }

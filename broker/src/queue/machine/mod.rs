@@ -423,18 +423,22 @@ impl<M: MessageRef> QueueMachine<M> {
             Command::Extend {
                 id,
                 generation,
+                enqueued_at,
                 lease_ms,
-            } => Reply::Lease(self.extend(id, generation, lease_ms)),
-            Command::AckLease { id, generation } => {
-                Reply::Lease(self.ack_lease(id, generation, effects))
-            }
+            } => Reply::Lease(self.extend((id, generation, enqueued_at), lease_ms)),
+            Command::AckLease {
+                id,
+                generation,
+                enqueued_at,
+            } => Reply::Lease(self.ack_lease((id, generation, enqueued_at), effects)),
             // The reason travels in the log (what a worker said); the machine keeps none yet.
             Command::Release {
                 id,
                 generation,
+                enqueued_at,
                 delay_ms,
                 reason: _,
-            } => Reply::Lease(self.release_lease(id, generation, delay_ms, effects)),
+            } => Reply::Lease(self.release_lease((id, generation, enqueued_at), delay_ms, effects)),
             Command::ConfigureWork(config) => {
                 self.work.config = config;
                 Reply::Ok

@@ -226,15 +226,15 @@ impl<M: MessageRef> QueueMachine<M> {
         self.work.scheduled.iter().for_each(|r| f(&r.msg));
     }
 
-    /// The delivery count of the ready message `id`, if it is ready (a returned message
-    /// waits under its id; a fresh one was never delivered, or was requeued at the back
-    /// under a new id).
-    pub(super) fn ready_delivery_count(&self, id: MsgId) -> Option<u32> {
+    /// The delivery count and enqueue time of the ready message `id`, if it is ready (a
+    /// returned message waits under its id; a fresh one was never delivered, or was requeued
+    /// at the back under a new id).
+    pub(super) fn ready_record(&self, id: MsgId) -> Option<(u32, u64)> {
         self.levels.values().find_map(|l| {
             l.returned
                 .get(&id)
-                .map(Ready::delivery_count)
-                .or_else(|| l.fresh.get(id).map(|r| r.delivery_count()))
+                .map(|r| (r.delivery_count(), r.enqueued_at))
+                .or_else(|| l.fresh.get(id).map(|r| (r.delivery_count(), r.enqueued_at)))
         })
     }
 

@@ -1,4 +1,7 @@
-//! Reading and comparing x-arguments the way RabbitMQ does.
+//! Reading and comparing x-arguments the way RabbitMQ does; `work` holds the work-queue
+//! arguments (leases, delayed retries).
+
+pub mod work;
 
 use amq_protocol::types::{AMQPValue, FieldTable};
 
@@ -284,6 +287,15 @@ const DECLARE_ARGS: &[(&str, Check)] = &[
     // RabbitMQ validates no value here: any integer (negative: unlimited, 0: no redelivery).
     ("x-delivery-limit", check_any_int),
     ("x-queue-leader-locator", check_leader_locator),
+    // Warren's work-queue arguments (classic and quorum).
+    ("x-lease-ms", work::check_lease_ms),
+    ("x-lease-extension-max-ms", work::check_lease_ms),
+    ("x-lease-lifetime-max-ms", work::check_lease_ms),
+    ("x-delayed-retry-type", work::check_retry_type),
+    ("x-delayed-retry-min", work::check_retry_ms),
+    ("x-delayed-retry-max", work::check_retry_ms),
+    ("x-delayed-retry-multiplier", work::check_retry_multiplier),
+    ("x-delayed-retry-jitter", work::check_retry_jitter),
 ];
 
 fn check_any_int(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
@@ -360,6 +372,14 @@ const CLASSIC_ARGS: &[&str] = &[
     "x-queue-type",
     "x-queue-master-locator",
     "x-queue-leader-locator",
+    "x-lease-ms",
+    "x-lease-extension-max-ms",
+    "x-lease-lifetime-max-ms",
+    "x-delayed-retry-type",
+    "x-delayed-retry-min",
+    "x-delayed-retry-max",
+    "x-delayed-retry-multiplier",
+    "x-delayed-retry-jitter",
 ];
 
 /// `rabbit_quorum_queue:capabilities/0`'s `queue_arguments`.
@@ -379,6 +399,14 @@ const QUORUM_ARGS: &[&str] = &[
     "x-delivery-limit",
     "x-message-ttl",
     "x-queue-leader-locator",
+    "x-lease-ms",
+    "x-lease-extension-max-ms",
+    "x-lease-lifetime-max-ms",
+    "x-delayed-retry-type",
+    "x-delayed-retry-min",
+    "x-delayed-retry-max",
+    "x-delayed-retry-multiplier",
+    "x-delayed-retry-jitter",
 ];
 
 /// `rabbit_stream_queue:capabilities/0`'s `queue_arguments`.

@@ -1,0 +1,149 @@
+//! Claims under a lease, driven: what the HTTP queue API (and later AMQP's extension) calls.
+//!
+//! A local queue applies the command under its lock and answers at once; a replicated queue
+//! (quorum) and a proxy of a classic queue held on another node submit it through their
+//! [`Replicator`], and answer when it committed there. Either way the answer comes through a
+//! callback, never by blocking. A claimed message comes back as an [`Outgoing`] readable after
+//! the call (a stored body pinned, a quorum queue's body read from its log here).
+
+use super::*;
+use crate::queue::machine::{Claimed, LeaseError, LeaseState};
+
+/// Why a lease call got no answer from the queue.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum LeaseCallError {
+    /// Streams keep their messages for every reader: nothing is claimed from them.
+    #[error("a stream has no claims")]
+    Stream,
+    /// The queue was deleted.
+    #[error("the queue was deleted")]
+    Deleted,
+    /// The queue's group or home node did not answer.
+    #[error(transparent)]
+    Replication(#[from] ReplicationError),
+}
+
+/// What a claim hands to its caller: each message's claim with its body readable.
+pub type ClaimOutcome = Result<Vec<Claimed<Outgoing>>, LeaseCallError>;
+/// Called once with a claim's outcome.
+pub type ClaimDone = Box<dyn FnOnce(ClaimOutcome) + Send>;
+/// The outcome of an extend, ack or release: the claim's state, or why the token changed
+/// nothing.
+pub type LeaseOutcome = Result<Result<LeaseState, LeaseError>, LeaseCallError>;
+/// Called once with an extend's, ack's or release's outcome.
+pub type LeaseDone = Box<dyn FnOnce(LeaseOutcome) + Send>;
+
+impl Queue {
+    /// Claim up to `max` ready messages for `worker` under a lease of `lease_ms` (the queue's
+    /// default when None); `done` gets them in delivery order.
+    pub fn claim(
+        self: &Arc<Self>,
+        max: u32,
+        lease_ms: Option<u64>,
+        worker: String,
+        done: ClaimDone,
+    ) {
+        if self.is_stream {
+            done(Err(LeaseCallError::Stream));
+            return;
+        }
+        let command = Command::Claim {
+            max,
+            lease_ms,
+            worker,
+        };
+        if let Some(replica) = self.replica() {
+            let reader = Arc::clone(replica);
+            replica.submit(
+                vec![command],
+                Box::new(move |r| {
+                    done(r.map_err(LeaseCallError::from).map(|replies| {
+                        match replies.into_iter().next() {
+                            Some(Ok(Reply::Claimed(claims))) => claims
+                                .into_iter()
+                                .map(|c| {
+                                    c.map(|e| crate::durable::pin_from(&e, None, reader.bodies()))
+                                })
+                                .collect(),
+                            _ => Vec::new(),
+                        }
+                    }));
+                }),
+            );
+            return;
+        }
+        let claims = self.claim_here(command);
+        done(claims);
+    }
+
+    /// [`Queue::claim`] of a queue held here.
+    pub(super) fn claim_here(self: &Arc<Self>, command: Command<Entry>) -> ClaimOutcome {
+        let claims = {
+            let mut st = self.state.lock();
+            if st.deleted {
+                return Err(LeaseCallError::Deleted);
+            }
+            st.last_used = self.now_ms();
+            // Pinned before any store op of this command is submitted.
+            let claims = match self.apply(&mut st, command) {
+                Ok(Reply::Claimed(claims)) => claims
+                    .into_iter()
+                    .map(|c| c.map(|e| crate::durable::pin(&e, self.store.as_deref())))
+                    .collect(),
+                _ => Vec::new(),
+            };
+            self.submit_store_ops(&mut st, None);
+            claims
+        };
+        self.dead_letter_pending();
+        Ok(claims)
+    }
+
+    /// Extend, acknowledge or release a claim ([`Command::Extend`], [`Command::AckLease`],
+    /// [`Command::Release`]); `done` gets the claim's state or why the token changed nothing.
+    ///
+    /// # Panics
+    /// In debug builds, for any other command (a caller's bug).
+    pub fn settle_lease(self: &Arc<Self>, command: Command<Entry>, done: LeaseDone) {
+        debug_assert!(matches!(
+            command,
+            Command::Extend { .. } | Command::AckLease { .. } | Command::Release { .. }
+        ));
+        if self.is_stream {
+            done(Err(LeaseCallError::Stream));
+            return;
+        }
+        if let Some(replica) = self.replica() {
+            replica.submit(
+                vec![command],
+                Box::new(move |r| {
+                    done(r.map_err(LeaseCallError::from).map(|replies| {
+                        match replies.into_iter().next() {
+                            Some(Ok(Reply::Lease(outcome))) => outcome,
+                            _ => Err(LeaseError::NotFound),
+                        }
+                    }));
+                }),
+            );
+            return;
+        }
+        done(self.settle_lease_here(command));
+    }
+
+    /// [`Queue::settle_lease`] of a queue held here.
+    pub(super) fn settle_lease_here(self: &Arc<Self>, command: Command<Entry>) -> LeaseOutcome {
+        let outcome = {
+            let mut st = self.state.lock();
+            if st.deleted {
+                return Err(LeaseCallError::Deleted);
+            }
+            st.last_used = self.now_ms();
+            match self.run(&mut st, command) {
+                Ok(Reply::Lease(outcome)) => outcome,
+                _ => Err(LeaseError::NotFound),
+            }
+        };
+        self.dead_letter_pending();
+        Ok(outcome)
+    }
+}
