@@ -112,6 +112,28 @@ fn credentials(parts: &Parts) -> Option<(String, String)> {
     Some((user.to_string(), pass.to_string()))
 }
 
+/// Check a request's credentials: the user's name, or the 401 RabbitMQ answers (no
+/// credentials, a failed login, a loopback-only user from elsewhere).
+fn login(parts: &Parts, state: &AppState) -> Result<String, ApiError> {
+    if !parts.headers.contains_key(header::AUTHORIZATION) {
+        return Err(ApiError::no_credentials());
+    }
+    let (name, password) =
+        credentials(parts).ok_or_else(|| ApiError::unauthorised("Login failed"))?;
+    if !state.broker.authenticate(&name, &password) {
+        return Err(ApiError::unauthorised("Login failed"));
+    }
+    // Without the peer address (a router used without connect info) count as remote.
+    let loopback = parts
+        .extensions
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .is_some_and(|c| c.0.ip().is_loopback());
+    if state.broker.is_loopback_user(&name) && !loopback {
+        return Err(ApiError::unauthorised("User can only log in via localhost"));
+    }
+    Ok(name)
+}
+
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
@@ -123,22 +145,7 @@ impl FromRequestParts<AppState> for Caller {
                 internal: true,
             });
         }
-        if !parts.headers.contains_key(header::AUTHORIZATION) {
-            return Err(ApiError::no_credentials());
-        }
-        let (name, password) =
-            credentials(parts).ok_or_else(|| ApiError::unauthorised("Login failed"))?;
-        if !state.broker.authenticate(&name, &password) {
-            return Err(ApiError::unauthorised("Login failed"));
-        }
-        // Without the peer address (a router used without connect info) count as remote.
-        let loopback = parts
-            .extensions
-            .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
-            .is_some_and(|c| c.0.ip().is_loopback());
-        if state.broker.is_loopback_user(&name) && !loopback {
-            return Err(ApiError::unauthorised("User can only log in via localhost"));
-        }
+        let name = login(parts, state)?;
         let tags = state
             .broker
             .list_users()
@@ -153,6 +160,25 @@ impl FromRequestParts<AppState> for Caller {
             name,
             tags,
             internal: false,
+        })
+    }
+}
+
+/// A user of the HTTP queue API (`/v1`): any user who logs in, as an AMQP client does, with
+/// no management tag. What it may do is its vhost permissions: write on a queue to publish
+/// into it, read to claim from it and settle claims.
+#[derive(Debug, Clone)]
+pub struct QueueUser {
+    /// User name.
+    pub name: String,
+}
+
+impl FromRequestParts<AppState> for QueueUser {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        Ok(Self {
+            name: login(parts, state)?,
         })
     }
 }

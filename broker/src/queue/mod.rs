@@ -209,6 +209,9 @@ pub struct Queue {
     last_delivery_ms: AtomicU64,
     /// Notified when the queue drains below half of the flow limits.
     flow_drained: tokio::sync::Notify,
+    /// Notified when the queue goes from no ready message to some (long-polling claims wait
+    /// on it; only that transition notifies, so a busy queue pays nothing for it).
+    ready_arrived: tokio::sync::Notify,
     /// Declared with `x-queue-type: quorum` (delivery limit, `x-delivery-count`).
     pub is_quorum: bool,
     /// `x-consumer-timeout` in milliseconds (overrides the broker's default).
@@ -270,6 +273,7 @@ impl Queue {
             ready_len_hint: AtomicU64::new(0),
             last_delivery_ms: AtomicU64::new(0),
             flow_drained: tokio::sync::Notify::new(),
+            ready_arrived: tokio::sync::Notify::new(),
             replica: std::sync::OnceLock::new(),
             state: Mutex::new(State {
                 machine: QueueMachine::with_configs(settings.config, settings.work),
@@ -512,6 +516,16 @@ impl Queue {
         if !below_flow_release(was_len, was_bytes) && below_flow_release(len, bytes) {
             self.flow_drained.notify_waiters();
         }
+        if was_len == 0 && len > 0 {
+            self.ready_arrived.notify_waiters();
+        }
+    }
+
+    /// A future that resolves once the queue has a ready message after having none. Enable
+    /// it (`Notified::enable`) before looking at the queue, so that an arrival between the
+    /// look and the wait is not missed. A proxy's machine is empty and never notifies.
+    pub fn ready_arrived(&self) -> tokio::sync::futures::Notified<'_> {
+        self.ready_arrived.notified()
     }
 
     /// Resolves once the queue is below half of the flow limits (at once if it already is).

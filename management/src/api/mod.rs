@@ -39,6 +39,8 @@ mod permissions;
 mod policies;
 mod queues;
 mod users;
+mod v1_leases;
+mod v1_messages;
 mod vhosts;
 
 type ApiResult = Result<Response, ApiError>;
@@ -275,6 +277,27 @@ pub fn router(state: AppState) -> Router {
             get(health::health_ready),
         )
         .route("/api/aliveness-test/{vhost}", get(health::aliveness_test))
+        // The HTTP queue API (docs/http-queue-api.md).
+        .route(
+            "/v1/queues/{vhost}/{queue}/messages",
+            axum::routing::post(v1_messages::publish),
+        )
+        .route(
+            "/v1/queues/{vhost}/{queue}/leases",
+            axum::routing::post(v1_leases::claim),
+        )
+        .route(
+            "/v1/leases/{token}/ack",
+            axum::routing::post(v1_leases::ack),
+        )
+        .route(
+            "/v1/leases/{token}/extend",
+            axum::routing::post(v1_leases::extend),
+        )
+        .route(
+            "/v1/leases/{token}/release",
+            axum::routing::post(v1_leases::release),
+        )
         .layer(axum::middleware::from_fn(crate::listing::layer))
         .layer(DefaultBodyLimit::max(REQUEST_BODY_MAX))
         .layer(axum::middleware::from_fn(no_login_prompt_for_scripts))
@@ -361,6 +384,13 @@ fn queue_for(
     let vh = vhost_for(state, caller, vhost)?;
     let q = vh.queue(name).ok_or_else(ApiError::not_found)?;
     Ok((vh, q))
+}
+
+/// The queue a queue-API request names, 404 when its vhost or it is missing (what the user
+/// may do with it is checked by permission afterwards).
+fn queue_for_user(state: &AppState, vhost: &str, name: &str) -> Result<Arc<Queue>, ApiError> {
+    let vh = state.broker.vhost(vhost).ok_or_else(ApiError::not_found)?;
+    vh.queue(name).ok_or_else(ApiError::not_found)
 }
 
 fn vhost_for(state: &AppState, caller: &Caller, name: &str) -> Result<Arc<VHost>, ApiError> {

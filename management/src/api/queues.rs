@@ -45,7 +45,7 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
         "type": queue_type_name(q),
         "state": "running",
         "node": node,
-        "messages": s.ready + s.unacked,
+        "messages": s.ready + s.unacked + s.work.scheduled,
         "messages_ready": s.ready,
         "messages_unacknowledged": s.unacked,
         "message_bytes": s.ready_bytes + s.unacked_bytes,
@@ -55,6 +55,19 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
         "message_stats": message_stats_json(&queue_message_stats(&s.counters), rates, false),
         // Warren's own: how long the head of the queue has waited (null when nothing is ready).
         "oldest_ready_message_age_ms": s.oldest_ready_age_ms,
+        // Warren's own: messages waiting out a delayed retry (in `messages`, not ready), and
+        // the claims of the HTTP queue API (docs/http-queue-api.md).
+        "messages_scheduled": s.work.scheduled,
+        "message_bytes_scheduled": s.work.scheduled_bytes,
+        "leases": {
+            "leased": s.work.leased,
+            "oldest_lease_age_ms": s.work.oldest_claim_age_ms,
+            "claimed": s.work.counters.claimed,
+            "extended": s.work.counters.extended,
+            "released": s.work.counters.released,
+            "expired": s.work.counters.lease_expired,
+            "retries_delayed": s.work.counters.retries_delayed,
+        },
     });
     if let (Some(stream), Some(obj)) = (q.stream(), v.as_object_mut()) {
         // A stream holds its messages whether or not they were delivered: `messages` is

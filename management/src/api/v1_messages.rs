@@ -1,0 +1,245 @@
+//! `POST /v1/queues/{vhost}/{queue}/messages`: publish a batch of messages into one queue
+//! (the HTTP queue API, docs/http-queue-api.md).
+//!
+//! Each message goes into the named queue as a publish through the default exchange would
+//! put it there, persistent unless it says otherwise, and the reply comes once every message
+//! is as durable as a publisher confirm would make it (on disk for a durable queue, committed
+//! by a majority for a quorum queue). The caller needs write permission on the queue.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use warren_amqp::properties::Properties;
+use warren_broker::message::Message;
+use warren_broker::node::access::{Access, Perm, Resource};
+use warren_broker::queue::{Enqueued, Queue, publish_routed};
+
+use super::{ApiResult, body, ok_json, queue_for_user};
+use crate::auth::QueueUser;
+use crate::{ApiError, AppState};
+
+/// Most messages one request publishes.
+pub const PUBLISH_BATCH_MAX: usize = 1_000;
+/// How long a publish waits for its messages to be durable before answering 503.
+const DURABLE_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PublishBody {
+    messages: Vec<OneMessage>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OneMessage {
+    payload: String,
+    #[serde(default = "string")]
+    payload_encoding: String,
+    /// The routing key consumers see (default: the queue's name).
+    #[serde(default)]
+    routing_key: Option<String>,
+    #[serde(default)]
+    headers: Option<Map<String, Value>>,
+    #[serde(default)]
+    priority: Option<u8>,
+    #[serde(default)]
+    expiration_ms: Option<u64>,
+    /// Persistent (delivery mode 2) unless false.
+    #[serde(default = "yes")]
+    persistent: bool,
+    #[serde(default)]
+    message_id: Option<String>,
+    #[serde(default)]
+    content_type: Option<String>,
+    #[serde(default)]
+    correlation_id: Option<String>,
+    #[serde(default)]
+    delay_ms: Option<u64>,
+    #[serde(default)]
+    dedup_token: Option<String>,
+}
+
+fn string() -> String {
+    "string".into()
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// A message id nobody else has: the node's clock and a process-wide counter.
+fn new_message_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{nanos:x}-{n:x}")
+}
+
+/// The message as the queue will hold it, and its id.
+fn build(
+    state: &AppState,
+    queue: &Queue,
+    m: OneMessage,
+) -> Result<(Arc<Message>, String), ApiError> {
+    if m.delay_ms.is_some_and(|d| d > 0) {
+        return Err(ApiError::bad_request(
+            "delay_ms: delayed publishes are not supported yet (release a lease with a delay instead)",
+        ));
+    }
+    if m.dedup_token.is_some() {
+        return Err(ApiError::bad_request(
+            "dedup_token: this queue does not deduplicate publishes",
+        ));
+    }
+    let payload = match m.payload_encoding.as_str() {
+        "string" => bytes::Bytes::from(m.payload.into_bytes()),
+        "base64" => bytes::Bytes::from(
+            base64::Engine::decode(&base64::engine::general_purpose::STANDARD, &m.payload)
+                .map_err(|_| ApiError::bad_request("payload is not base64"))?,
+        ),
+        other => {
+            return Err(ApiError::bad_request(format!(
+                "invalid payload_encoding {other} (string or base64)"
+            )));
+        }
+    };
+    if payload.len() as u64 > state.node.message_size_max {
+        return Err(ApiError::bad_request(format!(
+            "message size {} is larger than configured max size {}",
+            payload.len(),
+            state.node.message_size_max
+        )));
+    }
+    let message_id = m.message_id.unwrap_or_else(new_message_id);
+    let mut props = Map::new();
+    props.insert("message_id".into(), json!(message_id));
+    props.insert(
+        "delivery_mode".into(),
+        json!(if m.persistent { 2 } else { 1 }),
+    );
+    if let Some(h) = m.headers {
+        props.insert("headers".into(), Value::Object(h));
+    }
+    if let Some(p) = m.priority {
+        props.insert("priority".into(), json!(p));
+    }
+    if let Some(e) = m.expiration_ms {
+        props.insert("expiration".into(), json!(e.to_string()));
+    }
+    if let Some(c) = m.content_type {
+        props.insert("content_type".into(), json!(c));
+    }
+    if let Some(c) = m.correlation_id {
+        props.insert("correlation_id".into(), json!(c));
+    }
+    let raw =
+        crate::properties::from_json(Some(&Value::Object(props))).map_err(ApiError::bad_request)?;
+    let properties = Properties::parse(
+        bytes::Bytes::from(raw),
+        warren_amqp::limits::TABLE_DEPTH_MAX,
+    )
+    .map_err(|_| ApiError::bad_request("invalid properties"))?;
+    let routing_key = m.routing_key.unwrap_or_else(|| queue.name.clone());
+    if routing_key.len() > 255 {
+        return Err(ApiError::bad_request(
+            "routing_key is longer than 255 bytes",
+        ));
+    }
+    Ok((
+        Arc::new(Message {
+            exchange: String::new(),
+            routing_key,
+            properties,
+            body: payload,
+        }),
+        message_id,
+    ))
+}
+
+/// The 403 of a user without `perm` on the queue (RabbitMQ's text).
+pub(super) fn require(
+    state: &AppState,
+    user: &QueueUser,
+    vhost: &str,
+    queue: &str,
+    perm: Perm,
+) -> Result<(), ApiError> {
+    let mut access = Access::new(Arc::clone(&state.broker), vhost, &user.name);
+    access
+        .check(perm, Resource::Queue, queue)
+        .map_err(|e| ApiError {
+            status: axum::http::StatusCode::FORBIDDEN,
+            error: "access_refused",
+            reason: e.text,
+        })
+}
+
+/// POST /v1/queues/{vhost}/{queue}/messages.
+pub(super) async fn publish(
+    State(state): State<AppState>,
+    user: QueueUser,
+    Path((vhost, name)): Path<(String, String)>,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    let queue = queue_for_user(&state, &vhost, &name)?;
+    require(&state, &user, &vhost, &name, Perm::Write)?;
+    let b: PublishBody =
+        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    if b.messages.is_empty() || b.messages.len() > PUBLISH_BATCH_MAX {
+        return Err(ApiError::bad_request(format!(
+            "messages: 1 to {PUBLISH_BATCH_MAX} a request"
+        )));
+    }
+    // Every message checked before any is published: a bad one publishes none.
+    let built = b
+        .messages
+        .into_iter()
+        .map(|m| build(&state, &queue, m))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut waits = Vec::with_capacity(built.len());
+    let mut out = Vec::with_capacity(built.len());
+    let targets = [Arc::clone(&queue)];
+    for (message, message_id) in built {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let (outcome, submitted) = publish_routed(&targets, &message, || {
+            Box::new(move |r| {
+                let _ = tx.send(r.is_ok());
+            })
+        });
+        match outcome {
+            Enqueued::Rejected => {
+                return Err(ApiError {
+                    status: axum::http::StatusCode::TOO_MANY_REQUESTS,
+                    error: "queue_full",
+                    reason: format!(
+                        "the queue refused message {message_id} (x-overflow reject-publish at its limit); {} before it were published",
+                        out.len()
+                    ),
+                });
+            }
+            Enqueued::Gone => return Err(ApiError::not_found()),
+            Enqueued::Accepted => {}
+        }
+        if submitted {
+            waits.push(rx);
+        }
+        out.push(json!({"message_id": message_id, "duplicate": false}));
+    }
+    for rx in waits {
+        match tokio::time::timeout(DURABLE_WAIT, rx).await {
+            Ok(Ok(true)) => {}
+            _ => {
+                return Err(ApiError {
+                    status: axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    error: "not_durable",
+                    reason: "the queue did not confirm every message; publish again (the ones that were stored may be there twice)".into(),
+                });
+            }
+        }
+    }
+    ok_json(json!({"messages": out}))
+}
