@@ -307,3 +307,32 @@ def test_long_poll_returns_when_a_message_arrives(api, connect, names):
     t.join(timeout=30)
     assert [d["payload"] for d in result["deliveries"]] == ["wake up"]
     assert result["waited"] < 10
+
+
+def test_replies_match_the_openapi_description(api, connect, names):
+    """docs/http-queue-api.openapi.json and the broker agree: every documented path is
+    routed (401 without credentials, not a 404 of no route), and a delivery, a lease state
+    and a conflict carry every field the description requires."""
+    from pathlib import Path
+    import json
+
+    base, s = api
+    spec = json.loads((Path(__file__).resolve().parents[2] / "docs" /
+                       "http-queue-api.openapi.json").read_text())
+    assert spec["openapi"].startswith("3.")
+    for path in spec["paths"]:
+        url = base + path.replace("{vhost}", "%2F").replace("{queue}", "q").replace(
+            "{token}", "t")
+        assert requests.post(url, json={}, timeout=30).status_code == 401, path
+    schemas = spec["components"]["schemas"]
+    name = names.q()
+    declare(connect, name)
+    publish(api, name, [{"payload": "x"}, {"payload": "y"}])
+    ds = claim(api, name, max_items=2, lease_ms=100).json()["deliveries"]
+    for d in ds:
+        assert set(schemas["Delivery"]["required"]) <= set(d), d
+    state = settle(api, ds[0]["token"], "extend", lease_ms=1_000).json()
+    assert set(schemas["LeaseState"]["required"]) <= set(state), state
+    eventually(lambda: queue_info(api, name), lambda i: i["messages_ready"] == 1)
+    conflict = settle(api, ds[1]["token"], "ack").json()
+    assert set(schemas["Conflict"]["required"]) <= set(conflict), conflict
