@@ -212,8 +212,9 @@ pub fn sender_selected(props: &Properties) -> (Vec<String>, Vec<String>) {
     (keys("CC"), keys("BCC"))
 }
 
-/// A property list with `x-delivery-count` set (quorum queues report how often a message was
-/// returned when they deliver it again). Unparseable input is returned unchanged.
+/// A property list with `x-delivery-count` and RabbitMQ 4.3's `x-acquired-count` set (quorum
+/// queues report how often a message was returned when they deliver it again; every return
+/// counts here, so the two agree). Unparseable input is returned unchanged.
 #[must_use]
 pub fn with_delivery_count(raw: &[u8], count: u32) -> Bytes {
     let raw = Bytes::copy_from_slice(raw);
@@ -225,7 +226,43 @@ pub fn with_delivery_count(raw: &[u8], count: u32) -> Bytes {
         "x-delivery-count".into(),
         AMQPValue::LongLongInt(i64::from(count)),
     );
+    headers.insert(
+        "x-acquired-count".into(),
+        AMQPValue::LongLongInt(i64::from(count)),
+    );
     props.rewrite(&encode_table(&headers), false)
+}
+
+/// Most bytes of a failure reason or worker name a dead letter carries.
+pub const FAILURE_TEXT_MAX: usize = 1_024;
+
+/// A dead letter's properties with its failure context: `x-failure-reason` (what its last
+/// worker said when it released it, or `lease expired`), `x-failure-worker` and
+/// `x-failure-attempts` (its delivery count). Unparseable input is returned unchanged.
+#[must_use]
+pub fn with_failure(props: &Properties, reason: &str, worker: &str, attempts: u32) -> Properties {
+    let cut = |s: &str| {
+        let mut end = s.len().min(FAILURE_TEXT_MAX);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s[..end].to_string()
+    };
+    let mut headers = props.headers().unwrap_or_default();
+    headers.insert(
+        "x-failure-reason".into(),
+        AMQPValue::LongString(cut(reason).into()),
+    );
+    headers.insert(
+        "x-failure-worker".into(),
+        AMQPValue::LongString(cut(worker).into()),
+    );
+    headers.insert(
+        "x-failure-attempts".into(),
+        AMQPValue::LongLongInt(i64::from(attempts)),
+    );
+    let raw = props.rewrite(&encode_table(&headers), false);
+    Properties::parse(raw, warren_amqp::limits::TABLE_DEPTH_MAX).unwrap_or_else(|_| props.clone())
 }
 
 #[cfg(test)]

@@ -336,3 +336,49 @@ def test_replies_match_the_openapi_description(api, connect, names):
     eventually(lambda: queue_info(api, name), lambda i: i["messages_ready"] == 1)
     conflict = settle(api, ds[1]["token"], "ack").json()
     assert set(schemas["Conflict"]["required"]) <= set(conflict), conflict
+
+
+def test_dead_letter_past_the_limit_carries_the_failure_context(api, connect, names):
+    """A quorum queue with x-delivery-limit 1: the second release of a claim dead-letters the
+    message, and the dead letter carries what its last worker said (x-failure-reason), who
+    that was (x-failure-worker) and how often it was returned (x-failure-attempts) beside
+    x-death's delivery_limit."""
+    name, dlq = names.q("work"), names.q("dlq")
+    ch = connect().channel()
+    ch.queue_declare(dlq, durable=True)
+    ch.queue_declare(name, durable=True, arguments={
+        "x-queue-type": "quorum", "x-delivery-limit": 1,
+        "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq})
+    publish(api, name, [{"payload": "poison", "message_id": "p-1"}])
+    first = claim(api, name, worker="w1").json()["deliveries"][0]
+    r = settle(api, first["token"], "release", reason="boom")
+    assert r.status_code == 200 and r.json()["state"] == "released", r.text
+    second = claim(api, name, worker="w2").json()["deliveries"][0]
+    assert second["generation"] == 2
+    r = settle(api, second["token"], "release", reason="boom again")
+    assert r.status_code == 200, r.text
+    method, props, body = None, None, None
+    deadline = time.monotonic() + 10
+    while method is None:
+        assert time.monotonic() < deadline, "nothing dead-lettered"
+        method, props, body = ch.basic_get(dlq, auto_ack=True)
+    assert body == b"poison" and props.message_id == "p-1"
+    h = props.headers
+    assert (h["x-failure-reason"], h["x-failure-worker"], h["x-failure-attempts"]) == (
+        "boom again", "w2", 2)
+    assert h["x-death"][0]["reason"] == "delivery_limit"
+    assert settle(api, second["token"], "ack").status_code == 404
+
+
+def test_quorum_redeliveries_carry_delivery_and_acquired_counts(connect, names):
+    """A quorum queue's redelivery carries x-delivery-count and RabbitMQ 4.3's
+    x-acquired-count (every return counts in Warren, so they agree)."""
+    name = names.q()
+    ch = connect().channel()
+    ch.queue_declare(name, durable=True, arguments={"x-queue-type": "quorum"})
+    ch.basic_publish("", name, b"m")
+    m, _, _ = ch.basic_get(name)
+    ch.basic_nack(m.delivery_tag, requeue=True)
+    m, props, _ = ch.basic_get(name, auto_ack=True)
+    assert m.redelivered
+    assert (props.headers["x-delivery-count"], props.headers["x-acquired-count"]) == (1, 1)

@@ -3,12 +3,30 @@
 
 use super::*;
 
+/// Why a message was dead-lettered past its delivery limit, as its last worker left it: the
+/// dead letter carries it in `x-failure-reason`, `x-failure-worker` and `x-failure-attempts`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailureContext {
+    /// The last release's reason, or `lease expired`.
+    pub reason: String,
+    /// The worker that held it last.
+    pub worker: String,
+    /// Deliveries returned, the last one included.
+    pub delivery_count: u32,
+}
+
 impl Queue {
-    pub(super) fn hold_dead_letter(&self, st: &mut State, msg: &Entry, reason: Removal) {
+    pub(super) fn hold_dead_letter(
+        &self,
+        st: &mut State,
+        msg: &Entry,
+        reason: Removal,
+        context: Option<FailureContext>,
+    ) {
         if !st.dead_letters_here {
             return;
         }
-        st.dead_letters.push((self.pin(msg), reason));
+        st.dead_letters.push((self.pin(msg), reason, context));
         self.dead_letters_pending.store(true, Ordering::Release);
     }
 
@@ -59,7 +77,7 @@ impl Queue {
         };
         let now_s = crate::timers::wall_ms() / 1000;
         let mut targets = Vec::new();
-        for (out, reason) in items {
+        for (out, reason, context) in items {
             let Some(reason) = deadletter::reason_name(reason) else {
                 continue;
             };
@@ -71,11 +89,19 @@ impl Queue {
                 }
             };
             let depth = warren_amqp::limits::TABLE_DEPTH_MAX;
-            let Some(msg) =
+            let Some(mut msg) =
                 deadletter::dead_lettered(&loaded, &self.name, reason, now_s, target, depth)
             else {
                 continue;
             };
+            if let Some(c) = context {
+                msg.properties = deadletter::with_failure(
+                    &msg.properties,
+                    &c.reason,
+                    &c.worker,
+                    c.delivery_count,
+                );
+            }
             let headers = RoutingHeaders::new(&msg.properties);
             targets.clear();
             // A missing dead-letter exchange drops the message, as in RabbitMQ.

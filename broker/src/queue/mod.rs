@@ -143,7 +143,7 @@ struct State {
     expires: Option<u64>,
     /// Messages to dead-letter once the lock is released (pinned: their store records stay
     /// readable after the settles submitted under the lock commit).
-    dead_letters: Vec<(Outgoing, Removal)>,
+    dead_letters: Vec<(Outgoing, Removal, Option<dead_letter::FailureContext>)>,
     /// Whether this node dead-letters what the machine removes: always, but for a replicated
     /// queue's followers (its leader does, once).
     dead_letters_here: bool,
@@ -599,15 +599,33 @@ impl Queue {
     }
 
     fn carry_out(self: &Arc<Self>, st: &mut State, effects: &mut Vec<Effect<Entry>>) {
+        // An `Effect::Failed` comes just ahead of the removal it describes.
+        let mut failure: Option<(MsgId, dead_letter::FailureContext)> = None;
         for effect in effects.drain(..) {
             match effect {
+                Effect::Failed {
+                    id,
+                    reason,
+                    worker,
+                    delivery_count,
+                } => {
+                    failure = Some((
+                        id,
+                        dead_letter::FailureContext {
+                            reason,
+                            worker,
+                            delivery_count,
+                        },
+                    ));
+                }
                 Effect::Removed { id, msg, reason } => {
+                    let context = failure.take().filter(|(of, _)| *of == id).map(|(_, c)| c);
                     // A deleted queue's messages are gone with it (its store records too).
                     if st.deleted {
                         continue;
                     }
                     if st.dead_letter.is_some() && deadletter::reason_name(reason).is_some() {
-                        self.hold_dead_letter(st, &msg, reason);
+                        self.hold_dead_letter(st, &msg, reason, context);
                     }
                     if self.persists(&msg) {
                         st.store_ops.push(Op::Settle { queue: self.id, id });

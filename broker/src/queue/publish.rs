@@ -66,7 +66,7 @@ impl Queue {
                 if st.dead_letter.is_some()
                     && st.machine.config().overflow == Overflow::RejectPublishDlx
                 {
-                    self.hold_dead_letter(st, &entry, Removal::MaxLen);
+                    self.hold_dead_letter(st, &entry, Removal::MaxLen, None);
                 }
                 Enqueued::Rejected
             }

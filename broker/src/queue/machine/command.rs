@@ -324,6 +324,19 @@ pub enum Effect<M> {
         /// Why.
         reason: Removal,
     },
+    /// The failure context of a message about to be removed past its delivery limit (the
+    /// [`Effect::Removed`] that follows, same id): what its last worker said when it gave it
+    /// back, or that its lease ran out. The driver puts it in the dead letter's headers.
+    Failed {
+        /// The message.
+        id: MsgId,
+        /// The last release's reason (`lease expired` when its lease ran out).
+        reason: String,
+        /// The worker that held it last.
+        worker: String,
+        /// Deliveries returned, this one included.
+        delivery_count: u32,
+    },
 }
 
 /// Replies to a command.

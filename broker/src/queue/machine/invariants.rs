@@ -33,6 +33,14 @@ impl<M: MessageRef> QueueMachine<M> {
                 "a claimed message is not ready"
             );
         }
+        for id in self.work.failures.keys() {
+            assert!(
+                self.unacked.contains_key(id)
+                    || self.ready_record(*id).is_some()
+                    || self.work.scheduled.get(*id).is_some(),
+                "failure context only for messages still in the queue"
+            );
+        }
         if let Some(due) = self.work.scheduled.next_due() {
             assert!(due > self.now, "no scheduled message is due");
         }

@@ -49,6 +49,18 @@ pub(super) struct Lease {
     pub(super) worker: String,
 }
 
+/// Why a message came back from its last claim, kept until it leaves the queue.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(super) struct Failure {
+    /// What the worker said, or `lease expired`.
+    pub(super) reason: String,
+    /// The worker.
+    pub(super) worker: String,
+}
+
+/// The reason a failure records when a lease ran out.
+pub(super) const LEASE_EXPIRED_REASON: &str = "lease expired";
+
 /// The leases of claimed messages.
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub(super) struct Leases {
@@ -276,10 +288,14 @@ impl<M: MessageRef> QueueMachine<M> {
         &mut self,
         token: Token,
         delay_ms: Option<u64>,
+        reason: String,
         effects: &mut Vec<Effect<M>>,
     ) -> Result<LeaseState, LeaseError> {
-        self.check_token(token)?;
+        let worker = self.check_token(token)?.worker.clone();
         self.work.counters.released += 1;
+        self.work
+            .failures
+            .insert(token.0, Failure { reason, worker });
         let ready_at = self.return_one(token.0, ReturnKind::Failed, delay_ms, effects);
         Ok(LeaseState::Released { ready_at })
     }
@@ -288,12 +304,46 @@ impl<M: MessageRef> QueueMachine<M> {
     pub(super) fn expire_leases(&mut self, effects: &mut Vec<Effect<M>>) {
         while let Some(id) = self.work.leases.first_due(self.now) {
             self.work.counters.lease_expired += 1;
+            if let Some(lease) = self.work.leases.get(id) {
+                let worker = lease.worker.clone();
+                self.work.failures.insert(
+                    id,
+                    Failure {
+                        reason: LEASE_EXPIRED_REASON.to_string(),
+                        worker,
+                    },
+                );
+            }
             let before = self.work.leases.len();
             self.return_one(id, ReturnKind::Returned, None, effects);
             debug_assert!(self.work.leases.len() < before, "an expired lease ends");
             if self.work.leases.len() >= before {
                 // Never loop on a lease that did not go (a bug): drop it instead.
                 self.work.leases.remove(id);
+            }
+        }
+    }
+
+    /// The failure context of a message removed past its delivery limit, as an effect ahead
+    /// of its removal.
+    pub(super) fn failure_effect(&mut self, id: MsgId, delivery_count: u32) -> Option<Effect<M>> {
+        let f = self.work.failures.remove(&id)?;
+        Some(Effect::Failed {
+            id,
+            reason: f.reason,
+            worker: f.worker,
+            delivery_count,
+        })
+    }
+
+    /// Drop the failure context of messages that left the queue in this command.
+    pub(super) fn forget_failures(&mut self, effects: &[Effect<M>]) {
+        if self.work.failures.is_empty() {
+            return;
+        }
+        for e in effects {
+            if let Effect::Removed { id, .. } = e {
+                self.work.failures.remove(id);
             }
         }
     }

@@ -329,8 +329,9 @@ fn a_claim_past_the_delivery_limit_is_removed() {
     let c2 = claim(&mut q, 10, 1, Some(10));
     assert_eq!(c2[0].generation, 2);
     let mut effects = Vec::new();
+    // Before the second lease (10..20) runs out.
     q.apply(
-        20,
+        15,
         Command::Release {
             id: c[0].id,
             generation: 2,
@@ -341,14 +342,51 @@ fn a_claim_past_the_delivery_limit_is_removed() {
         &mut effects,
     )
     .expect("release");
-    assert!(effects.iter().any(|e| matches!(
-        e,
-        Effect::Removed {
-            reason: Removal::DeliveryLimit,
-            ..
+    // The failure context comes just ahead of the removal it describes.
+    let at = effects
+        .iter()
+        .position(|e| {
+            matches!(
+                e,
+                Effect::Removed {
+                    reason: Removal::DeliveryLimit,
+                    ..
+                }
+            )
+        })
+        .expect("removed past the limit");
+    assert_eq!(
+        effects[at - 1],
+        Effect::Failed {
+            id: c[0].id,
+            reason: "poison".into(),
+            worker: "w".into(),
+            delivery_count: 2,
         }
-    )));
+    );
     assert!(q.is_empty());
+    assert!(
+        q.work.failures.is_empty(),
+        "no context outlives its message"
+    );
+}
+
+/// A lease that runs out records why; a later ack of the message drops the record.
+#[test]
+fn failure_context_lives_as_long_as_its_message() {
+    let mut q = machine(WorkConfig::default());
+    run(&mut q, 0, Command::Enqueue(M(1)));
+    claim(&mut q, 0, 1, Some(10));
+    let again = claim(&mut q, 10, 1, Some(100));
+    assert_eq!(
+        q.work.failures.get(&again[0].id).map(|f| f.reason.as_str()),
+        Some("lease expired")
+    );
+    assert_eq!(
+        lease(&mut q, 20, ack(again[0].id, 2)),
+        Ok(LeaseState::Acked)
+    );
+    assert!(q.work.failures.is_empty());
 }
 
 /// A machine encoded before it had work-queue state decodes as [`QueueMachineV1`] and

@@ -161,6 +161,9 @@ struct Work<M> {
     leases: Leases,
     scheduled: Scheduled<M>,
     counters: WorkCounters,
+    /// The last failure of each message a worker released or let expire, until it leaves:
+    /// its dead letter carries it ([`Effect::Failed`]).
+    failures: BTreeMap<MsgId, lease::Failure>,
 }
 
 impl<M> Default for Work<M> {
@@ -170,6 +173,7 @@ impl<M> Default for Work<M> {
             leases: Leases::default(),
             scheduled: Scheduled::default(),
             counters: WorkCounters::default(),
+            failures: BTreeMap::new(),
         }
     }
 }
@@ -361,6 +365,7 @@ impl<M: MessageRef> QueueMachine<M> {
     ) -> Result<Reply<M>, MachineError> {
         self.now = self.now.max(now_ms);
         self.arriving = None;
+        let first_effect = effects.len();
         // Time passed: leases run out and delayed retries come due before the command sees
         // the queue (so a stale token finds its lease gone, and a claim finds what is due).
         self.expire_leases(effects);
@@ -431,14 +436,19 @@ impl<M: MessageRef> QueueMachine<M> {
                 generation,
                 enqueued_at,
             } => Reply::Lease(self.ack_lease((id, generation, enqueued_at), effects)),
-            // The reason travels in the log (what a worker said); the machine keeps none yet.
+            // The reason stays with the message until it leaves (a dead letter carries it).
             Command::Release {
                 id,
                 generation,
                 enqueued_at,
                 delay_ms,
-                reason: _,
-            } => Reply::Lease(self.release_lease((id, generation, enqueued_at), delay_ms, effects)),
+                reason,
+            } => Reply::Lease(self.release_lease(
+                (id, generation, enqueued_at),
+                delay_ms,
+                reason,
+                effects,
+            )),
             Command::ConfigureWork(config) => {
                 self.work.config = config;
                 Reply::Ok
@@ -479,6 +489,7 @@ impl<M: MessageRef> QueueMachine<M> {
         }
         // Dropping may have brought an expired message to a head.
         self.expire_heads(effects);
+        self.forget_failures(&effects[first_effect..]);
         debug_assert_eq!(
             self.len() as u64,
             self.counters.live(),

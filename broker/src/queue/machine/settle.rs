@@ -122,6 +122,9 @@ impl<M: MessageRef> QueueMachine<M> {
             .is_some_and(|limit| delivery_count > limit)
         {
             self.counters.discarded += 1;
+            if let Some(failed) = self.failure_effect(id, delivery_count) {
+                effects.push(failed);
+            }
             effects.push(Effect::Removed {
                 id,
                 msg,

@@ -37,7 +37,7 @@ fn removed(effects: &[Effect<M>]) -> Vec<(MsgId, Removal)> {
         .iter()
         .filter_map(|e| match e {
             Effect::Removed { id, reason, .. } => Some((*id, *reason)),
-            Effect::Deliver { .. } | Effect::Requeued { .. } => None,
+            Effect::Deliver { .. } | Effect::Requeued { .. } | Effect::Failed { .. } => None,
         })
         .collect()
 }
@@ -64,7 +64,7 @@ fn delivered(effects: &[Effect<M>]) -> Vec<(ConsumerId, MsgId, bool)> {
                 redelivered,
                 ..
             } => Some((*consumer, *id, *redelivered)),
-            Effect::Removed { .. } | Effect::Requeued { .. } => None,
+            Effect::Removed { .. } | Effect::Requeued { .. } | Effect::Failed { .. } => None,
         })
         .collect()
 }
@@ -762,7 +762,7 @@ proptest! {
                     Effect::Deliver { id, settled, .. } => {
                         if *settled { gone += 1 } else { unacked.push(*id) }
                     }
-                    Effect::Requeued { .. } => {}
+                    Effect::Requeued { .. } | Effect::Failed { .. } => {}
                 }
             }
             prop_assert_eq!(
