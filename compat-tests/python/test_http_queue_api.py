@@ -382,3 +382,99 @@ def test_quorum_redeliveries_carry_delivery_and_acquired_counts(connect, names):
     m, props, _ = ch.basic_get(name, auto_ack=True)
     assert m.redelivered
     assert (props.headers["x-delivery-count"], props.headers["x-acquired-count"]) == (1, 1)
+
+
+# ------------------------------------------------------------------ the AMQP lease extension
+
+LEASE_X = "amq.warren.lease"
+
+
+def lease_publish(ch, verb, **headers):
+    ch.basic_publish(LEASE_X, verb, b"", pika.BasicProperties(headers=headers))
+
+
+def test_amqp_extend_keeps_a_delivery_past_its_consumer_timeout(connect, names):
+    """x-consumer-timeout 1 s: a delivery whose lease is extended over AMQP (a publish to
+    amq.warren.lease) is still held after the original timeout and acks fine; one not
+    extended closes its channel with 406, as RabbitMQ's consumer timeout does."""
+    name = names.q()
+    conn = connect()
+    assert conn._impl.server_capabilities.get("warren.lease_extension") is True
+    ch = conn.channel()
+    ch.queue_declare(name, durable=True, arguments={"x-consumer-timeout": 1_000})
+    ch.confirm_delivery()
+    ch.basic_publish("", name, b"long task")
+    ch.basic_publish("", name, b"forgotten")
+    m, _, body = ch.basic_get(name)
+    assert body == b"long task"
+    lease_publish(ch, "extend", **{"x-delivery-tag": m.delivery_tag, "x-lease-ms": 10_000})
+    other = conn.channel()
+    m2, _, _ = other.basic_get(name)
+    assert m2 is not None
+    # The other channel's delivery times out and closes it; ours must stay open through it.
+    deadline = time.monotonic() + 10
+    while other.is_open:
+        assert time.monotonic() < deadline, "the consumer timeout never fired"
+        conn.process_data_events(time_limit=0.1)
+    conn.process_data_events(time_limit=0.5)
+    assert ch.is_open
+    ch.basic_ack(m.delivery_tag)
+    assert ch.queue_declare(name, passive=True).method.message_count == 1
+
+
+def test_amqp_release_with_a_delay_and_a_reason(connect, names, api):
+    """A release over AMQP gives the delivery back as failed, scheduled for x-delay-ms; it is
+    redelivered after that, and a quorum queue past its delivery limit dead-letters it with
+    x-reason as its failure reason."""
+    name, dlq = names.q("work"), names.q("dlq")
+    conn = connect()
+    ch = conn.channel()
+    ch.queue_declare(dlq, durable=True)
+    ch.queue_declare(name, durable=True, arguments={
+        "x-queue-type": "quorum", "x-delivery-limit": 1,
+        "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq})
+    ch.confirm_delivery()
+    ch.basic_publish("", name, b"job", pika.BasicProperties(delivery_mode=2))
+    m, _, _ = ch.basic_get(name)
+    lease_publish(ch, "release", **{"x-delivery-tag": m.delivery_tag, "x-delay-ms": 400,
+                                    "x-reason": "upstream 503"})
+    info = queue_info(api, name)
+    assert info["messages_scheduled"] == 1 and info["messages_ready"] == 0
+    got = []
+    ch.basic_consume(name, lambda c, mm, p, b: got.append(mm), auto_ack=False)
+    deadline = time.monotonic() + 10
+    while not got:
+        assert time.monotonic() < deadline, "never redelivered"
+        conn.process_data_events(time_limit=0.1)
+    assert got[0].redelivered
+    lease_publish(ch, "release", **{"x-delivery-tag": got[0].delivery_tag,
+                                    "x-reason": "still failing"})
+    deadline = time.monotonic() + 10
+    while True:
+        dm, props, _ = ch.basic_get(dlq, auto_ack=True)
+        if dm is not None:
+            break
+        assert time.monotonic() < deadline, "not dead-lettered"
+        conn.process_data_events(time_limit=0.05)
+    assert props.headers["x-failure-reason"] == "still failing"
+    assert props.headers["x-death"][0]["reason"] == "delivery_limit"
+
+
+def test_amqp_lease_extension_refuses_misuse(connect, names):
+    """An unknown delivery tag is 406 unknown delivery tag (as basic.ack), and so are a
+    missing tag and an unknown verb."""
+    name = names.q()
+    conn = connect()
+    for headers, verb, text in (
+        ({"x-delivery-tag": 99}, "extend", "unknown delivery tag 99"),
+        ({}, "release", "x-delivery-tag"),
+        ({"x-delivery-tag": 1}, "bogus", "extend or release"),
+    ):
+        ch = conn.channel()
+        ch.queue_declare(name, durable=True)
+        ch.basic_publish("", name, b"x")
+        ch.basic_get(name)
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+            lease_publish(ch, verb, **{**headers, "x-lease-ms": 1_000})
+            ch.queue_declare(name, passive=True)
+        assert e.value.reply_code == 406 and text in e.value.reply_text, e.value

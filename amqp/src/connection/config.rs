@@ -116,6 +116,9 @@ pub fn server_properties(identity: &ServerIdentity, cluster_name: &str) -> Field
         "authentication_failure_close",
         "per_consumer_qos",
         "direct_reply_to",
+        // Warren's own: lease extension and delayed release over AMQP (a publish to
+        // `amq.warren.lease`, docs/http-queue-api.md).
+        "warren.lease_extension",
     ] {
         caps.insert(cap.into(), AMQPValue::Boolean(true));
     }

@@ -740,6 +740,12 @@ impl Queue {
         }
     }
 
+    /// The queue's work-queue settings (leases, delayed retries).
+    #[must_use]
+    pub fn work_config(&self) -> machine::WorkConfig {
+        *self.state.lock().machine.work_config()
+    }
+
     /// Ready messages and consumers.
     #[must_use]
     pub fn counts(&self) -> QueueCounts {

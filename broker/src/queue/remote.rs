@@ -168,6 +168,10 @@ impl Queue {
                 self.requeue(ids);
                 Ok(Reply::Ok)
             }
+            Command::Retry { .. } => {
+                self.put_back(command);
+                Ok(Reply::Ok)
+            }
             Command::Return(ids) => {
                 self.give_back(ids);
                 Ok(Reply::Ok)

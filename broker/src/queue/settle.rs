@@ -28,6 +28,23 @@ impl Queue {
         self.put_back(Command::Requeue(ids));
     }
 
+    /// The client gave deliveries back as failed, ready again after `delay_ms` (None: the
+    /// retry policy's delay): [`Command::Retry`], Warren's AMQP release extension.
+    pub fn retry(
+        self: &Arc<Self>,
+        ids: Vec<MsgId>,
+        delay_ms: Option<u64>,
+        reason: String,
+        worker: String,
+    ) {
+        self.put_back(Command::Retry {
+            ids,
+            delay_ms,
+            reason,
+            worker,
+        });
+    }
+
     /// Unacked or undelivered messages come back without the client asking (its channel
     /// closed, a delivery its consumer can no longer take): [`Command::Return`], in place.
     pub fn give_back(self: &Arc<Self>, ids: Vec<MsgId>) {

@@ -377,7 +377,7 @@ impl Call<'_> {
                     s.redelivered += u64::from(redelivered);
                 });
                 if !no_ack {
-                    let deadline = consumer_deadline(ctx, q);
+                    let (deadline, delivered_at) = consumer_deadline(ctx, q);
                     self.chan.track(
                         tag,
                         Unacked {
@@ -386,6 +386,7 @@ impl Call<'_> {
                             consumer: 0,
                             counted: false,
                             deadline,
+                            delivered_at,
                         },
                     );
                 }

@@ -148,12 +148,17 @@ pub(super) fn consumer_timeout(ctx: &Ctx, queue: &Queue) -> Option<u64> {
         .filter(|t| *t > 0)
 }
 
-pub(super) fn consumer_deadline(ctx: &Ctx, queue: &Queue) -> u64 {
+/// A delivery's consumer-timeout deadline and its delivery time (wall-clock ms; the clock
+/// is read only when a timeout applies: `(u64::MAX, 0)` otherwise).
+pub(super) fn consumer_deadline(ctx: &Ctx, queue: &Queue) -> (u64, u64) {
     if queue.is_stream {
         // An unacked stream delivery holds nothing but the consumer's own credit.
-        return u64::MAX;
+        return (u64::MAX, 0);
     }
-    consumer_timeout(ctx, queue).map_or(u64::MAX, |t| crate::timers::wall_ms().saturating_add(t))
+    consumer_timeout(ctx, queue).map_or((u64::MAX, 0), |t| {
+        let now = crate::timers::wall_ms();
+        (now.saturating_add(t), now)
+    })
 }
 
 /// A deleted vhost takes no new declarations (its connections are being closed): they would

@@ -174,7 +174,7 @@ impl Session {
             out.content(d.channel, m.properties(), m.body());
         }
         if !no_ack {
-            let deadline = consumer_deadline(&self.ctx, &d.queue);
+            let (deadline, delivered_at) = consumer_deadline(&self.ctx, &d.queue);
             chan.track(
                 tag,
                 Unacked {
@@ -183,6 +183,7 @@ impl Session {
                     consumer: d.consumer,
                     counted: d.counted,
                     deadline,
+                    delivered_at,
                 },
             );
         }

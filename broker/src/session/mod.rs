@@ -20,6 +20,8 @@
 //! - `queue`, `exchange`, `tx`: their classes' methods.
 //! - `confirm`: confirm.select and publisher-confirm bookkeeping (store completions).
 //! - `common`: helpers several class files share (acks, queue lookups, refusals).
+//! - `lease`: Warren's lease extension (a publish to `amq.warren.lease`: extend a
+//!   delivery's consumer timeout, release it with a delay).
 
 mod basic;
 mod channel;
@@ -27,6 +29,7 @@ mod common;
 mod confirm;
 mod deliver;
 mod exchange;
+mod lease;
 mod publish;
 mod queue;
 mod tx;
@@ -142,6 +145,8 @@ struct Unacked {
     counted: bool,
     /// Wall-clock ms by which it must be acked (consumer timeout), `u64::MAX` for never.
     deadline: u64,
+    /// Wall-clock ms it was delivered (the lease extension's lifetime cap counts from it).
+    delivered_at: u64,
 }
 
 /// A settled-or-requeued decision, applied now or at tx.commit.

@@ -47,6 +47,10 @@ impl Call<'_> {
                 "immediate=true",
             ));
         }
+        if p.exchange.as_str() == super::lease::LEASE_EXCHANGE {
+            // Acts on this channel's own deliveries only: no exchange permission applies.
+            return self.lease_extension(p.routing_key.as_str(), &content);
+        }
         ctx.allow(Perm::Write, Resource::Exchange, p.exchange.as_str())?;
         ctx.allow_topic(Perm::Write, p.exchange.as_str(), p.routing_key.as_str())?;
         if let Some(user_id) = content.properties.user_id()

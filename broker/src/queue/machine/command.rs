@@ -175,6 +175,19 @@ pub enum Command<M> {
     },
     /// New work-queue settings (leases, delayed retries): a policy or declaration changed.
     ConfigureWork(WorkConfig),
+    /// The client gave unacked deliveries back as failed, to be ready again after `delay_ms`
+    /// (None: the retry policy's delay): Warren's AMQP release extension. Past the delivery
+    /// limit they are dead-lettered with `reason` and `worker` as their failure context.
+    Retry {
+        /// The messages.
+        ids: Vec<MsgId>,
+        /// Wait this long before each is ready again, ms.
+        delay_ms: Option<u64>,
+        /// Why the client gave them back.
+        reason: String,
+        /// Who gave them back (the consumer tag).
+        worker: String,
+    },
 }
 
 impl<M> Command<M> {
@@ -256,6 +269,17 @@ impl<M> Command<M> {
                 reason,
             },
             Self::ConfigureWork(c) => Command::ConfigureWork(c),
+            Self::Retry {
+                ids,
+                delay_ms,
+                reason,
+                worker,
+            } => Command::Retry {
+                ids,
+                delay_ms,
+                reason,
+                worker,
+            },
         })
     }
 }

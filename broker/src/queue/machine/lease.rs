@@ -347,4 +347,29 @@ impl<M: MessageRef> QueueMachine<M> {
             }
         }
     }
+
+    /// Give unacked deliveries back as failed, each held `delay_ms` (None: the retry policy's
+    /// delay), keeping `reason` and `worker` as their failure context.
+    pub(super) fn retry(
+        &mut self,
+        ids: Vec<MsgId>,
+        delay_ms: Option<u64>,
+        reason: &str,
+        worker: &str,
+        effects: &mut Vec<Effect<M>>,
+    ) {
+        for id in ids {
+            if !self.unacked.contains_key(&id) {
+                continue;
+            }
+            self.work.failures.insert(
+                id,
+                Failure {
+                    reason: reason.to_string(),
+                    worker: worker.to_string(),
+                },
+            );
+            self.return_one(id, ReturnKind::Failed, delay_ms, effects);
+        }
+    }
 }

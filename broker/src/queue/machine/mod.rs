@@ -453,6 +453,15 @@ impl<M: MessageRef> QueueMachine<M> {
                 self.work.config = config;
                 Reply::Ok
             }
+            Command::Retry {
+                ids,
+                delay_ms,
+                reason,
+                worker,
+            } => {
+                self.retry(ids, delay_ms, &reason, &worker, effects);
+                Reply::Ok
+            }
             Command::Get { no_ack } => Reply::Got(self.get(no_ack, effects)),
             Command::Swap { id, msg } => {
                 self.swap(id, msg);
