@@ -61,6 +61,9 @@ const KNOWN_KEYS: &[&str] = &[
     "delayed-retry-max",
     "delayed-retry-multiplier",
     "delayed-retry-jitter",
+    "message-deduplication",
+    "cache-size",
+    "cache-ttl",
 ];
 
 /// Keys an operator policy may set: limits, which combine with the queue's own (the lower

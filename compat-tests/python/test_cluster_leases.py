@@ -118,3 +118,27 @@ def test_leader_kill9_during_claims_loses_no_claim_and_fences_stale_tokens(clust
     assert sorted(acked) == sorted(ids), "every message acked exactly once"
     status, info = api(c, f2, "GET", f"/api/queues/%2F/{queue}")
     assert status == 200 and info["messages"] == 0, info
+
+
+@pytest.mark.timeout(180)
+def test_dedup_window_survives_a_whole_cluster_kill9(cluster3):
+    """A quorum queue's deduplication window is replicated machine state: after kill -9 of
+    every node and a restart, a publish retried with the same dedup_token is a duplicate,
+    through any node, and the queue holds one copy."""
+    c = cluster3
+    queue = f"dedup.{uuid.uuid4().hex[:12]}"
+    declare_quorum(c, 0, queue, arguments={"x-message-deduplication": True})
+    wait_visible(c, queue, range(3))
+    c.wait_for_leader(queue, deadline=LEADER_DEADLINE)
+    body = {"messages": [{"payload": "once", "dedup_token": "t-1"}]}
+    status, reply = api(c, 1, "POST", f"/v1/queues/%2F/{queue}/messages", body)
+    assert status == 200 and reply["messages"][0]["duplicate"] is False, reply
+    status, reply = api(c, 2, "POST", f"/v1/queues/%2F/{queue}/messages", body)
+    assert status == 200 and reply["messages"][0]["duplicate"] is True, reply
+    c.kill_all()
+    c.restart_all()
+    c.wait_for_leader(queue, deadline=LEADER_DEADLINE)
+    status, reply = api(c, 0, "POST", f"/v1/queues/%2F/{queue}/messages", body, deadline=60)
+    assert status == 200 and reply["messages"][0]["duplicate"] is True, reply
+    deliveries = claim(c, 0, queue, max_items=10)
+    assert [d["payload"] for d in deliveries] == ["once"]

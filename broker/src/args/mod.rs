@@ -296,6 +296,9 @@ const DECLARE_ARGS: &[(&str, Check)] = &[
     ("x-delayed-retry-max", work::check_retry_ms),
     ("x-delayed-retry-multiplier", work::check_retry_multiplier),
     ("x-delayed-retry-jitter", work::check_retry_jitter),
+    ("x-message-deduplication", work::check_bool),
+    ("x-cache-size", work::check_cache_size),
+    ("x-cache-ttl", work::check_lease_ms),
 ];
 
 fn check_any_int(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
@@ -380,6 +383,9 @@ const CLASSIC_ARGS: &[&str] = &[
     "x-delayed-retry-max",
     "x-delayed-retry-multiplier",
     "x-delayed-retry-jitter",
+    "x-message-deduplication",
+    "x-cache-size",
+    "x-cache-ttl",
 ];
 
 /// `rabbit_quorum_queue:capabilities/0`'s `queue_arguments`.
@@ -407,6 +413,9 @@ const QUORUM_ARGS: &[&str] = &[
     "x-delayed-retry-max",
     "x-delayed-retry-multiplier",
     "x-delayed-retry-jitter",
+    "x-message-deduplication",
+    "x-cache-size",
+    "x-cache-ttl",
 ];
 
 /// `rabbit_stream_queue:capabilities/0`'s `queue_arguments`.

@@ -13,12 +13,15 @@
 //! | `x-delayed-retry-max` | `delayed-retry-max` | ms, 0..=2^32-1 | `min` |
 //! | `x-delayed-retry-multiplier` | `delayed-retry-multiplier` | 1.0..=100.0 (absent: linear) | linear |
 //! | `x-delayed-retry-jitter` | `delayed-retry-jitter` | percent, 0..=100 | 0 |
+//! | `x-message-deduplication` | `message-deduplication` | bool | false |
+//! | `x-cache-size` | `cache-size` | keys, 1..=2^32-1 | 100,000 |
+//! | `x-cache-ttl` | `cache-ttl` | ms, 1..=2^32-1 | 300,000 |
 
 use amq_protocol::types::{AMQPValue, FieldTable};
 use serde_json::{Map, Value};
 
 use super::{check_int, int_value, string_like, unacceptable};
-use crate::queue::machine::{LeaseConfig, RetryOn, RetryPolicy, WorkConfig};
+use crate::queue::machine::{DedupConfig, LeaseConfig, RetryOn, RetryPolicy, WorkConfig};
 
 /// The longest lease, extension, lifetime or retry delay, ms (RabbitMQ's largest timer).
 pub const WORK_MS_MAX: i128 = 4_294_967_295;
@@ -35,6 +38,9 @@ pub const WORK_ARGS: &[&str] = &[
     "x-delayed-retry-max",
     "x-delayed-retry-multiplier",
     "x-delayed-retry-jitter",
+    "x-message-deduplication",
+    "x-cache-size",
+    "x-cache-ttl",
 ];
 
 /// The policy keys this module reads.
@@ -47,6 +53,9 @@ pub const WORK_POLICY_KEYS: &[&str] = &[
     "delayed-retry-max",
     "delayed-retry-multiplier",
     "delayed-retry-jitter",
+    "message-deduplication",
+    "cache-size",
+    "cache-ttl",
 ];
 
 const RETRY_TYPES: &[&str] = &["disabled", "all", "failed", "returned"];
@@ -112,6 +121,19 @@ pub(super) fn check_retry_jitter(v: &AMQPValue, _: &FieldTable) -> Result<(), St
     }
 }
 
+/// `x-message-deduplication`: a bool.
+pub(super) fn check_bool(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+    match v {
+        AMQPValue::Boolean(_) => Ok(()),
+        other => Err(unacceptable(other)),
+    }
+}
+
+/// `x-cache-size`: at least one key, at most 2^32-1.
+pub(super) fn check_cache_size(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+    check_ms(check_int(v)?, 1)
+}
+
 /// Validate a policy's work-queue keys as `set_policy` reports them.
 ///
 /// # Errors
@@ -151,6 +173,19 @@ pub fn check_policy(def: &Map<String, Value>) -> Result<(), String> {
         return Err(format!(
             "delayed-retry-multiplier must be a number from 1 to {RETRY_MULTIPLIER_MAX}"
         ));
+    }
+    for key in ["cache-size", "cache-ttl"] {
+        if let Some(v) = def.get(key)
+            && v.as_u64()
+                .is_none_or(|n| n == 0 || i128::from(n) > WORK_MS_MAX)
+        {
+            return Err(format!("{key} must be a positive integer"));
+        }
+    }
+    if let Some(v) = def.get("message-deduplication")
+        && !v.is_boolean()
+    {
+        return Err("message-deduplication must be true or false".into());
     }
     if let Some(v) = def.get("delayed-retry-jitter")
         && v.as_u64().is_none_or(|n| n > 100)
@@ -211,7 +246,22 @@ pub fn work_config(args: &FieldTable, policy: Option<&Map<String, Value>>) -> Wo
         })
         .unwrap_or(0)
         .min(100);
+    let dedup_defaults = DedupConfig::default();
+    let dedup = DedupConfig {
+        enabled: match arg("message-deduplication") {
+            Some(AMQPValue::Boolean(b)) => *b,
+            _ => pol("message-deduplication")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+        },
+        cache_size: ms("cache-size")
+            .and_then(|n| u32::try_from(n).ok())
+            .unwrap_or(dedup_defaults.cache_size)
+            .max(1),
+        ttl_ms: ms("cache-ttl").filter(|t| *t > 0).or(dedup_defaults.ttl_ms),
+    };
     WorkConfig {
+        dedup,
         lease,
         retry: RetryPolicy {
             on,

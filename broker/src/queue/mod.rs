@@ -209,6 +209,9 @@ pub struct Queue {
     last_delivery_ms: AtomicU64,
     /// Notified when the queue drains below half of the flow limits.
     flow_drained: tokio::sync::Notify,
+    /// Whether the queue deduplicates publishes (its work config, read without the lock on
+    /// every publish).
+    dedup_enabled: AtomicBool,
     /// Notified when the queue goes from no ready message to some (long-polling claims wait
     /// on it; only that transition notifies, so a busy queue pays nothing for it).
     ready_arrived: tokio::sync::Notify,
@@ -274,6 +277,7 @@ impl Queue {
             last_delivery_ms: AtomicU64::new(0),
             flow_drained: tokio::sync::Notify::new(),
             ready_arrived: tokio::sync::Notify::new(),
+            dedup_enabled: AtomicBool::new(settings.work.dedup.enabled),
             replica: std::sync::OnceLock::new(),
             state: Mutex::new(State {
                 machine: QueueMachine::with_configs(settings.config, settings.work),
@@ -419,6 +423,8 @@ impl Queue {
             return;
         }
         let settings = crate::policy::queue_settings(&self.arguments, policy, operator);
+        self.dedup_enabled
+            .store(settings.work.dedup.enabled, Ordering::Relaxed);
         {
             let mut st = self.state.lock();
             st.dead_letter = settings.dead_letter;

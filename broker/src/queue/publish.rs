@@ -38,9 +38,10 @@ impl Queue {
                 None => Enqueued::Rejected,
             };
         }
+        let key = self.dedup_key(&message);
         if let Some(replica) = self.replica() {
             // Unconfirmed (a dead-lettered message, a publisher without confirms).
-            self.submit_quietly(replica, vec![Command::Enqueue(Entry::Mem(message))]);
+            self.submit_quietly(replica, enqueue_commands(Entry::Mem(message), key));
             return Enqueued::Accepted;
         }
         let outcome = {
@@ -48,11 +49,97 @@ impl Queue {
             if st.deleted {
                 return Enqueued::Gone;
             }
+            if let Some(key) = key {
+                let _ = self.run(&mut st, Command::Dedup { key });
+            }
             let r = self.run(&mut st, Command::Enqueue(Entry::Mem(message)));
             self.enqueued(&mut st, r)
         };
         self.dead_letter_pending();
         outcome
+    }
+
+    /// Publish one message into this queue alone and tell `done` what became of it once it
+    /// is as durable as a publisher confirm would make it (the HTTP queue API's publish): for
+    /// a replicated queue or a proxy, from the committed enqueue's reply, so a duplicate or a
+    /// refusal found there is reported as such.
+    pub fn publish_one(
+        self: &Arc<Self>,
+        message: &Arc<Message>,
+        done: Box<dyn FnOnce(Result<Enqueued, String>) + Send>,
+    ) {
+        if let (Some(replica), false) = (self.replica(), self.is_stream) {
+            let key = self.dedup_key(message);
+            replica.submit(
+                enqueue_commands(Entry::Mem(Arc::clone(message)), key),
+                Box::new(move |r| {
+                    done(
+                        r.map_err(|e| e.to_string())
+                            .map(|replies| match replies.last() {
+                                Some(Ok(Reply::Rejected(_))) => Enqueued::Rejected,
+                                Some(Ok(Reply::Duplicate(_))) => Enqueued::Duplicate,
+                                _ => Enqueued::Accepted,
+                            }),
+                    );
+                }),
+            );
+            return;
+        }
+        // The store's completion may run (on its writer thread) before or after the outcome
+        // is known here: whichever comes second answers.
+        type Slot = (
+            Option<Enqueued>,
+            Option<Result<(), String>>,
+            Option<Box<dyn FnOnce(Result<Enqueued, String>) + Send>>,
+        );
+        let slot: Arc<parking_lot::Mutex<Slot>> =
+            Arc::new(parking_lot::Mutex::new((None, None, Some(done))));
+        let answer = |s: &mut Slot| {
+            if let (Some(outcome), Some(stored)) = (s.0, s.1.take())
+                && let Some(done) = s.2.take()
+            {
+                return Some((done, stored.map(|()| outcome)));
+            }
+            None
+        };
+        let from_store = Arc::clone(&slot);
+        let (outcome, submitted) = publish_routed(std::slice::from_ref(self), message, || {
+            Box::new(move |r| {
+                let ready = {
+                    let mut s = from_store.lock();
+                    s.1 = Some(r.map(drop).map_err(|e| e.to_string()));
+                    answer(&mut s)
+                };
+                if let Some((done, r)) = ready {
+                    done(r);
+                }
+            })
+        });
+        let ready = {
+            let mut s = slot.lock();
+            s.0 = Some(outcome);
+            if !submitted {
+                s.1 = Some(Ok(()));
+            }
+            answer(&mut s)
+        };
+        if let Some((done, r)) = ready {
+            done(r);
+        }
+    }
+
+    /// The deduplication key `message` carries for this queue: its `x-deduplication-header`
+    /// (a string, or an integer as its decimal digits) when the queue deduplicates, and the
+    /// value is at most [`machine::DEDUP_KEY_MAX`] bytes.
+    pub(super) fn dedup_key(&self, message: &Message) -> Option<Vec<u8>> {
+        if !self.dedup_enabled.load(Ordering::Relaxed) {
+            return None;
+        }
+        let headers = message.properties.headers()?;
+        let v = headers.inner().get("x-deduplication-header")?;
+        let key = crate::args::string_like(v)
+            .or_else(|| crate::args::int_value(v).map(|n| n.to_string().into_bytes()))?;
+        (key.len() <= machine::DEDUP_KEY_MAX).then_some(key)
     }
 
     /// The outcome of an `Enqueue`; a refusal under reject-publish-dlx is dead-lettered.
@@ -70,6 +157,7 @@ impl Queue {
                 }
                 Enqueued::Rejected
             }
+            Ok(Reply::Duplicate(_)) => Enqueued::Duplicate,
             _ => Enqueued::Accepted,
         }
     }
@@ -179,10 +267,12 @@ pub fn publish_routed(
             continue;
         };
         let part = join.part();
+        let key = q.dedup_key(message);
         replica.submit(
-            vec![Command::Enqueue(Entry::Mem(Arc::clone(message)))],
+            enqueue_commands(Entry::Mem(Arc::clone(message)), key),
             Box::new(move |r| {
-                let r = replicated_outcome(r).and_then(|replies| match replies.first() {
+                // The enqueue's reply is the last (a deduplication key goes ahead of it).
+                let r = replicated_outcome(r).and_then(|replies| match replies.last() {
                     Some(Ok(Reply::Rejected(_))) => Err(Arc::new(
                         warren_store::StoreError::Replication("rejected: queue full".into()),
                     )),
@@ -288,10 +378,17 @@ pub(super) fn publish_local(
             }
         }
         let mut stored_here = Vec::with_capacity(stored_targets.len());
+        let keys: Vec<Option<Vec<u8>>> = stored_targets
+            .iter()
+            .map(|q| q.dedup_key(message))
+            .collect();
         // Once durable, long queues drop the body and keep only its place in the store.
         let mut placed: Vec<(std::sync::Weak<Queue>, MsgId)> = Vec::new();
-        for (q, st) in stored_targets.iter().zip(&guards) {
-            let store_it = !st.deleted && !st.machine.would_reject(&entry);
+        for ((q, st), key) in stored_targets.iter().zip(&guards).zip(&keys) {
+            let duplicate = key
+                .as_deref()
+                .is_some_and(|k| st.machine.would_deduplicate(k, now));
+            let store_it = !st.deleted && !duplicate && !st.machine.would_reject(&entry);
             stored_here.push(store_it);
             if store_it {
                 let id = st.machine.next_id();
@@ -325,12 +422,16 @@ pub(super) fn publish_local(
             );
             submitted = true;
         }
-        for ((q, st), stored) in stored_targets
+        for (((q, st), stored), key) in stored_targets
             .iter()
             .zip(guards.iter_mut())
             .zip(stored_here)
+            .zip(keys)
         {
             if !st.deleted {
+                if let Some(key) = key {
+                    let _ = q.apply_at(st, Command::Dedup { key }, now);
+                }
                 let r = q.run_at(st, Command::Enqueue(entry.clone()), now);
                 let taken = q.enqueued(st, r);
                 // A message in a queue without its store record would be lost on a crash
@@ -364,17 +465,29 @@ pub enum Enqueued {
     Accepted,
     /// Refused by a length limit (reject-publish): the publisher gets a nack.
     Rejected,
+    /// Dropped as a duplicate of a message the queue took before (deduplication): routed,
+    /// and confirmed like a taken one.
+    Duplicate,
 }
 
 impl Enqueued {
     /// Combine outcomes: a rejection anywhere wins (RabbitMQ nacks the publish), then any
-    /// acceptance.
+    /// acceptance, then a duplicate (it was routed).
     #[must_use]
     pub fn and(self, other: Self) -> Self {
         match (self, other) {
             (Self::Rejected, _) | (_, Self::Rejected) => Self::Rejected,
             (Self::Accepted, _) | (_, Self::Accepted) => Self::Accepted,
+            (Self::Duplicate, _) | (_, Self::Duplicate) => Self::Duplicate,
             _ => Self::Gone,
         }
+    }
+}
+
+/// The commands that enqueue `entry`, its deduplication key (if any) just ahead of it.
+pub(super) fn enqueue_commands(entry: Entry, key: Option<Vec<u8>>) -> Vec<Command<Entry>> {
+    match key {
+        Some(key) => vec![Command::Dedup { key }, Command::Enqueue(entry)],
+        None => vec![Command::Enqueue(entry)],
     }
 }

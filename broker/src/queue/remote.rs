@@ -136,6 +136,7 @@ impl Queue {
                 let (outcome, _) = publish_local(&[Arc::clone(self)], &message, || join.part());
                 Ok(match outcome {
                     Enqueued::Rejected => Reply::Rejected(Entry::Mem(message)),
+                    Enqueued::Duplicate => Reply::Duplicate(Entry::Mem(message)),
                     Enqueued::Accepted | Enqueued::Gone => Reply::Ok,
                 })
             }
@@ -209,7 +210,9 @@ impl Queue {
             | Command::Restore { .. }
             | Command::Swap { .. }
             | Command::TrackOffset { .. }
-            | Command::ConfigureWork(_) => Ok(Reply::Ok),
+            | Command::ConfigureWork(_)
+            // The home takes the key from the message's header itself.
+            | Command::Dedup { .. } => Ok(Reply::Ok),
             // A proxy's claim: taken here, bodies sent along (as a get's).
             Command::Claim { .. } => {
                 let claims = self.claim_here(command).unwrap_or_default();

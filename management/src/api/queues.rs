@@ -67,6 +67,7 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
             "released": s.work.counters.released,
             "expired": s.work.counters.lease_expired,
             "retries_delayed": s.work.counters.retries_delayed,
+            "deduplicated": s.work.counters.deduplicated,
         },
     });
     if let (Some(stream), Some(obj)) = (q.stream(), v.as_object_mut()) {

@@ -14,7 +14,7 @@ use serde_json::{Map, Value, json};
 use warren_amqp::properties::Properties;
 use warren_broker::message::Message;
 use warren_broker::node::access::{Access, Perm, Resource};
-use warren_broker::queue::{Enqueued, Queue, publish_routed};
+use warren_broker::queue::{Enqueued, Queue};
 
 use super::{ApiResult, body, ok_json, queue_for_user};
 use crate::auth::QueueUser;
@@ -90,10 +90,18 @@ fn build(
             "delay_ms: delayed publishes are not supported yet (release a lease with a delay instead)",
         ));
     }
-    if m.dedup_token.is_some() {
-        return Err(ApiError::bad_request(
-            "dedup_token: this queue does not deduplicate publishes",
-        ));
+    if let Some(t) = &m.dedup_token {
+        if !queue.work_config().dedup.enabled {
+            return Err(ApiError::bad_request(
+                "dedup_token: the queue does not deduplicate (declare it with x-message-deduplication)",
+            ));
+        }
+        if t.is_empty() || t.len() > warren_broker::queue::machine::DEDUP_KEY_MAX {
+            return Err(ApiError::bad_request(format!(
+                "dedup_token: 1 to {} bytes",
+                warren_broker::queue::machine::DEDUP_KEY_MAX
+            )));
+        }
     }
     let payload = match m.payload_encoding.as_str() {
         "string" => bytes::Bytes::from(m.payload.into_bytes()),
@@ -116,13 +124,17 @@ fn build(
     }
     let message_id = m.message_id.unwrap_or_else(new_message_id);
     let mut props = Map::new();
+    let mut headers = m.headers.unwrap_or_default();
+    if let Some(t) = m.dedup_token {
+        headers.insert("x-deduplication-header".into(), json!(t));
+    }
     props.insert("message_id".into(), json!(message_id));
     props.insert(
         "delivery_mode".into(),
         json!(if m.persistent { 2 } else { 1 }),
     );
-    if let Some(h) = m.headers {
-        props.insert("headers".into(), Value::Object(h));
+    if !headers.is_empty() {
+        props.insert("headers".into(), Value::Object(headers));
     }
     if let Some(p) = m.priority {
         props.insert("priority".into(), json!(p));
@@ -200,16 +212,35 @@ pub(super) async fn publish(
         .into_iter()
         .map(|m| build(&state, &queue, m))
         .collect::<Result<Vec<_>, _>>()?;
-    let mut waits = Vec::with_capacity(built.len());
-    let mut out = Vec::with_capacity(built.len());
-    let targets = [Arc::clone(&queue)];
-    for (message, message_id) in built {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let (outcome, submitted) = publish_routed(&targets, &message, || {
-            Box::new(move |r| {
-                let _ = tx.send(r.is_ok());
-            })
-        });
+    // All submitted at once (one group commit for the batch), then awaited in order.
+    let waits: Vec<_> = built
+        .into_iter()
+        .map(|(message, message_id)| {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            queue.publish_one(
+                &message,
+                Box::new(move |r| {
+                    let _ = tx.send(r);
+                }),
+            );
+            (message_id, rx)
+        })
+        .collect();
+    let mut out = Vec::with_capacity(waits.len());
+    for (message_id, rx) in waits {
+        let outcome = match tokio::time::timeout(DURABLE_WAIT, rx).await {
+            Ok(Ok(Ok(outcome))) => outcome,
+            _ => {
+                return Err(ApiError {
+                    status: axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    error: "not_durable",
+                    reason: format!(
+                        "message {message_id} was not confirmed; publish it and those after it again ({} before it were)",
+                        out.len()
+                    ),
+                });
+            }
+        };
         match outcome {
             Enqueued::Rejected => {
                 return Err(ApiError {
@@ -222,24 +253,12 @@ pub(super) async fn publish(
                 });
             }
             Enqueued::Gone => return Err(ApiError::not_found()),
-            Enqueued::Accepted => {}
+            Enqueued::Accepted | Enqueued::Duplicate => {}
         }
-        if submitted {
-            waits.push(rx);
-        }
-        out.push(json!({"message_id": message_id, "duplicate": false}));
-    }
-    for rx in waits {
-        match tokio::time::timeout(DURABLE_WAIT, rx).await {
-            Ok(Ok(true)) => {}
-            _ => {
-                return Err(ApiError {
-                    status: axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                    error: "not_durable",
-                    reason: "the queue did not confirm every message; publish again (the ones that were stored may be there twice)".into(),
-                });
-            }
-        }
+        out.push(json!({
+            "message_id": message_id,
+            "duplicate": outcome == Enqueued::Duplicate,
+        }));
     }
     ok_json(json!({"messages": out}))
 }

@@ -188,6 +188,12 @@ pub enum Command<M> {
         /// Who gave them back (the consumer tag).
         worker: String,
     },
+    /// The next `Enqueue` carries this deduplication key (`x-deduplication-header`): sent
+    /// just before it, in the same submission. See the `dedup` module.
+    Dedup {
+        /// The key.
+        key: Vec<u8>,
+    },
 }
 
 impl<M> Command<M> {
@@ -280,6 +286,7 @@ impl<M> Command<M> {
                 reason,
                 worker,
             },
+            Self::Dedup { key } => Command::Dedup { key },
         })
     }
 }
@@ -305,6 +312,7 @@ impl<M> Reply<M> {
                     .collect::<Result<_, E>>()?,
             ),
             Self::Lease(r) => Reply::Lease(r),
+            Self::Duplicate(m) => Reply::Duplicate(f(m)?),
         })
     }
 }
@@ -381,6 +389,9 @@ pub enum Reply<M> {
     /// The outcome of [`Command::Extend`], [`Command::AckLease`] or [`Command::Release`]:
     /// the claim's state, or why the token changed nothing.
     Lease(Result<LeaseState, LeaseError>),
+    /// `Enqueue` of a message whose deduplication key the queue remembers: dropped, handed
+    /// back (its publisher is confirmed all the same).
+    Duplicate(M),
 }
 
 /// Why a command was refused.

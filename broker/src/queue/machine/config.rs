@@ -227,6 +227,34 @@ impl Default for LeaseConfig {
     }
 }
 
+/// Default number of deduplication keys a queue remembers (`x-cache-size`).
+pub const DEDUP_CACHE_SIZE_DEFAULT: u32 = 100_000;
+/// Default time a deduplication key is remembered, ms (`x-cache-ttl`; SQS FIFO's 5 minutes).
+pub const DEDUP_TTL_DEFAULT_MS: u64 = 300_000;
+/// Longest deduplication key, bytes (a longer `x-deduplication-header` is not deduplicated).
+pub const DEDUP_KEY_MAX: usize = 255;
+
+/// Publish deduplication (`x-message-deduplication`, `x-cache-size`, `x-cache-ttl`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DedupConfig {
+    /// Drop a message whose `x-deduplication-header` the window remembers.
+    pub enabled: bool,
+    /// Most keys remembered (the oldest go first), at least 1.
+    pub cache_size: u32,
+    /// How long a key is remembered, ms (None: until the size pushes it out).
+    pub ttl_ms: Option<u64>,
+}
+
+impl Default for DedupConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            cache_size: DEDUP_CACHE_SIZE_DEFAULT,
+            ttl_ms: Some(DEDUP_TTL_DEFAULT_MS),
+        }
+    }
+}
+
 /// A queue's work-queue settings: leases and delayed retries. Apart from [`QueueConfig`]
 /// (whose replicated form is fixed) and changed by
 /// [`Command::ConfigureWork`](super::Command::ConfigureWork).
@@ -236,4 +264,6 @@ pub struct WorkConfig {
     pub lease: LeaseConfig,
     /// Delayed retries of returned messages.
     pub retry: RetryPolicy,
+    /// Publish deduplication.
+    pub dedup: DedupConfig,
 }

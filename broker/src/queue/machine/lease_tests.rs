@@ -641,6 +641,7 @@ fn work_config() -> impl Strategy<Value = (WorkConfig, Option<u32>)> {
                         multiplier_milli: 0,
                         jitter_percent: 0,
                     },
+                    dedup: DedupConfig::default(),
                 },
                 limit,
             )
@@ -842,5 +843,131 @@ fn token(model: &Model, pick: usize, skew: u32) -> (MsgId, u32, u64) {
         1 => (id, current.saturating_sub(1), at),
         2 => (id, current + 1, at),
         _ => (id, current, at + 1),
+    }
+}
+
+// ------------------------------------------------------------------ deduplication
+
+fn dedup_machine(cache_size: u32, ttl_ms: Option<u64>) -> QueueMachine<M> {
+    machine(WorkConfig {
+        dedup: DedupConfig {
+            enabled: true,
+            cache_size,
+            ttl_ms,
+        },
+        ..WorkConfig::default()
+    })
+}
+
+fn publish_keyed(q: &mut QueueMachine<M>, now: u64, key: &str, v: u64) -> Reply<M> {
+    run(
+        q,
+        now,
+        Command::Dedup {
+            key: key.as_bytes().to_vec(),
+        },
+    );
+    run(q, now, Command::Enqueue(M(v)))
+}
+
+/// A key seen within the window drops the message (handed back as a duplicate); after the
+/// window's time, or once the size pushed it out, the same key is taken again. A message
+/// without a key, or a queue without deduplication, is never dropped.
+#[test]
+fn dedup_window_is_bounded_by_time_and_count() {
+    let mut q = dedup_machine(2, Some(1_000));
+    assert_eq!(publish_keyed(&mut q, 0, "a", 1), Reply::Ok);
+    assert_eq!(publish_keyed(&mut q, 10, "a", 2), Reply::Duplicate(M(2)));
+    assert_eq!(run(&mut q, 20, Command::Enqueue(M(3))), Reply::Ok);
+    assert_eq!(publish_keyed(&mut q, 999, "a", 4), Reply::Duplicate(M(4)));
+    assert_eq!(
+        publish_keyed(&mut q, 1_000, "a", 5),
+        Reply::Ok,
+        "window ran out"
+    );
+    assert_eq!(publish_keyed(&mut q, 1_001, "b", 6), Reply::Ok);
+    assert_eq!(publish_keyed(&mut q, 1_002, "c", 7), Reply::Ok);
+    assert_eq!(q.dedup_len(), 2, "the size keeps two keys");
+    assert_eq!(
+        publish_keyed(&mut q, 1_003, "a", 8),
+        Reply::Ok,
+        "pushed out by b and c"
+    );
+    assert_eq!(q.len(), 6);
+    assert_eq!(q.work_counters().deduplicated, 2);
+    let mut off = machine(WorkConfig::default());
+    assert_eq!(publish_keyed(&mut off, 0, "a", 1), Reply::Ok);
+    assert_eq!(publish_keyed(&mut off, 0, "a", 2), Reply::Ok);
+}
+
+/// A message refused by a length limit is not remembered: its retry is taken once there is
+/// room.
+#[test]
+fn a_refused_message_leaves_its_key_unremembered() {
+    let mut q = QueueMachine::with_configs(
+        QueueConfig {
+            max_length: Some(1),
+            overflow: Overflow::RejectPublish,
+            ..QueueConfig::default()
+        },
+        WorkConfig {
+            dedup: DedupConfig {
+                enabled: true,
+                ..DedupConfig::default()
+            },
+            ..WorkConfig::default()
+        },
+    );
+    assert_eq!(publish_keyed(&mut q, 0, "a", 1), Reply::Ok);
+    assert_eq!(publish_keyed(&mut q, 0, "b", 2), Reply::Rejected(M(2)));
+    let mut effects = Vec::new();
+    q.apply(1, Command::Get { no_ack: true }, &mut effects)
+        .expect("get");
+    assert_eq!(publish_keyed(&mut q, 2, "b", 3), Reply::Ok);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Random keyed and unkeyed publishes over time against a model of the window (a key is
+    /// a duplicate when remembered within the TTL; the oldest go once there are more than
+    /// the size), with the machine encoded and decoded along the way.
+    #[test]
+    fn dedup_matches_a_window_model(
+        size in 1u32..6,
+        ttl in proptest::option::of(1u64..200),
+        ops in proptest::collection::vec((proptest::option::of(0u8..8), 0u64..60, any::<bool>()), 1..120),
+    ) {
+        let mut q = dedup_machine(size, ttl);
+        // Model: keys in remembering order with their time.
+        let mut window: Vec<(u8, u64)> = Vec::new();
+        let mut now = 0;
+        for (i, (key, dt, snapshot)) in ops.into_iter().enumerate() {
+            now += dt;
+            if snapshot {
+                q = bincode::deserialize(&bincode::serialize(&q).expect("encodes")).expect("decodes");
+            }
+            let v = i as u64;
+            let reply = match key {
+                Some(k) => publish_keyed(&mut q, now, &k.to_string(), v),
+                None => run(&mut q, now, Command::Enqueue(M(v))),
+            };
+            let Some(k) = key else {
+                prop_assert_eq!(reply, Reply::Ok);
+                continue;
+            };
+            window.retain(|&(_, t)| ttl.is_none_or(|ttl| t + ttl > now));
+            let latest = window.iter().rev().find(|(w, _)| *w == k).copied();
+            if latest.is_some() {
+                prop_assert_eq!(reply, Reply::Duplicate(M(v)));
+            } else {
+                prop_assert_eq!(reply, Reply::Ok);
+                window.retain(|(w, _)| *w != k);
+                window.push((k, now));
+                while window.len() > size as usize {
+                    window.remove(0);
+                }
+            }
+        }
     }
 }

@@ -58,6 +58,7 @@
 mod command;
 mod config;
 mod consumers;
+mod dedup;
 mod deliver;
 mod expiry;
 mod invariants;
@@ -72,8 +73,8 @@ pub use command::{
     Claimed, Command, ConsumerSpec, Effect, LeaseError, LeaseState, MachineError, Removal, Reply,
 };
 pub use config::{
-    DELIVERY_LIMIT_NONE, LeaseConfig, Overflow, QueueConfig, RetryOn, RetryPolicy, ReturnKind,
-    WorkConfig,
+    DEDUP_CACHE_SIZE_DEFAULT, DEDUP_KEY_MAX, DEDUP_TTL_DEFAULT_MS, DELIVERY_LIMIT_NONE,
+    DedupConfig, LeaseConfig, Overflow, QueueConfig, RetryOn, RetryPolicy, ReturnKind, WorkConfig,
 };
 use consumers::Consumer;
 use lease::Leases;
@@ -150,6 +151,8 @@ pub struct WorkCounters {
     pub lease_expired: u64,
     /// Returns held for a delayed retry.
     pub retries_delayed: u64,
+    /// Publishes dropped as duplicates.
+    pub deduplicated: u64,
 }
 
 /// The machine's work-queue state: leases of claims and messages scheduled for a delayed
@@ -164,6 +167,8 @@ struct Work<M> {
     /// The last failure of each message a worker released or let expire, until it leaves:
     /// its dead letter carries it ([`Effect::Failed`]).
     failures: BTreeMap<MsgId, lease::Failure>,
+    /// Deduplication keys remembered.
+    dedup: dedup::DedupWindow,
 }
 
 impl<M> Default for Work<M> {
@@ -174,6 +179,7 @@ impl<M> Default for Work<M> {
             scheduled: Scheduled::default(),
             counters: WorkCounters::default(),
             failures: BTreeMap::new(),
+            dedup: dedup::DedupWindow::default(),
         }
     }
 }
@@ -373,10 +379,23 @@ impl<M: MessageRef> QueueMachine<M> {
         self.expire_heads(effects);
         let reply = match command {
             Command::Enqueue(msg) => {
+                let (duplicate, key) = self.take_pending_key();
+                if duplicate {
+                    self.forget_failures(&effects[first_effect..]);
+                    return Ok(Reply::Duplicate(msg));
+                }
                 if self.would_reject(&msg) {
+                    self.forget_failures(&effects[first_effect..]);
                     return Ok(Reply::Rejected(msg));
                 }
                 self.enqueue(msg);
+                if let Some(key) = key {
+                    self.remember_key(key);
+                }
+                Reply::Ok
+            }
+            Command::Dedup { key } => {
+                self.set_pending_key(key);
                 Reply::Ok
             }
             Command::Restore {
