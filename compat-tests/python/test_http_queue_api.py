@@ -535,3 +535,65 @@ def test_dedup_token_needs_a_deduplicating_queue(api, connect, names):
     with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
         ch.queue_declare(names.q("bad"), durable=True, arguments={"x-cache-size": 0})
     assert e.value.reply_code == 406 and "x-cache-size" in e.value.reply_text
+
+
+# ------------------------------------------------------------------ browse and metrics
+
+def test_browse_lists_ready_scheduled_and_claimed_without_claiming(api, connect, names):
+    """GET .../messages lists a queue's ready messages in delivery order by position (with
+    next_from for the next page), scheduled ones with ready_at, and claimed ones with their
+    generation, deadline and worker; browsing changes nothing."""
+    base, s = api
+    name = names.q()
+    declare(connect, name)
+    publish(api, name, [{"payload": f"m{i}"} for i in range(5)])
+    claimed = claim(api, name, worker="w-1", lease_ms=60_000).json()["deliveries"][0]
+    held = claim(api, name).json()["deliveries"][0]
+    settle(api, held["token"], "release", delay_ms=60_000)
+    url = f"{base}/v1/queues/%2F/{q(name)}/messages"
+    page = s.get(url, params={"limit": 2}, timeout=30).json()
+    assert [m["payload"] for m in page["messages"]] == ["m2", "m3"]
+    assert [m["position"] for m in page["messages"]] == [0, 1]
+    assert page["next_from"] == 2
+    rest = s.get(url, params={"from": 2, "limit": 2}, timeout=30).json()
+    assert [m["payload"] for m in rest["messages"]] == ["m4"] and rest["next_from"] is None
+    scheduled = s.get(url, params={"state": "scheduled"}, timeout=30).json()["messages"]
+    assert [(m["payload"], m["state"]) for m in scheduled] == [("m1", "scheduled")]
+    assert scheduled[0]["ready_at"] > time.time() * 1000 + 50_000
+    unacked = s.get(url, params={"state": "unacked"}, timeout=30).json()["messages"]
+    assert [(m["payload"], m["state"], m["generation"], m["worker"]) for m in unacked] == [
+        ("m0", "claimed", 1, "w-1")]
+    assert unacked[0]["lease_expires_at"] == claimed["lease_expires_at"]
+    info = queue_info(api, name)
+    assert (info["messages_ready"], info["messages_scheduled"],
+            info["messages_unacknowledged"]) == (3, 1, 1)
+    assert s.get(url, params={"state": "lost"}, timeout=30).status_code == 400
+    assert s.get(url, params={"limit": 0}, timeout=30).status_code == 400
+
+
+def test_work_queue_series_in_prometheus(api, connect, names, prometheus_url):
+    """/metrics/per-object carries warren_queue_* series for a queue's scheduled and leased
+    messages and its claim, release and dedup counters."""
+    name = names.q()
+    ch = connect().channel()
+    ch.queue_declare(name, durable=True, arguments={"x-message-deduplication": True})
+    publish(api, name, [{"payload": "a", "dedup_token": "1"}, {"payload": "a", "dedup_token": "1"},
+                        {"payload": "b"}])
+    ds = claim(api, name, max_items=2).json()["deliveries"]
+    settle(api, ds[0]["token"], "release", delay_ms=60_000)
+    text = requests.get(f"{prometheus_url}/metrics/per-object", timeout=30).text
+    label = f'vhost="/",queue="{name}"'
+
+    def value(series):
+        for line in text.splitlines():
+            if line.startswith(series + "{") and label in line:
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{series} for {name} not in /metrics/per-object")
+
+    assert value("warren_queue_messages_scheduled") == 1
+    assert value("warren_queue_messages_leased") == 1
+    assert value("warren_queue_claims_total") == 2
+    assert value("warren_queue_leases_released_total") == 1
+    assert value("warren_queue_retries_delayed_total") == 1
+    assert value("warren_queue_messages_deduplicated_total") == 1
+    assert value("warren_queue_oldest_lease_age_seconds") >= 0

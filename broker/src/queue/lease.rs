@@ -146,4 +146,38 @@ impl Queue {
         self.dead_letter_pending();
         Ok(outcome)
     }
+
+    /// Up to `limit` of the queue's messages in `state` from position `from`, without
+    /// claiming them (a replicated queue's as this replica has applied them), bodies
+    /// readable after the call. None for a stream, or a classic queue held on another node
+    /// (browse it through that node). A message that left the queue since the look may come
+    /// back [`Outgoing::Unreadable`].
+    #[must_use]
+    pub fn browse(
+        &self,
+        state: machine::BrowseState,
+        from: usize,
+        limit: usize,
+    ) -> Option<Vec<machine::Browsed<Outgoing>>> {
+        if self.is_stream || self.replica().is_some_and(|r| r.home().is_some()) {
+            return None;
+        }
+        // References copied under the lock, bodies opened after it: a message settled in
+        // between reads as unreadable, and the caller skips it.
+        let found = self.state.lock().machine.browse(state, from, limit);
+        Some(
+            found
+                .into_iter()
+                .map(|b| machine::Browsed {
+                    msg: self.pin(&b.msg),
+                    position: b.position,
+                    id: b.id,
+                    delivery_count: b.delivery_count,
+                    enqueued_at: b.enqueued_at,
+                    ready_at: b.ready_at,
+                    lease: b.lease,
+                })
+                .collect(),
+        )
+    }
 }

@@ -280,7 +280,7 @@ pub fn router(state: AppState) -> Router {
         // The HTTP queue API (docs/http-queue-api.md).
         .route(
             "/v1/queues/{vhost}/{queue}/messages",
-            axum::routing::post(v1_messages::publish),
+            axum::routing::post(v1_messages::publish).get(v1_messages::browse),
         )
         .route(
             "/v1/queues/{vhost}/{queue}/leases",

@@ -22,7 +22,7 @@ use warren_broker::node::access::Perm;
 use warren_broker::queue::machine::{Claimed, Command, LeaseError, LeaseState};
 use warren_broker::queue::{LeaseCallError, Queue};
 
-use super::v1_messages::require;
+use super::v1_messages::{body_json, require};
 use super::{ApiResult, body, ok_json, queue_for_user};
 use crate::auth::QueueUser;
 use crate::{ApiError, AppState};
@@ -152,15 +152,6 @@ fn delivery(vhost: &str, queue: &Queue, c: Claimed<Outgoing>) -> Result<Value, A
         error: "internal_error",
         reason: format!("message {} is unreadable: {e}", c.id),
     })?;
-    let body = loaded.body();
-    let (payload, encoding) = match std::str::from_utf8(body) {
-        Ok(s) => (s.to_string(), "string"),
-        Err(_) => (
-            base64::engine::general_purpose::STANDARD.encode(body),
-            "base64",
-        ),
-    };
-    let properties = crate::properties::to_json(loaded.properties());
     let token = Token {
         vhost: vhost.to_string(),
         queue: queue.name.clone(),
@@ -168,27 +159,18 @@ fn delivery(vhost: &str, queue: &Queue, c: Claimed<Outgoing>) -> Result<Value, A
         generation: c.generation,
         enqueued_at: c.enqueued_at,
     };
-    let message_id = properties
-        .get("message_id")
-        .cloned()
-        .unwrap_or_else(|| json!(c.id.to_string()));
-    Ok(json!({
-        "token": token.encode(),
-        "message_id": message_id,
-        "generation": c.generation,
-        "attempt": c.generation,
-        "delivery_count": c.delivery_count,
-        "redelivered": c.redelivered,
-        "lease_expires_at": c.lease_expires_at,
-        "enqueued_at": c.enqueued_at,
-        "payload": payload,
-        "payload_encoding": encoding,
-        "payload_bytes": body.len(),
-        "routing_key": String::from_utf8_lossy(loaded.routing_key()),
-        "exchange": String::from_utf8_lossy(loaded.exchange()),
-        "headers": properties.get("headers").cloned().unwrap_or_else(|| json!({})),
-        "properties": properties,
-    }))
+    let mut m = body_json(&loaded);
+    if m.get("message_id").is_none_or(Value::is_null) {
+        m.insert("message_id".into(), json!(c.id.to_string()));
+    }
+    m.insert("token".into(), json!(token.encode()));
+    m.insert("generation".into(), json!(c.generation));
+    m.insert("attempt".into(), json!(c.generation));
+    m.insert("delivery_count".into(), json!(c.delivery_count));
+    m.insert("redelivered".into(), json!(c.redelivered));
+    m.insert("lease_expires_at".into(), json!(c.lease_expires_at));
+    m.insert("enqueued_at".into(), json!(c.enqueued_at));
+    Ok(Value::Object(m))
 }
 
 /// POST /v1/queues/{vhost}/{queue}/leases.

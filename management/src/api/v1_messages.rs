@@ -1,5 +1,6 @@
-//! `POST /v1/queues/{vhost}/{queue}/messages`: publish a batch of messages into one queue
-//! (the HTTP queue API, docs/http-queue-api.md).
+//! `/v1/queues/{vhost}/{queue}/messages` (the HTTP queue API, docs/http-queue-api.md):
+//! `POST` publishes a batch of messages into one queue, `GET` browses what it holds without
+//! claiming anything.
 //!
 //! Each message goes into the named queue as a publish through the default exchange would
 //! put it there, persistent unless it says otherwise, and the reply comes once every message
@@ -8,17 +9,22 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use warren_amqp::properties::Properties;
 use warren_broker::message::Message;
+use warren_broker::message::Outgoing;
 use warren_broker::node::access::{Access, Perm, Resource};
+use warren_broker::queue::machine::{BrowseState, Browsed};
 use warren_broker::queue::{Enqueued, Queue};
 
 use super::{ApiResult, body, ok_json, queue_for_user};
 use crate::auth::QueueUser;
 use crate::{ApiError, AppState};
+
+/// Most messages one browse returns.
+pub const BROWSE_LIMIT_MAX: usize = 1_000;
 
 /// Most messages one request publishes.
 pub const PUBLISH_BATCH_MAX: usize = 1_000;
@@ -261,4 +267,121 @@ pub(super) async fn publish(
         }));
     }
     ok_json(json!({"messages": out}))
+}
+
+/// A loaded message's body and properties as the queue API shows them: `payload` as text
+/// when it is UTF-8, else base64 (`payload_encoding` says which).
+pub(super) fn body_json(loaded: &warren_broker::message::Loaded) -> Map<String, Value> {
+    let body = loaded.body();
+    let (payload, encoding) = match std::str::from_utf8(body) {
+        Ok(s) => (s.to_string(), "string"),
+        Err(_) => (
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, body),
+            "base64",
+        ),
+    };
+    let properties = crate::properties::to_json(loaded.properties());
+    let mut m = Map::new();
+    m.insert(
+        "message_id".into(),
+        properties.get("message_id").cloned().unwrap_or(Value::Null),
+    );
+    m.insert("payload".into(), json!(payload));
+    m.insert("payload_encoding".into(), json!(encoding));
+    m.insert("payload_bytes".into(), json!(body.len()));
+    m.insert(
+        "routing_key".into(),
+        json!(String::from_utf8_lossy(loaded.routing_key())),
+    );
+    m.insert(
+        "exchange".into(),
+        json!(String::from_utf8_lossy(loaded.exchange())),
+    );
+    m.insert(
+        "headers".into(),
+        properties
+            .get("headers")
+            .cloned()
+            .unwrap_or_else(|| json!({})),
+    );
+    m.insert("properties".into(), properties);
+    m
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct BrowseQuery {
+    #[serde(default)]
+    state: Option<String>,
+    #[serde(default)]
+    from: usize,
+    #[serde(default = "twenty")]
+    limit: usize,
+}
+
+fn twenty() -> usize {
+    20
+}
+
+fn browsed_json(state: &str, b: Browsed<Outgoing>) -> Option<Value> {
+    // A message that left the queue since the look is skipped.
+    let loaded = b.msg.load().ok()?;
+    let mut m = body_json(&loaded);
+    m.insert("position".into(), json!(b.position));
+    m.insert("id".into(), json!(b.id));
+    m.insert("state".into(), json!(state));
+    m.insert("delivery_count".into(), json!(b.delivery_count));
+    m.insert("enqueued_at".into(), json!(b.enqueued_at));
+    if let Some(at) = b.ready_at {
+        m.insert("ready_at".into(), json!(at));
+    }
+    if let Some((generation, expires_at, worker)) = b.lease {
+        m.insert("state".into(), json!("claimed"));
+        m.insert("generation".into(), json!(generation));
+        m.insert("lease_expires_at".into(), json!(expires_at));
+        m.insert("worker".into(), json!(worker));
+    }
+    Some(Value::Object(m))
+}
+
+/// GET /v1/queues/{vhost}/{queue}/messages?state=ready|scheduled|unacked&from=N&limit=N:
+/// the queue's messages in that state from position `from`, without claiming them.
+pub(super) async fn browse(
+    State(state): State<AppState>,
+    user: QueueUser,
+    Path((vhost, name)): Path<(String, String)>,
+    Query(query): Query<BrowseQuery>,
+) -> ApiResult {
+    let queue = queue_for_user(&state, &vhost, &name)?;
+    require(&state, &user, &vhost, &name, Perm::Read)?;
+    let (which, label) = match query.state.as_deref().unwrap_or("ready") {
+        "ready" => (BrowseState::Ready, "ready"),
+        "scheduled" => (BrowseState::Scheduled, "scheduled"),
+        "unacked" => (BrowseState::Unacked, "delivered"),
+        other => {
+            return Err(ApiError::bad_request(format!(
+                "state {other}: ready, scheduled or unacked"
+            )));
+        }
+    };
+    if query.limit == 0 || query.limit > BROWSE_LIMIT_MAX {
+        return Err(ApiError::bad_request(format!(
+            "limit: 1 to {BROWSE_LIMIT_MAX}"
+        )));
+    }
+    let found = queue.browse(which, query.from, query.limit).ok_or_else(|| {
+        ApiError::bad_request(
+            "this queue cannot be browsed here: a stream, or a classic queue held on another node (browse it there)",
+        )
+    })?;
+    let full = found.len() == query.limit;
+    let next = found.last().map(|b| b.position + 1);
+    let messages: Vec<Value> = found
+        .into_iter()
+        .filter_map(|b| browsed_json(label, b))
+        .collect();
+    ok_json(json!({
+        "messages": messages,
+        "next_from": if full { next } else { None },
+    }))
 }

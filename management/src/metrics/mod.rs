@@ -34,6 +34,7 @@ mod node;
 mod queues;
 mod raft;
 mod streams;
+mod work;
 
 pub fn router(state: AppState) -> Router {
     Router::new()

@@ -6,6 +6,7 @@ use warren_broker::queue::QueueStats;
 
 use super::raft::raft;
 use super::streams::streams;
+use super::work::work;
 use super::{QueueRow, Scrape};
 use crate::AppState;
 
@@ -154,6 +155,7 @@ pub(super) fn queues(state: &AppState, s: &Scrape, rows: &[QueueRow], per_object
             g.with_label_values::<&str>(&[]).set(max);
         }
     }
+    work(s, rows, labels, per_object);
     s.set("rabbitmq_queues", "Queues available", rows.len() as f64);
     raft(state, s, rows, labels, per_object);
     streams(s, rows);

@@ -42,6 +42,8 @@
 //! - `lease`: claims under a lease, generation-fenced ack, extend and release, lease expiry
 //!   (the work-queue contract);
 //! - `schedule`: messages waiting out a delayed retry;
+//! - `dedup`: the publish deduplication window;
+//! - `browse`: reading messages by state and position without claiming them;
 //! - `invariants`: [`QueueMachine::check_invariants`].
 //!
 //! The handlers call each other freely (one type's methods), but the files' imports run one
@@ -55,6 +57,7 @@
 //! decodes ([`QueueMachineV1`]). Its settings ([`WorkConfig`]) are apart from
 //! [`QueueConfig`], whose replicated form (in `Configure` log entries) stays as it was.
 
+mod browse;
 mod command;
 mod config;
 mod consumers;
@@ -69,6 +72,7 @@ mod settle;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+pub use browse::{BrowseState, Browsed};
 pub use command::{
     Claimed, Command, ConsumerSpec, Effect, LeaseError, LeaseState, MachineError, Removal, Reply,
 };

@@ -89,6 +89,13 @@ impl<M: MessageRef> Scheduled<M> {
         self.by_due.iter().find(|&&(_, i)| i == id).map(|&(d, _)| d)
     }
 
+    /// Scheduled messages in due order, each with its due time.
+    pub(super) fn in_due_order(&self) -> impl Iterator<Item = (u64, &Ready<M>)> {
+        self.by_due
+            .iter()
+            .filter_map(|&(due, id)| self.by_id.get(&id).map(|r| (due, r)))
+    }
+
     pub(super) fn iter(&self) -> impl Iterator<Item = &Ready<M>> {
         self.by_id.values()
     }

@@ -1,0 +1,122 @@
+//! Warren's work-queue series per queue (`warren_queue_*`): scheduled and leased messages,
+//! the oldest lease's age, and the counters of claims, extensions, releases, expired leases,
+//! delayed retries and dropped duplicates. Labelled per queue on `/metrics/per-object`,
+//! summed on `/metrics` (ages take the maximum: a sum of ages means nothing).
+
+use warren_broker::queue::QueueStats;
+
+use super::{QueueRow, Scrape};
+
+/// A work series: name (after `warren_`), help, whether it is a counter, whether its
+/// aggregate is the maximum rather than the sum, value.
+type WorkSeries = (
+    &'static str,
+    &'static str,
+    bool,
+    bool,
+    fn(&QueueStats) -> f64,
+);
+
+const WORK_SERIES: &[WorkSeries] = &[
+    (
+        "queue_messages_scheduled",
+        "Messages waiting out a delayed retry (neither ready nor unacknowledged)",
+        false,
+        false,
+        |s| s.work.scheduled as f64,
+    ),
+    (
+        "queue_messages_leased",
+        "Messages claimed under a lease (HTTP queue API), counted in unacked too",
+        false,
+        false,
+        |s| s.work.leased as f64,
+    ),
+    (
+        "queue_oldest_lease_age_seconds",
+        "How long the oldest claim still leased has been out",
+        false,
+        true,
+        |s| s.work.oldest_claim_age_ms.unwrap_or(0) as f64 / 1000.0,
+    ),
+    (
+        "queue_claims_total",
+        "Messages claimed under a lease",
+        true,
+        false,
+        |s| s.work.counters.claimed as f64,
+    ),
+    (
+        "queue_lease_extensions_total",
+        "Leases extended",
+        true,
+        false,
+        |s| s.work.counters.extended as f64,
+    ),
+    (
+        "queue_leases_released_total",
+        "Claims given back by their worker",
+        true,
+        false,
+        |s| s.work.counters.released as f64,
+    ),
+    (
+        "queue_leases_expired_total",
+        "Leases that ran out (their message returned)",
+        true,
+        false,
+        |s| s.work.counters.lease_expired as f64,
+    ),
+    (
+        "queue_retries_delayed_total",
+        "Returns held for a delayed retry",
+        true,
+        false,
+        |s| s.work.counters.retries_delayed as f64,
+    ),
+    (
+        "queue_messages_deduplicated_total",
+        "Publishes dropped as duplicates (confirmed all the same)",
+        true,
+        false,
+        |s| s.work.counters.deduplicated as f64,
+    ),
+];
+
+/// The work series of `rows`.
+pub(super) fn work(s: &Scrape, rows: &[QueueRow], labels: &[&str], per_object: bool) {
+    for (name, help, counter, max, value) in WORK_SERIES {
+        let name = format!("warren_{name}");
+        if *counter {
+            let Some(c) = s.counters(&name, help, labels) else {
+                continue;
+            };
+            if per_object {
+                for r in rows {
+                    c.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                        .inc_by(value(&r.stats) as u64);
+                }
+            } else {
+                c.with_label_values::<&str>(&[])
+                    .inc_by(rows.iter().map(|r| value(&r.stats) as u64).sum());
+            }
+        } else {
+            let Some(g) = s.gauge(&name, help, labels) else {
+                continue;
+            };
+            if per_object {
+                for r in rows {
+                    g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                        .set(value(&r.stats));
+                }
+            } else {
+                let values = rows.iter().map(|r| value(&r.stats));
+                g.with_label_values::<&str>(&[]).set(if *max {
+                    values.fold(0.0, f64::max)
+                } else {
+                    values.sum()
+                });
+            }
+        }
+    }
+}
