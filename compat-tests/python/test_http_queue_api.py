@@ -597,3 +597,27 @@ def test_work_queue_series_in_prometheus(api, connect, names, prometheus_url):
     assert value("warren_queue_retries_delayed_total") == 1
     assert value("warren_queue_messages_deduplicated_total") == 1
     assert value("warren_queue_oldest_lease_age_seconds") >= 0
+
+
+def test_batch_ack_reports_each_token(api, connect, names):
+    """POST /v1/leases/ack acks a batch of tokens and answers each with the status its own
+    ack would get: 200 for a current claim, 409 for a superseded one, 404 for garbage; the
+    queue keeps exactly the messages not acked."""
+    base, s = api
+    name = names.q()
+    declare(connect, name)
+    publish(api, name, [{"payload": f"m{i}"} for i in range(4)])
+    first = claim(api, name, max_items=4, lease_ms=200).json()["deliveries"]
+    again = claim(api, name, max_items=4, lease_ms=60_000, wait_ms=10_000).json()["deliveries"]
+    assert len(again) >= 1 and again[0]["generation"] == 2
+    stale = next(d for d in first if d["message_id"] == again[0]["message_id"])
+    # The stale token first: after the current one acked it, the message would be gone (404).
+    tokens = [stale["token"]] + [x["token"] for x in again] + ["garbage"]
+    r = s.post(f"{base}/v1/leases/ack", json={"tokens": tokens}, timeout=30)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["status"] for x in results] == [409] + [200] * len(again) + [404]
+    assert results[0]["error"] == "stale_generation" and results[0]["current_generation"] == 2
+    assert [x["token"] for x in results] == tokens
+    assert queue_info(api, name)["messages"] == 4 - len(again)
+    assert s.post(f"{base}/v1/leases/ack", json={"tokens": []}, timeout=30).status_code == 400

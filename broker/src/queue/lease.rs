@@ -32,6 +32,10 @@ pub type ClaimDone = Box<dyn FnOnce(ClaimOutcome) + Send>;
 pub type LeaseOutcome = Result<Result<LeaseState, LeaseError>, LeaseCallError>;
 /// Called once with an extend's, ack's or release's outcome.
 pub type LeaseDone = Box<dyn FnOnce(LeaseOutcome) + Send>;
+/// The outcomes of several lease commands, in order.
+pub type LeasesOutcome = Result<Vec<Result<LeaseState, LeaseError>>, LeaseCallError>;
+/// Called once with several lease commands' outcomes.
+pub type LeasesDone = Box<dyn FnOnce(LeasesOutcome) + Send>;
 
 impl Queue {
     /// Claim up to `max` ready messages for `worker` under a lease of `lease_ms` (the queue's
@@ -101,50 +105,87 @@ impl Queue {
 
     /// Extend, acknowledge or release a claim ([`Command::Extend`], [`Command::AckLease`],
     /// [`Command::Release`]); `done` gets the claim's state or why the token changed nothing.
+    pub fn settle_lease(self: &Arc<Self>, command: Command<Entry>, done: LeaseDone) {
+        self.settle_leases(
+            vec![command],
+            Box::new(move |r| {
+                done(r.map(|outcomes| {
+                    outcomes
+                        .into_iter()
+                        .next()
+                        .unwrap_or(Err(LeaseError::NotFound))
+                }));
+            }),
+        );
+    }
+
+    /// [`Queue::settle_lease`] of several claims at once (in one submission of a replicated
+    /// queue, under one lock of a local one); `done` gets one outcome per command, in order.
     ///
     /// # Panics
-    /// In debug builds, for any other command (a caller's bug).
-    pub fn settle_lease(self: &Arc<Self>, command: Command<Entry>, done: LeaseDone) {
-        debug_assert!(matches!(
-            command,
+    /// In debug builds, for a command that is not a lease command (a caller's bug).
+    pub fn settle_leases(self: &Arc<Self>, commands: Vec<Command<Entry>>, done: LeasesDone) {
+        debug_assert!(commands.iter().all(|c| matches!(
+            c,
             Command::Extend { .. } | Command::AckLease { .. } | Command::Release { .. }
-        ));
+        )));
         if self.is_stream {
             done(Err(LeaseCallError::Stream));
             return;
         }
+        let n = commands.len();
         if let Some(replica) = self.replica() {
             replica.submit(
-                vec![command],
+                commands,
                 Box::new(move |r| {
                     done(r.map_err(LeaseCallError::from).map(|replies| {
-                        match replies.into_iter().next() {
-                            Some(Ok(Reply::Lease(outcome))) => outcome,
-                            _ => Err(LeaseError::NotFound),
-                        }
+                        let mut out: Vec<_> = replies
+                            .into_iter()
+                            .map(|reply| match reply {
+                                Ok(Reply::Lease(outcome)) => outcome,
+                                _ => Err(LeaseError::NotFound),
+                            })
+                            .collect();
+                        out.resize(n, Err(LeaseError::NotFound));
+                        out
                     }));
                 }),
             );
             return;
         }
-        done(self.settle_lease_here(command));
+        done(self.settle_leases_here(commands));
     }
 
     /// [`Queue::settle_lease`] of a queue held here.
     pub(super) fn settle_lease_here(self: &Arc<Self>, command: Command<Entry>) -> LeaseOutcome {
-        let outcome = {
+        self.settle_leases_here(vec![command]).map(|outcomes| {
+            outcomes
+                .into_iter()
+                .next()
+                .unwrap_or(Err(LeaseError::NotFound))
+        })
+    }
+
+    /// [`Queue::settle_leases`] of a queue held here: one lock, one store submission.
+    fn settle_leases_here(self: &Arc<Self>, commands: Vec<Command<Entry>>) -> LeasesOutcome {
+        let outcomes = {
             let mut st = self.state.lock();
             if st.deleted {
                 return Err(LeaseCallError::Deleted);
             }
             st.last_used = self.now_ms();
-            match self.run(&mut st, command) {
-                Ok(Reply::Lease(outcome)) => outcome,
-                _ => Err(LeaseError::NotFound),
-            }
+            let outcomes = commands
+                .into_iter()
+                .map(|c| match self.apply(&mut st, c) {
+                    Ok(Reply::Lease(outcome)) => outcome,
+                    _ => Err(LeaseError::NotFound),
+                })
+                .collect();
+            self.submit_store_ops(&mut st, None);
+            outcomes
         };
         self.dead_letter_pending();
-        Ok(outcome)
+        Ok(outcomes)
     }
 
     /// Up to `limit` of the queue's messages in `state` from position `from`, without

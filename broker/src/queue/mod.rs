@@ -25,7 +25,9 @@ mod settle;
 pub mod stream;
 
 pub use host::{NoHost, QueueHost};
-pub use lease::{ClaimDone, ClaimOutcome, LeaseCallError, LeaseDone, LeaseOutcome};
+pub use lease::{
+    ClaimDone, ClaimOutcome, LeaseCallError, LeaseDone, LeaseOutcome, LeasesDone, LeasesOutcome,
+};
 use publish::below_flow_release;
 pub use publish::{Enqueued, publish_routed};
 use publish::{Join, publish_local};

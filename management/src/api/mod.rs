@@ -286,6 +286,7 @@ pub fn router(state: AppState) -> Router {
             "/v1/queues/{vhost}/{queue}/leases",
             axum::routing::post(v1_leases::claim),
         )
+        .route("/v1/leases/ack", axum::routing::post(v1_leases::ack_batch))
         .route(
             "/v1/leases/{token}/ack",
             axum::routing::post(v1_leases::ack),

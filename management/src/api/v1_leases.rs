@@ -336,6 +336,126 @@ pub(super) async fn ack(
     .await
 }
 
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AckBatchBody {
+    tokens: Vec<String>,
+}
+
+/// A queue (vhost, name) and the batch's tokens for it with their places.
+type QueueTokens = ((String, String), Vec<(usize, Token)>);
+
+/// One token's result in a batch: its status and what a single call would have answered.
+fn batch_result(token: &str, r: Result<Value, (StatusCode, Value)>) -> Value {
+    match r {
+        Ok(mut v) => {
+            v["token"] = json!(token);
+            v["status"] = json!(200);
+            v
+        }
+        Err((status, mut v)) => {
+            v["token"] = json!(token);
+            v["status"] = json!(status.as_u16());
+            v
+        }
+    }
+}
+
+/// POST /v1/leases/ack with `{"tokens": [...]}`: acknowledge up to [`LEASE_BATCH_MAX`]
+/// claims in one request (SQS's DeleteMessageBatch). Each token gets the status its own
+/// `/v1/leases/{token}/ack` would have (200, 403, 404, 409) in `results`, in order; the
+/// tokens of one queue go in one submission.
+pub(super) async fn ack_batch(
+    State(state): State<AppState>,
+    user: QueueUser,
+    raw: axum::body::Bytes,
+) -> ApiResult {
+    let b: AckBatchBody =
+        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    if b.tokens.is_empty() || b.tokens.len() > LEASE_BATCH_MAX as usize {
+        return Err(ApiError::bad_request(format!(
+            "tokens: 1 to {LEASE_BATCH_MAX} a request"
+        )));
+    }
+    let not_found = || (StatusCode::NOT_FOUND, json!({"error": "not_found"}));
+    let mut results: Vec<Option<Result<Value, (StatusCode, Value)>>> =
+        (0..b.tokens.len()).map(|_| None).collect();
+    // Tokens by queue, keeping their places.
+    let mut groups: Vec<QueueTokens> = Vec::new();
+    for (i, t) in b.tokens.iter().enumerate() {
+        let Some(token) = Token::decode(t) else {
+            results[i] = Some(Err(not_found()));
+            continue;
+        };
+        let key = (token.vhost.clone(), token.queue.clone());
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push((i, token)),
+            None => groups.push((key, vec![(i, token)])),
+        }
+    }
+    let mut waits = Vec::new();
+    for ((vhost, name), tokens) in groups {
+        let Ok(queue) = queue_for_user(&state, &vhost, &name) else {
+            for (i, _) in tokens {
+                results[i] = Some(Err(not_found()));
+            }
+            continue;
+        };
+        if let Err(e) = require(&state, &user, &vhost, &name, Perm::Read) {
+            for (i, _) in tokens {
+                results[i] = Some(Err((
+                    StatusCode::FORBIDDEN,
+                    json!({"error": e.error, "reason": e.reason}),
+                )));
+            }
+            continue;
+        }
+        let commands = tokens
+            .iter()
+            .map(|(_, t)| Command::AckLease {
+                id: t.id,
+                generation: t.generation,
+                enqueued_at: t.enqueued_at,
+            })
+            .collect();
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        queue.settle_leases(
+            commands,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        waits.push((tokens, rx));
+    }
+    for (tokens, rx) in waits {
+        let outcomes = match tokio::time::timeout(GROUP_WAIT, rx).await {
+            Ok(Ok(r)) => r.map_err(|e| unavailable(&e))?,
+            _ => return Err(group_timeout()),
+        };
+        for ((i, token), outcome) in tokens.into_iter().zip(outcomes) {
+            results[i] = Some(match outcome {
+                Ok(s) => Ok(lease_state(&token, s)),
+                Err(LeaseError::NotFound) => Err(not_found()),
+                Err(LeaseError::StaleGeneration { current }) => Err((
+                    StatusCode::CONFLICT,
+                    json!({"error": "stale_generation", "current_generation": current}),
+                )),
+                Err(LeaseError::LeaseExpired { current }) => Err((
+                    StatusCode::CONFLICT,
+                    json!({"error": "lease_expired", "current_generation": current}),
+                )),
+            });
+        }
+    }
+    let results: Vec<Value> = b
+        .tokens
+        .iter()
+        .zip(results)
+        .map(|(t, r)| batch_result(t, r.unwrap_or_else(|| Err(not_found()))))
+        .collect();
+    ok_json(json!({"results": results}))
+}
+
 /// POST /v1/leases/{token}/extend with `{"lease_ms": N}`.
 pub(super) async fn extend(
     State(state): State<AppState>,
