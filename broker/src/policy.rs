@@ -64,6 +64,7 @@ const KNOWN_KEYS: &[&str] = &[
     "message-deduplication",
     "cache-size",
     "cache-ttl",
+    "priority-aging-ms",
 ];
 
 /// Keys an operator policy may set: limits, which combine with the queue's own (the lower

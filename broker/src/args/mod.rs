@@ -299,6 +299,7 @@ const DECLARE_ARGS: &[(&str, Check)] = &[
     ("x-message-deduplication", work::check_bool),
     ("x-cache-size", work::check_cache_size),
     ("x-cache-ttl", work::check_lease_ms),
+    ("x-priority-aging-ms", work::check_lease_ms),
 ];
 
 fn check_any_int(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
@@ -386,6 +387,7 @@ const CLASSIC_ARGS: &[&str] = &[
     "x-message-deduplication",
     "x-cache-size",
     "x-cache-ttl",
+    "x-priority-aging-ms",
 ];
 
 /// `rabbit_quorum_queue:capabilities/0`'s `queue_arguments`.
@@ -416,6 +418,7 @@ const QUORUM_ARGS: &[&str] = &[
     "x-message-deduplication",
     "x-cache-size",
     "x-cache-ttl",
+    "x-priority-aging-ms",
 ];
 
 /// `rabbit_stream_queue:capabilities/0`'s `queue_arguments`.

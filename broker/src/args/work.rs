@@ -16,6 +16,7 @@
 //! | `x-message-deduplication` | `message-deduplication` | bool | false |
 //! | `x-cache-size` | `cache-size` | keys, 1..=2^32-1 | 100,000 |
 //! | `x-cache-ttl` | `cache-ttl` | ms, 1..=2^32-1 | 300,000 |
+//! | `x-priority-aging-ms` | `priority-aging-ms` | ms, 1..=2^32-1 | none (strict priority) |
 
 use amq_protocol::types::{AMQPValue, FieldTable};
 use serde_json::{Map, Value};
@@ -41,6 +42,7 @@ pub const WORK_ARGS: &[&str] = &[
     "x-message-deduplication",
     "x-cache-size",
     "x-cache-ttl",
+    "x-priority-aging-ms",
 ];
 
 /// The policy keys this module reads.
@@ -56,6 +58,7 @@ pub const WORK_POLICY_KEYS: &[&str] = &[
     "message-deduplication",
     "cache-size",
     "cache-ttl",
+    "priority-aging-ms",
 ];
 
 const RETRY_TYPES: &[&str] = &["disabled", "all", "failed", "returned"];
@@ -174,7 +177,7 @@ pub fn check_policy(def: &Map<String, Value>) -> Result<(), String> {
             "delayed-retry-multiplier must be a number from 1 to {RETRY_MULTIPLIER_MAX}"
         ));
     }
-    for key in ["cache-size", "cache-ttl"] {
+    for key in ["cache-size", "cache-ttl", "priority-aging-ms"] {
         if let Some(v) = def.get(key)
             && v.as_u64()
                 .is_none_or(|n| n == 0 || i128::from(n) > WORK_MS_MAX)
@@ -261,6 +264,7 @@ pub fn work_config(args: &FieldTable, policy: Option<&Map<String, Value>>) -> Wo
         ttl_ms: ms("cache-ttl").filter(|t| *t > 0).or(dedup_defaults.ttl_ms),
     };
     WorkConfig {
+        priority_aging_ms: ms("priority-aging-ms").filter(|t| *t > 0),
         dedup,
         lease,
         retry: RetryPolicy {

@@ -266,4 +266,8 @@ pub struct WorkConfig {
     pub retry: RetryPolicy,
     /// Publish deduplication.
     pub dedup: DedupConfig,
+    /// `x-priority-aging-ms`: a ready message waiting longer than this is served before
+    /// higher priorities (the oldest such first), so strict priority starves no level for
+    /// longer than this. None: strict priority.
+    pub priority_aging_ms: Option<u64>,
 }

@@ -642,6 +642,7 @@ fn work_config() -> impl Strategy<Value = (WorkConfig, Option<u32>)> {
                         jitter_percent: 0,
                     },
                     dedup: DedupConfig::default(),
+                    priority_aging_ms: None,
                 },
                 limit,
             )
@@ -968,6 +969,108 @@ proptest! {
                     window.remove(0);
                 }
             }
+        }
+    }
+}
+
+// ------------------------------------------------------------------ priority aging
+
+/// A message whose priority is its value mod 4.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct P(u64);
+impl MessageRef for P {
+    fn size(&self) -> u64 {
+        1
+    }
+    fn priority(&self) -> u8 {
+        (self.0 % 4) as u8
+    }
+}
+
+fn aging_machine(bound: Option<u64>) -> QueueMachine<P> {
+    QueueMachine::with_configs(
+        QueueConfig {
+            max_priority: Some(3),
+            ..QueueConfig::default()
+        },
+        WorkConfig {
+            priority_aging_ms: bound,
+            ..WorkConfig::default()
+        },
+    )
+}
+
+fn get_value(q: &mut QueueMachine<P>, now: u64) -> Option<u64> {
+    let mut effects = Vec::new();
+    match q.apply(now, Command::Get { no_ack: true }, &mut effects) {
+        Ok(Reply::Got(Some((_, m, _, _, _)))) => Some(m.0),
+        _ => None,
+    }
+}
+
+/// Strict priority passes a low-priority message over while higher ones keep coming; with
+/// x-priority-aging-ms it is served once it has waited that long.
+#[test]
+fn priority_aging_bounds_how_long_a_level_is_passed_over() {
+    for (bound, want) in [(None, vec![3, 7, 11, 0]), (Some(100), vec![3, 0, 7, 11])] {
+        let mut q = aging_machine(bound);
+        run_p(&mut q, 0, 0); // priority 0
+        run_p(&mut q, 50, 3); // priority 3
+        run_p(&mut q, 60, 7); // priority 3
+        run_p(&mut q, 70, 11); // priority 3
+        let got: Vec<u64> = [90, 100, 110, 120]
+            .into_iter()
+            .filter_map(|t| get_value(&mut q, t))
+            .collect();
+        assert_eq!(got, want, "bound {bound:?}");
+    }
+}
+
+fn run_p(q: &mut QueueMachine<P>, now: u64, v: u64) {
+    let mut effects = Vec::new();
+    q.apply(now, Command::Enqueue(P(v)), &mut effects)
+        .expect("enqueue");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Against a model of one FIFO per priority: each get takes the oldest head that has
+    /// waited at least the bound (ties to the higher priority), else the highest priority's
+    /// head; so no message waits past the bound while another is served ahead of it.
+    #[test]
+    fn priority_aging_matches_a_model(
+        bound in 1u64..100,
+        ops in proptest::collection::vec((any::<bool>(), 0u64..4, 0u64..40), 1..150),
+    ) {
+        let mut q = aging_machine(Some(bound));
+        let mut levels: BTreeMap<u8, std::collections::VecDeque<(u64, u64)>> = BTreeMap::new();
+        let (mut now, mut next) = (0u64, 0u64);
+        for (publish, priority, dt) in ops {
+            now += dt;
+            if publish {
+                let v = next * 4 + priority;
+                next += 1;
+                run_p(&mut q, now, v);
+                levels.entry(priority as u8).or_default().push_back((v, now));
+                continue;
+            }
+            let aged = levels
+                .iter()
+                .filter_map(|(l, f)| f.front().map(|&(_, at)| (at, *l)))
+                .filter(|(at, _)| now - at >= bound)
+                .min_by_key(|&(at, l)| (at, std::cmp::Reverse(l)))
+                .map(|(_, l)| l);
+            let level = aged.or_else(|| levels.keys().next_back().copied());
+            let want = level.and_then(|l| {
+                let f = levels.get_mut(&l)?;
+                let v = f.pop_front().map(|(v, _)| v);
+                if f.is_empty() {
+                    levels.remove(&l);
+                }
+                v
+            });
+            prop_assert_eq!(get_value(&mut q, now), want);
         }
     }
 }

@@ -345,11 +345,28 @@ impl<M: MessageRef> QueueMachine<M> {
         l.returned.insert(r.id, r);
     }
 
-    /// Take the next message to deliver (highest priority, then original order), keeping the
-    /// ready counters.
+    /// Take the next message to deliver (highest priority, then original order; with
+    /// priority aging, first the longest-waiting head past the bound), keeping the ready
+    /// counters.
     pub(super) fn pop_ready(&mut self) -> Option<Ready<M>> {
         let top = *self.levels.keys().next_back()?;
-        self.pop_level(top)
+        let level = self.aged_level().unwrap_or(top);
+        self.pop_level(level)
+    }
+
+    /// With priority aging, the level whose head has waited longest, if that is at least the
+    /// bound (O(levels); only when aging is on and more than one level holds messages).
+    pub(super) fn aged_level(&self) -> Option<u8> {
+        let bound = self.work.config.priority_aging_ms?;
+        if self.levels.len() < 2 {
+            return None;
+        }
+        self.levels
+            .iter()
+            .filter_map(|(level, l)| l.peek().map(|r| (r.enqueued_at, *level)))
+            .filter(|(at, _)| self.now.saturating_sub(*at) >= bound)
+            .min_by_key(|&(at, level)| (at, std::cmp::Reverse(level)))
+            .map(|(_, level)| level)
     }
 
     /// Take the head of one level, keeping the ready counters and dropping the level when it
