@@ -39,7 +39,8 @@ fn default_apply_to() -> String {
     "all".into()
 }
 
-/// Keys a policy definition may set.
+/// Keys a policy definition may set (and the work-queue keys of
+/// [`crate::args::work::WORK_POLICY_KEYS`]).
 const KNOWN_KEYS: &[&str] = &[
     "message-ttl",
     "expires",
@@ -53,18 +54,6 @@ const KNOWN_KEYS: &[&str] = &[
     "max-age",
     "stream-max-segment-size-bytes",
     "stream-filter-size-bytes",
-    "lease-ms",
-    "lease-extension-max-ms",
-    "lease-lifetime-max-ms",
-    "delayed-retry-type",
-    "delayed-retry-min",
-    "delayed-retry-max",
-    "delayed-retry-multiplier",
-    "delayed-retry-jitter",
-    "message-deduplication",
-    "cache-size",
-    "cache-ttl",
-    "priority-aging-ms",
 ];
 
 /// Keys an operator policy may set: limits, which combine with the queue's own (the lower
@@ -133,9 +122,11 @@ impl Policy {
     /// # Errors
     /// As [`Policy::new`].
     pub fn new_of(kind: PolicyKind, def: PolicyDef) -> Result<Self, PolicyError> {
-        let known = match kind {
-            PolicyKind::User => KNOWN_KEYS,
-            PolicyKind::Operator => OPERATOR_KEYS,
+        let known = |k: &str| match kind {
+            PolicyKind::User => {
+                KNOWN_KEYS.contains(&k) || crate::args::work::WORK_POLICY_KEYS.contains(&k)
+            }
+            PolicyKind::Operator => OPERATOR_KEYS.contains(&k),
         };
         let pattern = Regex::new(&def.pattern)
             .map_err(|e| PolicyError(format!("invalid pattern '{}': {e}", def.pattern)))?;
@@ -157,7 +148,7 @@ impl Policy {
         let unknown: Vec<&String> = def
             .definition
             .keys()
-            .filter(|k| !known.contains(&k.as_str()))
+            .filter(|k| !known(k.as_str()))
             .collect();
         if !unknown.is_empty() {
             return Err(PolicyError(format!(

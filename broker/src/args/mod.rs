@@ -287,19 +287,6 @@ const DECLARE_ARGS: &[(&str, Check)] = &[
     // RabbitMQ validates no value here: any integer (negative: unlimited, 0: no redelivery).
     ("x-delivery-limit", check_any_int),
     ("x-queue-leader-locator", check_leader_locator),
-    // Warren's work-queue arguments (classic and quorum).
-    ("x-lease-ms", work::check_lease_ms),
-    ("x-lease-extension-max-ms", work::check_lease_ms),
-    ("x-lease-lifetime-max-ms", work::check_lease_ms),
-    ("x-delayed-retry-type", work::check_retry_type),
-    ("x-delayed-retry-min", work::check_retry_ms),
-    ("x-delayed-retry-max", work::check_retry_ms),
-    ("x-delayed-retry-multiplier", work::check_retry_multiplier),
-    ("x-delayed-retry-jitter", work::check_retry_jitter),
-    ("x-message-deduplication", work::check_bool),
-    ("x-cache-size", work::check_cache_size),
-    ("x-cache-ttl", work::check_lease_ms),
-    ("x-priority-aging-ms", work::check_lease_ms),
 ];
 
 fn check_any_int(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
@@ -353,6 +340,14 @@ impl QueueType {
         }
     }
 
+    /// Whether the type takes argument `key`: RabbitMQ's list, and for classic and quorum
+    /// queues Warren's work-queue arguments ([`work::WORK_DECLARE_ARGS`]).
+    #[must_use]
+    pub fn takes(self, key: &str) -> bool {
+        self.arguments().contains(&key)
+            || (self != Self::Stream && work::WORK_DECLARE_ARGS.iter().any(|(k, _)| *k == key))
+    }
+
     /// Whether a server-named (empty name) queue of this type can be declared.
     #[must_use]
     pub fn server_named(self) -> bool {
@@ -376,18 +371,6 @@ const CLASSIC_ARGS: &[&str] = &[
     "x-queue-type",
     "x-queue-master-locator",
     "x-queue-leader-locator",
-    "x-lease-ms",
-    "x-lease-extension-max-ms",
-    "x-lease-lifetime-max-ms",
-    "x-delayed-retry-type",
-    "x-delayed-retry-min",
-    "x-delayed-retry-max",
-    "x-delayed-retry-multiplier",
-    "x-delayed-retry-jitter",
-    "x-message-deduplication",
-    "x-cache-size",
-    "x-cache-ttl",
-    "x-priority-aging-ms",
 ];
 
 /// `rabbit_quorum_queue:capabilities/0`'s `queue_arguments`.
@@ -407,18 +390,6 @@ const QUORUM_ARGS: &[&str] = &[
     "x-delivery-limit",
     "x-message-ttl",
     "x-queue-leader-locator",
-    "x-lease-ms",
-    "x-lease-extension-max-ms",
-    "x-lease-lifetime-max-ms",
-    "x-delayed-retry-type",
-    "x-delayed-retry-min",
-    "x-delayed-retry-max",
-    "x-delayed-retry-multiplier",
-    "x-delayed-retry-jitter",
-    "x-message-deduplication",
-    "x-cache-size",
-    "x-cache-ttl",
-    "x-priority-aging-ms",
 ];
 
 /// `rabbit_stream_queue:capabilities/0`'s `queue_arguments`.
@@ -441,11 +412,11 @@ fn check_type_arguments(
     let known = |k: &str| {
         [QueueType::Classic, QueueType::Quorum, QueueType::Stream]
             .iter()
-            .any(|t| t.arguments().contains(&k))
+            .any(|t| t.takes(k))
     };
     for key in args.inner().keys() {
         let key = key.as_str();
-        if known(key) && !kind.arguments().contains(&key) {
+        if known(key) && !kind.takes(key) {
             return Err(warren_amqp::AmqpError::channel(
                 warren_amqp::ReplyCode::PreconditionFailed,
                 format!(
@@ -485,8 +456,8 @@ pub fn validate_queue_args(
         check_queue_type(v, args).map_err(|term| invalid("x-queue-type", what, &term))?;
     }
     let kind = QueueType::of(args);
-    for (key, check) in DECLARE_ARGS {
-        if !kind.arguments().contains(key) {
+    for (key, check) in DECLARE_ARGS.iter().chain(work::WORK_DECLARE_ARGS) {
+        if !kind.takes(key) {
             continue;
         }
         if let Some(v) = args.inner().get(*key) {

@@ -29,20 +29,21 @@ pub const WORK_MS_MAX: i128 = 4_294_967_295;
 /// The largest delayed-retry multiplier.
 pub const RETRY_MULTIPLIER_MAX: f64 = 100.0;
 
-/// The arguments this module reads (classic and quorum queues take them).
-pub const WORK_ARGS: &[&str] = &[
-    "x-lease-ms",
-    "x-lease-extension-max-ms",
-    "x-lease-lifetime-max-ms",
-    "x-delayed-retry-type",
-    "x-delayed-retry-min",
-    "x-delayed-retry-max",
-    "x-delayed-retry-multiplier",
-    "x-delayed-retry-jitter",
-    "x-message-deduplication",
-    "x-cache-size",
-    "x-cache-ttl",
-    "x-priority-aging-ms",
+/// The arguments this module reads, with their validators, in the order a declare checks
+/// them (after RabbitMQ's own): classic and quorum queues take them.
+pub(super) const WORK_DECLARE_ARGS: &[(&str, super::Check)] = &[
+    ("x-lease-ms", check_lease_ms),
+    ("x-lease-extension-max-ms", check_lease_ms),
+    ("x-lease-lifetime-max-ms", check_lease_ms),
+    ("x-delayed-retry-type", check_retry_type),
+    ("x-delayed-retry-min", check_retry_ms),
+    ("x-delayed-retry-max", check_retry_ms),
+    ("x-delayed-retry-multiplier", check_retry_multiplier),
+    ("x-delayed-retry-jitter", check_retry_jitter),
+    ("x-message-deduplication", check_bool),
+    ("x-cache-size", check_cache_size),
+    ("x-cache-ttl", check_lease_ms),
+    ("x-priority-aging-ms", check_lease_ms),
 ];
 
 /// The policy keys this module reads.
@@ -74,17 +75,17 @@ fn check_ms(n: i128, min: i128) -> Result<(), String> {
 }
 
 /// `x-lease-*`: a positive number of ms.
-pub(super) fn check_lease_ms(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+fn check_lease_ms(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
     check_ms(check_int(v)?, 1)
 }
 
 /// `x-delayed-retry-min` and `-max`: ms, 0 allowed.
-pub(super) fn check_retry_ms(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+fn check_retry_ms(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
     check_ms(check_int(v)?, 0)
 }
 
 /// `x-delayed-retry-type`.
-pub(super) fn check_retry_type(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+fn check_retry_type(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
     let s = string_like(v).ok_or_else(|| unacceptable(v))?;
     let s = String::from_utf8_lossy(&s);
     if RETRY_TYPES.contains(&s.as_ref()) {
@@ -103,7 +104,7 @@ fn number(v: &AMQPValue) -> Option<f64> {
 }
 
 /// `x-delayed-retry-multiplier`: a number from 1 to [`RETRY_MULTIPLIER_MAX`].
-pub(super) fn check_retry_multiplier(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+fn check_retry_multiplier(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
     let m = number(v).ok_or_else(|| unacceptable(v))?;
     if (1.0..=RETRY_MULTIPLIER_MAX).contains(&m) {
         Ok(())
@@ -115,7 +116,7 @@ pub(super) fn check_retry_multiplier(v: &AMQPValue, _: &FieldTable) -> Result<()
 }
 
 /// `x-delayed-retry-jitter`: percent, 0 to 100.
-pub(super) fn check_retry_jitter(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+fn check_retry_jitter(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
     let n = check_int(v)?;
     if (0..=100).contains(&n) {
         Ok(())
@@ -125,7 +126,7 @@ pub(super) fn check_retry_jitter(v: &AMQPValue, _: &FieldTable) -> Result<(), St
 }
 
 /// `x-message-deduplication`: a bool.
-pub(super) fn check_bool(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+fn check_bool(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
     match v {
         AMQPValue::Boolean(_) => Ok(()),
         other => Err(unacceptable(other)),
@@ -133,7 +134,7 @@ pub(super) fn check_bool(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
 }
 
 /// `x-cache-size`: at least one key, at most 2^32-1.
-pub(super) fn check_cache_size(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
+fn check_cache_size(v: &AMQPValue, _: &FieldTable) -> Result<(), String> {
     check_ms(check_int(v)?, 1)
 }
 
