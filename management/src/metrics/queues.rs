@@ -106,55 +106,68 @@ pub(super) fn oldest_ready_seconds(s: &QueueStats) -> f64 {
     s.oldest_ready_age_ms.unwrap_or(0) as f64 / 1000.0
 }
 
+/// One per-queue series `(name, help, is a counter, aggregate by maximum)` of `value`:
+/// labelled (`vhost`, `queue`) when `per_object`, else one series of the sum (or the
+/// maximum, for ages: a sum of ages means nothing).
+pub(super) fn per_queue(
+    s: &Scrape,
+    rows: &[QueueRow],
+    labels: &[&str],
+    per_object: bool,
+    (name, help, counter, max): (&str, &str, bool, bool),
+    value: fn(&QueueStats) -> f64,
+) {
+    if counter {
+        let Some(c) = s.counters(name, help, labels) else {
+            return;
+        };
+        if per_object {
+            for r in rows {
+                c.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                    .inc_by(value(&r.stats) as u64);
+            }
+        } else {
+            c.with_label_values::<&str>(&[])
+                .inc_by(rows.iter().map(|r| value(&r.stats) as u64).sum());
+        }
+        return;
+    }
+    let Some(g) = s.gauge(name, help, labels) else {
+        return;
+    };
+    if per_object {
+        for r in rows {
+            g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                .set(value(&r.stats));
+        }
+    } else {
+        let values = rows.iter().map(|r| value(&r.stats));
+        g.with_label_values::<&str>(&[]).set(if max {
+            values.fold(0.0, f64::max)
+        } else {
+            values.sum()
+        });
+    }
+}
+
 /// Per-queue series: labelled (`vhost`, `queue`) when `per_object`, else summed into one
 /// series each (the oldest age takes the maximum instead: a sum of ages means nothing).
 pub(super) fn queues(state: &AppState, s: &Scrape, rows: &[QueueRow], per_object: bool) {
     let labels: &[&str] = if per_object { &["vhost", "queue"] } else { &[] };
     for (name, help, _, counter, value) in QUEUE_SERIES {
         let name = format!("rabbitmq_{name}");
-        if *counter {
-            let Some(c) = s.counters(&name, help, labels) else {
-                continue;
-            };
-            if per_object {
-                for r in rows {
-                    c.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
-                        .inc_by(value(&r.stats) as u64);
-                }
-            } else {
-                c.with_label_values::<&str>(&[])
-                    .inc_by(rows.iter().map(|r| value(&r.stats) as u64).sum());
-            }
-        } else {
-            let Some(g) = s.gauge(&name, help, labels) else {
-                continue;
-            };
-            if per_object {
-                for r in rows {
-                    g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
-                        .set(value(&r.stats));
-                }
-            } else {
-                g.with_label_values::<&str>(&[])
-                    .set(rows.iter().map(|r| value(&r.stats)).sum());
-            }
-        }
+        per_queue(
+            s,
+            rows,
+            labels,
+            per_object,
+            (&name, help, *counter, false),
+            *value,
+        );
     }
     let name = format!("warren_{OLDEST_READY}");
-    if let Some(g) = s.gauge(&name, OLDEST_READY_HELP, labels) {
-        if per_object {
-            for r in rows {
-                g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
-                    .set(oldest_ready_seconds(&r.stats));
-            }
-        } else {
-            let max = rows
-                .iter()
-                .map(|r| oldest_ready_seconds(&r.stats))
-                .fold(0.0, f64::max);
-            g.with_label_values::<&str>(&[]).set(max);
-        }
-    }
+    let series = (name.as_str(), OLDEST_READY_HELP, false, true);
+    per_queue(s, rows, labels, per_object, series, oldest_ready_seconds);
     work(s, rows, labels, per_object);
     s.set("rabbitmq_queues", "Queues available", rows.len() as f64);
     raft(state, s, rows, labels, per_object);

@@ -5,6 +5,7 @@
 
 use warren_broker::queue::QueueStats;
 
+use super::queues::per_queue;
 use super::{QueueRow, Scrape};
 
 /// A work series: name (after `warren_`), help, whether it is a counter, whether its
@@ -87,36 +88,13 @@ const WORK_SERIES: &[WorkSeries] = &[
 pub(super) fn work(s: &Scrape, rows: &[QueueRow], labels: &[&str], per_object: bool) {
     for (name, help, counter, max, value) in WORK_SERIES {
         let name = format!("warren_{name}");
-        if *counter {
-            let Some(c) = s.counters(&name, help, labels) else {
-                continue;
-            };
-            if per_object {
-                for r in rows {
-                    c.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
-                        .inc_by(value(&r.stats) as u64);
-                }
-            } else {
-                c.with_label_values::<&str>(&[])
-                    .inc_by(rows.iter().map(|r| value(&r.stats) as u64).sum());
-            }
-        } else {
-            let Some(g) = s.gauge(&name, help, labels) else {
-                continue;
-            };
-            if per_object {
-                for r in rows {
-                    g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
-                        .set(value(&r.stats));
-                }
-            } else {
-                let values = rows.iter().map(|r| value(&r.stats));
-                g.with_label_values::<&str>(&[]).set(if *max {
-                    values.fold(0.0, f64::max)
-                } else {
-                    values.sum()
-                });
-            }
-        }
+        per_queue(
+            s,
+            rows,
+            labels,
+            per_object,
+            (&name, help, *counter, *max),
+            *value,
+        );
     }
 }
