@@ -128,11 +128,17 @@ impl Queue {
         }
     }
 
+    /// Whether the queue deduplicates publishes (read without the queue lock).
+    #[must_use]
+    pub fn deduplicates(&self) -> bool {
+        self.dedup_enabled.load(Ordering::Relaxed)
+    }
+
     /// The deduplication key `message` carries for this queue: its `x-deduplication-header`
     /// (a string, or an integer as its decimal digits) when the queue deduplicates, and the
     /// value is at most [`machine::DEDUP_KEY_MAX`] bytes.
     pub(super) fn dedup_key(&self, message: &Message) -> Option<Vec<u8>> {
-        if !self.dedup_enabled.load(Ordering::Relaxed) {
+        if !self.deduplicates() {
             return None;
         }
         let headers = message.properties.headers()?;

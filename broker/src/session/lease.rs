@@ -67,6 +67,8 @@ impl Call<'_> {
                     let deadline = now
                         .saturating_add(lease_ms.min(cfg.extension_max_ms))
                         .min(u.delivered_at.saturating_add(cfg.lifetime_max_ms))
+                        // Past the lifetime cap an extension does not pull a deadline still
+                        // ahead back before now + 1 ms; one already passed stays passed.
                         .max(u.deadline.min(now.saturating_add(1)));
                     let old = u.deadline;
                     self.chan.deadlines.remove(&(old, tag));

@@ -8,8 +8,9 @@
 //! the way are removed, never delivered.
 
 use super::command::{Effect, Removal};
+use super::ready::Ready;
 use super::settle::Unacked;
-use super::{MessageRef, MsgId, QueueMachine};
+use super::{ConsumerId, MessageRef, MsgId, QueueMachine};
 
 impl<M: MessageRef> QueueMachine<M> {
     /// basic.get: take the head message (the message, whether redelivered, the ready count
@@ -20,7 +21,6 @@ impl<M: MessageRef> QueueMachine<M> {
         effects: &mut Vec<Effect<M>>,
     ) -> Option<(MsgId, M, bool, u32, u32)> {
         let r = self.pop_live(effects)?;
-        let size = r.msg.size();
         self.counters.got += 1;
         self.counters.redelivered += u64::from(r.redelivered());
         if no_ack {
@@ -31,22 +31,28 @@ impl<M: MessageRef> QueueMachine<M> {
                 reason: Removal::Settled,
             });
         } else {
-            self.unacked_bytes += size;
-            self.unacked.insert(
-                r.id,
-                Unacked {
-                    msg: r.msg.clone(),
-                    consumer: None,
-                    owner: None,
-                    expires_at: r.expires_at(),
-                    delivery_count: r.delivery_count(),
-                    enqueued_at: r.enqueued_at,
-                },
-            );
+            self.check_out(&r, None);
         }
         let remaining = u32::try_from(self.ready_len()).unwrap_or(u32::MAX);
         let (redelivered, count) = (r.redelivered(), r.delivery_count());
         Some((r.id, r.msg, redelivered, remaining, count))
+    }
+
+    /// Make ready record `r` unacked, held for `consumer` (None: a get or a claim), keeping
+    /// the unacked byte total (the consumer's own count is the caller's).
+    pub(super) fn check_out(&mut self, r: &Ready<M>, consumer: Option<ConsumerId>) {
+        self.unacked_bytes += r.msg.size();
+        self.unacked.insert(
+            r.id,
+            Unacked {
+                msg: r.msg.clone(),
+                consumer,
+                owner: consumer,
+                expires_at: r.expires_at(),
+                delivery_count: r.delivery_count(),
+                enqueued_at: r.enqueued_at,
+            },
+        );
     }
 
     /// Hand ready messages to consumers with credit, one each in turn.
@@ -82,6 +88,7 @@ impl<M: MessageRef> QueueMachine<M> {
                 self.counters.settled += 1;
             } else {
                 c.unacked += 1;
+                // `c` is still borrowed here, so not through check_out.
                 self.unacked_bytes += size;
                 self.unacked.insert(
                     r.id,

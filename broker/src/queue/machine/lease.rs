@@ -26,7 +26,6 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::command::{Claimed, Effect, LeaseError, LeaseState};
 use super::config::ReturnKind;
-use super::settle::Unacked;
 use super::{MessageRef, MsgId, QueueMachine};
 
 /// What names a claim: the message id, the claim's generation and the message's enqueue time
@@ -168,24 +167,12 @@ impl<M: MessageRef> QueueMachine<M> {
             let Some(r) = self.pop_live(effects) else {
                 break;
             };
-            let size = r.msg.size();
             self.counters.got += 1;
             self.counters.redelivered += u64::from(r.redelivered());
             self.work.counters.claimed += 1;
-            self.unacked_bytes += size;
+            self.check_out(&r, None);
             let delivery_count = r.delivery_count();
             let generation = delivery_count.saturating_add(1);
-            self.unacked.insert(
-                r.id,
-                Unacked {
-                    msg: r.msg.clone(),
-                    consumer: None,
-                    owner: None,
-                    expires_at: r.expires_at(),
-                    delivery_count,
-                    enqueued_at: r.enqueued_at,
-                },
-            );
             self.work.leases.insert(
                 r.id,
                 Lease {
