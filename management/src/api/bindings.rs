@@ -16,8 +16,8 @@ use warren_broker::routing::vhost::VHost;
 
 use super::common::{arguments, exchange_name};
 use super::{
-    ApiResult, body, direct, no_content, ok_json, queue_for, short, vhost_for, vhost_to_write,
-    visible_vhosts,
+    ApiResult, direct, no_content, ok_json, queue_for, short, typed_body, vhost_for,
+    vhost_to_write, visible_vhosts,
 };
 use crate::auth::Caller;
 use crate::json::table_to_json;
@@ -89,8 +89,7 @@ pub(super) async fn post_binding(
     raw: axum::body::Bytes,
 ) -> ApiResult {
     vhost_to_write(&state, &caller, &vhost)?;
-    let b: BindingBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: BindingBody = typed_body(&raw)?;
     let args = arguments(b.arguments.as_ref())?;
     let args_table = args.clone();
     let source = exchange_name(&source).to_string();

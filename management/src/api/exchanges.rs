@@ -13,7 +13,7 @@ use warren_broker::routing::vhost::VHost;
 
 use super::common::{DeleteConditions, arguments, direct_type, exchange_name};
 use super::{
-    ApiResult, body, created, direct, no_content, ok_json, short, vhost_for, vhost_to_write,
+    ApiResult, created, direct, no_content, ok_json, short, typed_body, vhost_for, vhost_to_write,
     visible_vhosts,
 };
 use crate::auth::Caller;
@@ -98,8 +98,7 @@ pub(super) async fn put_exchange(
     raw: axum::body::Bytes,
 ) -> ApiResult {
     let vh = vhost_to_write(&state, &caller, &vhost)?;
-    let b: ExchangeBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: ExchangeBody = typed_body(&raw)?;
     let existed = vh.exchange_exists(&name);
     let mut d = direct(&state, &vhost, &caller)?;
     d.call(
@@ -170,8 +169,7 @@ pub(super) async fn publish(
     if !exchange.is_empty() && !vh.exchange_exists(&exchange) {
         return Err(ApiError::not_found());
     }
-    let b: PublishBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: PublishBody = typed_body(&raw)?;
     let payload = match b.payload_encoding.as_str() {
         "string" => bytes::Bytes::from(b.payload.into_bytes()),
         "base64" => bytes::Bytes::from(

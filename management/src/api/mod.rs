@@ -347,6 +347,11 @@ fn body(raw: &[u8]) -> Result<Value, ApiError> {
     serde_json::from_slice(raw).map_err(|e| ApiError::bad_request(format!("bad JSON: {e}")))
 }
 
+/// A JSON body as `T` (an empty one as `{}`), or a 400 naming what did not fit.
+fn typed_body<T: serde::de::DeserializeOwned>(raw: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_value(body(raw)?).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
 /// A grant to a user or vhost that does not exist: RabbitMQ's 400 `vhost_or_user_not_found`.
 fn grant_error(e: &UserError) -> ApiError {
     match e {

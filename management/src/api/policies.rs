@@ -11,7 +11,7 @@ use warren_broker::policy::PolicyKind;
 use warren_broker::routing::vhost::VHost;
 
 use super::commit::durably;
-use super::{ApiResult, body, created, no_content, ok_json, vhost_for, visible_vhosts};
+use super::{ApiResult, created, no_content, ok_json, typed_body, vhost_for, visible_vhosts};
 use crate::auth::Caller;
 use crate::{ApiError, AppState};
 
@@ -116,8 +116,7 @@ pub(super) async fn put_policy<const OPERATOR: bool>(
         .vhost(&vhost)
         .ok_or_else(ApiError::vhost_not_found)?;
     require_policy_writer(&state, &caller, &vhost, kind)?;
-    let b: PolicyBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: PolicyBody = typed_body(&raw)?;
     let existed = vh.policies(kind).iter().any(|p| p.name == name);
     let def = warren_broker::policy::PolicyDef {
         vhost: vhost.clone(),

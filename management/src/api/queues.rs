@@ -17,7 +17,7 @@ use super::commit::committed;
 use super::common::{DeleteConditions, arguments, message_stats_json};
 use super::consumers::consumers_filtered;
 use super::{
-    ApiResult, body, created, direct, no_content, ok_json, queue_for, short, vhost_for,
+    ApiResult, created, direct, no_content, ok_json, queue_for, short, typed_body, vhost_for,
     vhost_to_write, visible_vhosts,
 };
 use crate::auth::Caller;
@@ -306,8 +306,7 @@ pub(super) async fn put_queue(
     raw: axum::body::Bytes,
 ) -> ApiResult {
     vhost_to_write(&state, &caller, &vhost)?;
-    let b: QueueBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: QueueBody = typed_body(&raw)?;
     let existed = state
         .broker
         .vhost(&vhost)
@@ -396,8 +395,7 @@ pub(super) async fn get_messages(
     raw: axum::body::Bytes,
 ) -> ApiResult {
     queue_for(&state, &caller, &vhost, &name)?;
-    let b: GetBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: GetBody = typed_body(&raw)?;
     let (ack, requeue) = match b.ackmode.as_str() {
         "ack_requeue_true" => (false, true),
         "ack_requeue_false" => (true, false),

@@ -23,7 +23,7 @@ use warren_broker::queue::machine::{Claimed, Command, LeaseError, LeaseState};
 use warren_broker::queue::{LeaseCallError, Queue};
 
 use super::v1_messages::{body_json, require};
-use super::{ApiResult, body, ok_json, queue_for_user};
+use super::{ApiResult, body, ok_json, queue_for_user, typed_body};
 use crate::auth::QueueUser;
 use crate::{ApiError, AppState};
 
@@ -182,8 +182,7 @@ pub(super) async fn claim(
 ) -> ApiResult {
     let queue = queue_for_user(&state, &vhost, &name)?;
     require(&state, &user, &vhost, &name, Perm::Read)?;
-    let b: ClaimBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: ClaimBody = typed_body(&raw)?;
     if b.max_items == 0 || b.max_items > LEASE_BATCH_MAX {
         return Err(ApiError::bad_request(format!(
             "max_items: 1 to {LEASE_BATCH_MAX}"
@@ -370,8 +369,7 @@ pub(super) async fn ack_batch(
     user: QueueUser,
     raw: axum::body::Bytes,
 ) -> ApiResult {
-    let b: AckBatchBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: AckBatchBody = typed_body(&raw)?;
     if b.tokens.is_empty() || b.tokens.len() > LEASE_BATCH_MAX as usize {
         return Err(ApiError::bad_request(format!(
             "tokens: 1 to {LEASE_BATCH_MAX} a request"
@@ -463,8 +461,7 @@ pub(super) async fn extend(
     Path(token): Path<String>,
     raw: axum::body::Bytes,
 ) -> ApiResult {
-    let b: ExtendBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: ExtendBody = typed_body(&raw)?;
     if b.lease_ms == 0 {
         return Err(ApiError::bad_request("lease_ms: at least 1"));
     }
@@ -484,8 +481,7 @@ pub(super) async fn release(
     Path(token): Path<String>,
     raw: axum::body::Bytes,
 ) -> ApiResult {
-    let b: ReleaseBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: ReleaseBody = typed_body(&raw)?;
     if b.reason.len() > REASON_LEN_MAX {
         return Err(ApiError::bad_request(format!(
             "reason: at most {REASON_LEN_MAX} bytes"

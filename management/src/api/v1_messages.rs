@@ -19,7 +19,7 @@ use warren_broker::node::access::{Access, Perm, Resource};
 use warren_broker::queue::machine::{BrowseState, Browsed};
 use warren_broker::queue::{Enqueued, Queue};
 
-use super::{ApiResult, body, ok_json, queue_for_user};
+use super::{ApiResult, ok_json, queue_for_user, typed_body};
 use crate::auth::QueueUser;
 use crate::{ApiError, AppState};
 
@@ -97,7 +97,7 @@ fn build(
         ));
     }
     if let Some(t) = &m.dedup_token {
-        if !queue.work_config().dedup.enabled {
+        if !queue.deduplicates() {
             return Err(ApiError::bad_request(
                 "dedup_token: the queue does not deduplicate (declare it with x-message-deduplication)",
             ));
@@ -205,8 +205,7 @@ pub(super) async fn publish(
 ) -> ApiResult {
     let queue = queue_for_user(&state, &vhost, &name)?;
     require(&state, &user, &vhost, &name, Perm::Write)?;
-    let b: PublishBody =
-        serde_json::from_value(body(&raw)?).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let b: PublishBody = typed_body(&raw)?;
     if b.messages.is_empty() || b.messages.len() > PUBLISH_BATCH_MAX {
         return Err(ApiError::bad_request(format!(
             "messages: 1 to {PUBLISH_BATCH_MAX} a request"
