@@ -193,9 +193,12 @@ def test_release_with_a_delay_schedules_the_retry(api, connect, names):
     info = queue_info(api, name)
     assert (info["messages_ready"], info["messages_scheduled"], info["messages"]) == (0, 1, 1)
     assert claim(api, name).json()["deliveries"] == []
+    started = time.monotonic()
     again = claim(api, name, wait_ms=10_000).json()["deliveries"]
     assert [x["generation"] for x in again] == [2]
     assert time.time() * 1000 >= r.json()["ready_at"] - 5
+    # The due retry woke the waiting claim: it did not sit out its whole 10 s wait.
+    assert time.monotonic() - started < 5
 
 
 def test_delayed_retry_policy_holds_failed_amqp_deliveries(connect, names, api):
@@ -478,6 +481,16 @@ def test_amqp_lease_extension_refuses_misuse(connect, names):
             lease_publish(ch, verb, **{**headers, "x-lease-ms": 1_000})
             ch.queue_declare(name, passive=True)
         assert e.value.reply_code == 406 and text in e.value.reply_text, e.value
+    # Inside tx.select it is refused rather than deferred to the commit.
+    ch = conn.channel()
+    ch.tx_select()
+    ch.basic_publish("", name, b"x")
+    ch.tx_commit()
+    m, _, _ = ch.basic_get(name)
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as e:
+        lease_publish(ch, "extend", **{"x-delivery-tag": m.delivery_tag, "x-lease-ms": 1_000})
+        ch.queue_declare(name, passive=True)
+    assert e.value.reply_code == 406 and "not transactional" in e.value.reply_text
 
 
 # ------------------------------------------------------------------ deduplication
