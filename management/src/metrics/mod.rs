@@ -225,3 +225,47 @@ async fn detailed(State(state): State<AppState>, RawQuery(query): RawQuery) -> R
     }
     s.render()
 }
+
+/// One per-queue series `(name, help, is a counter, aggregate by maximum)` of `value`:
+/// labelled (`vhost`, `queue`) when `per_object`, else one series of the sum (or the
+/// maximum, for ages: a sum of ages means nothing).
+fn per_queue(
+    s: &Scrape,
+    rows: &[QueueRow],
+    labels: &[&str],
+    per_object: bool,
+    (name, help, counter, max): (&str, &str, bool, bool),
+    value: fn(&QueueStats) -> f64,
+) {
+    if counter {
+        let Some(c) = s.counters(name, help, labels) else {
+            return;
+        };
+        if per_object {
+            for r in rows {
+                c.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                    .inc_by(value(&r.stats) as u64);
+            }
+        } else {
+            c.with_label_values::<&str>(&[])
+                .inc_by(rows.iter().map(|r| value(&r.stats) as u64).sum());
+        }
+        return;
+    }
+    let Some(g) = s.gauge(name, help, labels) else {
+        return;
+    };
+    if per_object {
+        for r in rows {
+            g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
+                .set(value(&r.stats));
+        }
+    } else {
+        let values = rows.iter().map(|r| value(&r.stats));
+        g.with_label_values::<&str>(&[]).set(if max {
+            values.fold(0.0, f64::max)
+        } else {
+            values.sum()
+        });
+    }
+}

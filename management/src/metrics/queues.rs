@@ -7,7 +7,7 @@ use warren_broker::queue::QueueStats;
 use super::raft::raft;
 use super::streams::streams;
 use super::work::work;
-use super::{QueueRow, Scrape};
+use super::{QueueRow, Scrape, per_queue};
 use crate::AppState;
 
 /// Which of RabbitMQ's metric families a per-queue series belongs to (for `/metrics/detailed`).
@@ -104,50 +104,6 @@ pub(super) const OLDEST_READY_HELP: &str =
 
 pub(super) fn oldest_ready_seconds(s: &QueueStats) -> f64 {
     s.oldest_ready_age_ms.unwrap_or(0) as f64 / 1000.0
-}
-
-/// One per-queue series `(name, help, is a counter, aggregate by maximum)` of `value`:
-/// labelled (`vhost`, `queue`) when `per_object`, else one series of the sum (or the
-/// maximum, for ages: a sum of ages means nothing).
-pub(super) fn per_queue(
-    s: &Scrape,
-    rows: &[QueueRow],
-    labels: &[&str],
-    per_object: bool,
-    (name, help, counter, max): (&str, &str, bool, bool),
-    value: fn(&QueueStats) -> f64,
-) {
-    if counter {
-        let Some(c) = s.counters(name, help, labels) else {
-            return;
-        };
-        if per_object {
-            for r in rows {
-                c.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
-                    .inc_by(value(&r.stats) as u64);
-            }
-        } else {
-            c.with_label_values::<&str>(&[])
-                .inc_by(rows.iter().map(|r| value(&r.stats) as u64).sum());
-        }
-        return;
-    }
-    let Some(g) = s.gauge(name, help, labels) else {
-        return;
-    };
-    if per_object {
-        for r in rows {
-            g.with_label_values(&[r.vhost.as_str(), r.queue.name.as_str()])
-                .set(value(&r.stats));
-        }
-    } else {
-        let values = rows.iter().map(|r| value(&r.stats));
-        g.with_label_values::<&str>(&[]).set(if max {
-            values.fold(0.0, f64::max)
-        } else {
-            values.sum()
-        });
-    }
 }
 
 /// Per-queue series: labelled (`vhost`, `queue`) when `per_object`, else summed into one

@@ -5,8 +5,7 @@
 
 use warren_broker::queue::QueueStats;
 
-use super::queues::per_queue;
-use super::{QueueRow, Scrape};
+use super::{QueueRow, Scrape, per_queue};
 
 /// A work series: name (after `warren_`), help, whether it is a counter, whether its
 /// aggregate is the maximum rather than the sum, value.
