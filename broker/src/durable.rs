@@ -17,6 +17,7 @@ use warren_store::{Batch, Location, MetaTable, Op, Segments, StoreError, Writer}
 use crate::exchange::ExchangeDecl;
 use crate::exchange::{Destination, ExchangeKind};
 use crate::message::{Entry, Outgoing};
+use crate::queue::machine::KeyKind;
 
 /// Produces the completion for a submitted change (called only when something was submitted).
 pub type OnCommit<'a> = &'a mut dyn FnMut() -> Completion;
@@ -565,5 +566,115 @@ mod tests {
             ..b
         };
         assert_ne!(other.key(), key, "queue and exchange destinations differ");
+    }
+}
+
+/// A key a queue remembers (publish deduplication, a redrive's move) as kept in the store:
+/// record key `queue id (8, big-endian) | kind (1: 0 dedup, 1 move) | key`, value the machine
+/// time it was remembered (8, big-endian).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueKeyRecord {
+    /// The queue's store id.
+    pub queue: u64,
+    /// Its window.
+    pub kind: KeyKind,
+    /// The key.
+    pub key: Vec<u8>,
+    /// When it was remembered, machine ms.
+    pub at: u64,
+}
+
+fn key_kind_byte(kind: KeyKind) -> u8 {
+    match kind {
+        KeyKind::Dedup => 0,
+        KeyKind::Move => 1,
+    }
+}
+
+fn queue_key(queue: u64, kind: KeyKind, key: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9 + key.len());
+    k.extend_from_slice(&queue.to_be_bytes());
+    k.push(key_kind_byte(kind));
+    k.extend_from_slice(key);
+    k
+}
+
+/// The op that keeps key `key` of queue `queue`, remembered at `at`.
+#[must_use]
+pub fn key_put(queue: u64, kind: KeyKind, key: &[u8], at: u64) -> Op {
+    Op::Put {
+        table: MetaTable::QueueKeys,
+        key: queue_key(queue, kind, key),
+        value: at.to_be_bytes().to_vec(),
+    }
+}
+
+/// The op that drops key `key` of queue `queue`.
+#[must_use]
+pub fn key_delete(queue: u64, kind: KeyKind, key: &[u8]) -> Op {
+    Op::Delete {
+        table: MetaTable::QueueKeys,
+        key: queue_key(queue, kind, key),
+    }
+}
+
+impl QueueKeyRecord {
+    /// Decode a stored row.
+    ///
+    /// # Errors
+    /// A row that does not decode.
+    pub fn decode(key: &[u8], value: &[u8]) -> Result<Self, DecodeError> {
+        let bad = || DecodeError::new("queue key", "bad layout");
+        let (queue, rest) = key.split_first_chunk::<8>().ok_or_else(bad)?;
+        let (kind, key) = rest.split_first().ok_or_else(bad)?;
+        let kind = match kind {
+            0 => KeyKind::Dedup,
+            1 => KeyKind::Move,
+            _ => return Err(bad()),
+        };
+        let at = value
+            .try_into()
+            .map(u64::from_be_bytes)
+            .map_err(|_| bad())?;
+        Ok(Self {
+            queue: u64::from_be_bytes(*queue),
+            kind,
+            key: key.to_vec(),
+            at,
+        })
+    }
+
+    /// The op that drops it.
+    #[must_use]
+    pub fn delete(&self) -> Op {
+        key_delete(self.queue, self.kind, &self.key)
+    }
+}
+
+#[cfg(test)]
+mod queue_key_tests {
+    use super::*;
+
+    #[test]
+    fn queue_keys_round_trip_and_refuse_damage() {
+        for kind in [KeyKind::Dedup, KeyKind::Move] {
+            let Op::Put { key, value, .. } = key_put(42, kind, b"order-7", 1_234) else {
+                panic!("a put");
+            };
+            let r = QueueKeyRecord::decode(&key, &value).expect("decodes");
+            assert_eq!(
+                (r.queue, r.kind, r.key.as_slice(), r.at),
+                (42, kind, &b"order-7"[..], 1_234)
+            );
+            assert_eq!(r.delete(), key_delete(42, kind, b"order-7"));
+        }
+        assert!(QueueKeyRecord::decode(&[0; 8], &[0; 8]).is_err(), "no kind");
+        assert!(
+            QueueKeyRecord::decode(&[0; 9], &[0; 7]).is_err(),
+            "short time"
+        );
+        let mut k = vec![0; 8];
+        k.push(9);
+        assert!(QueueKeyRecord::decode(&k, &[0; 8]).is_err(), "unknown kind");
     }
 }

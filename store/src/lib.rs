@@ -69,11 +69,14 @@ pub enum MetaTable {
     TopicPermissions,
     /// Operator policies (JSON, as policies).
     OperatorPolicies,
+    /// Keys a queue remembers beside its messages (publish deduplication, redrive moves):
+    /// the broker encodes queue id, kind and key in the record's key.
+    QueueKeys,
 }
 
 impl MetaTable {
     /// All tables, in recovery order.
-    pub const ALL: [Self; 9] = [
+    pub const ALL: [Self; 10] = [
         Self::Vhosts,
         Self::Users,
         Self::TopicPermissions,
@@ -83,6 +86,7 @@ impl MetaTable {
         Self::Exchanges,
         Self::Queues,
         Self::Bindings,
+        Self::QueueKeys,
     ];
 
     fn definition(self) -> TableDefinition<'static, &'static [u8], &'static [u8]> {
@@ -96,6 +100,7 @@ impl MetaTable {
             Self::Vhosts => "vhosts",
             Self::TopicPermissions => "topic_permissions",
             Self::OperatorPolicies => "operator_policies",
+            Self::QueueKeys => "queue_keys",
         })
     }
 }

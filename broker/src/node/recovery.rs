@@ -8,9 +8,10 @@ use std::sync::atomic::Ordering;
 
 use warren_store::{MetaTable, Op, Recovered, StoreError};
 
-use crate::durable::{BindingRecord, DecodeError, ExchangeRecord, QueueRecord};
+use crate::durable::{BindingRecord, DecodeError, ExchangeRecord, QueueKeyRecord, QueueRecord};
 use crate::node::broker::Broker;
 use crate::queue::Queue;
+use crate::queue::machine::KeyKind;
 
 /// Why recovery stopped the start-up.
 #[derive(Debug, thiserror::Error)]
@@ -191,6 +192,29 @@ impl Broker {
                     total = recovered.messages.len(),
                     "recovery: messages back in their queues"
                 );
+            }
+        }
+        // The keys queues remember (deduplication, redrive moves), after their messages.
+        // Per queue: deduplication keys with their times, and move keys.
+        type Keys = (Vec<(Vec<u8>, u64)>, Vec<Vec<u8>>);
+        let mut keys: HashMap<u64, Keys> = HashMap::new();
+        for (k, v) in rows(MetaTable::QueueKeys) {
+            let r = QueueKeyRecord::decode(k, v)?;
+            if !by_id.contains_key(&r.queue) {
+                // Its queue was deleted (keys are not dropped with it).
+                cleanup.push(r.delete());
+                continue;
+            }
+            let (dedup, moves) = keys.entry(r.queue).or_default();
+            match r.kind {
+                KeyKind::Dedup => dedup.push((r.key, r.at)),
+                KeyKind::Move => moves.push(r.key),
+            }
+        }
+        for (queue, (mut dedup, moves)) in keys {
+            if let Some(q) = by_id.get(&queue) {
+                dedup.sort_by_key(|(_, at)| *at);
+                q.restore_keys(dedup, moves);
             }
         }
         cleanup.extend(orphaned.into_iter().map(|queue| Op::DropQueue { queue }));

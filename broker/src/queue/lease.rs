@@ -47,15 +47,42 @@ impl Queue {
         worker: String,
         done: ClaimDone,
     ) {
+        self.claim_by(
+            Command::Claim {
+                max,
+                lease_ms,
+                worker,
+            },
+            done,
+        );
+    }
+
+    /// Claim the ready messages `ids` (wherever they wait) for `worker` under a lease, as
+    /// [`Queue::claim`] does; those no longer ready are passed over. A redrive takes what its
+    /// filter chose this way.
+    pub fn take(
+        self: &Arc<Self>,
+        ids: Vec<MsgId>,
+        lease_ms: Option<u64>,
+        worker: String,
+        done: ClaimDone,
+    ) {
+        self.claim_by(
+            Command::Take {
+                ids,
+                lease_ms,
+                worker,
+            },
+            done,
+        );
+    }
+
+    /// Carry out a `Claim` or `Take`.
+    fn claim_by(self: &Arc<Self>, command: Command<Entry>, done: ClaimDone) {
         if self.is_stream {
             done(Err(LeaseCallError::Stream));
             return;
         }
-        let command = Command::Claim {
-            max,
-            lease_ms,
-            worker,
-        };
         if let Some(replica) = self.replica() {
             let reader = Arc::clone(replica);
             replica.submit(
@@ -186,6 +213,30 @@ impl Queue {
         };
         self.dead_letter_pending();
         Ok(outcomes)
+    }
+
+    /// Forget the keys of finished redrive moves into this queue (see
+    /// [`Command::ForgetMoveKeys`]). Not waited for: a key left behind costs a little memory
+    /// until the window pushes it out, nothing else.
+    pub fn forget_move_keys(self: &Arc<Self>, keys: Vec<Vec<u8>>) {
+        if keys.is_empty() || self.is_stream {
+            return;
+        }
+        if let Some(replica) = self.replica() {
+            self.submit_quietly(replica, vec![Command::ForgetMoveKeys { keys }]);
+            return;
+        }
+        let mut st = self.state.lock();
+        if !st.deleted {
+            let _ = self.run(&mut st, Command::ForgetMoveKeys { keys });
+        }
+    }
+
+    /// Put back the keys the store kept for this queue (recovery), see
+    /// [`Command::RestoreKeys`].
+    pub fn restore_keys(self: &Arc<Self>, dedup: Vec<(Vec<u8>, u64)>, moves: Vec<Vec<u8>>) {
+        let mut st = self.state.lock();
+        let _ = self.run(&mut st, Command::RestoreKeys { dedup, moves });
     }
 
     /// Up to `limit` of the queue's messages in `state` from position `from`, without

@@ -54,8 +54,8 @@ use crate::queue::limiter::{Limiter, Wake};
 use crate::queue::outbox::{Delivery, Outbound, Outbox};
 use crate::queue::replica::{ReplicationError, Replicator, Replies};
 use machine::{
-    Command, ConsumerId, ConsumerSpec, Effect, MachineError, MsgId, Overflow, QueueMachine,
-    Removal, Reply,
+    Command, ConsumerId, ConsumerSpec, Effect, KeyKind, MachineError, MsgId, Overflow,
+    QueueMachine, Removal, Reply,
 };
 
 /// The owner of a proxy's exclusive queue (see [`Queue::is_remote`]): no connection of this
@@ -640,6 +640,19 @@ impl Queue {
                     }
                     // After the dead letter was read (a logged body is read when pinned).
                     self.release(&msg);
+                }
+                Effect::KeyForgotten { kind, key } => {
+                    // A key forgotten and remembered again within one command (a dedup key
+                    // whose window ran out, published again) stays: its record was written
+                    // with the message.
+                    let remembered = match kind {
+                        KeyKind::Dedup => st.machine.remembers_dedup_key(&key),
+                        KeyKind::Move => st.machine.would_refuse_move(&key),
+                    };
+                    if !st.deleted && self.store.is_some() && !remembered {
+                        st.store_ops
+                            .push(crate::durable::key_delete(self.id, kind, &key));
+                    }
                 }
                 Effect::Requeued { old, new, msg } => {
                     if !st.deleted && self.persists(&msg) {

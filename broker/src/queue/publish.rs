@@ -28,6 +28,16 @@ impl Queue {
     /// Enqueue a routed message that needs no store write (transient, or this queue has no
     /// store).
     pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> Enqueued {
+        self.publish_keyed(message, None)
+    }
+
+    /// [`Queue::publish`] of a redrive's move carrying `move_key` (see
+    /// [`machine::Command::MoveKey`]).
+    pub(super) fn publish_keyed(
+        self: &Arc<Self>,
+        message: Arc<Message>,
+        move_key: Option<&[u8]>,
+    ) -> Enqueued {
         if self.is_stream && !self.is_replicated() {
             return match self.stream() {
                 Some(stream) if stream.is_deleted() => Enqueued::Gone,
@@ -41,7 +51,10 @@ impl Queue {
         let key = self.dedup_key(&message);
         if let Some(replica) = self.replica() {
             // Unconfirmed (a dead-lettered message, a publisher without confirms).
-            self.submit_quietly(replica, enqueue_commands(Entry::Mem(message), key));
+            self.submit_quietly(
+                replica,
+                enqueue_commands(Entry::Mem(message), key, move_key.map(<[u8]>::to_vec)),
+            );
             return Enqueued::Accepted;
         }
         let outcome = {
@@ -51,6 +64,9 @@ impl Queue {
             }
             if let Some(key) = key {
                 let _ = self.run(&mut st, Command::Dedup { key });
+            }
+            if let Some(key) = move_key {
+                let _ = self.run(&mut st, Command::MoveKey { key: key.to_vec() });
             }
             let r = self.run(&mut st, Command::Enqueue(Entry::Mem(message)));
             self.enqueued(&mut st, r)
@@ -62,16 +78,19 @@ impl Queue {
     /// Publish one message into this queue alone and tell `done` what became of it once it
     /// is as durable as a publisher confirm would make it (the HTTP queue API's publish): for
     /// a replicated queue or a proxy, from the committed enqueue's reply, so a duplicate or a
-    /// refusal found there is reported as such.
+    /// refusal found there is reported as such. A redrive's move carries `move_key` (see
+    /// [`machine::Command::MoveKey`]; ignored by a stream): a queue that took the move before
+    /// answers [`Enqueued::Duplicate`].
     pub fn publish_one(
         self: &Arc<Self>,
         message: &Arc<Message>,
+        move_key: Option<Vec<u8>>,
         done: Box<dyn FnOnce(Result<Enqueued, String>) + Send>,
     ) {
         if let (Some(replica), false) = (self.replica(), self.is_stream) {
             let key = self.dedup_key(message);
             replica.submit(
-                enqueue_commands(Entry::Mem(Arc::clone(message)), key),
+                enqueue_commands(Entry::Mem(Arc::clone(message)), key, move_key),
                 Box::new(move |r| {
                     done(
                         r.map_err(|e| e.to_string())
@@ -103,7 +122,9 @@ impl Queue {
             None
         };
         let from_store = Arc::clone(&slot);
-        let (outcome, submitted) = publish_routed(std::slice::from_ref(self), message, || {
+        let move_key = move_key.filter(|_| !self.is_stream);
+        let targets = std::slice::from_ref(self);
+        let on_commit = || -> Completion {
             Box::new(move |r| {
                 let ready = {
                     let mut s = from_store.lock();
@@ -114,7 +135,11 @@ impl Queue {
                     done(r);
                 }
             })
-        });
+        };
+        let (outcome, submitted) = match move_key.as_deref() {
+            Some(key) => publish_local(targets, message, Some(key), on_commit),
+            None => publish_routed(targets, message, on_commit),
+        };
         let ready = {
             let mut s = slot.lock();
             s.0 = Some(outcome);
@@ -248,7 +273,7 @@ pub fn publish_routed(
 ) -> (Enqueued, bool) {
     if !targets.iter().any(|q| q.is_replicated() || q.is_stream) {
         // (A replicated stream is replicated: its messages go through its group's log.)
-        return publish_local(targets, message, done);
+        return publish_local(targets, message, None, done);
     }
     // Replicated queues take every message through their log (persistent or not, as
     // RabbitMQ's quorum queues do), and streams store every message: the completion waits
@@ -275,7 +300,7 @@ pub fn publish_routed(
         let part = join.part();
         let key = q.dedup_key(message);
         replica.submit(
-            enqueue_commands(Entry::Mem(Arc::clone(message)), key),
+            enqueue_commands(Entry::Mem(Arc::clone(message)), key, None),
             Box::new(move |r| {
                 // The enqueue's reply is the last (a deduplication key goes ahead of it).
                 let r = replicated_outcome(r).and_then(|replies| match replies.last() {
@@ -294,7 +319,7 @@ pub fn publish_routed(
         .filter(|q| !q.is_replicated() && !q.is_stream)
         .cloned()
         .collect();
-    let (local_outcome, _) = publish_local(&local, message, || join.part());
+    let (local_outcome, _) = publish_local(&local, message, None, || join.part());
     join.seal();
     (outcome.and(local_outcome), true)
 }
@@ -348,15 +373,17 @@ impl Join {
     }
 }
 
-/// [`publish_routed`] into queues that are not replicated.
+/// [`publish_routed`] into queues that are not replicated; a redrive's move carries
+/// `move_key` (kept in the store with the message, so a restart remembers it).
 pub(super) fn publish_local(
     targets: &[Arc<Queue>],
     message: &Arc<Message>,
+    move_key: Option<&[u8]>,
     done: impl FnOnce() -> Completion,
 ) -> (Enqueued, bool) {
     if !message.properties.persistent() {
         let outcome = targets.iter().fold(Enqueued::Gone, |outcome, q| {
-            outcome.and(q.publish(Arc::clone(message)))
+            outcome.and(q.publish_keyed(Arc::clone(message), move_key))
         });
         return (outcome, false);
     }
@@ -382,6 +409,9 @@ pub(super) fn publish_local(
             if !st.deleted {
                 let _ = q.apply_at(st, Command::Expire, now);
             }
+            // Ahead of this publish's ops: a key forgotten here and remembered by the
+            // Enqueue below must be deleted before it is written again, not after.
+            batch.ops.append(&mut st.store_ops);
         }
         let mut stored_here = Vec::with_capacity(stored_targets.len());
         let keys: Vec<Option<Vec<u8>>> = stored_targets
@@ -393,10 +423,22 @@ pub(super) fn publish_local(
         for ((q, st), key) in stored_targets.iter().zip(&guards).zip(&keys) {
             let duplicate = key
                 .as_deref()
-                .is_some_and(|k| st.machine.would_deduplicate(k, now));
+                .is_some_and(|k| st.machine.would_deduplicate(k, now))
+                || move_key.is_some_and(|k| st.machine.would_refuse_move(k));
             let store_it = !st.deleted && !duplicate && !st.machine.would_reject(&entry);
             stored_here.push(store_it);
             if store_it {
+                // The keys the queue will remember go into the store with the message.
+                if let Some(k) = key.as_deref().filter(|_| st.machine.deduplicates()) {
+                    batch
+                        .ops
+                        .push(crate::durable::key_put(q.id, KeyKind::Dedup, k, now));
+                }
+                if let Some(k) = move_key.filter(|k| k.len() <= machine::MOVE_KEY_MAX) {
+                    batch
+                        .ops
+                        .push(crate::durable::key_put(q.id, KeyKind::Move, k, now));
+                }
                 let id = st.machine.next_id();
                 batch.ops.push(Op::Enqueue {
                     queue: q.id,
@@ -407,6 +449,10 @@ pub(super) fn publish_local(
                 });
                 placed.push((Arc::downgrade(q), id));
             }
+        }
+        if placed.is_empty() {
+            // Only the expiries' ops: the body is written for no queue.
+            batch.bodies.clear();
         }
         if !batch.ops.is_empty() {
             let size = u32::try_from(message.body.len()).unwrap_or(u32::MAX);
@@ -437,6 +483,9 @@ pub(super) fn publish_local(
             if !st.deleted {
                 if let Some(key) = key {
                     let _ = q.apply_at(st, Command::Dedup { key }, now);
+                }
+                if let Some(key) = move_key {
+                    let _ = q.apply_at(st, Command::MoveKey { key: key.to_vec() }, now);
                 }
                 let r = q.run_at(st, Command::Enqueue(entry.clone()), now);
                 let taken = q.enqueued(st, r);
@@ -490,10 +539,20 @@ impl Enqueued {
     }
 }
 
-/// The commands that enqueue `entry`, its deduplication key (if any) just ahead of it.
-pub(super) fn enqueue_commands(entry: Entry, key: Option<Vec<u8>>) -> Vec<Command<Entry>> {
-    match key {
-        Some(key) => vec![Command::Dedup { key }, Command::Enqueue(entry)],
-        None => vec![Command::Enqueue(entry)],
+/// The commands that enqueue `entry`, its deduplication key and a redrive's move key (if
+/// any) just ahead of it.
+pub(super) fn enqueue_commands(
+    entry: Entry,
+    key: Option<Vec<u8>>,
+    move_key: Option<Vec<u8>>,
+) -> Vec<Command<Entry>> {
+    let mut commands = Vec::with_capacity(3);
+    if let Some(key) = key {
+        commands.push(Command::Dedup { key });
     }
+    if let Some(key) = move_key {
+        commands.push(Command::MoveKey { key });
+    }
+    commands.push(Command::Enqueue(entry));
+    commands
 }

@@ -114,8 +114,17 @@ impl Queue {
             Ok(_) => done(Ok(std::mem::take(&mut *out.lock()))),
             Err(e) => done(Err(e.to_string())),
         }));
+        // A move key applies to the Enqueue after it (sent in one submission).
+        let mut move_key: Option<Vec<u8>> = None;
         for command in commands {
-            let reply = self.serve_one(command, peer, &join);
+            let reply = match command {
+                Command::MoveKey { key } => {
+                    move_key = Some(key);
+                    Ok(Reply::Ok)
+                }
+                Command::Enqueue(entry) => self.serve_enqueue(entry, move_key.take(), &join),
+                command => self.serve_one(command, peer, &join),
+            };
             replies.lock().push(reply);
         }
         join.seal();
@@ -128,18 +137,12 @@ impl Queue {
         join: &Arc<Join>,
     ) -> Result<Reply<Entry>, MachineError> {
         match command {
-            Command::Enqueue(entry) => {
-                let Entry::Mem(message) = entry else {
-                    // Proxies send bodies; a stored reference means nothing here.
-                    return Ok(Reply::Ok);
-                };
-                let (outcome, _) = publish_local(&[Arc::clone(self)], &message, || join.part());
-                Ok(match outcome {
-                    Enqueued::Rejected => Reply::Rejected(Entry::Mem(message)),
-                    Enqueued::Duplicate => Reply::Duplicate(Entry::Mem(message)),
-                    Enqueued::Accepted | Enqueued::Gone => Reply::Ok,
-                })
+            Command::Enqueue(entry) => self.serve_enqueue(entry, None, join),
+            Command::ForgetMoveKeys { keys } => {
+                self.forget_move_keys(keys);
+                Ok(Reply::Ok)
             }
+            Command::Take { .. } => Ok(Reply::Claimed(self.remote_claims(command))),
             Command::Checkout(id, spec) => {
                 let sink = ConsumerSink {
                     outbox: Arc::clone(peer),
@@ -211,28 +214,13 @@ impl Queue {
             | Command::Swap { .. }
             | Command::TrackOffset { .. }
             | Command::ConfigureWork(_)
+            | Command::RestoreKeys { .. }
+            // Taken by serve_remote with the Enqueue after it.
+            | Command::MoveKey { .. }
             // The home takes the key from the message's header itself.
             | Command::Dedup { .. } => Ok(Reply::Ok),
             // A proxy's claim: taken here, bodies sent along (as a get's).
-            Command::Claim { .. } => {
-                let claims = self.claim_here(command).unwrap_or_default();
-                Ok(Reply::Claimed(
-                    claims
-                        .into_iter()
-                        .filter_map(|c| {
-                            let id = c.id;
-                            match c.msg.load().and_then(|l| loaded_message(&l)) {
-                                Ok(m) => Some(c.map(|_| Entry::Mem(m))),
-                                Err(e) => {
-                                    // Its lease runs out and it is claimed again.
-                                    tracing::error!(queue = %self.name, id, error = %e, "unreadable message");
-                                    None
-                                }
-                            }
-                        })
-                        .collect(),
-                ))
-            }
+            Command::Claim { .. } => Ok(Reply::Claimed(self.remote_claims(command))),
             Command::Extend { .. } | Command::AckLease { .. } | Command::Release { .. } => {
                 Ok(Reply::Lease(
                     self.settle_lease_here(command)
@@ -240,6 +228,47 @@ impl Queue {
                 ))
             }
         }
+    }
+
+    /// A proxy's enqueue, with the move key sent ahead of it.
+    fn serve_enqueue(
+        self: &Arc<Self>,
+        entry: Entry,
+        move_key: Option<Vec<u8>>,
+        join: &Arc<Join>,
+    ) -> Result<Reply<Entry>, MachineError> {
+        let Entry::Mem(message) = entry else {
+            // Proxies send bodies; a stored reference means nothing here.
+            return Ok(Reply::Ok);
+        };
+        let (outcome, _) =
+            publish_local(&[Arc::clone(self)], &message, move_key.as_deref(), || {
+                join.part()
+            });
+        Ok(match outcome {
+            Enqueued::Rejected => Reply::Rejected(Entry::Mem(message)),
+            Enqueued::Duplicate => Reply::Duplicate(Entry::Mem(message)),
+            Enqueued::Accepted | Enqueued::Gone => Reply::Ok,
+        })
+    }
+
+    /// A proxy's claim (`Claim` or `Take`), taken here, bodies sent along (as a get's).
+    fn remote_claims(self: &Arc<Self>, command: Command<Entry>) -> Vec<machine::Claimed<Entry>> {
+        let claims = self.claim_here(command).unwrap_or_default();
+        claims
+            .into_iter()
+            .filter_map(|c| {
+                let id = c.id;
+                match c.msg.load().and_then(|l| loaded_message(&l)) {
+                    Ok(m) => Some(c.map(|_| Entry::Mem(m))),
+                    Err(e) => {
+                        // Its lease runs out and it is claimed again.
+                        tracing::error!(queue = %self.name, id, error = %e, "unreadable message");
+                        None
+                    }
+                }
+            })
+            .collect()
     }
 
     /// Node `node` (a consumer id's node number) is down: its consumers attached here are

@@ -224,6 +224,7 @@ pub(super) async fn publish(
             let (tx, rx) = tokio::sync::oneshot::channel();
             queue.publish_one(
                 &message,
+                None,
                 Box::new(move |r| {
                     let _ = tx.send(r);
                 }),

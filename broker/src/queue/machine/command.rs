@@ -194,6 +194,46 @@ pub enum Command<M> {
         /// The key.
         key: Vec<u8>,
     },
+    /// The next `Enqueue` is a redrive's move carrying this key: dropped as a duplicate if
+    /// the queue remembers the key, else taken and the key remembered until
+    /// [`Command::ForgetMoveKeys`]. Sent just before it, in the same submission. See the
+    /// `moves` module.
+    MoveKey {
+        /// The key (names the source message).
+        key: Vec<u8>,
+    },
+    /// Moves finished (their source messages are acknowledged): forget their keys.
+    ForgetMoveKeys {
+        /// The keys.
+        keys: Vec<Vec<u8>>,
+    },
+    /// Put back the keys a queue on the local store kept (recovery): deduplication keys with
+    /// the time each was remembered, oldest first, and move keys.
+    RestoreKeys {
+        /// Deduplication keys and their times, ms.
+        dedup: Vec<(Vec<u8>, u64)>,
+        /// Move keys.
+        moves: Vec<Vec<u8>>,
+    },
+    /// Claim the ready messages `ids`, wherever they wait, under a lease (a redrive takes what
+    /// its filter chose). Replies [`Reply::Claimed`] with those it took.
+    Take {
+        /// The messages.
+        ids: Vec<MsgId>,
+        /// The lease, ms (None: the queue's default), cut to the queue's caps.
+        lease_ms: Option<u64>,
+        /// Who claims.
+        worker: String,
+    },
+}
+
+/// Which window a remembered key belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum KeyKind {
+    /// Publish deduplication (`x-deduplication-header`).
+    Dedup,
+    /// A redrive's move.
+    Move,
 }
 
 impl<M> Command<M> {
@@ -287,6 +327,18 @@ impl<M> Command<M> {
                 worker,
             },
             Self::Dedup { key } => Command::Dedup { key },
+            Self::MoveKey { key } => Command::MoveKey { key },
+            Self::ForgetMoveKeys { keys } => Command::ForgetMoveKeys { keys },
+            Self::RestoreKeys { dedup, moves } => Command::RestoreKeys { dedup, moves },
+            Self::Take {
+                ids,
+                lease_ms,
+                worker,
+            } => Command::Take {
+                ids,
+                lease_ms,
+                worker,
+            },
         })
     }
 }
@@ -368,6 +420,14 @@ pub enum Effect<M> {
         worker: String,
         /// Deliveries returned, this one included.
         delivery_count: u32,
+    },
+    /// A remembered key left its window (aged out, pushed out, or its move finished): a
+    /// queue on the local store deletes the record it kept for it.
+    KeyForgotten {
+        /// Its window.
+        kind: KeyKind,
+        /// The key.
+        key: Vec<u8>,
     },
 }
 

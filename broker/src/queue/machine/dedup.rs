@@ -16,6 +16,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 
+use super::command::{Effect, KeyKind};
 use super::config::DedupConfig;
 use super::{MessageRef, QueueMachine};
 
@@ -35,8 +36,9 @@ impl DedupWindow {
         self.at.len()
     }
 
-    /// Forget what fell out of the window at `now` (too old, or beyond the size).
-    fn trim(&mut self, config: &DedupConfig, now: u64) {
+    /// Forget what fell out of the window at `now` (too old, or beyond the size), each key
+    /// forgotten an effect.
+    fn trim<M>(&mut self, config: &DedupConfig, now: u64, effects: &mut Vec<Effect<M>>) {
         while let Some((t, _)) = self.order.front() {
             let expired = config
                 .ttl_ms
@@ -49,6 +51,10 @@ impl DedupWindow {
             };
             if self.at.get(&key) == Some(&t) {
                 self.at.remove(&key);
+                effects.push(Effect::KeyForgotten {
+                    kind: KeyKind::Dedup,
+                    key,
+                });
             }
         }
     }
@@ -59,10 +65,16 @@ impl DedupWindow {
             .is_some_and(|t| config.ttl_ms.is_none_or(|ttl| t.saturating_add(ttl) > now))
     }
 
-    fn remember(&mut self, config: &DedupConfig, key: Vec<u8>, now: u64) {
+    fn remember<M>(
+        &mut self,
+        config: &DedupConfig,
+        key: Vec<u8>,
+        now: u64,
+        effects: &mut Vec<Effect<M>>,
+    ) {
         self.at.insert(key.clone(), now);
         self.order.push_back((now, key));
-        self.trim(config, now);
+        self.trim(config, now, effects);
     }
 
     /// Checks the module's invariants.
@@ -87,12 +99,24 @@ impl<M: MessageRef> QueueMachine<M> {
         self.work.dedup.len()
     }
 
+    /// Whether the queue deduplicates publishes (its settings say so).
+    #[must_use]
+    pub fn deduplicates(&self) -> bool {
+        self.work.config.dedup.enabled
+    }
+
     /// Whether a message carrying `key`, enqueued now, would be dropped as a duplicate (lets
     /// a driver skip storing it).
     #[must_use]
     pub fn would_deduplicate(&self, key: &[u8], now: u64) -> bool {
         let config = &self.work.config.dedup;
         config.enabled && self.work.dedup.seen(config, key, now.max(self.now))
+    }
+
+    /// Whether the window holds `key` (at any age: it is forgotten when trimmed).
+    #[must_use]
+    pub fn remembers_dedup_key(&self, key: &[u8]) -> bool {
+        self.work.dedup.at.contains_key(key)
     }
 
     /// The next `Enqueue` carries `key`.
@@ -102,13 +126,16 @@ impl<M: MessageRef> QueueMachine<M> {
 
     /// The pending key of the `Enqueue` being applied, if deduplication is on: whether it is a
     /// duplicate (then the message is dropped), else the key to remember once it is taken.
-    pub(super) fn take_pending_key(&mut self) -> (bool, Option<Vec<u8>>) {
+    pub(super) fn take_pending_key(
+        &mut self,
+        effects: &mut Vec<Effect<M>>,
+    ) -> (bool, Option<Vec<u8>>) {
         let key = self.work.dedup.pending.take();
         let config = self.work.config.dedup;
         let Some(key) = key.filter(|_| config.enabled) else {
             return (false, None);
         };
-        self.work.dedup.trim(&config, self.now);
+        self.work.dedup.trim(&config, self.now, effects);
         if self.work.dedup.seen(&config, &key, self.now) {
             self.work.counters.deduplicated += 1;
             return (true, None);
@@ -117,8 +144,18 @@ impl<M: MessageRef> QueueMachine<M> {
     }
 
     /// Remember the key of a message the queue took.
-    pub(super) fn remember_key(&mut self, key: Vec<u8>) {
+    pub(super) fn remember_key(&mut self, key: Vec<u8>, effects: &mut Vec<Effect<M>>) {
         let config = self.work.config.dedup;
-        self.work.dedup.remember(&config, key, self.now);
+        self.work.dedup.remember(&config, key, self.now, effects);
+    }
+
+    /// Put back deduplication keys kept in the store, each with the time it was remembered
+    /// (oldest first); what fell out of the window meanwhile is forgotten at once.
+    pub(super) fn restore_keys(&mut self, keys: Vec<(Vec<u8>, u64)>, effects: &mut Vec<Effect<M>>) {
+        let config = self.work.config.dedup;
+        for (key, at) in keys {
+            self.work.dedup.remember(&config, key, at, effects);
+        }
+        self.work.dedup.trim(&config, self.now, effects);
     }
 }

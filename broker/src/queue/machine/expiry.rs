@@ -27,7 +27,7 @@ impl<M: MessageRef> QueueMachine<M> {
         ttl.map(|t| now.saturating_add(t))
     }
 
-    fn is_expired<T>(&self, r: &Ready<T>) -> bool {
+    pub(super) fn is_expired<T>(&self, r: &Ready<T>) -> bool {
         r.expires_at().is_some_and(|at| at <= self.now) && self.arriving != Some(r.id)
     }
 

@@ -16,6 +16,7 @@ impl<M: MessageRef> QueueMachine<M> {
         assert_eq!(self.len() as u64, c.live(), "message conservation");
         self.work.scheduled.check();
         self.work.dedup.check(&self.work.config.dedup);
+        self.work.moves.check();
         self.work.leases.check();
         for (id, lease) in self.work.leases.iter() {
             let u = self

@@ -156,44 +156,90 @@ impl<M: MessageRef> QueueMachine<M> {
         worker: String,
         effects: &mut Vec<Effect<M>>,
     ) -> Vec<Claimed<M>> {
-        let cfg = self.work.config.lease;
-        let lease = lease_ms
-            .unwrap_or(cfg.default_ms)
-            .clamp(1, cfg.extension_max_ms.max(1))
-            .min(cfg.lifetime_max_ms.max(1));
-        let expires_at = self.now.saturating_add(lease);
+        let expires_at = self.lease_deadline(lease_ms);
         let mut out = Vec::new();
         while out.len() < max as usize {
             let Some(r) = self.pop_live(effects) else {
                 break;
             };
-            self.counters.got += 1;
-            self.counters.redelivered += u64::from(r.redelivered());
-            self.work.counters.claimed += 1;
-            self.check_out(&r, None);
-            let delivery_count = r.delivery_count();
-            let generation = delivery_count.saturating_add(1);
-            self.work.leases.insert(
-                r.id,
-                Lease {
-                    generation,
-                    claimed_at: self.now,
-                    expires_at,
-                    worker: worker.clone(),
-                },
-            );
-            let redelivered = r.redelivered();
-            out.push(Claimed {
-                id: r.id,
-                msg: r.msg,
-                generation,
-                delivery_count,
-                redelivered,
-                lease_expires_at: expires_at,
-                enqueued_at: r.enqueued_at,
-            });
+            out.push(self.lease_out(r, expires_at, &worker));
         }
         out
+    }
+
+    /// Claim the ready messages `ids` (wherever they wait, not only at the head) for
+    /// `worker`, as [`QueueMachine::claim`] does; ids not ready (claimed, delivered,
+    /// scheduled, gone) are passed over, and one whose TTL ran out leaves as expired. A
+    /// redrive takes what its filter chose this way.
+    pub(super) fn take(
+        &mut self,
+        ids: &[MsgId],
+        lease_ms: Option<u64>,
+        worker: &str,
+        effects: &mut Vec<Effect<M>>,
+    ) -> Vec<Claimed<M>> {
+        let expires_at = self.lease_deadline(lease_ms);
+        let mut out = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let Some(r) = self.take_ready(id) else {
+                continue;
+            };
+            if self.is_expired(&r) {
+                self.counters.expired += 1;
+                effects.push(Effect::Removed {
+                    id: r.id,
+                    msg: r.msg,
+                    reason: super::command::Removal::Expired,
+                });
+                continue;
+            }
+            out.push(self.lease_out(r, expires_at, worker));
+        }
+        out
+    }
+
+    /// When a lease of `lease_ms` (the queue's default when None) taken now runs out, within
+    /// the extension and lifetime caps.
+    fn lease_deadline(&self, lease_ms: Option<u64>) -> u64 {
+        let cfg = self.work.config.lease;
+        let lease = lease_ms
+            .unwrap_or(cfg.default_ms)
+            .clamp(1, cfg.extension_max_ms.max(1))
+            .min(cfg.lifetime_max_ms.max(1));
+        self.now.saturating_add(lease)
+    }
+
+    /// Check a ready message out to `worker` under a lease running out at `expires_at`.
+    fn lease_out(
+        &mut self,
+        r: super::ready::Ready<M>,
+        expires_at: u64,
+        worker: &str,
+    ) -> Claimed<M> {
+        self.counters.got += 1;
+        self.counters.redelivered += u64::from(r.redelivered());
+        self.work.counters.claimed += 1;
+        self.check_out(&r, None);
+        let delivery_count = r.delivery_count();
+        let generation = delivery_count.saturating_add(1);
+        self.work.leases.insert(
+            r.id,
+            Lease {
+                generation,
+                claimed_at: self.now,
+                expires_at,
+                worker: worker.to_string(),
+            },
+        );
+        Claimed {
+            id: r.id,
+            generation,
+            delivery_count,
+            redelivered: r.redelivered(),
+            lease_expires_at: expires_at,
+            enqueued_at: r.enqueued_at,
+            msg: r.msg,
+        }
     }
 
     /// The lease a token `(id, generation, enqueued_at)` names, if it holds; else why not.

@@ -43,13 +43,15 @@
 //!   (the work-queue contract);
 //! - `schedule`: messages waiting out a delayed retry;
 //! - `dedup`: the publish deduplication window;
+//! - `moves`: keys of redrive moves into the queue (a move taken once, however often sent);
 //! - `browse`: reading messages by state and position without claiming them;
 //! - `invariants`: [`QueueMachine::check_invariants`].
 //!
 //! The handlers call each other freely (one type's methods), but the files' imports run one
 //! way: `config` imports no sibling; `command` imports `config`; `ready` and `consumers` import
 //! `command`; `settle` and `expiry` import `command` and `ready`; `deliver` imports `command`
-//! and `settle`; `schedule` imports `ready`; `lease` imports `command`, `config` and `settle`;
+//! and `settle`; `schedule` imports `ready`; `lease` imports `command`, `config`, `ready` and `settle`; `moves` and `dedup` import
+//! `command`;
 //! `invariants` imports `config`.
 //!
 //! Work-queue state (leases, scheduled messages, their settings and counters) sits in one
@@ -66,6 +68,7 @@ mod deliver;
 mod expiry;
 mod invariants;
 mod lease;
+mod moves;
 mod ready;
 mod schedule;
 mod settle;
@@ -74,7 +77,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 
 pub use browse::{BrowseState, Browsed};
 pub use command::{
-    Claimed, Command, ConsumerSpec, Effect, LeaseError, LeaseState, MachineError, Removal, Reply,
+    Claimed, Command, ConsumerSpec, Effect, KeyKind, LeaseError, LeaseState, MachineError, Removal,
+    Reply,
 };
 pub use config::{
     DEDUP_CACHE_SIZE_DEFAULT, DEDUP_KEY_MAX, DEDUP_TTL_DEFAULT_MS, DELIVERY_LIMIT_NONE,
@@ -82,6 +86,7 @@ pub use config::{
 };
 use consumers::Consumer;
 use lease::Leases;
+pub use moves::{MOVE_KEY_MAX, MOVE_KEYS_MAX};
 use ready::Level;
 use schedule::Scheduled;
 use settle::Unacked;
@@ -157,6 +162,9 @@ pub struct WorkCounters {
     pub retries_delayed: u64,
     /// Publishes dropped as duplicates.
     pub deduplicated: u64,
+    /// Redrive moves dropped because the queue had taken them already (an interrupted
+    /// redrive run again).
+    pub moves_refused: u64,
 }
 
 /// The machine's work-queue state: leases of claims and messages scheduled for a delayed
@@ -173,6 +181,8 @@ struct Work<M> {
     failures: BTreeMap<MsgId, lease::Failure>,
     /// Deduplication keys remembered.
     dedup: dedup::DedupWindow,
+    /// Keys of redrive moves into this queue not yet finished.
+    moves: moves::MoveKeys,
 }
 
 impl<M> Default for Work<M> {
@@ -184,6 +194,7 @@ impl<M> Default for Work<M> {
             counters: WorkCounters::default(),
             failures: BTreeMap::new(),
             dedup: dedup::DedupWindow::default(),
+            moves: moves::MoveKeys::default(),
         }
     }
 }
@@ -383,8 +394,9 @@ impl<M: MessageRef> QueueMachine<M> {
         self.expire_heads(effects);
         let reply = match command {
             Command::Enqueue(msg) => {
-                let (duplicate, key) = self.take_pending_key();
-                if duplicate {
+                let (duplicate, key) = self.take_pending_key(effects);
+                let (moved_before, move_key) = self.take_pending_move();
+                if duplicate || moved_before {
                     self.forget_failures(&effects[first_effect..]);
                     return Ok(Reply::Duplicate(msg));
                 }
@@ -394,7 +406,10 @@ impl<M: MessageRef> QueueMachine<M> {
                 }
                 self.enqueue(msg);
                 if let Some(key) = key {
-                    self.remember_key(key);
+                    self.remember_key(key, effects);
+                }
+                if let Some(key) = move_key {
+                    self.remember_move(key, effects);
                 }
                 Reply::Ok
             }
@@ -402,6 +417,26 @@ impl<M: MessageRef> QueueMachine<M> {
                 self.set_pending_key(key);
                 Reply::Ok
             }
+            Command::MoveKey { key } => {
+                self.set_pending_move(key);
+                Reply::Ok
+            }
+            Command::ForgetMoveKeys { keys } => {
+                self.forget_moves(keys, effects);
+                Reply::Ok
+            }
+            Command::RestoreKeys { dedup, moves } => {
+                self.restore_keys(dedup, effects);
+                for key in moves {
+                    self.remember_move(key, effects);
+                }
+                Reply::Ok
+            }
+            Command::Take {
+                ids,
+                lease_ms,
+                worker,
+            } => Reply::Claimed(self.take(&ids, lease_ms, &worker, effects)),
             Command::Restore {
                 id,
                 msg,
@@ -535,5 +570,7 @@ impl<M: MessageRef> QueueMachine<M> {
 
 #[cfg(test)]
 mod lease_tests;
+#[cfg(test)]
+mod moves_tests;
 #[cfg(test)]
 mod tests;

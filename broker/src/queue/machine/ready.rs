@@ -178,6 +178,11 @@ impl<M> Level<M> {
             .or_else(|| self.fresh.front())
     }
 
+    /// Take the ready record with `id` from wherever it waits in this level, if held.
+    fn remove(&mut self, id: MsgId) -> Option<Ready<M>> {
+        self.returned.remove(&id).or_else(|| self.fresh.remove(id))
+    }
+
     /// The message of the ready record with `id`, if this level holds it.
     fn get_mut(&mut self, id: MsgId) -> Option<&mut M> {
         if let Some(r) = self.returned.get_mut(&id) {
@@ -367,6 +372,21 @@ impl<M: MessageRef> QueueMachine<M> {
             .filter(|(at, _)| self.now.saturating_sub(*at) >= bound)
             .min_by_key(|&(at, level)| (at, std::cmp::Reverse(level)))
             .map(|(_, level)| level)
+    }
+
+    /// Take the ready message `id` from wherever it waits (not only a head), keeping the
+    /// ready counters and dropping a level it empties: O(levels + log n).
+    pub(super) fn take_ready(&mut self, id: MsgId) -> Option<Ready<M>> {
+        let (level, r) = self
+            .levels
+            .iter_mut()
+            .find_map(|(level, l)| l.remove(id).map(|r| (*level, r)))?;
+        if self.levels.get(&level).is_some_and(|l| l.len() == 0) {
+            self.levels.remove(&level);
+        }
+        self.ready_count -= 1;
+        self.ready_bytes -= r.msg.size();
+        Some(r)
     }
 
     /// Take the head of one level, keeping the ready counters and dropping the level when it

@@ -37,7 +37,10 @@ fn removed(effects: &[Effect<M>]) -> Vec<(MsgId, Removal)> {
         .iter()
         .filter_map(|e| match e {
             Effect::Removed { id, reason, .. } => Some((*id, *reason)),
-            Effect::Deliver { .. } | Effect::Requeued { .. } | Effect::Failed { .. } => None,
+            Effect::Deliver { .. }
+            | Effect::Requeued { .. }
+            | Effect::Failed { .. }
+            | Effect::KeyForgotten { .. } => None,
         })
         .collect()
 }
@@ -64,7 +67,10 @@ fn delivered(effects: &[Effect<M>]) -> Vec<(ConsumerId, MsgId, bool)> {
                 redelivered,
                 ..
             } => Some((*consumer, *id, *redelivered)),
-            Effect::Removed { .. } | Effect::Requeued { .. } | Effect::Failed { .. } => None,
+            Effect::Removed { .. }
+            | Effect::Requeued { .. }
+            | Effect::Failed { .. }
+            | Effect::KeyForgotten { .. } => None,
         })
         .collect()
 }
@@ -762,7 +768,7 @@ proptest! {
                     Effect::Deliver { id, settled, .. } => {
                         if *settled { gone += 1 } else { unacked.push(*id) }
                     }
-                    Effect::Requeued { .. } | Effect::Failed { .. } => {}
+                    Effect::Requeued { .. } | Effect::Failed { .. } | Effect::KeyForgotten { .. } => {}
                 }
             }
             prop_assert_eq!(

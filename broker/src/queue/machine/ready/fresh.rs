@@ -168,6 +168,26 @@ impl<M> Chunk<M> {
         Some(r)
     }
 
+    /// Take record `i` (within the chunk's length). Taking any but the first turns a dense
+    /// chunk sparse: its ids are no longer consecutive.
+    fn remove_at(&mut self, i: usize) -> Option<Ready<M>> {
+        if i == 0 {
+            return self.pop_front();
+        }
+        if let Shape::Dense { .. } = self.shape {
+            let rest = (0..self.len()).map(|j| self.rest(j)).collect();
+            self.shape = Shape::Sparse(rest);
+        }
+        let msg = self.msgs.remove(i)?;
+        // `rest` and `ats` still hold record i: only its message is out.
+        let r = self.record(i, msg);
+        self.ats.remove(i);
+        if let Shape::Sparse(rest) = &mut self.shape {
+            rest.remove(i);
+        }
+        Some(r)
+    }
+
     fn id_at(&self, i: usize) -> Option<MsgId> {
         (i < self.len()).then(|| self.base_id + u64::from(self.rest(i)[0]))
     }
@@ -257,6 +277,22 @@ impl<M> FreshQueue<M> {
         let c = self.chunks.get(after.checked_sub(1)?)?;
         let i = c.position(id)?;
         Some(c.record(i, c.msgs.get(i)?))
+    }
+
+    /// Take the record with `id` from wherever it is, if held: O(log chunks + CHUNK).
+    pub(in crate::queue::machine) fn remove(&mut self, id: MsgId) -> Option<Ready<M>> {
+        let after = self
+            .chunks
+            .partition_point(|c| c.id_at(0).is_none_or(|first| first <= id));
+        let at = after.checked_sub(1)?;
+        let c = self.chunks.get_mut(at)?;
+        let i = c.position(id)?;
+        let r = c.remove_at(i)?;
+        if c.len() == 0 && self.chunks.len() > 1 {
+            self.chunks.remove(at);
+        }
+        self.len -= 1;
+        Some(r)
     }
 
     /// The message of the record with `id`, if held.
@@ -362,6 +398,8 @@ mod tests {
             returns: u32,
         },
         Pop,
+        /// Take the record at this index (mod length) from the middle.
+        Remove(usize),
         Set(usize, u32),
         RoundTrip,
     }
@@ -387,6 +425,7 @@ mod tests {
             )
                 .prop_map(|(id_step, at_step, ttl, returns)| Op::Push { id_step, at_step, ttl, returns }),
             3 => Just(Op::Pop),
+            2 => any::<usize>().prop_map(Op::Remove),
             1 => (any::<usize>(), any::<u32>()).prop_map(|(i, v)| Op::Set(i, v)),
             1 => Just(Op::RoundTrip),
         ]
@@ -416,6 +455,16 @@ mod tests {
                         let got = q.pop_front();
                         let want = model.pop_front();
                         prop_assert_eq!(got.as_ref().map(fields), want.as_ref().map(fields));
+                    }
+                    Op::Remove(i) => {
+                        if model.is_empty() {
+                            prop_assert!(q.remove(id + 1).is_none());
+                        } else {
+                            let i = i % model.len();
+                            let want = model.remove(i);
+                            let got = q.remove(want.as_ref().map_or(0, |r| r.id));
+                            prop_assert_eq!(got.as_ref().map(fields), want.as_ref().map(fields));
+                        }
                     }
                     Op::Set(i, v) => {
                         if !model.is_empty() {
