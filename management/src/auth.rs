@@ -171,14 +171,23 @@ impl FromRequestParts<AppState> for Caller {
 pub struct QueueUser {
     /// User name.
     pub name: String,
+    /// `warren ctl` on this node (the admin socket): every permission, as rabbitmqctl has.
+    pub local_admin: bool,
 }
 
 impl FromRequestParts<AppState> for QueueUser {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        if parts.extensions.get::<LocalAdmin>().is_some() {
+            return Ok(Self {
+                name: "warren-ctl".into(),
+                local_admin: true,
+            });
+        }
         Ok(Self {
             name: login(parts, state)?,
+            local_admin: false,
         })
     }
 }

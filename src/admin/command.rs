@@ -21,6 +21,41 @@ pub struct PolicyArgs {
     pub vhost: String,
 }
 
+/// The options of `redrive_queue`.
+#[derive(Debug, clap::Args)]
+pub struct RedriveArgs {
+    /// The queue to move messages out of (a dead-letter queue).
+    pub queue: String,
+    /// Move into this queue instead of each message's x-death origin.
+    #[arg(long)]
+    pub to: Option<String>,
+    /// Move at most this many messages.
+    #[arg(long = "max-messages")]
+    pub max_messages: Option<u64>,
+    /// Messages per second at most [default: 500].
+    #[arg(long)]
+    pub rate: Option<u32>,
+    /// Only messages that last died in this queue.
+    #[arg(long)]
+    pub origin: Option<String>,
+    /// Only messages that last died for this reason (rejected, expired, maxlen,
+    /// delivery_limit).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Only messages with this routing key.
+    #[arg(long = "routing-key")]
+    pub routing_key: Option<String>,
+    /// Only messages with this header value: NAME=VALUE (repeatable).
+    #[arg(long = "header")]
+    pub headers: Vec<String>,
+    /// Print the started task and return without waiting for it.
+    #[arg(long = "no-wait")]
+    pub no_wait: bool,
+    /// Vhost.
+    #[arg(short = 'p', long, default_value = "/")]
+    pub vhost: String,
+}
+
 /// `warren ctl` subcommands (rabbitmqctl names).
 #[derive(Debug, clap::Subcommand)]
 #[command(rename_all = "snake_case")]
@@ -352,6 +387,20 @@ pub enum CtlCommand {
         /// `json` for one JSON object.
         #[arg(long)]
         formatter: Option<String>,
+    },
+    /// Move messages out of a dead-letter queue (a redrive): back to the queue each died in
+    /// (its x-death), or `--to` a named queue; at most `--rate` a second, up to
+    /// `--max-messages`, those the filter options choose. Prints progress until it ends
+    /// (`--no-wait`: prints the task and returns). Interrupted, nothing is lost or doubled:
+    /// run it again to finish.
+    RedriveQueue(Box<RedriveArgs>),
+    /// List this node's redrives [columns: id vhost source destination status moved
+    /// duplicates skipped refused].
+    ListRedrives,
+    /// Cancel a redrive (the round under way completes).
+    CancelRedrive {
+        /// The redrive's id (list_redrives).
+        id: u64,
     },
     /// Quorum queue membership (rabbitmq-queues): add_member, delete_member, grow, shrink.
     Queues {

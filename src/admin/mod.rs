@@ -15,6 +15,7 @@ mod client;
 mod command;
 mod ctl_api;
 mod ctl_cluster;
+mod ctl_redrive;
 mod listing;
 mod protocol;
 mod socket;
@@ -177,6 +178,9 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
         println!("{banner}");
     }
     if let Some(result) = ctl_api::run(data_dir, &command) {
+        return result;
+    }
+    if let Some(result) = ctl_redrive::run(data_dir, &command) {
         return result;
     }
     let request = match command {

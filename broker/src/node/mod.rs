@@ -9,4 +9,5 @@ pub mod broker;
 pub mod connections;
 pub mod rebalance;
 pub mod recovery;
+pub mod redrive;
 pub mod replication;

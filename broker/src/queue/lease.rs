@@ -239,6 +239,17 @@ impl Queue {
         let _ = self.run(&mut st, Command::RestoreKeys { dedup, moves });
     }
 
+    /// The id the queue's next message will get (every message in it has a smaller one), as
+    /// [`Queue::browse`] sees the queue; None where browse has nothing (a stream, a classic
+    /// queue held on another node).
+    #[must_use]
+    pub fn next_message_id(&self) -> Option<u64> {
+        if self.is_stream || self.replica().is_some_and(|r| r.home().is_some()) {
+            return None;
+        }
+        Some(self.state.lock().machine.next_id())
+    }
+
     /// Up to `limit` of the queue's messages in `state` from position `from`, without
     /// claiming them (a replicated queue's as this replica has applied them), bodies
     /// readable after the call. None for a stream, or a classic queue held on another node

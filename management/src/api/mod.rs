@@ -41,6 +41,7 @@ mod queues;
 mod users;
 mod v1_leases;
 mod v1_messages;
+mod v1_redrives;
 mod vhosts;
 
 type ApiResult = Result<Response, ApiError>;
@@ -298,6 +299,15 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v1/leases/{token}/release",
             axum::routing::post(v1_leases::release),
+        )
+        .route(
+            "/v1/queues/{vhost}/{queue}/redrive",
+            axum::routing::post(v1_redrives::start),
+        )
+        .route("/v1/redrives", get(v1_redrives::list))
+        .route(
+            "/v1/redrives/{id}",
+            get(v1_redrives::show).delete(v1_redrives::cancel),
         )
         .layer(axum::middleware::from_fn(crate::listing::layer))
         .layer(DefaultBodyLimit::max(REQUEST_BODY_MAX))

@@ -95,9 +95,30 @@ pub struct Broker {
     cluster: std::sync::OnceLock<Arc<dyn crate::routing::cluster::ClusterHooks>>,
     /// What the management layer lists for other nodes (set once when it starts).
     local_listings: std::sync::OnceLock<Arc<dyn crate::node::connections::LocalListings>>,
+    /// Redrive tasks (moving messages out of dead-letter queues).
+    redrives: crate::node::redrive::Redrives,
 }
 
 impl Broker {
+    /// The node's redrive tasks.
+    #[must_use]
+    pub fn redrives(&self) -> &crate::node::redrive::Redrives {
+        &self.redrives
+    }
+
+    /// Start a redrive in `spec.vhost` (see [`crate::node::redrive`]).
+    ///
+    /// # Errors
+    /// What is wrong with `spec`; nothing started.
+    pub fn start_redrive(
+        &self,
+        spec: crate::node::redrive::RedriveSpec,
+        may_write: crate::node::redrive::MayWrite,
+    ) -> Result<Arc<crate::node::redrive::RedriveTask>, crate::node::redrive::RedriveError> {
+        self.redrives
+            .start(self.vhost(&spec.vhost), spec, may_write)
+    }
+
     /// The store's commit measurements (None for a node without a store).
     #[must_use]
     pub fn store_metrics(&self) -> Option<&warren_store::StoreMetrics> {
@@ -148,6 +169,7 @@ impl Broker {
             stats: Arc::default(),
             cluster: std::sync::OnceLock::new(),
             local_listings: std::sync::OnceLock::new(),
+            redrives: crate::node::redrive::Redrives::default(),
         };
         b.vhosts.write().insert(
             "/".into(),
