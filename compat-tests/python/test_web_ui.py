@@ -202,6 +202,30 @@ def test_queue_declare_publish_get_purge(page, broker, shots):
     assert q["messages"] == 0
 
 
+def test_move_messages_out_of_a_queue(page, broker, shots):
+    """The queue page's "Move messages" form starts a redrive into a named queue and shows
+    its progress until it completes; the broker agrees."""
+    dlq, dest = f"ui-dlq-{uuid.uuid4().hex[:8]}", f"ui-dest-{uuid.uuid4().hex[:8]}"
+    conn = pika.BlockingConnection(pika.ConnectionParameters(
+        "127.0.0.1", broker["port"], credentials=pika.PlainCredentials("guest", "guest")))
+    ch = conn.channel()
+    ch.queue_declare(dlq, durable=True)
+    ch.queue_declare(dest, durable=True)
+    for i in range(3):
+        ch.basic_publish("", dlq, f"dead {i}")
+    conn.close()
+    login(page, broker)
+    page.goto(f"{broker['base_url']}#/queues/%2F/{dlq}")
+    expect(page.locator("#queue-messages-ready")).to_have_text("3")
+    page.fill("#redrive-to", dest)
+    page.click("#redrive-submit")
+    expect(page.locator("#redrive-status")).to_contain_text("completed: 3 moved")
+    expect(page.locator("#redrive-progress")).to_contain_text("COMPLETED, moved 3")
+    expect(page.locator("#queue-messages-ready")).to_have_text("0")
+    shots.take(page, "queue-redrive")
+    assert api_get(broker, f"/api/queues/%2F/{dest}")["messages"] == 3
+
+
 def test_close_connection_from_connections_page(page, broker, shots):
     conn_name = f"web-ui-test-{uuid.uuid4().hex[:8]}"
     params = pika.ConnectionParameters(

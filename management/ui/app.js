@@ -1336,6 +1336,42 @@
 
     const pub = publishForm(P('exchanges', vhost, 'amq.default', 'publish'), name);
 
+    // Move messages out (a redrive, /v1/queues/{vhost}/{queue}/redrive): back to where each
+    // died (x-death) or into a named queue, at a rate, up to a count, those the filter picks.
+    const redriveTo = input('redrive-to', { placeholder: 'blank: each message\'s x-death origin' });
+    const redriveMax = input('redrive-max', { type: 'number', min: 1, class: 'narrow', placeholder: 'all' });
+    const redriveRate = input('redrive-rate', { type: 'number', min: 1, value: '500', class: 'narrow' });
+    const redriveOrigin = input('redrive-origin', { placeholder: 'any' });
+    const redriveReason = select('redrive-reason', [['', 'any'], ['rejected', 'rejected'], ['expired', 'expired'], ['maxlen', 'maxlen'], ['delivery_limit', 'delivery_limit']], '');
+    const redriveProgress = h('div', { id: 'redrive-progress', 'data-testid': 'redrive-progress', class: 'hint' });
+    const redriveForm = actionForm({
+      id: 'redrive',
+      label: 'Move messages',
+      resultId: 'redrive-status',
+      intro: h('p', { class: 'hint' }, 'Moves ready messages out of this queue (typically a dead-letter queue), each exactly once even if the broker stops mid-way (run it again to finish).'),
+      rows: [['Destination queue', redriveTo], ['Messages (most)', redriveMax], ['Rate (msg/s)', redriveRate], ['Only from queue', redriveOrigin], ['Only reason', redriveReason]],
+      extra: redriveProgress,
+      action: async () => {
+        const body = { rate: parseInt(redriveRate.value, 10) || 500, filter: {} };
+        if (redriveTo.value) body.destination = redriveTo.value;
+        if (parseInt(redriveMax.value, 10) > 0) body.max_messages = parseInt(redriveMax.value, 10);
+        if (redriveOrigin.value) body.filter.origin = redriveOrigin.value;
+        if (redriveReason.value) body.filter.reason = redriveReason.value;
+        let task = await api('POST', '/v1/queues/' + enc(vhost) + '/' + enc(name) + '/redrive', body);
+        const show = (t) => {
+          redriveProgress.textContent = `Redrive ${t.id}: ${t.status}, moved ${t.moved}, duplicates ${t.duplicates}, skipped ${t.skipped}, refused ${t.refused}` + (t.error ? ` (${t.error})` : '');
+        };
+        show(task);
+        while (task.status === 'RUNNING') {
+          await new Promise((r) => setTimeout(r, 300));
+          task = await api('GET', '/v1/redrives/' + task.id);
+          show(task);
+          refreshNow();
+        }
+        return `Redrive ${task.id} ${task.status.toLowerCase()}: ${task.moved} moved.`;
+      },
+    });
+
     const actionsOut = result('queue-action-result');
     const purgeBtn = actionButton('Purge messages', { class: 'btn btn-warn', id: 'queue-purge', 'data-testid': 'queue-purge' },
       `Purge all ready messages from queue "${name}"?`, actionsOut, async () => {
@@ -1369,6 +1405,7 @@
       section('Bindings', [bindings.el, h('h3', null, 'Add binding to this queue'), bind.el], { key: 'q-bindings' }),
       section('Publish message', pub, { key: 'q-publish' }),
       section('Get messages', getForm, { key: 'q-get' }),
+      section('Move messages', redriveForm, { key: 'q-redrive' }),
       section('Purge and delete', [
         h('div', { class: 'danger-zone' },
           h('div', null, purgeBtn, h('span', { class: 'hint' }, ' Removes all ready messages.')),
