@@ -6,6 +6,7 @@ as it keeps a redrive's move keys).
 
 Warren's own API: these tests do not run against RabbitMQ."""
 
+import json
 import os
 import signal
 import tempfile
@@ -117,6 +118,12 @@ def test_redrive_returns_each_message_to_the_queue_it_died_in(api, connect, name
     assert (task["status"], task["moved"], task["duplicates"], task["skipped"]) == \
         ("COMPLETED", 8, 0, 0), task
     assert task["source_ready_at_start"] == 8
+    schema = json.loads((Path(__file__).resolve().parents[2] / "docs" /
+                         "http-queue-api.openapi.json").read_text())["components"]["schemas"]
+    assert set(schema["RedriveTask"]["required"]) <= set(task), task
+    base, s = api
+    listed = s.get(f"{base}/v1/redrives", timeout=30).json()
+    assert any(t["id"] == task["id"] and t["status"] == "COMPLETED" for t in listed)
     assert ch.queue_declare(dlq, passive=True).method.message_count == 0
     got_orders = drain(ch, orders)
     assert [b for b, _ in got_orders] == [f"o{i}" for i in range(5)]
