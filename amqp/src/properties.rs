@@ -149,6 +149,12 @@ impl Properties {
     #[must_use]
     pub fn rewrite(&self, headers: &[u8], drop_expiration: bool) -> Bytes {
         let raw = &self.raw[..];
+        if raw.len() < 2 {
+            // No property list at all (a default value, never a parsed one): headers alone.
+            let mut out = FLAG_HEADERS.to_be_bytes().to_vec();
+            out.extend_from_slice(headers);
+            return Bytes::from(out);
+        }
         let mut flags = u16::from_be_bytes([raw[0], raw[1]]) | FLAG_HEADERS;
         let mut out = Vec::with_capacity(raw.len() + headers.len());
         let after_headers = self.headers.as_ref().map_or(self.headers_at, |h| h.end);
