@@ -766,7 +766,15 @@ class Cluster:
 
     def connect(self, i, **overrides):
         """A BlockingConnection to node i (the caller closes it)."""
-        return pika.BlockingConnection(self.amqp_params(i, **overrides))
+        try:
+            return pika.BlockingConnection(self.amqp_params(i, **overrides))
+        except ValueError as e:
+            # pika's connector raises ValueError when the TCP connect completes and the
+            # socket is reset at once (the node killed mid-connect): a connection failure
+            # like any other, for the callers that move on to the next node.
+            if "Expected connected socket" not in str(e):
+                raise
+            raise pika.exceptions.AMQPConnectionError(str(e)) from e
 
     def mgmt_url(self, i):
         return f"http://127.0.0.1:{self.nodes[i].mgmt_port}"
