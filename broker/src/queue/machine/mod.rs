@@ -390,7 +390,7 @@ impl<M: MessageRef> QueueMachine<M> {
         // Time passed: leases run out and delayed retries come due before the command sees
         // the queue (so a stale token finds its lease gone, and a claim finds what is due).
         self.expire_leases(effects);
-        self.promote_due();
+        self.promote_due(effects);
         self.expire_heads(effects);
         let reply = match command {
             Command::Enqueue(msg) => {

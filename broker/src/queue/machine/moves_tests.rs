@@ -288,3 +288,69 @@ fn dedup_keys_restore_with_their_times() {
         "remembered again by this publish"
     );
 }
+
+/// A message taken from the middle and given back (its lease ran out, or released) cannot go
+/// back among the returned messages (its id is above fresh ones): it goes to the back under a
+/// new id, an `Effect::Requeued` for the driver's store record, and is served after the
+/// messages that were ahead of it; a delayed release comes due the same way.
+#[test]
+fn a_taken_message_given_back_goes_to_the_back() {
+    let mut q: QueueMachine<M> = QueueMachine::new();
+    for v in 1..=5 {
+        apply(&mut q, 0, Command::Enqueue(M(v)));
+    }
+    let ids = ready_ids(&q);
+    let got = take(&mut q, 0, &[ids[2]]);
+    assert_eq!(got.len(), 1);
+    // Its 60 s lease runs out.
+    let (_, effects) = apply(&mut q, 60_000, Command::Expire);
+    let requeued: Vec<_> = effects
+        .iter()
+        .filter_map(|e| match e {
+            Effect::Requeued { old, new, .. } => Some((*old, *new)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(requeued.len(), 1, "{effects:?}");
+    assert_eq!(requeued[0].0, ids[2]);
+    let after = ready_ids(&q);
+    assert_eq!(after, vec![ids[0], ids[1], ids[3], ids[4], requeued[0].1]);
+
+    // Released with a delay: due later, then at the back as well.
+    let got = match apply(
+        &mut q,
+        60_001,
+        Command::Take {
+            ids: vec![after[2]],
+            lease_ms: Some(1_000),
+            worker: "w".into(),
+        },
+    )
+    .0
+    {
+        Reply::Claimed(c) => c,
+        other => panic!("{other:?}"),
+    };
+    let c = &got[0];
+    let (r, _) = apply(
+        &mut q,
+        60_002,
+        Command::Release {
+            id: c.id,
+            generation: c.generation,
+            enqueued_at: c.enqueued_at,
+            delay_ms: Some(500),
+            reason: "later".into(),
+        },
+    );
+    assert!(matches!(r, Reply::Lease(Ok(LeaseState::Released { .. }))));
+    assert_eq!(q.scheduled_len(), 1);
+    let (_, effects) = apply(&mut q, 60_502, Command::Expire);
+    assert!(
+        effects
+            .iter()
+            .any(|e| matches!(e, Effect::Requeued { old, .. } if *old == c.id))
+    );
+    let last = *ready_ids(&q).last().expect("ready");
+    assert!(last > c.id, "at the back under a new id");
+}

@@ -350,6 +350,36 @@ impl<M: MessageRef> QueueMachine<M> {
         l.returned.insert(r.id, r);
     }
 
+    /// Put a returned message back: in its place among the returned ones or, when its id is
+    /// above its level's fresh head (it was taken from the middle of the queue by
+    /// [`Command::Take`](super::Command::Take)), at the back under a new id
+    /// ([`Effect::Requeued`]), so that every returned id stays below every fresh one. Its
+    /// failure context follows it to the new id.
+    pub(super) fn place_returned(&mut self, mut r: Ready<M>, effects: &mut Vec<Effect<M>>) {
+        let level = self.level_of(&r.msg);
+        let passes_fresh = self
+            .levels
+            .get(&level)
+            .and_then(|l| l.fresh.front())
+            .is_some_and(|f| f.id < r.id);
+        if !passes_fresh {
+            self.push_returned(r);
+            return;
+        }
+        let new = self.next_id;
+        self.next_id += 1;
+        effects.push(Effect::Requeued {
+            old: r.id,
+            new,
+            msg: r.msg.clone(),
+        });
+        if let Some(f) = self.work.failures.remove(&r.id) {
+            self.work.failures.insert(new, f);
+        }
+        r.id = new;
+        self.push_fresh(r);
+    }
+
     /// Take the next message to deliver (highest priority, then original order; with
     /// priority aging, first the longest-waiting head past the bound), keeping the ready
     /// counters.

@@ -7,13 +7,14 @@
 //! - `by_due` holds exactly one `(due, id)` per message of `by_id`, and `bytes` is their body
 //!   bytes;
 //! - after every command no scheduled message is due (it was made ready, in its place: a
-//!   scheduled id left `fresh` from its head, so it is smaller than every fresh id and goes back
-//!   among the returned messages).
+//!   scheduled id that left `fresh` from its head is smaller than every fresh id and goes back
+//!   among the returned messages; one taken from the middle goes to the back).
 //!
 //! Due times are machine time (the command's `now`), so replicas and replays agree.
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use super::command::Effect;
 use super::ready::Ready;
 use super::{MessageRef, MsgId, QueueMachine};
 
@@ -133,10 +134,11 @@ impl<M: MessageRef> QueueMachine<M> {
         self.work.scheduled.insert(due, r);
     }
 
-    /// Make every scheduled message that is due ready again, in its place.
-    pub(super) fn promote_due(&mut self) {
+    /// Make every scheduled message that is due ready again, in its place (see
+    /// [`QueueMachine::place_returned`]).
+    pub(super) fn promote_due(&mut self, effects: &mut Vec<Effect<M>>) {
         while let Some(r) = self.work.scheduled.pop_due(self.now) {
-            self.push_returned(r);
+            self.place_returned(r, effects);
         }
     }
 

@@ -159,14 +159,10 @@ impl<M: MessageRef> QueueMachine<M> {
             ));
             return None;
         }
-        self.push_returned(Ready::new(
-            id,
-            msg,
-            true,
-            expires_at,
-            delivery_count,
-            enqueued_at,
-        ));
+        self.place_returned(
+            Ready::new(id, msg, true, expires_at, delivery_count, enqueued_at),
+            effects,
+        );
         None
     }
 
