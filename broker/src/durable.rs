@@ -569,32 +569,45 @@ mod tests {
     }
 }
 
-/// A key a queue remembers (publish deduplication, a redrive's move) as kept in the store:
-/// record key `queue id (8, big-endian) | kind (1: 0 dedup, 1 move) | key`, value the machine
-/// time it was remembered (8, big-endian).
+/// What a queue keeps beside its messages in the store's `queue_keys` table: record key
+/// `queue id (8, big-endian) | kind (1) | key`, value a time (8, big-endian, machine ms).
+/// Kind 0: a publish deduplication key, 1: a redrive move key (each with the time it was
+/// remembered); 2: a scheduled message's due time (key: its id, 8 bytes big-endian).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueKeyRecord {
     /// The queue's store id.
     pub queue: u64,
-    /// Its window.
-    pub kind: KeyKind,
-    /// The key.
+    /// What it is.
+    pub kind: StoredKey,
+    /// The key (a message id's 8 bytes for [`StoredKey::Due`]).
     pub key: Vec<u8>,
-    /// When it was remembered, machine ms.
+    /// When it was remembered, or when the message is due, machine ms.
     pub at: u64,
 }
 
-fn key_kind_byte(kind: KeyKind) -> u8 {
-    match kind {
-        KeyKind::Dedup => 0,
-        KeyKind::Move => 1,
+/// The kinds of [`QueueKeyRecord`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoredKey {
+    /// A key of one of the queue's windows.
+    Window(KeyKind),
+    /// A scheduled message's due time.
+    Due,
+}
+
+impl StoredKey {
+    fn byte(self) -> u8 {
+        match self {
+            Self::Window(KeyKind::Dedup) => 0,
+            Self::Window(KeyKind::Move) => 1,
+            Self::Due => 2,
+        }
     }
 }
 
-fn queue_key(queue: u64, kind: KeyKind, key: &[u8]) -> Vec<u8> {
+fn queue_key(queue: u64, kind: StoredKey, key: &[u8]) -> Vec<u8> {
     let mut k = Vec::with_capacity(9 + key.len());
     k.extend_from_slice(&queue.to_be_bytes());
-    k.push(key_kind_byte(kind));
+    k.push(kind.byte());
     k.extend_from_slice(key);
     k
 }
@@ -604,7 +617,7 @@ fn queue_key(queue: u64, kind: KeyKind, key: &[u8]) -> Vec<u8> {
 pub fn key_put(queue: u64, kind: KeyKind, key: &[u8], at: u64) -> Op {
     Op::Put {
         table: MetaTable::QueueKeys,
-        key: queue_key(queue, kind, key),
+        key: queue_key(queue, StoredKey::Window(kind), key),
         value: at.to_be_bytes().to_vec(),
     }
 }
@@ -614,7 +627,26 @@ pub fn key_put(queue: u64, kind: KeyKind, key: &[u8], at: u64) -> Op {
 pub fn key_delete(queue: u64, kind: KeyKind, key: &[u8]) -> Op {
     Op::Delete {
         table: MetaTable::QueueKeys,
-        key: queue_key(queue, kind, key),
+        key: queue_key(queue, StoredKey::Window(kind), key),
+    }
+}
+
+/// The op that keeps message `id` of queue `queue` held until `due`.
+#[must_use]
+pub fn due_put(queue: u64, id: u64, due: u64) -> Op {
+    Op::Put {
+        table: MetaTable::QueueKeys,
+        key: queue_key(queue, StoredKey::Due, &id.to_be_bytes()),
+        value: due.to_be_bytes().to_vec(),
+    }
+}
+
+/// The op that drops the due time of message `id` of queue `queue`.
+#[must_use]
+pub fn due_delete(queue: u64, id: u64) -> Op {
+    Op::Delete {
+        table: MetaTable::QueueKeys,
+        key: queue_key(queue, StoredKey::Due, &id.to_be_bytes()),
     }
 }
 
@@ -628,8 +660,9 @@ impl QueueKeyRecord {
         let (queue, rest) = key.split_first_chunk::<8>().ok_or_else(bad)?;
         let (kind, key) = rest.split_first().ok_or_else(bad)?;
         let kind = match kind {
-            0 => KeyKind::Dedup,
-            1 => KeyKind::Move,
+            0 => StoredKey::Window(KeyKind::Dedup),
+            1 => StoredKey::Window(KeyKind::Move),
+            2 if key.len() == 8 => StoredKey::Due,
             _ => return Err(bad()),
         };
         let at = value
@@ -644,10 +677,21 @@ impl QueueKeyRecord {
         })
     }
 
+    /// The message id of a [`StoredKey::Due`] record.
+    #[must_use]
+    pub fn message_id(&self) -> Option<u64> {
+        (self.kind == StoredKey::Due)
+            .then(|| self.key.as_slice().try_into().ok().map(u64::from_be_bytes))
+            .flatten()
+    }
+
     /// The op that drops it.
     #[must_use]
     pub fn delete(&self) -> Op {
-        key_delete(self.queue, self.kind, &self.key)
+        Op::Delete {
+            table: MetaTable::QueueKeys,
+            key: queue_key(self.queue, self.kind, &self.key),
+        }
     }
 }
 
@@ -664,10 +708,25 @@ mod queue_key_tests {
             let r = QueueKeyRecord::decode(&key, &value).expect("decodes");
             assert_eq!(
                 (r.queue, r.kind, r.key.as_slice(), r.at),
-                (42, kind, &b"order-7"[..], 1_234)
+                (42, StoredKey::Window(kind), &b"order-7"[..], 1_234)
             );
             assert_eq!(r.delete(), key_delete(42, kind, b"order-7"));
         }
+        let Op::Put { key, value, .. } = due_put(42, 9, 5_000) else {
+            panic!("a put");
+        };
+        let r = QueueKeyRecord::decode(&key, &value).expect("decodes");
+        assert_eq!(
+            (r.kind, r.message_id(), r.at),
+            (StoredKey::Due, Some(9), 5_000)
+        );
+        assert_eq!(r.delete(), due_delete(42, 9));
+        let mut short = key.clone();
+        short.pop();
+        assert!(
+            QueueKeyRecord::decode(&short, &value).is_err(),
+            "a due key is 8 bytes"
+        );
         assert!(QueueKeyRecord::decode(&[0; 8], &[0; 8]).is_err(), "no kind");
         assert!(
             QueueKeyRecord::decode(&[0; 9], &[0; 7]).is_err(),

@@ -8,7 +8,9 @@ use std::sync::atomic::Ordering;
 
 use warren_store::{MetaTable, Op, Recovered, StoreError};
 
-use crate::durable::{BindingRecord, DecodeError, ExchangeRecord, QueueKeyRecord, QueueRecord};
+use crate::durable::{
+    BindingRecord, DecodeError, ExchangeRecord, QueueKeyRecord, QueueRecord, StoredKey,
+};
 use crate::node::broker::Broker;
 use crate::queue::Queue;
 use crate::queue::machine::KeyKind;
@@ -195,8 +197,8 @@ impl Broker {
             }
         }
         // The keys queues remember (deduplication, redrive moves), after their messages.
-        // Per queue: deduplication keys with their times, and move keys.
-        type Keys = (Vec<(Vec<u8>, u64)>, Vec<Vec<u8>>);
+        // Per queue: deduplication keys with their times, move keys, due times.
+        type Keys = (Vec<(Vec<u8>, u64)>, Vec<Vec<u8>>, Vec<(u64, u64)>);
         let mut keys: HashMap<u64, Keys> = HashMap::new();
         for (k, v) in rows(MetaTable::QueueKeys) {
             let r = QueueKeyRecord::decode(k, v)?;
@@ -205,16 +207,17 @@ impl Broker {
                 cleanup.push(r.delete());
                 continue;
             }
-            let (dedup, moves) = keys.entry(r.queue).or_default();
+            let (dedup, moves, due) = keys.entry(r.queue).or_default();
             match r.kind {
-                KeyKind::Dedup => dedup.push((r.key, r.at)),
-                KeyKind::Move => moves.push(r.key),
+                StoredKey::Window(KeyKind::Dedup) => dedup.push((r.key, r.at)),
+                StoredKey::Window(KeyKind::Move) => moves.push(r.key),
+                StoredKey::Due => due.extend(r.message_id().map(|id| (id, r.at))),
             }
         }
-        for (queue, (mut dedup, moves)) in keys {
+        for (queue, (mut dedup, moves, due)) in keys {
             if let Some(q) = by_id.get(&queue) {
                 dedup.sort_by_key(|(_, at)| *at);
-                q.restore_keys(dedup, moves);
+                q.restore_keys(dedup, moves, due);
             }
         }
         cleanup.extend(orphaned.into_iter().map(|queue| Op::DropQueue { queue }));

@@ -31,7 +31,7 @@ use parking_lot::Mutex;
 
 use crate::message::{Message, Outgoing};
 use crate::queue::machine::{BrowseState, Claimed, Command, LeaseError, LeaseState};
-use crate::queue::{Enqueued, Queue, loaded_message};
+use crate::queue::{Enqueued, PublishOptions, Queue, loaded_message};
 use crate::routing::vhost::VHost;
 
 /// Messages a task moves per second unless told otherwise.
@@ -510,7 +510,10 @@ impl Run {
             let (tx, rx) = tokio::sync::oneshot::channel();
             destination.publish_one(
                 &message,
-                Some(key.clone()),
+                PublishOptions {
+                    move_key: Some(key.clone()),
+                    delay_ms: None,
+                },
                 Box::new(move |r| {
                     let _ = tx.send(r);
                 }),

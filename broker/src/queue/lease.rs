@@ -234,9 +234,14 @@ impl Queue {
 
     /// Put back the keys the store kept for this queue (recovery), see
     /// [`Command::RestoreKeys`].
-    pub fn restore_keys(self: &Arc<Self>, dedup: Vec<(Vec<u8>, u64)>, moves: Vec<Vec<u8>>) {
+    pub fn restore_keys(
+        self: &Arc<Self>,
+        dedup: Vec<(Vec<u8>, u64)>,
+        moves: Vec<Vec<u8>>,
+        due: Vec<(MsgId, u64)>,
+    ) {
         let mut st = self.state.lock();
-        let _ = self.run(&mut st, Command::RestoreKeys { dedup, moves });
+        let _ = self.run(&mut st, Command::RestoreKeys { dedup, moves, due });
     }
 
     /// The id the queue's next message will get (every message in it has a smaller one), as

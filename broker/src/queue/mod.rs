@@ -29,7 +29,7 @@ pub use lease::{
     ClaimDone, ClaimOutcome, LeaseCallError, LeaseDone, LeaseOutcome, LeasesDone, LeasesOutcome,
 };
 use publish::below_flow_release;
-pub use publish::{Enqueued, publish_routed};
+pub use publish::{Enqueued, PublishOptions, publish_routed};
 use publish::{Join, publish_local};
 pub use remote::{ServeDone, loaded_message};
 use replicated::replicated_outcome;
@@ -640,6 +640,16 @@ impl Queue {
                     }
                     // After the dead letter was read (a logged body is read when pinned).
                     self.release(&msg);
+                }
+                Effect::Scheduled { id, due } => {
+                    if !st.deleted && self.store.is_some() {
+                        st.store_ops.push(crate::durable::due_put(self.id, id, due));
+                    }
+                }
+                Effect::Unscheduled { id } => {
+                    if !st.deleted && self.store.is_some() {
+                        st.store_ops.push(crate::durable::due_delete(self.id, id));
+                    }
                 }
                 Effect::KeyForgotten { kind, key } => {
                     // A key forgotten and remembered again within one command (a dedup key

@@ -28,15 +28,14 @@ impl Queue {
     /// Enqueue a routed message that needs no store write (transient, or this queue has no
     /// store).
     pub fn publish(self: &Arc<Self>, message: Arc<Message>) -> Enqueued {
-        self.publish_keyed(message, None)
+        self.publish_keyed(message, &PublishOptions::default())
     }
 
-    /// [`Queue::publish`] of a redrive's move carrying `move_key` (see
-    /// [`machine::Command::MoveKey`]).
+    /// [`Queue::publish`] with [`PublishOptions`] (a redrive's move key, a delay).
     pub(super) fn publish_keyed(
         self: &Arc<Self>,
         message: Arc<Message>,
-        move_key: Option<&[u8]>,
+        options: &PublishOptions,
     ) -> Enqueued {
         if self.is_stream && !self.is_replicated() {
             return match self.stream() {
@@ -53,7 +52,7 @@ impl Queue {
             // Unconfirmed (a dead-lettered message, a publisher without confirms).
             self.submit_quietly(
                 replica,
-                enqueue_commands(Entry::Mem(message), key, move_key.map(<[u8]>::to_vec)),
+                enqueue_commands(Entry::Mem(message), key, options.clone()),
             );
             return Enqueued::Accepted;
         }
@@ -65,10 +64,11 @@ impl Queue {
             if let Some(key) = key {
                 let _ = self.run(&mut st, Command::Dedup { key });
             }
-            if let Some(key) = move_key {
-                let _ = self.run(&mut st, Command::MoveKey { key: key.to_vec() });
+            let now = self.now_ms();
+            for c in options.commands(now) {
+                let _ = self.apply_at(&mut st, c, now);
             }
-            let r = self.run(&mut st, Command::Enqueue(Entry::Mem(message)));
+            let r = self.run_at(&mut st, Command::Enqueue(Entry::Mem(message)), now);
             self.enqueued(&mut st, r)
         };
         self.dead_letter_pending();
@@ -78,19 +78,19 @@ impl Queue {
     /// Publish one message into this queue alone and tell `done` what became of it once it
     /// is as durable as a publisher confirm would make it (the HTTP queue API's publish): for
     /// a replicated queue or a proxy, from the committed enqueue's reply, so a duplicate or a
-    /// refusal found there is reported as such. A redrive's move carries `move_key` (see
-    /// [`machine::Command::MoveKey`]; ignored by a stream): a queue that took the move before
-    /// answers [`Enqueued::Duplicate`].
+    /// refusal found there is reported as such. `options` (ignored by a stream): a redrive's
+    /// move key (a queue that took the move before answers [`Enqueued::Duplicate`]) and a
+    /// delay.
     pub fn publish_one(
         self: &Arc<Self>,
         message: &Arc<Message>,
-        move_key: Option<Vec<u8>>,
+        options: PublishOptions,
         done: Box<dyn FnOnce(Result<Enqueued, String>) + Send>,
     ) {
         if let (Some(replica), false) = (self.replica(), self.is_stream) {
             let key = self.dedup_key(message);
             replica.submit(
-                enqueue_commands(Entry::Mem(Arc::clone(message)), key, move_key),
+                enqueue_commands(Entry::Mem(Arc::clone(message)), key, options),
                 Box::new(move |r| {
                     done(
                         r.map_err(|e| e.to_string())
@@ -122,7 +122,11 @@ impl Queue {
             None
         };
         let from_store = Arc::clone(&slot);
-        let move_key = move_key.filter(|_| !self.is_stream);
+        let options = if self.is_stream {
+            PublishOptions::default()
+        } else {
+            options
+        };
         let targets = std::slice::from_ref(self);
         let on_commit = || -> Completion {
             Box::new(move |r| {
@@ -136,9 +140,10 @@ impl Queue {
                 }
             })
         };
-        let (outcome, submitted) = match move_key.as_deref() {
-            Some(key) => publish_local(targets, message, Some(key), on_commit),
-            None => publish_routed(targets, message, on_commit),
+        let (outcome, submitted) = if options.is_empty() {
+            publish_routed(targets, message, on_commit)
+        } else {
+            publish_local(targets, message, &options, on_commit)
         };
         let ready = {
             let mut s = slot.lock();
@@ -273,7 +278,7 @@ pub fn publish_routed(
 ) -> (Enqueued, bool) {
     if !targets.iter().any(|q| q.is_replicated() || q.is_stream) {
         // (A replicated stream is replicated: its messages go through its group's log.)
-        return publish_local(targets, message, None, done);
+        return publish_local(targets, message, &PublishOptions::default(), done);
     }
     // Replicated queues take every message through their log (persistent or not, as
     // RabbitMQ's quorum queues do), and streams store every message: the completion waits
@@ -300,7 +305,11 @@ pub fn publish_routed(
         let part = join.part();
         let key = q.dedup_key(message);
         replica.submit(
-            enqueue_commands(Entry::Mem(Arc::clone(message)), key, None),
+            enqueue_commands(
+                Entry::Mem(Arc::clone(message)),
+                key,
+                PublishOptions::default(),
+            ),
             Box::new(move |r| {
                 // The enqueue's reply is the last (a deduplication key goes ahead of it).
                 let r = replicated_outcome(r).and_then(|replies| match replies.last() {
@@ -319,7 +328,8 @@ pub fn publish_routed(
         .filter(|q| !q.is_replicated() && !q.is_stream)
         .cloned()
         .collect();
-    let (local_outcome, _) = publish_local(&local, message, None, || join.part());
+    let (local_outcome, _) =
+        publish_local(&local, message, &PublishOptions::default(), || join.part());
     join.seal();
     (outcome.and(local_outcome), true)
 }
@@ -373,17 +383,18 @@ impl Join {
     }
 }
 
-/// [`publish_routed`] into queues that are not replicated; a redrive's move carries
-/// `move_key` (kept in the store with the message, so a restart remembers it).
+/// [`publish_routed`] into queues that are not replicated, with `options` (a redrive's move
+/// key and a delay are kept in the store with the message, so a restart remembers them).
 pub(super) fn publish_local(
     targets: &[Arc<Queue>],
     message: &Arc<Message>,
-    move_key: Option<&[u8]>,
+    options: &PublishOptions,
     done: impl FnOnce() -> Completion,
 ) -> (Enqueued, bool) {
+    let move_key = options.move_key.as_deref();
     if !message.properties.persistent() {
         let outcome = targets.iter().fold(Enqueued::Gone, |outcome, q| {
-            outcome.and(q.publish_keyed(Arc::clone(message), move_key))
+            outcome.and(q.publish_keyed(Arc::clone(message), options))
         });
         return (outcome, false);
     }
@@ -440,12 +451,20 @@ pub(super) fn publish_local(
                         .push(crate::durable::key_put(q.id, KeyKind::Move, k, now));
                 }
                 let id = st.machine.next_id();
+                // A delayed publish's due time, durable with it (the machine says so again
+                // when it holds the message: the same record).
+                if let Some(until) = options.until(now) {
+                    batch.ops.push(crate::durable::due_put(q.id, id, until));
+                }
                 batch.ops.push(Op::Enqueue {
                     queue: q.id,
                     id,
                     body: BodyRef::New(0),
                     flags: u32::from(priority),
-                    expires_at: st.machine.expiry_at(&entry, now).unwrap_or(0),
+                    // A delayed message's TTL counts from when it is ready.
+                    expires_at: st.machine.expiry_at(&entry, now).map_or(0, |at| {
+                        at.saturating_add(options.until(now).map_or(0, |u| u - now))
+                    }),
                 });
                 placed.push((Arc::downgrade(q), id));
             }
@@ -484,8 +503,8 @@ pub(super) fn publish_local(
                 if let Some(key) = key {
                     let _ = q.apply_at(st, Command::Dedup { key }, now);
                 }
-                if let Some(key) = move_key {
-                    let _ = q.apply_at(st, Command::MoveKey { key: key.to_vec() }, now);
+                for c in options.commands(now) {
+                    let _ = q.apply_at(st, c, now);
                 }
                 let r = q.run_at(st, Command::Enqueue(entry.clone()), now);
                 let taken = q.enqueued(st, r);
@@ -539,20 +558,57 @@ impl Enqueued {
     }
 }
 
-/// The commands that enqueue `entry`, its deduplication key and a redrive's move key (if
-/// any) just ahead of it.
+/// The commands that enqueue `entry` into a replicated queue: its deduplication key and the
+/// options' commands (if any) just ahead of it, a delay counted from now on this node's clock.
 pub(super) fn enqueue_commands(
     entry: Entry,
     key: Option<Vec<u8>>,
-    move_key: Option<Vec<u8>>,
+    options: PublishOptions,
 ) -> Vec<Command<Entry>> {
     let mut commands = Vec::with_capacity(3);
     if let Some(key) = key {
         commands.push(Command::Dedup { key });
     }
-    if let Some(key) = move_key {
-        commands.push(Command::MoveKey { key });
-    }
+    commands.extend(options.commands(crate::timers::wall_ms()));
     commands.push(Command::Enqueue(entry));
     commands
+}
+
+/// What a publish into one queue may carry beyond the message (the HTTP queue API's, a
+/// redrive's).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PublishOptions {
+    /// A redrive's move key ([`machine::Command::MoveKey`]).
+    pub move_key: Option<Vec<u8>>,
+    /// Hold the message this long before it is ready ([`machine::Command::Delay`]), ms.
+    pub delay_ms: Option<u64>,
+}
+
+impl PublishOptions {
+    /// Whether there is nothing beyond the message.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.move_key.is_none() && self.until(0).is_none()
+    }
+
+    /// When a message published at `now` becomes ready, if it is delayed.
+    #[must_use]
+    pub fn until(&self, now: u64) -> Option<u64> {
+        self.delay_ms
+            .filter(|&d| d > 0)
+            .map(|d| now.saturating_add(d))
+    }
+
+    /// The commands that go just ahead of the `Enqueue`, for a publish at `now`.
+    #[must_use]
+    pub fn commands(&self, now: u64) -> Vec<Command<Entry>> {
+        let mut out = Vec::new();
+        if let Some(key) = &self.move_key {
+            out.push(Command::MoveKey { key: key.clone() });
+        }
+        if let Some(until) = self.until(now) {
+            out.push(Command::Delay { until });
+        }
+        out
+    }
 }

@@ -114,15 +114,21 @@ impl Queue {
             Ok(_) => done(Ok(std::mem::take(&mut *out.lock()))),
             Err(e) => done(Err(e.to_string())),
         }));
-        // A move key applies to the Enqueue after it (sent in one submission).
-        let mut move_key: Option<Vec<u8>> = None;
+        // A move key and a delay apply to the Enqueue after them (sent in one submission).
+        let mut options = PublishOptions::default();
         for command in commands {
             let reply = match command {
                 Command::MoveKey { key } => {
-                    move_key = Some(key);
+                    options.move_key = Some(key);
                     Ok(Reply::Ok)
                 }
-                Command::Enqueue(entry) => self.serve_enqueue(entry, move_key.take(), &join),
+                Command::Delay { until } => {
+                    options.delay_ms = Some(until.saturating_sub(crate::timers::wall_ms()));
+                    Ok(Reply::Ok)
+                }
+                Command::Enqueue(entry) => {
+                    self.serve_enqueue(entry, &std::mem::take(&mut options), &join)
+                }
                 command => self.serve_one(command, peer, &join),
             };
             replies.lock().push(reply);
@@ -137,7 +143,9 @@ impl Queue {
         join: &Arc<Join>,
     ) -> Result<Reply<Entry>, MachineError> {
         match command {
-            Command::Enqueue(entry) => self.serve_enqueue(entry, None, join),
+            Command::Enqueue(entry) => {
+                self.serve_enqueue(entry, &PublishOptions::default(), join)
+            }
             Command::ForgetMoveKeys { keys } => {
                 self.forget_move_keys(keys);
                 Ok(Reply::Ok)
@@ -217,6 +225,7 @@ impl Queue {
             | Command::RestoreKeys { .. }
             // Taken by serve_remote with the Enqueue after it.
             | Command::MoveKey { .. }
+            | Command::Delay { .. }
             // The home takes the key from the message's header itself.
             | Command::Dedup { .. } => Ok(Reply::Ok),
             // A proxy's claim: taken here, bodies sent along (as a get's).
@@ -230,21 +239,18 @@ impl Queue {
         }
     }
 
-    /// A proxy's enqueue, with the move key sent ahead of it.
+    /// A proxy's enqueue, with the move key and delay sent ahead of it.
     fn serve_enqueue(
         self: &Arc<Self>,
         entry: Entry,
-        move_key: Option<Vec<u8>>,
+        options: &PublishOptions,
         join: &Arc<Join>,
     ) -> Result<Reply<Entry>, MachineError> {
         let Entry::Mem(message) = entry else {
             // Proxies send bodies; a stored reference means nothing here.
             return Ok(Reply::Ok);
         };
-        let (outcome, _) =
-            publish_local(&[Arc::clone(self)], &message, move_key.as_deref(), || {
-                join.part()
-            });
+        let (outcome, _) = publish_local(&[Arc::clone(self)], &message, options, || join.part());
         Ok(match outcome {
             Enqueued::Rejected => Reply::Rejected(Entry::Mem(message)),
             Enqueued::Duplicate => Reply::Duplicate(Entry::Mem(message)),

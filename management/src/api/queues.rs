@@ -68,6 +68,8 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
             "expired": s.work.counters.lease_expired,
             "retries_delayed": s.work.counters.retries_delayed,
             "deduplicated": s.work.counters.deduplicated,
+            "delayed_publishes": s.work.counters.delayed_publishes,
+            "redrive_duplicates": s.work.counters.moves_refused,
         },
     });
     if let (Some(stream), Some(obj)) = (q.stream(), v.as_object_mut()) {

@@ -17,7 +17,7 @@ use warren_broker::message::Message;
 use warren_broker::message::Outgoing;
 use warren_broker::node::access::{Access, Perm, Resource};
 use warren_broker::queue::machine::{BrowseState, Browsed};
-use warren_broker::queue::{Enqueued, Queue};
+use warren_broker::queue::{Enqueued, PublishOptions, Queue};
 
 use super::{ApiResult, ok_json, queue_for_user, typed_body};
 use crate::auth::QueueUser;
@@ -25,6 +25,10 @@ use crate::{ApiError, AppState};
 
 /// Most messages one browse returns.
 pub const BROWSE_LIMIT_MAX: usize = 1_000;
+
+/// Longest delay a publish may ask (`delay_ms`): a day. Held messages keep their metadata in
+/// memory (their bodies on disk for a durable queue), as delayed retries do.
+pub const PUBLISH_DELAY_MAX_MS: u64 = 86_400_000;
 
 /// Most messages one request publishes.
 pub const PUBLISH_BATCH_MAX: usize = 1_000;
@@ -85,16 +89,21 @@ fn new_message_id() -> String {
     format!("{nanos:x}-{n:x}")
 }
 
-/// The message as the queue will hold it, and its id.
+/// The message as the queue will hold it, its id and its delay.
 fn build(
     state: &AppState,
     queue: &Queue,
     m: OneMessage,
-) -> Result<(Arc<Message>, String), ApiError> {
-    if m.delay_ms.is_some_and(|d| d > 0) {
+) -> Result<(Arc<Message>, String, Option<u64>), ApiError> {
+    if queue.is_stream && m.delay_ms.is_some_and(|d| d > 0) {
         return Err(ApiError::bad_request(
-            "delay_ms: delayed publishes are not supported yet (release a lease with a delay instead)",
+            "delay_ms: a stream keeps messages in arrival order; it holds none back",
         ));
+    }
+    if m.delay_ms.is_some_and(|d| d > PUBLISH_DELAY_MAX_MS) {
+        return Err(ApiError::bad_request(format!(
+            "delay_ms: at most {PUBLISH_DELAY_MAX_MS}"
+        )));
     }
     if let Some(t) = &m.dedup_token {
         if !queue.deduplicates() {
@@ -128,6 +137,7 @@ fn build(
             state.node.message_size_max
         )));
     }
+    let delay_ms = m.delay_ms.filter(|&d| d > 0);
     let message_id = m.message_id.unwrap_or_else(new_message_id);
     let mut props = Map::new();
     let mut headers = m.headers.unwrap_or_default();
@@ -175,6 +185,7 @@ fn build(
             body: payload,
         }),
         message_id,
+        delay_ms,
     ))
 }
 
@@ -223,11 +234,14 @@ pub(super) async fn publish(
     // All submitted at once (one group commit for the batch), then awaited in order.
     let waits: Vec<_> = built
         .into_iter()
-        .map(|(message, message_id)| {
+        .map(|(message, message_id, delay_ms)| {
             let (tx, rx) = tokio::sync::oneshot::channel();
             queue.publish_one(
                 &message,
-                None,
+                PublishOptions {
+                    move_key: None,
+                    delay_ms,
+                },
                 Box::new(move |r| {
                     let _ = tx.send(r);
                 }),

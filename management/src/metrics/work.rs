@@ -81,6 +81,20 @@ const WORK_SERIES: &[WorkSeries] = &[
         false,
         |s| s.work.counters.deduplicated as f64,
     ),
+    (
+        "queue_delayed_publishes_total",
+        "Publishes held for a delay (delay_ms) before they were ready",
+        true,
+        false,
+        |s| s.work.counters.delayed_publishes as f64,
+    ),
+    (
+        "queue_redrive_duplicates_total",
+        "Redrive moves into the queue it had taken already (an interrupted redrive run again)",
+        true,
+        false,
+        |s| s.work.counters.moves_refused as f64,
+    ),
 ];
 
 /// The work series of `rows`.

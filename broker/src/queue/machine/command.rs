@@ -207,13 +207,22 @@ pub enum Command<M> {
         /// The keys.
         keys: Vec<Vec<u8>>,
     },
-    /// Put back the keys a queue on the local store kept (recovery): deduplication keys with
-    /// the time each was remembered, oldest first, and move keys.
+    /// Put back what a queue on the local store kept beside its messages (recovery):
+    /// deduplication keys with the time each was remembered, oldest first, move keys, and
+    /// the due times of scheduled messages (restored as ready, now held again until then).
     RestoreKeys {
         /// Deduplication keys and their times, ms.
         dedup: Vec<(Vec<u8>, u64)>,
         /// Move keys.
         moves: Vec<Vec<u8>>,
+        /// Scheduled messages: id and due time, ms.
+        due: Vec<(MsgId, u64)>,
+    },
+    /// The next `Enqueue` is a delayed publish: held (scheduled) until machine time `until`,
+    /// then ready at the back of the queue. Sent just before it, in the same submission.
+    Delay {
+        /// When it becomes ready, ms.
+        until: u64,
     },
     /// Claim the ready messages `ids`, wherever they wait, under a lease (a redrive takes what
     /// its filter chose). Replies [`Reply::Claimed`] with those it took.
@@ -329,7 +338,8 @@ impl<M> Command<M> {
             Self::Dedup { key } => Command::Dedup { key },
             Self::MoveKey { key } => Command::MoveKey { key },
             Self::ForgetMoveKeys { keys } => Command::ForgetMoveKeys { keys },
-            Self::RestoreKeys { dedup, moves } => Command::RestoreKeys { dedup, moves },
+            Self::RestoreKeys { dedup, moves, due } => Command::RestoreKeys { dedup, moves, due },
+            Self::Delay { until } => Command::Delay { until },
             Self::Take {
                 ids,
                 lease_ms,
@@ -420,6 +430,20 @@ pub enum Effect<M> {
         worker: String,
         /// Deliveries returned, this one included.
         delivery_count: u32,
+    },
+    /// A message is held until `due` (a delayed publish or a delayed retry): a queue on the
+    /// local store keeps the due time beside the message, so a restart holds it again.
+    Scheduled {
+        /// The message.
+        id: MsgId,
+        /// When it is ready, ms.
+        due: u64,
+    },
+    /// A scheduled message is no longer held (it came due, was purged, or was restored after
+    /// its due time): a queue on the local store deletes the due time it kept.
+    Unscheduled {
+        /// The message (its id while it was held).
+        id: MsgId,
     },
     /// A remembered key left its window (aged out, pushed out, or its move finished): a
     /// queue on the local store deletes the record it kept for it.

@@ -165,6 +165,8 @@ pub struct WorkCounters {
     /// Redrive moves dropped because the queue had taken them already (an interrupted
     /// redrive run again).
     pub moves_refused: u64,
+    /// Publishes held for a delay before they were ready.
+    pub delayed_publishes: u64,
 }
 
 /// The machine's work-queue state: leases of claims and messages scheduled for a delayed
@@ -183,6 +185,8 @@ struct Work<M> {
     dedup: dedup::DedupWindow,
     /// Keys of redrive moves into this queue not yet finished.
     moves: moves::MoveKeys,
+    /// The delay of the next `Enqueue` (see [`Command::Delay`]).
+    pending_delay: Option<u64>,
 }
 
 impl<M> Default for Work<M> {
@@ -195,6 +199,7 @@ impl<M> Default for Work<M> {
             failures: BTreeMap::new(),
             dedup: dedup::DedupWindow::default(),
             moves: moves::MoveKeys::default(),
+            pending_delay: None,
         }
     }
 }
@@ -396,6 +401,7 @@ impl<M: MessageRef> QueueMachine<M> {
             Command::Enqueue(msg) => {
                 let (duplicate, key) = self.take_pending_key(effects);
                 let (moved_before, move_key) = self.take_pending_move();
+                let delay = self.work.pending_delay.take().filter(|&at| at > self.now);
                 if duplicate || moved_before {
                     self.forget_failures(&effects[first_effect..]);
                     return Ok(Reply::Duplicate(msg));
@@ -404,7 +410,10 @@ impl<M: MessageRef> QueueMachine<M> {
                     self.forget_failures(&effects[first_effect..]);
                     return Ok(Reply::Rejected(msg));
                 }
-                self.enqueue(msg);
+                match delay {
+                    Some(until) => self.enqueue_delayed(msg, until, effects),
+                    None => self.enqueue(msg),
+                }
                 if let Some(key) = key {
                     self.remember_key(key, effects);
                 }
@@ -425,11 +434,16 @@ impl<M: MessageRef> QueueMachine<M> {
                 self.forget_moves(keys, effects);
                 Reply::Ok
             }
-            Command::RestoreKeys { dedup, moves } => {
+            Command::RestoreKeys { dedup, moves, due } => {
                 self.restore_keys(dedup, effects);
                 for key in moves {
                     self.remember_move(key, effects);
                 }
+                self.restore_due(due, effects);
+                Reply::Ok
+            }
+            Command::Delay { until } => {
+                self.work.pending_delay = Some(until);
                 Reply::Ok
             }
             Command::Take {
@@ -568,6 +582,8 @@ impl<M: MessageRef> QueueMachine<M> {
     }
 }
 
+#[cfg(test)]
+mod delay_tests;
 #[cfg(test)]
 mod lease_tests;
 #[cfg(test)]

@@ -227,6 +227,7 @@ fn move_keys_are_bounded_kept_in_snapshots_and_restored() {
         Command::RestoreKeys {
             dedup: Vec::new(),
             moves: vec![b"m".to_vec()],
+            due: Vec::new(),
         },
     );
     assert_eq!(moved(&mut r, 1, "m", 1), Reply::Duplicate(M(1)));
@@ -255,6 +256,7 @@ fn dedup_keys_restore_with_their_times() {
         Command::RestoreKeys {
             dedup: vec![(b"old".to_vec(), 3_000), (b"new".to_vec(), 4_500)],
             moves: Vec::new(),
+            due: Vec::new(),
         },
     );
     assert_eq!(

@@ -284,6 +284,7 @@ impl<M: MessageRef> QueueMachine<M> {
     pub(super) fn purge(&mut self, effects: &mut Vec<Effect<M>>) -> u32 {
         let n = self.ready_len() + self.work.scheduled.len();
         for r in self.work.scheduled.take_all() {
+            effects.push(Effect::Unscheduled { id: r.id });
             effects.push(Effect::Removed {
                 id: r.id,
                 msg: r.msg,
@@ -355,17 +356,23 @@ impl<M: MessageRef> QueueMachine<M> {
     /// [`Command::Take`](super::Command::Take)), at the back under a new id
     /// ([`Effect::Requeued`]), so that every returned id stays below every fresh one. Its
     /// failure context follows it to the new id.
-    pub(super) fn place_returned(&mut self, mut r: Ready<M>, effects: &mut Vec<Effect<M>>) {
+    pub(super) fn place_returned(&mut self, r: Ready<M>, effects: &mut Vec<Effect<M>>) {
         let level = self.level_of(&r.msg);
         let passes_fresh = self
             .levels
             .get(&level)
             .and_then(|l| l.fresh.front())
             .is_some_and(|f| f.id < r.id);
-        if !passes_fresh {
+        if passes_fresh {
+            self.push_to_back(r, effects);
+        } else {
             self.push_returned(r);
-            return;
         }
+    }
+
+    /// Put a message at the back of its level under a new id ([`Effect::Requeued`]), its
+    /// failure context moved to the new id.
+    pub(super) fn push_to_back(&mut self, mut r: Ready<M>, effects: &mut Vec<Effect<M>>) {
         let new = self.next_id;
         self.next_id += 1;
         effects.push(Effect::Requeued {

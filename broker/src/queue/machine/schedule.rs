@@ -1,5 +1,8 @@
 //! Scheduled messages: returned messages waiting out a delayed retry (a retry policy, or a
-//! lease released with a delay) before they are ready again.
+//! lease released with a delay) before they are ready again, and delayed publishes (held from
+//! their enqueue; when due they go to the back of the queue under a new id). Entering and
+//! leaving is an effect each ([`Effect::Scheduled`], [`Effect::Unscheduled`]), so a queue on
+//! the local store keeps due times across restarts.
 //!
 //! Invariants:
 //! - a scheduled message is neither ready nor unacked; it counts as live (message
@@ -128,17 +131,60 @@ impl<M: MessageRef> QueueMachine<M> {
         self.work.scheduled.bytes()
     }
 
-    /// Hold a returned message until machine time `due`.
-    pub(super) fn schedule(&mut self, due: u64, r: Ready<M>) {
+    /// Hold a returned message until machine time `due` (a delayed retry).
+    pub(super) fn schedule(&mut self, due: u64, r: Ready<M>, effects: &mut Vec<Effect<M>>) {
         self.work.counters.retries_delayed += 1;
+        self.hold(due, r, effects);
+    }
+
+    /// Hold a message until machine time `due`.
+    fn hold(&mut self, due: u64, r: Ready<M>, effects: &mut Vec<Effect<M>>) {
+        effects.push(Effect::Scheduled { id: r.id, due });
         self.work.scheduled.insert(due, r);
     }
 
-    /// Make every scheduled message that is due ready again, in its place (see
-    /// [`QueueMachine::place_returned`]).
+    /// A delayed publish: the message takes its id now and is held until `until`.
+    pub(super) fn enqueue_delayed(&mut self, msg: M, until: u64, effects: &mut Vec<Effect<M>>) {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.counters.enqueued += 1;
+        self.work.counters.delayed_publishes += 1;
+        // Its TTL counts from when it is ready, as behind RabbitMQ's delayed exchange.
+        let expires_at = self
+            .expiry_of(&msg)
+            .map(|at| at.saturating_add(until.saturating_sub(self.now)));
+        self.hold(
+            until,
+            Ready::new(id, msg, false, expires_at, 0, self.now),
+            effects,
+        );
+    }
+
+    /// Hold again the restored messages whose due time is still ahead; the others stay ready
+    /// and their due records go.
+    pub(super) fn restore_due(&mut self, due: Vec<(MsgId, u64)>, effects: &mut Vec<Effect<M>>) {
+        for (id, at) in due {
+            if at > self.now
+                && let Some(r) = self.take_ready(id)
+            {
+                self.hold(at, r, effects);
+            } else {
+                effects.push(Effect::Unscheduled { id });
+            }
+        }
+    }
+
+    /// Make every scheduled message that is due ready: a retry in its place (see
+    /// [`QueueMachine::place_returned`]), a delayed publish at the back.
     pub(super) fn promote_due(&mut self, effects: &mut Vec<Effect<M>>) {
         while let Some(r) = self.work.scheduled.pop_due(self.now) {
-            self.place_returned(r, effects);
+            effects.push(Effect::Unscheduled { id: r.id });
+            if r.redelivered() {
+                self.place_returned(r, effects);
+            } else {
+                // A delayed publish (never delivered) enters the queue now, at the back.
+                self.push_to_back(r, effects);
+            }
         }
     }
 

@@ -138,7 +138,7 @@ impl<M: MessageRef> QueueMachine<M> {
             // Back in its place when due (its id is below every fresh id from now on).
             let due = self.now.saturating_add(delay);
             let r = Ready::new(id, msg, true, expires_at, delivery_count, enqueued_at);
-            self.schedule(due, r);
+            self.schedule(due, r, effects);
             return Some(due);
         }
         if to_back {

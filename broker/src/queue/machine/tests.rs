@@ -40,7 +40,9 @@ fn removed(effects: &[Effect<M>]) -> Vec<(MsgId, Removal)> {
             Effect::Deliver { .. }
             | Effect::Requeued { .. }
             | Effect::Failed { .. }
-            | Effect::KeyForgotten { .. } => None,
+            | Effect::KeyForgotten { .. }
+            | Effect::Scheduled { .. }
+            | Effect::Unscheduled { .. } => None,
         })
         .collect()
 }
@@ -70,7 +72,9 @@ fn delivered(effects: &[Effect<M>]) -> Vec<(ConsumerId, MsgId, bool)> {
             Effect::Removed { .. }
             | Effect::Requeued { .. }
             | Effect::Failed { .. }
-            | Effect::KeyForgotten { .. } => None,
+            | Effect::KeyForgotten { .. }
+            | Effect::Scheduled { .. }
+            | Effect::Unscheduled { .. } => None,
         })
         .collect()
 }
@@ -768,7 +772,11 @@ proptest! {
                     Effect::Deliver { id, settled, .. } => {
                         if *settled { gone += 1 } else { unacked.push(*id) }
                     }
-                    Effect::Requeued { .. } | Effect::Failed { .. } | Effect::KeyForgotten { .. } => {}
+                    Effect::Requeued { .. }
+                    | Effect::Failed { .. }
+                    | Effect::KeyForgotten { .. }
+                    | Effect::Scheduled { .. }
+                    | Effect::Unscheduled { .. } => {}
                 }
             }
             prop_assert_eq!(
