@@ -100,6 +100,8 @@ pub fn parse(text: &str) -> anyhow::Result<Parsed> {
             "consumer_max_per_channel" => {
                 f.consumer_max_per_channel = infinity_or(value).with_context(at)?;
             }
+            "consumer_timeout" => f.consumer_timeout = Some(value.parse().with_context(at)?),
+            "consumer_timeout_response" => f.consumer_timeout_response = Some(value.into()),
             "vm_memory_high_watermark.relative" => {
                 f.vm_memory_high_watermark = Some(value.parse().with_context(at)?);
             }
@@ -261,6 +263,8 @@ mod tests {
              max_message_size = 134217728\n\
              connection_max = infinity\n\
              consumer_max_per_channel = 10\n\
+             consumer_timeout = 900000\n\
+             consumer_timeout_response = close_channel\n\
              vm_memory_high_watermark.relative = 0.4\n\
              disk_free_limit.absolute = 2GB\n\
              default_user = admin\n\
@@ -293,6 +297,11 @@ mod tests {
         assert_eq!(
             (f.connection_max, f.consumer_max_per_channel),
             (None, Some(10))
+        );
+        assert_eq!(f.consumer_timeout, Some(900_000));
+        assert_eq!(
+            f.consumer_timeout_response.as_deref(),
+            Some("close_channel")
         );
         assert_eq!(f.vm_memory_high_watermark, Some(0.4));
         assert_eq!(f.disk_free_limit.as_deref(), Some("2GB"));

@@ -67,6 +67,12 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
         BrokerConfig {
             connection_max: cfg.connection_max,
             consumer_max_per_channel: cfg.consumer_max_per_channel,
+            consumer_timeout_ms: cfg
+                .consumer_timeout
+                .map_or(BrokerConfig::default().consumer_timeout_ms, |t| {
+                    Some(t).filter(|t| *t > 0)
+                }),
+            consumer_timeout_response: cfg.consumer_timeout_response,
             default_user: cfg.default_user.clone(),
             loopback_users: cfg.loopback_users.clone(),
             ..BrokerConfig::default()
@@ -608,7 +614,7 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
             () = sleep_until(timer) => {
                 conn.handle_timeout(Instant::now().into_std(), &mut out);
                 if let Some(s) = session.as_mut() {
-                    for (ch, e) in s.timed_out(warren_broker::timers::wall_ms()) {
+                    for (ch, e) in s.timed_out(warren_broker::timers::wall_ms(), &mut out) {
                         conn.close_channel(ch, e, &mut out);
                     }
                 }

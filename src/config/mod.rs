@@ -17,7 +17,8 @@ pub struct ServerArgs {
     /// frame_max, channel_max, message_size_max, store_segment_bytes, tls_cert, tls_key, tls_ca,
     /// tls_fail_if_no_peer_cert, ssl_cert_login_from, vm_memory_high_watermark,
     /// vm_memory_high_watermark_absolute, disk_free_limit, disk_free_limit_mem_relative,
-    /// connection_max, consumer_max_per_channel, management_listen, prometheus_listen,
+    /// connection_max, consumer_max_per_channel, consumer_timeout, consumer_timeout_response,
+    /// management_listen, prometheus_listen,
     /// log_format, product_name, product_version, default_user, default_pass, loopback_users,
     /// auth_mechanisms;
     /// or RabbitMQ's rabbitmq.conf (a `.conf` file, or one with dotted keys), of which the
@@ -129,6 +130,10 @@ pub struct ServerConfig {
     pub connection_max: Option<u64>,
     /// Consumers per channel (None: infinity, RabbitMQ's default).
     pub consumer_max_per_channel: Option<u64>,
+    /// A delivery's ack timeout, ms (None: the broker's default, 30 minutes; 0: off).
+    pub consumer_timeout: Option<u64>,
+    /// What a consumer timeout does to a quorum queue's consumer.
+    pub consumer_timeout_response: warren_broker::node::broker::TimeoutResponse,
     /// The management HTTP API's address (None: off).
     pub management_listen: Option<SocketAddr>,
     /// The Prometheus endpoint's address (None: off).
@@ -365,6 +370,17 @@ impl ServerConfig {
             watermarks,
             connection_max: file.connection_max,
             consumer_max_per_channel: file.consumer_max_per_channel,
+            consumer_timeout: file.consumer_timeout,
+            consumer_timeout_response: match file.consumer_timeout_response.as_deref() {
+                None => warren_broker::node::broker::TimeoutResponse::default(),
+                Some(s) => {
+                    warren_broker::node::broker::TimeoutResponse::parse(s).ok_or_else(|| {
+                        anyhow::anyhow!(
+                            "consumer_timeout_response: notify_consumer or close_channel, not {s}"
+                        )
+                    })?
+                }
+            },
             amqps,
             amqp_listen: args
                 .amqp_listen
@@ -697,6 +713,8 @@ mod tests {
              store_segment_bytes = 1048576\n\
              connection_max = 100\n\
              consumer_max_per_channel = 8\n\
+             consumer_timeout = 5000\n\
+             consumer_timeout_response = \"close_channel\"\n\
              log_format = \"json\"\n",
         );
         let c = ServerConfig::load(args(Some(f.path().into()))).unwrap();
@@ -710,6 +728,11 @@ mod tests {
         assert_eq!(c.store.segment_max, 1_048_576);
         assert_eq!(c.connection_max, Some(100));
         assert_eq!(c.consumer_max_per_channel, Some(8));
+        assert_eq!(c.consumer_timeout, Some(5000));
+        assert_eq!(
+            c.consumer_timeout_response,
+            warren_broker::node::broker::TimeoutResponse::CloseChannel
+        );
         assert_eq!(c.log_format, LogFormat::Json);
 
         let mut flags = args(Some(f.path().into()));

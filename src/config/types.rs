@@ -26,6 +26,10 @@ pub(crate) struct FileConfig {
     pub(crate) disk_free_limit_mem_relative: Option<f64>,
     pub(crate) connection_max: Option<u64>,
     pub(crate) consumer_max_per_channel: Option<u64>,
+    /// RabbitMQ's `consumer_timeout` (ms; 0 disables it).
+    pub(crate) consumer_timeout: Option<u64>,
+    /// RabbitMQ 4.3's `consumer_timeout_response`: `notify_consumer` or `close_channel`.
+    pub(crate) consumer_timeout_response: Option<String>,
     pub(crate) management_listen: Option<String>,
     pub(crate) prometheus_listen: Option<String>,
     pub(crate) log_format: Option<LogFormat>,

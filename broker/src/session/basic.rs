@@ -429,16 +429,23 @@ fn take_acked(
             format!("unknown delivery tag {tag}"),
         )
     };
+    // A tag a consumer timeout returned is settled already: its ack changes nothing.
+    let reclaimed = chan.reclaimed.contains(&tag);
     if multiple {
         if tag == 0 {
+            chan.reclaimed.clear();
             return Ok(std::mem::take(&mut chan.unacked).into_iter().collect());
         }
-        if !chan.unacked.contains_key(&tag) {
+        if !chan.unacked.contains_key(&tag) && !reclaimed {
             return Err(unknown());
         }
+        chan.reclaimed = chan.reclaimed.split_off(&(tag + 1));
         let rest = chan.unacked.split_off(&(tag + 1));
         let taken = std::mem::replace(&mut chan.unacked, rest);
         Ok(taken.into_iter().collect())
+    } else if reclaimed {
+        chan.reclaimed.remove(&tag);
+        Ok(Vec::new())
     } else {
         chan.unacked
             .remove(&tag)

@@ -5,14 +5,16 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use amq_protocol::protocol::{AMQPClass, access, channel};
+use amq_protocol::protocol::{AMQPClass, access, basic, channel};
+use warren_amqp::frame::FrameWriter;
 use warren_amqp::{AmqpError, ReplyCode};
 
 use crate::queue::limiter::Limiter;
 use crate::stats::Lifecycle;
 
 use super::common::{apply_acks, consumer_timeout, requeue_undelivered};
-use super::{AckAction, Call, Channel, Mode, Session, Unacked};
+use super::{AckAction, Call, Channel, Mode, RECLAIMED_TAGS_MAX, Session, Unacked};
+use crate::node::broker::TimeoutResponse;
 
 impl Channel {
     /// Record an unacked delivery (and its consumer-timeout deadline).
@@ -56,6 +58,7 @@ impl Channel {
             deadlines: BTreeSet::new(),
             publishing: false,
             timed_out: false,
+            reclaimed: BTreeSet::new(),
             route_buf: Vec::new(),
         }
     }
@@ -147,29 +150,70 @@ impl Session {
             .min()
     }
 
-    /// Channels with a delivery not acked within its consumer timeout at `now` (wall-clock
-    /// ms), with the error RabbitMQ closes them with (406).
-    pub fn timed_out(&mut self, now: u64) -> Vec<(u16, AmqpError)> {
+    /// Deliveries not acked within their consumer timeout at `now` (wall-clock ms). On a
+    /// quorum queue, as RabbitMQ 4.3 does (`TimeoutResponse::NotifyConsumer`, a client with
+    /// `consumer_cancel_notify`): the delivery goes back to its queue, its consumer is
+    /// cancelled (a `basic.cancel` to the client, written to `out`) and the channel stays
+    /// open. Otherwise the channel is closed: returned here with the error RabbitMQ closes it
+    /// with (406).
+    pub fn timed_out(&mut self, now: u64, out: &mut FrameWriter) -> Vec<(u16, AmqpError)> {
         let mut closing = Vec::new();
+        let notify = self.ctx.cancel_notify
+            && self.ctx.broker.config.consumer_timeout_response == TimeoutResponse::NotifyConsumer;
         for (ch, chan) in &mut self.channels {
-            if let Some(deadline) = chan.next_deadline()
+            while let Some(deadline) = chan.next_deadline()
                 && deadline <= now
             {
-                let timeout = chan
-                    .deadlines
-                    .first()
-                    .and_then(|(_, tag)| chan.unacked.get(tag))
-                    .map_or(0, |u| consumer_timeout(&self.ctx, &u.queue).unwrap_or(0));
-                chan.timed_out = true;
-                closing.push((
-                    *ch,
-                    AmqpError::channel(
-                        ReplyCode::PreconditionFailed,
-                        format!(
-                            "delivery acknowledgement on channel {ch} timed out. Timeout value used: {timeout} ms. This timeout value can be configured, see consumers doc guide to learn more"
+                let Some((_, tag)) = chan.deadlines.pop_first() else {
+                    break;
+                };
+                let Some(u) = chan.unacked.get(&tag) else {
+                    continue;
+                };
+                if !(notify && u.queue.is_quorum && u.consumer != 0) {
+                    let timeout = consumer_timeout(&self.ctx, &u.queue).unwrap_or(0);
+                    chan.timed_out = true;
+                    closing.push((
+                        *ch,
+                        AmqpError::channel(
+                            ReplyCode::PreconditionFailed,
+                            format!(
+                                "delivery acknowledgement on channel {ch} timed out. Timeout value used: {timeout} ms. This timeout value can be configured, see consumers doc guide to learn more"
+                            ),
                         ),
-                    ),
-                ));
+                    ));
+                    break;
+                }
+                let Some(u) = chan.unacked.remove(&tag) else {
+                    continue;
+                };
+                chan.reclaimed.insert(tag);
+                while chan.reclaimed.len() > RECLAIMED_TAGS_MAX {
+                    chan.reclaimed.pop_first();
+                }
+                let consumer = u.consumer;
+                apply_acks(&chan.limiter, AckAction::Release, [u], None);
+                if let Some(tag) = chan
+                    .consumers
+                    .iter()
+                    .find(|(_, e)| e.id == consumer)
+                    .map(|(t, _)| t.clone())
+                    && let Some(entry) = chan.consumers.remove(&tag)
+                {
+                    if entry.queue.cancel(entry.id) {
+                        // Its last consumer left an auto-delete queue.
+                        self.ctx
+                            .vhost
+                            .delete_queue(&entry.queue, &mut || self.ctx.on_commit());
+                    }
+                    out.method(
+                        *ch,
+                        &AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                            consumer_tag: tag.into(),
+                            nowait: true,
+                        })),
+                    );
+                }
             }
         }
         closing

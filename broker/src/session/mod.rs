@@ -217,10 +217,17 @@ struct Channel {
     deadlines: BTreeSet<(u64, u64)>,
     /// Closed by a consumer timeout (waiting for the client's close-ok).
     timed_out: bool,
+    /// Delivery tags a consumer timeout returned to their quorum queue (the consumer was
+    /// cancelled): a late ack, nack or reject of one is ignored, not a 406. At most
+    /// [`RECLAIMED_TAGS_MAX`], the oldest forgotten first.
+    reclaimed: BTreeSet<u64>,
     /// Has published (counted once in the node's publishers).
     publishing: bool,
     route_buf: Vec<Arc<Queue>>,
 }
+
+/// Most reclaimed delivery tags a channel remembers (see `Channel::reclaimed`).
+pub const RECLAIMED_TAGS_MAX: usize = 10_000;
 
 /// All channels of one connection.
 #[derive(Debug)]

@@ -32,6 +32,10 @@ pub struct BrokerConfig {
     /// Time a delivery may stay unacked before its channel is closed with 406 (RabbitMQ's
     /// `consumer_timeout`, 30 minutes by default; None or 0 disables it).
     pub consumer_timeout_ms: Option<u64>,
+    /// What a consumer timeout does to a quorum queue's consumer (RabbitMQ 4.3's
+    /// `consumer_timeout_response`): cancel it and return its timed-out deliveries (the
+    /// default), or close the channel as classic queues do.
+    pub consumer_timeout_response: TimeoutResponse,
     /// Open connections the node accepts (RabbitMQ's `connection_max`; None is infinity).
     /// Checked at connection.open: 530 "node connection limit (N) is reached".
     pub connection_max: Option<u64>,
@@ -52,6 +56,7 @@ impl Default for BrokerConfig {
             consumer_window: crate::limits::CONSUMER_WINDOW_DEFAULT,
             consumer_window_bytes: crate::limits::CONSUMER_WINDOW_BYTES_DEFAULT,
             consumer_timeout_ms: Some(crate::limits::CONSUMER_TIMEOUT_DEFAULT_MS),
+            consumer_timeout_response: TimeoutResponse::NotifyConsumer,
             connection_max: None,
             consumer_max_per_channel: None,
             default_user: (
@@ -62,6 +67,32 @@ impl Default for BrokerConfig {
                 .iter()
                 .map(|u| (*u).to_string())
                 .collect(),
+        }
+    }
+}
+
+/// What a consumer timeout does on a quorum queue (RabbitMQ 4.3's
+/// `consumer_timeout_response`). Classic queues and `basic.get` deliveries always close the
+/// channel (406).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TimeoutResponse {
+    /// Send the client `basic.cancel` for the consumer and return its timed-out deliveries
+    /// to the queue; the channel stays open and late acks of them are ignored. A client
+    /// without the `consumer_cancel_notify` capability gets its channel closed instead.
+    #[default]
+    NotifyConsumer,
+    /// Close the channel with 406, as before RabbitMQ 4.3.
+    CloseChannel,
+}
+
+impl TimeoutResponse {
+    /// The `consumer_timeout_response` value named `s` (`notify_consumer`, `close_channel`).
+    #[must_use]
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "notify_consumer" => Some(Self::NotifyConsumer),
+            "close_channel" => Some(Self::CloseChannel),
+            _ => None,
         }
     }
 }
