@@ -130,3 +130,38 @@ def test_due_times_survive_kill_9_of_a_durable_classic_queue():
                 assert time.monotonic() < deadline, got
             assert time.monotonic() - t0 >= 7.9, "held until due across the restart"
             assert sorted(got) == ["delayed", "retry-me"]
+
+
+def test_attempts_histogram_in_the_api_and_prometheus(api, connect, names, prometheus_url):
+    """Acknowledgements count by the attempt that succeeded: one acked at its first claim, one
+    released and acked at its second. The queue object has the cumulative buckets and the
+    p99; /metrics/per-object has the histogram for the queue; /metrics sums over queues."""
+    name = names.q()
+    ch = connect().channel()
+    ch.queue_declare(name, durable=True)
+    publish(api, name, [{"payload": "first"}, {"payload": "second"}])
+    base, s = api
+    ds = claim(api, name, max_items=2, lease_ms=60_000).json()["deliveries"]
+    assert s.post(f"{base}/v1/leases/{ds[0]['token']}/ack", timeout=30).status_code == 200
+    assert s.post(f"{base}/v1/leases/{ds[1]['token']}/release", json={"delay_ms": 0},
+                  timeout=30).status_code == 200
+    again = claim(api, name, max_items=1, lease_ms=60_000).json()["deliveries"]
+    assert again[0]["attempt"] == 2
+    assert s.post(f"{base}/v1/leases/{again[0]['token']}/ack", timeout=30).status_code == 200
+    leases = info(api, name)["leases"]
+    assert leases["acked_attempts"][:3] == [{"le": 1, "count": 1}, {"le": 2, "count": 2},
+                                           {"le": 3, "count": 2}]
+    assert leases["acked_attempts"][-1] == {"le": "+Inf", "count": 2}
+    assert leases["acked_attempts_p99"] == 2
+    text = requests.get(f"{prometheus_url}/metrics/per-object", timeout=30).text
+    label = f'vhost="/",queue="{name}",'
+    lines = {l.split(" ")[0]: l.split(" ")[1] for l in text.splitlines()
+             if l.startswith("warren_queue_ack_attempts") and label.rstrip(",") in l}
+    assert lines[f'warren_queue_ack_attempts_bucket{{{label}le="1"}}'] == "1"
+    assert lines[f'warren_queue_ack_attempts_bucket{{{label}le="2"}}'] == "2"
+    assert lines[f'warren_queue_ack_attempts_sum{{{label.rstrip(",")}}}'] == "3"
+    assert lines[f'warren_queue_ack_attempts_count{{{label.rstrip(",")}}}'] == "2"
+    total = requests.get(f"{prometheus_url}/metrics", timeout=30).text
+    assert "# TYPE warren_queue_ack_attempts histogram" in total
+    count = [l for l in total.splitlines() if l.startswith("warren_queue_ack_attempts_count ")]
+    assert count and int(count[0].split(" ")[1]) >= 2

@@ -131,6 +131,35 @@ def test_redrive_returns_each_message_to_the_queue_it_died_in(api, connect, name
     assert [b for b, _ in drain(ch, billing)] == [f"b{i}" for i in range(3)]
 
 
+def test_redrive_progress_in_prometheus(api, connect, names, prometheus_url):
+    """/metrics counts what redrives handled by outcome (moved, skipped) and how many run."""
+    def totals():
+        text = requests.get(f"{prometheus_url}/metrics", timeout=30).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("warren_redrive_messages_total{"):
+                outcome = line.split('outcome="')[1].split('"')[0]
+                out[outcome] = float(line.rsplit(" ", 1)[1])
+            if line.startswith("warren_redrives_running "):
+                out["running"] = float(line.rsplit(" ", 1)[1])
+        return out
+
+    before = totals()
+    dlq, dest = names.q("dlq"), names.q("dest")
+    ch = connect().channel()
+    ch.queue_declare(dlq, durable=True)
+    ch.queue_declare(dest, durable=True)
+    publish(ch, dlq, ["a", "b", "c"], headers={"k": "1"})
+    publish(ch, dlq, ["d"])
+    task = wait_done(api, start(api, dlq, destination=dest, filter={"headers": {"k": "1"}})
+                     .json()["id"])
+    assert (task["moved"], task["skipped"]) == (3, 1)
+    after = totals()
+    assert after["moved"] - before.get("moved", 0) >= 3
+    assert after["skipped"] - before.get("skipped", 0) >= 1
+    assert "running" in after and "duplicate" in after and "refused" in after
+
+
 def test_filter_count_and_named_destination(api, connect, names):
     """A filter on the origin moves only that queue's messages; the others stay in the DLQ,
     in order, counted as skipped. A count stops the task there. A named destination takes

@@ -209,14 +209,44 @@ impl RedriveTask {
     }
 }
 
+/// What every redrive of the node did since it started (Prometheus counters).
+#[derive(Debug, Default)]
+pub struct RedriveTotals {
+    /// Messages moved.
+    pub moved: AtomicU64,
+    /// Moves a destination had taken before.
+    pub duplicates: AtomicU64,
+    /// Messages left in their source (not chosen, or without a destination).
+    pub skipped: AtomicU64,
+    /// Messages a destination refused.
+    pub refused: AtomicU64,
+}
+
 /// The node's redrive tasks.
 #[derive(Debug, Default)]
 pub struct Redrives {
     tasks: Mutex<BTreeMap<u64, Arc<RedriveTask>>>,
     next_id: AtomicU64,
+    totals: Arc<RedriveTotals>,
 }
 
 impl Redrives {
+    /// What every redrive of the node did since it started.
+    #[must_use]
+    pub fn totals(&self) -> &RedriveTotals {
+        &self.totals
+    }
+
+    /// Tasks running now.
+    #[must_use]
+    pub fn running(&self) -> usize {
+        self.tasks
+            .lock()
+            .values()
+            .filter(|t| t.progress.lock().status == RedriveStatus::Running)
+            .count()
+    }
+
     /// Every task kept, oldest first.
     #[must_use]
     pub fn list(&self) -> Vec<Arc<RedriveTask>> {
@@ -326,6 +356,7 @@ impl Redrives {
             boundary,
             may_write,
             ack_delay,
+            totals: Arc::clone(&self.totals),
         };
         tokio::spawn(run.go());
         Ok(task)
@@ -352,6 +383,7 @@ struct Run {
     may_write: MayWrite,
     /// See [`ACK_DELAY_ENV`].
     ack_delay: Option<Duration>,
+    totals: Arc<RedriveTotals>,
 }
 
 /// A claim whose message its destination holds, to acknowledge at the source.
@@ -461,6 +493,7 @@ impl Run {
             }
         }
         self.task.progress.lock().skipped += skipped;
+        self.totals.skipped.fetch_add(skipped, Ordering::Relaxed);
         Some((chosen, looked))
     }
 
@@ -632,6 +665,11 @@ impl Run {
         for (_, (destination, keys)) in forget {
             destination.forget_move_keys(keys);
         }
+        self.totals.moved.fetch_add(moved, Ordering::Relaxed);
+        self.totals
+            .duplicates
+            .fetch_add(duplicates, Ordering::Relaxed);
+        self.totals.refused.fetch_add(refused, Ordering::Relaxed);
         let mut p = self.task.progress.lock();
         p.moved += moved;
         p.duplicates += duplicates;

@@ -70,6 +70,12 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
             "deduplicated": s.work.counters.deduplicated,
             "delayed_publishes": s.work.counters.delayed_publishes,
             "redrive_duplicates": s.work.counters.moves_refused,
+            // Acknowledged messages by the attempt that succeeded (cumulative, as a
+            // Prometheus histogram's buckets), and the bound holding 99% of them.
+            "acked_attempts": attempts_json(&s.work.counters),
+            "acked_attempts_p99": s.work.counters.attempts_quantile(0.99).map(|b| {
+                if b == u32::MAX { json!("+Inf") } else { json!(b) }
+            }),
         },
     });
     if let (Some(stream), Some(obj)) = (q.stream(), v.as_object_mut()) {
@@ -466,4 +472,22 @@ pub(super) async fn get_messages(
         d.call(settle, None).await?;
     }
     ok_json(Value::Array(out))
+}
+
+/// The attempts histogram as `[{"le": 1, "count": n}, ..., {"le": "+Inf", "count": n}]`,
+/// cumulative.
+fn attempts_json(c: &warren_broker::queue::machine::WorkCounters) -> Value {
+    let bounds = warren_broker::queue::machine::ATTEMPT_BOUNDS;
+    let mut cumulative = 0;
+    Value::Array(
+        c.acked_attempts
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                cumulative += n;
+                let le = bounds.get(i).map_or(json!("+Inf"), |b| json!(b));
+                json!({"le": le, "count": cumulative})
+            })
+            .collect(),
+    )
 }

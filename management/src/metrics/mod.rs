@@ -158,7 +158,7 @@ async fn aggregated(State(state): State<AppState>) -> Response {
     let mut s = Scrape::new();
     let rows = queue_rows(&state, None);
     node(&state, &mut s, &rows);
-    queues(&state, &s, &rows, false);
+    queues(&state, &mut s, &rows, false);
     s.render()
 }
 
@@ -166,7 +166,7 @@ async fn per_object(State(state): State<AppState>) -> Response {
     let mut s = Scrape::new();
     let rows = queue_rows(&state, None);
     node(&state, &mut s, &rows);
-    queues(&state, &s, &rows, true);
+    queues(&state, &mut s, &rows, true);
     s.render()
 }
 

@@ -129,6 +129,34 @@ pub(super) fn node(state: &AppState, s: &mut Scrape, queues: &[QueueRow]) {
     message_counters(state, s);
     lifecycle(state, s);
     histograms(state, s);
+    redrives(state, s);
+}
+
+/// Redrive progress: tasks running, and what every task of the node did since it started
+/// (`warren_redrive_messages_total{outcome}`; docs/http-queue-api.md).
+fn redrives(state: &AppState, s: &Scrape) {
+    let r = state.broker.redrives();
+    s.set(
+        "warren_redrives_running",
+        "Redrive tasks moving messages now",
+        r.running() as f64,
+    );
+    let t = r.totals();
+    if let Some(c) = s.counters(
+        "warren_redrive_messages_total",
+        "Messages redrive tasks handled, by outcome: moved, duplicate (a destination had it already), skipped (left in the source), refused (by a destination's limit)",
+        &["outcome"],
+    ) {
+        for (outcome, n) in [
+            ("moved", &t.moved),
+            ("duplicate", &t.duplicates),
+            ("skipped", &t.skipped),
+            ("refused", &t.refused),
+        ] {
+            c.with_label_values(&[outcome])
+                .inc_by(n.load(std::sync::atomic::Ordering::Relaxed));
+        }
+    }
 }
 
 /// Memory, disk, file descriptors and sockets.

@@ -108,7 +108,7 @@ pub(super) fn oldest_ready_seconds(s: &QueueStats) -> f64 {
 
 /// Per-queue series: labelled (`vhost`, `queue`) when `per_object`, else summed into one
 /// series each (the oldest age takes the maximum instead: a sum of ages means nothing).
-pub(super) fn queues(state: &AppState, s: &Scrape, rows: &[QueueRow], per_object: bool) {
+pub(super) fn queues(state: &AppState, s: &mut Scrape, rows: &[QueueRow], per_object: bool) {
     let labels: &[&str] = if per_object { &["vhost", "queue"] } else { &[] };
     for (name, help, _, counter, value) in QUEUE_SERIES {
         let name = format!("rabbitmq_{name}");

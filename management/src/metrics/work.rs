@@ -1,9 +1,11 @@
 //! Warren's work-queue series per queue (`warren_queue_*`): scheduled and leased messages,
 //! the oldest lease's age, and the counters of claims, extensions, releases, expired leases,
-//! delayed retries and dropped duplicates. Labelled per queue on `/metrics/per-object`,
+//! delayed retries, dropped duplicates, delayed publishes, redrive duplicates, and the
+//! histogram of attempts at acknowledgement. Labelled per queue on `/metrics/per-object`,
 //! summed on `/metrics` (ages take the maximum: a sum of ages means nothing).
 
 use warren_broker::queue::QueueStats;
+use warren_broker::queue::machine;
 
 use super::{QueueRow, Scrape, per_queue};
 
@@ -97,8 +99,67 @@ const WORK_SERIES: &[WorkSeries] = &[
     ),
 ];
 
+/// `warren_queue_ack_attempts`: acknowledged messages by the attempt that succeeded, a
+/// histogram per queue (labelled like the other per-object series) or summed over them.
+fn attempts(s: &mut Scrape, rows: &[QueueRow], per_object: bool) {
+    use std::fmt::Write;
+    let name = "warren_queue_ack_attempts";
+    let out = &mut s.histograms;
+    let _ = writeln!(
+        out,
+        "# HELP {name} Acknowledged messages by the attempt that succeeded (1: the first delivery)\n# TYPE {name} histogram"
+    );
+    let mut write = |labels: &str, c: &machine::WorkCounters| {
+        let mut cumulative = 0;
+        for (i, n) in c.acked_attempts.iter().enumerate() {
+            cumulative += n;
+            let le = machine::ATTEMPT_BOUNDS
+                .get(i)
+                .map_or_else(|| "+Inf".to_string(), u32::to_string);
+            let _ = writeln!(out, "{name}_bucket{{{labels}le=\"{le}\"}} {cumulative}");
+        }
+        let braces = |l: &str| {
+            if l.is_empty() {
+                String::new()
+            } else {
+                format!("{{{}}}", l.trim_end_matches(','))
+            }
+        };
+        let _ = writeln!(out, "{name}_sum{} {}", braces(labels), c.acked_attempts_sum);
+        let _ = writeln!(out, "{name}_count{} {cumulative}", braces(labels));
+    };
+    if per_object {
+        for r in rows {
+            let labels = format!(
+                "vhost=\"{}\",queue=\"{}\",",
+                label_value(&r.vhost),
+                label_value(&r.queue.name)
+            );
+            write(&labels, &r.stats.work.counters);
+        }
+    } else {
+        let mut total = machine::WorkCounters::default();
+        for r in rows {
+            let c = &r.stats.work.counters;
+            for (t, n) in total.acked_attempts.iter_mut().zip(c.acked_attempts) {
+                *t += n;
+            }
+            total.acked_attempts_sum += c.acked_attempts_sum;
+        }
+        write("", &total);
+    }
+}
+
+/// A label value in the text format (backslash, newline and double quote escaped).
+fn label_value(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('\n', "\\n")
+        .replace('"', "\\\"")
+}
+
 /// The work series of `rows`.
-pub(super) fn work(s: &Scrape, rows: &[QueueRow], labels: &[&str], per_object: bool) {
+pub(super) fn work(s: &mut Scrape, rows: &[QueueRow], labels: &[&str], per_object: bool) {
+    attempts(s, rows, per_object);
     for (name, help, counter, max, value) in WORK_SERIES {
         let name = format!("warren_{name}");
         per_queue(

@@ -124,3 +124,49 @@ fn restored_due_times_hold_messages_again() {
     );
     assert_eq!(p.len(), 0);
 }
+
+/// Acknowledgements are counted by the attempt that succeeded (the first delivery is attempt
+/// 1, each return adds one), into the histogram's buckets; the p99 is the smallest bound
+/// holding 99% of them.
+#[test]
+fn acks_are_counted_by_attempt() {
+    let mut q: QueueMachine<M> = QueueMachine::new();
+    for v in 0..100 {
+        apply(&mut q, 0, Command::Enqueue(M(v)));
+    }
+    assert_eq!(q.work_counters().attempts_quantile(0.99), None);
+    // 98 acked at the first attempt.
+    for _ in 0..98 {
+        let Reply::Got(Some((id, ..))) = apply(&mut q, 1, Command::Get { no_ack: false }).0 else {
+            panic!("a message");
+        };
+        apply(&mut q, 1, Command::Settle(vec![id]));
+    }
+    // One returned three times, then acked at attempt 4; one returned seven times (attempt 8).
+    for returns in [2, 6] {
+        let mut id = 0;
+        for _ in 0..=returns {
+            let Reply::Got(Some((got, ..))) = apply(&mut q, 2, Command::Get { no_ack: false }).0
+            else {
+                panic!("a message");
+            };
+            id = got;
+            apply(&mut q, 2, Command::Return(vec![id]));
+        }
+        let Reply::Got(Some((got, ..))) = apply(&mut q, 2, Command::Get { no_ack: false }).0 else {
+            panic!("a message");
+        };
+        assert_eq!(got, id);
+        apply(&mut q, 2, Command::Settle(vec![got]));
+    }
+    let c = q.work_counters();
+    assert_eq!(
+        c.acked_attempts,
+        [98, 0, 0, 1, 1, 0],
+        "attempts 4 and 8 land in (3,5] and (5,10]"
+    );
+    assert_eq!(c.acked_attempts_sum, 98 + 4 + 8);
+    assert_eq!(c.attempts_quantile(0.98), Some(1));
+    assert_eq!(c.attempts_quantile(0.99), Some(5));
+    assert_eq!(c.attempts_quantile(1.0), Some(10));
+}

@@ -167,6 +167,47 @@ pub struct WorkCounters {
     pub moves_refused: u64,
     /// Publishes held for a delay before they were ready.
     pub delayed_publishes: u64,
+    /// Acknowledged messages by the attempt that succeeded (the delivery count plus one):
+    /// one bucket per bound of [`ATTEMPT_BOUNDS`], the last for the rest.
+    pub acked_attempts: [u64; ATTEMPT_BUCKETS],
+    /// The sum of those attempts.
+    pub acked_attempts_sum: u64,
+}
+
+/// Upper bounds of the attempts histogram's buckets ([`WorkCounters::acked_attempts`]).
+pub const ATTEMPT_BOUNDS: [u32; 5] = [1, 2, 3, 5, 10];
+/// Buckets of the attempts histogram: one per bound, and one past the last.
+pub const ATTEMPT_BUCKETS: usize = ATTEMPT_BOUNDS.len() + 1;
+
+impl WorkCounters {
+    /// Count an acknowledgement at attempt `attempt` (1 for the first delivery).
+    pub(crate) fn count_ack(&mut self, attempt: u32) {
+        let bucket = ATTEMPT_BOUNDS
+            .iter()
+            .position(|b| attempt <= *b)
+            .unwrap_or(ATTEMPT_BOUNDS.len());
+        self.acked_attempts[bucket] += 1;
+        self.acked_attempts_sum += u64::from(attempt);
+    }
+
+    /// The smallest bound within which `quantile` (0..=1) of the acknowledged messages
+    /// succeeded; None before any ack, `u32::MAX` when that is past the last bound.
+    #[must_use]
+    pub fn attempts_quantile(&self, quantile: f64) -> Option<u32> {
+        let total: u64 = self.acked_attempts.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        let want = (quantile * total as f64).ceil() as u64;
+        let mut seen = 0;
+        for (i, n) in self.acked_attempts.iter().enumerate() {
+            seen += n;
+            if seen >= want.max(1) {
+                return Some(ATTEMPT_BOUNDS.get(i).copied().unwrap_or(u32::MAX));
+            }
+        }
+        Some(u32::MAX)
+    }
 }
 
 /// The machine's work-queue state: leases of claims and messages scheduled for a delayed

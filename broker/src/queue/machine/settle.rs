@@ -46,9 +46,17 @@ impl<M: MessageRef> QueueMachine<M> {
     /// Acknowledge unacked messages (absent ids are ignored).
     pub(super) fn settle(&mut self, ids: Vec<MsgId>, effects: &mut Vec<Effect<M>>) {
         for id in ids {
-            if let Some(Unacked { msg, .. }) = self.take_unacked(id) {
+            if let Some(Unacked {
+                msg,
+                delivery_count,
+                ..
+            }) = self.take_unacked(id)
+            {
                 self.counters.settled += 1;
                 self.counters.acked += 1;
+                self.work
+                    .counters
+                    .count_ack(delivery_count.saturating_add(1));
                 effects.push(Effect::Removed {
                     id,
                     msg,
