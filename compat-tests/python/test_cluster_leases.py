@@ -142,3 +142,106 @@ def test_dedup_window_survives_a_whole_cluster_kill9(cluster3):
     assert status == 200 and reply["messages"][0]["duplicate"] is True, reply
     deliveries = claim(c, 0, queue, max_items=10)
     assert [d["payload"] for d in deliveries] == ["once"]
+
+
+def redrive_until_done(c, i, source, deadline=120.0):
+    """Run redrives of `source` on node i until one completes; the tasks' reports."""
+    end = time.monotonic() + deadline
+    reports = []
+    while True:
+        status, task = api(c, i, "POST", f"/v1/queues/%2F/{source}/redrive", {"rate": 2000})
+        assert status == 202, task
+        while task["status"] == "RUNNING":
+            assert time.monotonic() < end, task
+            time.sleep(0.1)
+            status, task = api(c, i, "GET", f"/v1/redrives/{task['id']}")
+            assert status == 200, task
+        reports.append(task)
+        if task["status"] == "COMPLETED":
+            return reports
+        log(f"redrive {task['id']} {task['status']}: {task['error']}; again")
+        assert time.monotonic() < end, reports
+
+
+def queue_messages(c, i, queue):
+    """Messages in `queue` (ready, claimed and scheduled) as node i reports them."""
+    status, info = api(c, i, "GET", f"/api/queues/%2F/{queue}")
+    assert status == 200, info
+    return info["messages"]
+
+
+@pytest.mark.timeout(300)
+def test_redrive_between_quorum_queues_survives_leader_and_runner_kills(cluster3):
+    """A redrive from one quorum queue into another while nodes die with kill -9: first the
+    source's leader (the task, on a follower, waits out the failover), then the node running
+    the task (its claims stay leased in the source until their lease runs out). The redrive is
+    run again on a surviving node until the source is empty. The destination's move keys are
+    replicated state, so it holds every message exactly once."""
+    c = cluster3
+    tag = uuid.uuid4().hex[:10]
+    dlq, src = f"dlq.{tag}", f"src.{tag}"
+    declare_quorum(c, 0, dlq)
+    declare_quorum(c, 0, src)
+    wait_visible(c, dlq, range(3))
+    wait_visible(c, src, range(3))
+    dlq_leader = c.wait_for_leader(dlq, deadline=LEADER_DEADLINE)
+    runner = next(i for i in range(3) if i != dlq_leader)
+    conn = c.connect(runner)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ids = [f"m-{k:04d}" for k in range(800)]
+    for mid in ids:
+        ch.basic_publish("", dlq, mid.encode(), pika.BasicProperties(
+            delivery_mode=2, headers={"x-last-death-queue": src}))
+    safe_close(conn)
+
+    def progress(task, at_least):
+        end = time.monotonic() + 60
+        while task["moved"] < at_least and task["status"] == "RUNNING":
+            assert time.monotonic() < end, task
+            time.sleep(0.02)
+            task = api(c, runner, "GET", f"/v1/redrives/{task['id']}")[1]
+        return task
+
+    status, task = api(c, runner, "POST", f"/v1/queues/%2F/{dlq}/redrive", {"rate": 400})
+    assert status == 202, task
+    task = progress(task, 150)
+    c.kill9(dlq_leader)
+    log(f"killed {c.nodes[dlq_leader].name} (leader of {dlq}) at {task['moved']} moved")
+    c.wait_for_leader(dlq, exclude={dlq_leader}, deadline=LEADER_DEADLINE)
+    c.restart(dlq_leader)
+    task = progress(task, task["moved"] + 150)
+    assert task["status"] == "RUNNING", task
+    c.kill9(runner)
+    log(f"killed {c.nodes[runner].name} (running the redrive) at {task['moved']} moved")
+    other = next(i for i in range(3) if i != runner)
+    c.wait_for_leader(dlq, exclude={runner}, deadline=LEADER_DEADLINE)
+    c.restart(runner)
+
+    reports = [task]
+    end = time.monotonic() + 120
+    while queue_messages(c, other, dlq) > 0:
+        if time.monotonic() >= end:
+            info = api(c, other, "GET", f"/api/queues/%2F/{dlq}")[1]
+            states = {st: api(c, other, "GET", f"/v1/queues/%2F/{dlq}/messages?state={st}&limit=5")[1]
+                      for st in ("ready", "scheduled", "unacked")}
+            raise AssertionError(f"{reports[-1]} info={ {k: info.get(k) for k in ('messages', 'messages_ready', 'messages_unacknowledged', 'messages_scheduled', 'leases')} } states={states}")
+        reports += redrive_until_done(c, other, dlq)
+        if queue_messages(c, other, dlq) > 0:
+            time.sleep(1)  # the dead runner's claims come back when their lease runs out
+    c.wait_for_leader(src, deadline=LEADER_DEADLINE)
+    got = []
+    conn = c.connect(other)
+    ch = conn.channel()
+    while True:
+        m, _, body = ch.basic_get(src, auto_ack=True)
+        if m is None:
+            break
+        got.append(body.decode())
+    safe_close(conn)
+    moved = sum(r["moved"] for r in reports)
+    duplicates = sum(r["duplicates"] for r in reports)
+    log(f"redrives: {len(reports)}, moved {moved} (the killed runner's last report "
+        f"undercounts), duplicates {duplicates}")
+    assert len(got) == len(set(got)), "a message arrived twice"
+    assert sorted(got) == ids, "a message was lost"

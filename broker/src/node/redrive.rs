@@ -40,13 +40,14 @@ pub const REDRIVE_RATE_DEFAULT: u32 = 500;
 pub const REDRIVE_RATE_MAX: u32 = 100_000;
 /// Most messages moved in one round (one take, one wait for the destinations, one ack).
 pub const REDRIVE_BATCH_MAX: usize = 100;
-/// The lease a round's claims hold: far longer than a round, short enough that an
-/// interrupted round's messages come back soon.
-pub const REDRIVE_LEASE_MS: u64 = 60_000;
+/// The lease a round's claims hold: longer than a round may wait ([`ROUND_WAIT`]), short
+/// enough that the messages of a round whose node died come back soon.
+pub const REDRIVE_LEASE_MS: u64 = 30_000;
 /// Ready messages looked at per browse.
 const SCAN_PAGE: usize = 500;
-/// How long a round waits for its destinations before it gives up (its claims return).
-const ROUND_WAIT: Duration = Duration::from_secs(30);
+/// How long a round waits for its source or destinations before it gives up (its claims
+/// return when their lease runs out).
+const ROUND_WAIT: Duration = Duration::from_secs(20);
 /// Fault injection for the kill -9 test: a task started while this environment variable holds
 /// a number of milliseconds waits that long between its destinations taking a round's
 /// messages and its acks at the source, the window in which an interrupted move leaves a

@@ -2,6 +2,10 @@
 
 use super::*;
 
+/// How soon a replicated queue's follower looks again at an expiry that is overdue (its
+/// leader may be gone; see [`Queue::on_timer`]), ms.
+const FOLLOWER_RECHECK_MS: u64 = 1_000;
+
 impl Queue {
     /// Make sure the timer thread wakes this queue when its next message expires.
     pub(super) fn arm_timer(self: &Arc<Self>, st: &mut State) {
@@ -12,13 +16,20 @@ impl Queue {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        if let (Some(timers), Some(next)) = (&self.timers, next)
-            && st.timer_at.is_none_or(|armed| next < armed)
+        if let Some(next) = next {
+            self.arm_timer_at(st, next);
+        }
+    }
+
+    /// Make sure the timer thread wakes this queue at `at` (wall-clock ms) or earlier.
+    fn arm_timer_at(self: &Arc<Self>, st: &mut State, at: u64) {
+        if let Some(timers) = &self.timers
+            && st.timer_at.is_none_or(|armed| at < armed)
         {
-            st.timer_at = Some(next);
+            st.timer_at = Some(at);
             let weak: std::sync::Weak<Self> = Arc::downgrade(self);
             let target: std::sync::Weak<dyn crate::timers::TimerTarget> = weak;
-            timers.schedule(next, target);
+            timers.schedule(at, target);
         }
     }
 
@@ -42,10 +53,23 @@ impl Queue {
     /// been unused for its `x-expires`, then re-arm.
     pub fn on_timer(self: &Arc<Self>) {
         if let Some(replica) = self.replica() {
-            // Expiry is a command like any other: the leader proposes it, at its time.
-            self.state.lock().timer_at = None;
+            // Expiry (of TTLs, leases, delayed retries) is a command like any other: the
+            // leader proposes it, at its time.
+            let mut st = self.state.lock();
+            st.timer_at = None;
             if replica.is_leader() {
+                drop(st);
                 self.submit_quietly(replica, vec![Command::Expire]);
+                return;
+            }
+            // A follower whose timer fires while something is overdue looks again soon: its
+            // leader may be gone, and once this replica leads it proposes the expiry itself
+            // (a lease of a claim whose worker died must run out even with no traffic).
+            let now = self.now_ms();
+            if st.machine.next_expiry().is_some_and(|at| at <= now) {
+                self.arm_timer_at(&mut st, now.saturating_add(FOLLOWER_RECHECK_MS));
+            } else {
+                self.arm_timer(&mut st);
             }
             return;
         }

@@ -170,3 +170,20 @@ fn acks_are_counted_by_attempt() {
     assert_eq!(c.attempts_quantile(0.99), Some(5));
     assert_eq!(c.attempts_quantile(1.0), Some(10));
 }
+
+/// New settings do not move the machine's clock: a replica that takes its policies when it is
+/// created, then replays its log, stamps every replayed entry with the entry's own time (the
+/// leader's), so enqueue times (and lease tokens built on them) agree across replicas.
+#[test]
+fn settings_do_not_move_the_clock() {
+    let mut q: QueueMachine<M> = QueueMachine::new();
+    apply(&mut q, 50_000, Command::Configure(QueueConfig::default()));
+    apply(
+        &mut q,
+        50_000,
+        Command::ConfigureWork(WorkConfig::default()),
+    );
+    apply(&mut q, 1_000, Command::Enqueue(M(1)));
+    let b = q.browse(BrowseState::Ready, 0, 1);
+    assert_eq!(b[0].enqueued_at, 1_000);
+}

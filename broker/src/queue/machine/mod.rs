@@ -430,7 +430,13 @@ impl<M: MessageRef> QueueMachine<M> {
         command: Command<M>,
         effects: &mut Vec<Effect<M>>,
     ) -> Result<Reply<M>, MachineError> {
-        self.now = self.now.max(now_ms);
+        // New settings do not move the machine's clock: a replicated queue's replica takes
+        // its policies locally when it is created, before it replays its log, and a clock
+        // moved to that moment would make every replayed entry's times (enqueue times in
+        // lease tokens, TTLs, lease deadlines) differ from its leader's.
+        if !matches!(command, Command::Configure(_) | Command::ConfigureWork(_)) {
+            self.now = self.now.max(now_ms);
+        }
         self.arriving = None;
         let first_effect = effects.len();
         // Time passed: leases run out and delayed retries come due before the command sees
