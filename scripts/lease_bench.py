@@ -11,10 +11,17 @@ then drains it three ways, refilling in between, each with --workers client proc
 
 For each it reports messages/s, the broker's CPU per message (µs, from /proc) and its RSS.
 Prints a JSON line per run and a Markdown table; with --doc, writes the table into
-docs/benchmarks.md between the lease-bench markers. Run it with nothing else busy.
+docs/benchmarks.md between the lease-bench markers (`--cluster`: the cluster's markers).
+Run it with nothing else busy.
+
+With --cluster, three nodes on loopback form a cluster and the queue is a quorum queue
+replicated on all of them: every claim, ack and publish is a Raft commit; the workers spread
+over the three nodes' HTTP APIs and AMQP listeners (two of three reach the leader through a
+forward), and CPU and RSS are the sum over the three processes.
 
     cargo build --release --bin warren
     scripts/lease_bench.py --messages 100000 --workers 4 --doc
+    scripts/lease_bench.py --cluster --messages 50000 --workers 4 --doc
 
 Needs: .venv-compat (pika, requests), built by ./scripts/test.
 """
@@ -42,6 +49,8 @@ WARREN = ROOT / "target/release/warren"
 DOC = ROOT / "docs/benchmarks.md"
 BEGIN = "<!-- lease-bench:begin -->"
 END = "<!-- lease-bench:end -->"
+CLUSTER_BEGIN = "<!-- lease-bench-cluster:begin -->"
+CLUSTER_END = "<!-- lease-bench-cluster:end -->"
 AUTH = "Basic Z3Vlc3Q6Z3Vlc3Q="  # guest:guest
 QUEUE = "lease-bench"
 
@@ -128,21 +137,25 @@ def amqp_worker(amqp_port, share, counter):
         counter.value += got
 
 
-def drain(kind, args, broker, ports, batch):
+def drain(kind, args, brokers, nodes, batch):
+    """Drain with --workers processes, worker k on node k mod len(nodes)."""
     counter = multiprocessing.Value("q", 0)
     if kind == "amqp":
         share = -(-args.messages // args.workers)
-        procs = [multiprocessing.Process(target=amqp_worker, args=(ports["amqp"], share, counter))
-                 for _ in range(args.workers)]
+        procs = [multiprocessing.Process(
+            target=amqp_worker, args=(nodes[k % len(nodes)]["amqp"], share, counter))
+            for k in range(args.workers)]
     else:
-        procs = [multiprocessing.Process(target=http_worker, args=(ports["mgmt"], batch, counter))
-                 for _ in range(args.workers)]
-    cpu0, t0 = cpu_seconds(broker.pid), time.monotonic()
+        procs = [multiprocessing.Process(
+            target=http_worker, args=(nodes[k % len(nodes)]["mgmt"], batch, counter))
+            for k in range(args.workers)]
+    cpu = lambda: sum(cpu_seconds(b.pid) for b in brokers)  # noqa: E731
+    cpu0, t0 = cpu(), time.monotonic()
     for p in procs:
         p.start()
     for p in procs:
         p.join()
-    elapsed, cpu = time.monotonic() - t0, cpu_seconds(broker.pid) - cpu0
+    elapsed, cpu = time.monotonic() - t0, cpu() - cpu0
     n = counter.value
     if any(p.exitcode for p in procs) or n != args.messages:
         raise RuntimeError(f"{kind}: drained {n} of {args.messages}")
@@ -151,7 +164,7 @@ def drain(kind, args, broker, ports, batch):
         "messages": n,
         "msg_per_s": n / elapsed,
         "broker_cpu_us_per_msg": cpu / n * 1e6,
-        "broker_rss_mb": rss_mb(broker.pid),
+        "broker_rss_mb": sum(rss_mb(b.pid) for b in brokers),
         "elapsed_s": elapsed,
     }
 
@@ -163,52 +176,80 @@ def main():
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--batches", default="10,100")
     ap.add_argument("--queue-type", default="classic", choices=["classic", "quorum"])
+    ap.add_argument("--cluster", action="store_true",
+                    help="three nodes, a quorum queue replicated on all of them")
     ap.add_argument("--doc", action="store_true", help="write the table into docs/benchmarks.md")
     args = ap.parse_args()
+    if args.cluster:
+        args.queue_type = "quorum"
     if not WARREN.exists():
         sys.exit(f"{WARREN} missing: cargo build --release --bin warren")
-    ports = {"amqp": free_port(), "mgmt": free_port(), "prom": free_port()}
+    count = 3 if args.cluster else 1
+    nodes = [{"amqp": free_port(), "mgmt": free_port(), "prom": free_port(),
+              "cluster": free_port()} for _ in range(count)]
+    peers = ",".join(f"n{i + 1}@127.0.0.1:{n['cluster']}" for i, n in enumerate(nodes))
     data = Path(tempfile.mkdtemp(prefix="warren-lease-bench-"))
-    broker = subprocess.Popen(
-        [str(WARREN), "server", "--amqp-listen", f"127.0.0.1:{ports['amqp']}",
-         "--management-listen", f"127.0.0.1:{ports['mgmt']}",
-         "--prometheus-listen", f"127.0.0.1:{ports['prom']}",
-         "--data-dir", str(data / "data"), "--log-level", "warn"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    brokers = []
+    for i, n in enumerate(nodes):
+        cmd = [str(WARREN), "server", "--amqp-listen", f"127.0.0.1:{n['amqp']}",
+               "--management-listen", f"127.0.0.1:{n['mgmt']}",
+               "--prometheus-listen", f"127.0.0.1:{n['prom']}",
+               "--data-dir", str(data / f"n{i + 1}"), "--log-level", "warn"]
+        if args.cluster:
+            cmd += ["--node-name", f"n{i + 1}", "--cluster-listen",
+                    f"127.0.0.1:{n['cluster']}", "--peers", peers, "--cluster-secret", "bench"]
+        brokers.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL))
     rows = []
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
+        for n in nodes:
+            while True:
+                try:
+                    socket.create_connection(("127.0.0.1", n["amqp"]), timeout=0.5).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
         while True:
+            # A cluster declares once its metadata group has a leader.
             try:
-                socket.create_connection(("127.0.0.1", ports["amqp"]), timeout=0.5).close()
+                c = pika.BlockingConnection(pika.ConnectionParameters(
+                    "127.0.0.1", nodes[0]["amqp"],
+                    credentials=pika.PlainCredentials("guest", "guest")))
+                c.channel().queue_declare(QUEUE, durable=True,
+                                          arguments={"x-queue-type": args.queue_type})
+                c.close()
                 break
-            except OSError:
+            except pika.exceptions.AMQPError:
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.05)
-        c = pika.BlockingConnection(pika.ConnectionParameters(
-            "127.0.0.1", ports["amqp"], credentials=pika.PlainCredentials("guest", "guest")))
-        c.channel().queue_declare(QUEUE, durable=True,
-                                  arguments={"x-queue-type": args.queue_type})
-        c.close()
+                time.sleep(0.5)
         modes = [("http", int(b)) for b in args.batches.split(",")] + [("amqp", 100)]
         for kind, batch in modes:
-            fill(ports["mgmt"], args.messages, args.size)
-            row = drain(kind, args, broker, ports, batch)
-            row.update(queue_type=args.queue_type, size=args.size, workers=args.workers)
+            fill(nodes[0]["mgmt"], args.messages, args.size)
+            row = drain(kind, args, brokers, nodes, batch)
+            row.update(queue_type=args.queue_type, size=args.size, workers=args.workers,
+                       nodes=count)
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:
-        broker.send_signal(signal.SIGTERM)
-        try:
-            broker.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            broker.kill()
+        for b in brokers:
+            b.send_signal(signal.SIGTERM)
+        for b in brokers:
+            try:
+                b.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                b.kill()
         shutil.rmtree(data, ignore_errors=True)
-    head = (f"`scripts/lease_bench.py --messages {args.messages} --size {args.size} "
+    where = "3-node cluster on loopback, CPU and RSS summed over the nodes" if args.cluster \
+        else "one node"
+    head = (f"`scripts/lease_bench.py {'--cluster ' if args.cluster else ''}"
+            f"--messages {args.messages} --size {args.size} "
             f"--workers {args.workers} --queue-type {args.queue_type}`, "
             f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, "
-            f"release build, clients on the same machine (Python)")
+            f"release build, {where}, clients on the same machine (Python)")
     table = [head, "", "| mode | msg/s | broker CPU µs/msg | broker RSS MB |", "|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['mode']} | {r['msg_per_s']:,.0f} | "
@@ -216,12 +257,13 @@ def main():
     text = "\n".join(table)
     print(text)
     if args.doc:
+        begin, end = (CLUSTER_BEGIN, CLUSTER_END) if args.cluster else (BEGIN, END)
         doc = DOC.read_text()
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in doc:
-            doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
+        block = f"{begin}\n{text}\n{end}"
+        if begin in doc:
+            doc = doc[:doc.index(begin)] + block + doc[doc.index(end) + len(end):]
         else:
-            doc += f"\n## The HTTP queue API: claim and ack throughput (issue 24)\n\n{block}\n"
+            doc += f"\n{block}\n"
         DOC.write_text(doc)
 
 
