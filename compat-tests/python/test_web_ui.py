@@ -226,6 +226,49 @@ def test_move_messages_out_of_a_queue(page, broker, shots):
     assert api_get(broker, f"/api/queues/%2F/{dest}")["messages"] == 3
 
 
+def api_post(broker, path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{broker['management_port']}{path}",
+                                 data=json.dumps(body).encode(), method="POST")
+    req.add_header("Authorization", "Basic " + base64.b64encode(b"guest:guest").decode())
+    req.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def test_queue_page_shows_work_queue_figures_and_browses(page, broker, shots):
+    """The queue page shows scheduled and claimed counts and browses ready, scheduled and
+    claimed messages without taking them."""
+    name = f"ui-work-{uuid.uuid4().hex[:8]}"
+    conn = pika.BlockingConnection(pika.ConnectionParameters(
+        "127.0.0.1", broker["port"], credentials=pika.PlainCredentials("guest", "guest")))
+    conn.channel().queue_declare(name, durable=True)
+    conn.close()
+    base = f"/v1/queues/%2F/{name}"
+    api_post(broker, f"{base}/messages", {"messages": [
+        {"payload": "claimed one"}, {"payload": "ready one"},
+        {"payload": "later one", "delay_ms": 600_000}]})
+    claimed = api_post(broker, f"{base}/leases", {"max_items": 1, "lease_ms": 600_000})
+    assert [d["payload"] for d in claimed["deliveries"]] == ["claimed one"]
+    login(page, broker)
+    page.goto(f"{broker['base_url']}#/queues/%2F/{name}")
+    expect(page.locator("#queue-scheduled")).to_have_text("1")
+    expect(page.locator("#queue-leased")).to_have_text("1")
+    expect(page.locator("#queue-messages-ready")).to_have_text("1")
+    for state, payload in [("ready", "ready one"), ("scheduled", "later one"),
+                           ("unacked", "claimed one")]:
+        page.select_option("#browse-state", state)
+        page.click("#browse-submit")
+        expect(page.locator("#browse-status")).to_have_text("1 message.")
+        rows = page.locator("#browse-table tbody tr")
+        expect(rows).to_have_count(1)
+        expect(rows.first).to_contain_text(payload)
+    expect(page.locator("#browse-table tbody tr").first).to_contain_text("guest")
+    shots.take(page, "queue-browse")
+    # Browsing took nothing.
+    q = api_get(broker, f"/api/queues/%2F/{name}")
+    assert (q["messages_ready"], q["messages_scheduled"], q["leases"]["leased"]) == (1, 1, 1)
+
+
 def test_close_connection_from_connections_page(page, broker, shots):
     conn_name = f"web-ui-test-{uuid.uuid4().hex[:8]}"
     params = pika.ConnectionParameters(

@@ -1274,6 +1274,17 @@
       ['queue-oldest-ready-age', 'Oldest ready', (q) => fmtDuration(q.oldest_ready_message_age_ms)],
     ]));
     const rates = rateStats('queue', [['publish', 'Incoming'], ['deliver', 'Deliver / get', 'deliver_get'], ['ack', 'Ack'], ['redeliver', 'Redelivered']]);
+    // The work-queue contract's figures (docs/http-queue-api.md): held back, claimed, how old
+    // the oldest claim is, the attempt 99% of acks succeeded within, retries, duplicates.
+    const lease = (key) => (q) => (q.leases || {})[key];
+    const work = statRow([
+      ['queue-scheduled', 'Scheduled', countOf('messages_scheduled')],
+      ['queue-leased', 'Claimed', (q) => fmtNum(lease('leased')(q))],
+      ['queue-oldest-lease-age', 'Oldest claim', (q) => fmtDuration(lease('oldest_lease_age_ms')(q))],
+      ['queue-attempts-p99', 'Attempts p99', (q) => { const v = lease('acked_attempts_p99')(q); return v == null ? DASH : String(v); }],
+      ['queue-retries-delayed', 'Delayed retries', (q) => fmtNum(lease('retries_delayed')(q))],
+      ['queue-deduplicated', 'Duplicates dropped', (q) => fmtNum(lease('deduplicated')(q))],
+    ]);
 
     const consumers = table({
       id: 'queue-consumers-table',
@@ -1335,6 +1346,42 @@
     });
 
     const pub = publishForm(P('exchanges', vhost, 'amq.default', 'publish'), name);
+
+    // Browse (GET /v1/queues/{vhost}/{queue}/messages): read without claiming anything.
+    const browseState = select('browse-state', [['ready', 'Ready'], ['scheduled', 'Scheduled'], ['unacked', 'Claimed and unacked']], 'ready');
+    const browseFrom = input('browse-from', { type: 'number', min: 0, value: '0', class: 'narrow' });
+    const browseLimit = input('browse-limit', { type: 'number', min: 1, max: 1000, value: '20', class: 'narrow' });
+    const browsed = table({
+      id: 'browse-table',
+      empty: 'No messages.',
+      rowAttrs: (m) => ({ 'data-position': m.position }),
+      columns: [
+        numCol('position', 'Position'),
+        { key: 'state', label: 'State' },
+        { key: 'payload', label: 'Payload', get: (m) => (m.payload_encoding === 'string' ? String(m.payload).slice(0, 200) : `(${m.payload_bytes} bytes, base64)`) },
+        { key: 'routing_key', label: 'Routing key' },
+        numCol('delivery_count', 'Deliveries'),
+        { key: 'enqueued_at', label: 'Enqueued', fmt: fmtTime },
+        { key: 'ready_at', label: 'Ready at', fmt: (v) => (v == null ? DASH : fmtTime(v)) },
+        { key: 'worker', label: 'Claimed by', fmt: (v) => v || DASH },
+        { key: 'lease_expires_at', label: 'Lease until', fmt: (v) => (v == null ? DASH : fmtTime(v)) },
+      ],
+    });
+    const browseForm = actionForm({
+      id: 'browse',
+      label: 'Browse',
+      resultId: 'browse-status',
+      intro: h('p', { class: 'hint' }, 'Reads messages without claiming or removing them, in the order the queue hands them out (scheduled ones by due time).'),
+      rows: [['State', browseState], ['From position', browseFrom], ['Messages', browseLimit]],
+      extra: browsed.el,
+      action: async () => {
+        const q = `state=${browseState.value}&from=${Math.max(0, parseInt(browseFrom.value, 10) || 0)}&limit=${Math.max(1, parseInt(browseLimit.value, 10) || 20)}`;
+        const r = await api('GET', '/v1/queues/' + enc(vhost) + '/' + enc(name) + '/messages?' + q);
+        const msgs = (r && r.messages) || [];
+        browsed.update(msgs);
+        return `${msgs.length} message${msgs.length === 1 ? '' : 's'}` + (r && r.next_from != null ? `; more from position ${r.next_from}.` : '.');
+      },
+    });
 
     // Move messages out (a redrive, /v1/queues/{vhost}/{queue}/redrive): back to where each
     // died (x-death) or into a named queue, at a rate, up to a count, those the filter picks.
@@ -1399,12 +1446,13 @@
       section('Overview', [
         h('div', { class: 'overview-grid' },
           h('div', null, h('h3', null, 'Details'), details),
-          h('div', null, h('h3', null, 'Messages'), counts.el, h('h3', null, 'Message rates'), rates.el)),
+          h('div', null, h('h3', null, 'Messages'), counts.el, h('h3', null, 'Work queue'), work.el, h('h3', null, 'Message rates'), rates.el)),
       ], { key: 'q-overview' }),
       section('Consumers', consumers.el, { key: 'q-consumers' }),
       section('Bindings', [bindings.el, h('h3', null, 'Add binding to this queue'), bind.el], { key: 'q-bindings' }),
       section('Publish message', pub, { key: 'q-publish' }),
       section('Get messages', getForm, { key: 'q-get' }),
+      section('Browse messages', browseForm, { key: 'q-browse' }),
       section('Move messages', redriveForm, { key: 'q-redrive' }),
       section('Purge and delete', [
         h('div', { class: 'danger-zone' },
@@ -1436,6 +1484,7 @@
         ['Node', q.node],
       ]);
       counts.update(q);
+      work.update(q);
       rates.update(q);
       const [bs, cs, xs] = await Promise.all([
         api('GET', P('queues', vhost, name, 'bindings')),
