@@ -373,6 +373,7 @@ def test_dead_letter_past_the_limit_carries_the_failure_context(api, connect, na
         "boom again", "w2", 2)
     assert h["x-death"][0]["reason"] == "delivery_limit"
     assert settle(api, second["token"], "ack").status_code == 404
+    assert queue_info(api, name)["leases"]["quarantined"] == 1
 
 
 def test_quorum_redeliveries_carry_delivery_and_acquired_counts(connect, names):

@@ -1283,6 +1283,7 @@
       ['queue-oldest-lease-age', 'Oldest claim', (q) => fmtDuration(lease('oldest_lease_age_ms')(q))],
       ['queue-attempts-p99', 'Attempts p99', (q) => { const v = lease('acked_attempts_p99')(q); return v == null ? DASH : String(v); }],
       ['queue-retries-delayed', 'Delayed retries', (q) => fmtNum(lease('retries_delayed')(q))],
+      ['queue-quarantined', 'Quarantined', (q) => fmtNum(lease('quarantined')(q))],
       ['queue-deduplicated', 'Duplicates dropped', (q) => fmtNum(lease('deduplicated')(q))],
     ]);
 

@@ -70,6 +70,7 @@ fn queue_json(vh: &VHost, node: &str, q: &Queue, rates: &MessageRates) -> Value 
             "deduplicated": s.work.counters.deduplicated,
             "delayed_publishes": s.work.counters.delayed_publishes,
             "redrive_duplicates": s.work.counters.moves_refused,
+            "quarantined": s.work.counters.quarantined,
             // Acknowledged messages by the attempt that succeeded (cumulative, as a
             // Prometheus histogram's buckets), and the bound holding 99% of them.
             "acked_attempts": attempts_json(&s.work.counters),

@@ -84,6 +84,13 @@ const WORK_SERIES: &[WorkSeries] = &[
         |s| s.work.counters.deduplicated as f64,
     ),
     (
+        "queue_messages_quarantined_total",
+        "Messages removed past the delivery limit (dead-lettered with their failure context)",
+        true,
+        false,
+        |s| s.work.counters.quarantined as f64,
+    ),
+    (
         "queue_delayed_publishes_total",
         "Publishes held for a delay (delay_ms) before they were ready",
         true,

@@ -169,6 +169,21 @@ fn acks_are_counted_by_attempt() {
     assert_eq!(c.attempts_quantile(0.98), Some(1));
     assert_eq!(c.attempts_quantile(0.99), Some(5));
     assert_eq!(c.attempts_quantile(1.0), Some(10));
+    assert_eq!(c.quarantined, 0);
+
+    // Past a delivery limit of 1 the second return removes the message: quarantined.
+    let mut l: QueueMachine<M> = QueueMachine::with_config(QueueConfig {
+        delivery_limit: Some(1),
+        ..QueueConfig::default()
+    });
+    apply(&mut l, 0, Command::Enqueue(M(1)));
+    for _ in 0..2 {
+        let Reply::Got(Some((id, ..))) = apply(&mut l, 1, Command::Get { no_ack: false }).0 else {
+            panic!("a message");
+        };
+        apply(&mut l, 1, Command::Return(vec![id]));
+    }
+    assert_eq!((l.len(), l.work_counters().quarantined), (0, 1));
 }
 
 /// New settings do not move the machine's clock: a replica that takes its policies when it is

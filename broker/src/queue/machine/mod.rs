@@ -172,6 +172,9 @@ pub struct WorkCounters {
     pub acked_attempts: [u64; ATTEMPT_BUCKETS],
     /// The sum of those attempts.
     pub acked_attempts_sum: u64,
+    /// Messages removed past the delivery limit (quarantined: dead-lettered with their
+    /// failure context when the queue has a dead-letter target).
+    pub quarantined: u64,
 }
 
 /// Upper bounds of the attempts histogram's buckets ([`WorkCounters::acked_attempts`]).

@@ -130,6 +130,7 @@ impl<M: MessageRef> QueueMachine<M> {
             .is_some_and(|limit| delivery_count > limit)
         {
             self.counters.discarded += 1;
+            self.work.counters.quarantined += 1;
             if let Some(failed) = self.failure_effect(id, delivery_count) {
                 effects.push(failed);
             }
