@@ -150,6 +150,26 @@ def management_url(amqp_url):
     return f"http://127.0.0.1:{_BROKER['management_port']}"
 
 
+# The default user, for the HTTP APIs.
+AUTH = ("guest", "guest")
+
+
+def q(name):
+    """`name` as one URL path segment (a vhost or queue name)."""
+    import urllib.parse
+    return urllib.parse.quote(name, safe="")
+
+
+@pytest.fixture
+def api(management_url):
+    """(base URL, a requests session as guest) on the broker's management port."""
+    import requests
+    s = requests.Session()
+    s.auth = AUTH
+    yield management_url, s
+    s.close()
+
+
 @pytest.fixture
 def prometheus_url(amqp_url):
     """Base URL of the Prometheus endpoint (RabbitMQ: port 15692)."""

@@ -9,33 +9,19 @@ import os
 import signal
 import tempfile
 import time
-import urllib.parse
 from pathlib import Path
 
 import pika
 import pytest
 import requests
 
-from conftest import warren_process
+from conftest import AUTH, q, warren_process
 
 pytestmark = pytest.mark.skipif(
     bool(os.environ.get("WARREN_TEST_AMQP_URL")),
     reason="Warren's own HTTP queue API; RabbitMQ has none",
 )
 
-AUTH = ("guest", "guest")
-
-
-def q(name):
-    return urllib.parse.quote(name, safe="")
-
-
-@pytest.fixture
-def api(management_url):
-    s = requests.Session()
-    s.auth = AUTH
-    yield management_url, s
-    s.close()
 
 
 def publish(api, queue, messages):

@@ -7,31 +7,18 @@ Warren's own API: these tests do not run against RabbitMQ."""
 import base64
 import os
 import time
-import urllib.parse
 
 import pika
 import pytest
 import requests
+
+from conftest import AUTH, q
 
 pytestmark = pytest.mark.skipif(
     bool(os.environ.get("WARREN_TEST_AMQP_URL")),
     reason="Warren's own HTTP queue API; RabbitMQ has none",
 )
 
-AUTH = ("guest", "guest")
-
-
-def q(name):
-    return urllib.parse.quote(name, safe="")
-
-
-@pytest.fixture
-def api(management_url):
-    """A requests session on the broker's management port, as guest."""
-    s = requests.Session()
-    s.auth = AUTH
-    yield management_url, s
-    s.close()
 
 
 def publish(api, queue, messages, vhost="/"):

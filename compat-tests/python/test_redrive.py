@@ -11,14 +11,13 @@ import os
 import signal
 import tempfile
 import time
-import urllib.parse
 from pathlib import Path
 
 import pika
 import pytest
 import requests
 
-from conftest import warren_process
+from conftest import AUTH, q, warren_process
 
 # The broker's fault injection (broker/src/node/redrive.rs, ACK_DELAY_ENV).
 ACK_DELAY_ENV = "WARREN_TEST_REDRIVE_ACK_DELAY_MS"
@@ -28,19 +27,6 @@ pytestmark = pytest.mark.skipif(
     reason="Warren's own redrive API; RabbitMQ has none",
 )
 
-AUTH = ("guest", "guest")
-
-
-def q(name):
-    return urllib.parse.quote(name, safe="")
-
-
-@pytest.fixture
-def api(management_url):
-    s = requests.Session()
-    s.auth = AUTH
-    yield management_url, s
-    s.close()
 
 
 def start(api, queue, vhost="/", **body):
