@@ -76,7 +76,7 @@ fn number(v: f64) -> String {
 }
 
 /// Backslash and newline escaped (and the double quote in label values).
-fn escape(v: &str, quote: bool) -> std::borrow::Cow<'_, str> {
+pub(crate) fn escape(v: &str, quote: bool) -> std::borrow::Cow<'_, str> {
     if !(v.contains(['\\', '\n']) || quote && v.contains('"')) {
         return v.into();
     }

@@ -469,6 +469,13 @@ impl Run {
         let page = self
             .source
             .browse(BrowseState::Ready, position, SCAN_PAGE)?;
+        let spec = &self.task.spec;
+        // A named destination and no filter need nothing from a message: it is resolved once
+        // and no body is read here (the claim reads each one it moves).
+        let fixed = match &spec.destination {
+            Some(d) if spec.filter == RedriveFilter::default() => Some(self.destination_named(d)),
+            _ => None,
+        };
         let mut chosen = Vec::new();
         let mut looked = 0;
         let mut skipped = 0;
@@ -480,17 +487,22 @@ impl Run {
             if b.id >= self.boundary {
                 continue;
             }
-            let Some(message) = readable(&b.msg) else {
-                continue;
-            };
-            match self.destination_of(&message) {
-                Some(destination) if self.task.spec.filter.matches(&message) => {
-                    chosen.push(Chosen {
-                        id: b.id,
-                        destination,
-                    });
+            let destination = match &fixed {
+                Some(d) => d.clone(),
+                None => {
+                    let Some(message) = readable(&b.msg) else {
+                        continue;
+                    };
+                    self.destination_of(&message)
+                        .filter(|_| spec.filter.matches(&message))
                 }
-                _ => skipped += 1,
+            };
+            match destination {
+                Some(destination) => chosen.push(Chosen {
+                    id: b.id,
+                    destination,
+                }),
+                None => skipped += 1,
             }
         }
         self.task.progress.lock().skipped += skipped;
@@ -500,14 +512,18 @@ impl Run {
 
     /// The queue `message` goes to: the task's destination, or the one it last died in.
     fn destination_of(&self, message: &Message) -> Option<Arc<Queue>> {
-        let name = match &self.task.spec.destination {
-            Some(d) => d.clone(),
-            None => origin(message)?,
-        };
-        if name == self.task.spec.source || !(self.may_write)(&name) {
+        match &self.task.spec.destination {
+            Some(d) => self.destination_named(d),
+            None => self.destination_named(&origin(message)?),
+        }
+    }
+
+    /// Queue `name` as a destination: not the source, writable by the caller, not a stream.
+    fn destination_named(&self, name: &str) -> Option<Arc<Queue>> {
+        if name == self.task.spec.source || !(self.may_write)(name) {
             return None;
         }
-        self.vhost.queue(&name).filter(|q| !q.is_stream)
+        self.vhost.queue(name).filter(|q| !q.is_stream)
     }
 
     /// Move the chosen messages: take, enqueue as moves, ack, forget the keys.

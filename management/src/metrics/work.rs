@@ -139,8 +139,8 @@ fn attempts(s: &mut Scrape, rows: &[QueueRow], per_object: bool) {
         for r in rows {
             let labels = format!(
                 "vhost=\"{}\",queue=\"{}\",",
-                label_value(&r.vhost),
-                label_value(&r.queue.name)
+                crate::prom_text::escape(&r.vhost, true),
+                crate::prom_text::escape(&r.queue.name, true)
             );
             write(&labels, &r.stats.work.counters);
         }
@@ -155,13 +155,6 @@ fn attempts(s: &mut Scrape, rows: &[QueueRow], per_object: bool) {
         }
         write("", &total);
     }
-}
-
-/// A label value in the text format (backslash, newline and double quote escaped).
-fn label_value(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('\n', "\\n")
-        .replace('"', "\\\"")
 }
 
 /// The work series of `rows`.
