@@ -229,6 +229,65 @@ impl Properties {
     pub fn persistent(&self) -> bool {
         self.delivery_mode == Some(2)
     }
+
+    /// The correlation-id property (found by walking the list: hash routing is its only
+    /// reader, so messages do not carry its position).
+    #[must_use]
+    pub fn correlation_id(&self) -> Option<&[u8]> {
+        self.locate(FLAG_CORRELATION_ID).map(|r| &self.raw[r])
+    }
+
+    /// The message-id property.
+    #[must_use]
+    pub fn message_id(&self) -> Option<&[u8]> {
+        self.locate(FLAG_MESSAGE_ID).map(|r| &self.raw[r])
+    }
+
+    /// The timestamp property (seconds since the epoch, as AMQP 0-9-1 sends it).
+    #[must_use]
+    pub fn timestamp(&self) -> Option<u64> {
+        let r = self.locate(FLAG_TIMESTAMP)?;
+        Some(u64::from_be_bytes(self.raw[r].try_into().ok()?))
+    }
+
+    /// Where the value of the property `flag` is, walking the validated list; `None` if the
+    /// property is absent (or the list is not one `parse` accepted).
+    fn locate(&self, flag: u16) -> Option<Range<usize>> {
+        let data = &self.raw[..];
+        let flags = u16::from_be_bytes([*data.first()?, *data.get(1)?]);
+        if flags & flag == 0 {
+            return None;
+        }
+        let mut p = 2usize;
+        let mut bit = FLAG_CONTENT_TYPE;
+        while bit > FLAG_CLUSTER_ID / 2 {
+            if flags & bit == 0 {
+                bit >>= 1;
+                continue;
+            }
+            let len = match bit {
+                FLAG_HEADERS => {
+                    4 + u32::from_be_bytes(data.get(p..p + 4)?.try_into().ok()?) as usize
+                }
+                FLAG_DELIVERY_MODE | FLAG_PRIORITY => 1,
+                FLAG_TIMESTAMP => 8,
+                _ => 1 + *data.get(p)? as usize,
+            };
+            let value = match bit {
+                FLAG_HEADERS | FLAG_DELIVERY_MODE | FLAG_PRIORITY | FLAG_TIMESTAMP => p..p + len,
+                _ => p + 1..p + len,
+            };
+            if value.end > data.len() {
+                return None;
+            }
+            if bit == flag {
+                return Some(value);
+            }
+            p += len;
+            bit >>= 1;
+        }
+        None
+    }
 }
 
 #[cfg(test)]
@@ -250,6 +309,45 @@ mod tests {
         assert_eq!(p.user_id(), Some(&b"guest"[..]));
         assert_eq!(p.headers_raw().map(<[u8]>::len), Some(9));
         assert_eq!(&p.raw[..], &raw[..]);
+    }
+
+    #[test]
+    fn finds_the_ids_and_timestamp_hash_routing_reads() {
+        use amq_protocol::protocol::BasicProperties;
+        use amq_protocol::types::{AMQPValue, FieldTable};
+        let mut h = FieldTable::default();
+        h.insert("k".into(), AMQPValue::LongInt(1));
+        let full = BasicProperties::default()
+            .with_content_type("text/plain".into())
+            .with_headers(h)
+            .with_delivery_mode(2)
+            .with_priority(3)
+            .with_correlation_id("c-1".into())
+            .with_reply_to("r".into())
+            .with_expiration("5".into())
+            .with_message_id("m-22".into())
+            .with_timestamp(1_700_000_000)
+            .with_app_id("app".into());
+        let raw = cookie_factory::gen_simple(
+            amq_protocol::protocol::basic::gen_properties(&full),
+            Vec::new(),
+        )
+        .unwrap();
+        let p = Properties::parse(Bytes::from(raw), 8).unwrap();
+        assert_eq!(p.correlation_id(), Some(&b"c-1"[..]));
+        assert_eq!(p.message_id(), Some(&b"m-22"[..]));
+        assert_eq!(p.timestamp(), Some(1_700_000_000));
+        let only_id = BasicProperties::default().with_message_id("x".into());
+        let raw = cookie_factory::gen_simple(
+            amq_protocol::protocol::basic::gen_properties(&only_id),
+            Vec::new(),
+        )
+        .unwrap();
+        let p = Properties::parse(Bytes::from(raw), 8).unwrap();
+        assert_eq!(p.message_id(), Some(&b"x"[..]));
+        assert_eq!(p.correlation_id(), None);
+        assert_eq!(p.timestamp(), None);
+        assert_eq!(Properties::default().message_id(), None);
     }
 
     #[test]

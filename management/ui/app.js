@@ -14,7 +14,7 @@
   const MAX_ROWS = 500;
   const HISTORY = 60;
   const DASH = '–';
-  const EXCHANGE_TYPES = ['direct', 'fanout', 'topic', 'headers', 'x-delayed-message'];
+  const EXCHANGE_TYPES = ['direct', 'fanout', 'topic', 'headers', 'x-consistent-hash', 'x-modulus-hash', 'x-delayed-message'];
   const QUEUE_TYPES = ['classic', 'quorum'];
   const NO_YES = [['false', 'No'], ['true', 'Yes']];
   const DURABILITY = [['true', 'Durable'], ['false', 'Transient']];

@@ -1,5 +1,6 @@
 //! Exchanges and their bindings. One file per matching scheme that needs more than a lookup.
 
+pub mod hash;
 pub mod headers;
 pub mod topic;
 
@@ -29,6 +30,12 @@ impl<'a> RoutingHeaders<'a> {
         }
     }
 
+    /// The message's properties (hash exchanges read ids and the timestamp).
+    #[must_use]
+    pub fn properties(&self) -> &'a Properties {
+        self.properties
+    }
+
     /// The decoded table (decoding it on first use); `None` if the message has no headers.
     pub fn get(&self) -> Option<&FieldTable> {
         self.decoded
@@ -48,6 +55,11 @@ pub enum ExchangeKind {
     Topic,
     /// Header table match.
     Headers,
+    /// `x-consistent-hash`: one destination by a consistent hash of the key, the binding key
+    /// being the destination's weight.
+    ConsistentHash,
+    /// `x-modulus-hash`: one destination, the key's hash modulo the number of destinations.
+    ModulusHash,
 }
 
 impl ExchangeKind {
@@ -59,6 +71,8 @@ impl ExchangeKind {
             "fanout" => Some(Self::Fanout),
             "topic" => Some(Self::Topic),
             "headers" => Some(Self::Headers),
+            "x-consistent-hash" => Some(Self::ConsistentHash),
+            "x-modulus-hash" => Some(Self::ModulusHash),
             _ => None,
         }
     }
@@ -71,6 +85,8 @@ impl ExchangeKind {
             Self::Fanout => "fanout",
             Self::Topic => "topic",
             Self::Headers => "headers",
+            Self::ConsistentHash => "x-consistent-hash",
+            Self::ModulusHash => "x-modulus-hash",
         }
     }
 }
@@ -118,6 +134,12 @@ pub struct Exchange {
     bindings: Vec<Binding>,
     direct: HashMap<String, Vec<usize>>,
     topic: topic::TopicTrie,
+    /// What a hash exchange hashes (from its arguments).
+    hash_source: hash::HashSource,
+    /// An `x-consistent-hash` exchange's buckets.
+    ring: hash::Ring,
+    /// An `x-modulus-hash` exchange's destinations (binding indexes, natural order).
+    modulus: Vec<usize>,
 }
 
 impl Exchange {
@@ -139,10 +161,19 @@ impl Exchange {
             internal,
             delayed: false,
             policy_alternate: None,
-            arguments,
             bindings: Vec::new(),
             direct: HashMap::new(),
             topic: topic::TopicTrie::default(),
+            hash_source: match kind {
+                // Checked at declare; an exchange restored from the store was checked then.
+                ExchangeKind::ConsistentHash => {
+                    hash::HashSource::from_arguments(&arguments).unwrap_or_default()
+                }
+                _ => hash::HashSource::RoutingKey,
+            },
+            ring: hash::Ring::default(),
+            modulus: Vec::new(),
+            arguments,
         }
     }
 
@@ -172,6 +203,7 @@ impl Exchange {
         let i = self.bindings.len();
         self.index(i, &binding.routing_key);
         self.bindings.push(binding);
+        self.rebuild_hashing();
         true
     }
 
@@ -209,6 +241,17 @@ impl Exchange {
         for (i, key) in keys.iter().enumerate() {
             self.index(i, key);
         }
+        self.rebuild_hashing();
+    }
+
+    /// Rebuild a hash exchange's destination order from its bindings (every change: the order
+    /// is canonical, so it cannot be patched by position).
+    fn rebuild_hashing(&mut self) {
+        match self.kind {
+            ExchangeKind::ConsistentHash => self.ring = hash::Ring::build(&self.bindings),
+            ExchangeKind::ModulusHash => self.modulus = hash::modulus_order(&self.bindings),
+            _ => {}
+        }
     }
 
     /// Index binding number `i` with routing key `key`.
@@ -216,7 +259,10 @@ impl Exchange {
         match self.kind {
             ExchangeKind::Direct => self.direct.entry(key.to_string()).or_default().push(i),
             ExchangeKind::Topic => self.topic.insert(key, i),
-            ExchangeKind::Fanout | ExchangeKind::Headers => {}
+            ExchangeKind::Fanout
+            | ExchangeKind::Headers
+            | ExchangeKind::ConsistentHash
+            | ExchangeKind::ModulusHash => {}
         }
     }
 
@@ -248,6 +294,20 @@ impl Exchange {
                     .filter(|b| headers::matches(&b.arguments, headers.get()))
                     .map(|b| &b.destination),
             ),
+            ExchangeKind::ConsistentHash => {
+                if let Some(i) = self.ring.pick(self.hash_source.hash(routing_key, headers)) {
+                    out.push(&self.bindings[i].destination);
+                }
+            }
+            ExchangeKind::ModulusHash => {
+                if !self.modulus.is_empty() {
+                    let h = hash::key_hash(routing_key.as_bytes());
+                    let n = self.modulus.len() as u64;
+                    #[allow(clippy::cast_possible_truncation)] // below n, a usize
+                    let at = (h % n) as usize;
+                    out.push(&self.bindings[self.modulus[at]].destination);
+                }
+            }
         }
     }
 }

@@ -107,8 +107,12 @@ impl VHost {
             .exchanges
             .get(source)
             .ok_or_else(|| self.not_found("exchange", source))?;
-        if ex.kind == ExchangeKind::Headers {
-            crate::args::validate_x_match(&arguments)?;
+        match ex.kind {
+            ExchangeKind::Headers => crate::args::validate_x_match(&arguments)?,
+            ExchangeKind::ConsistentHash => {
+                crate::exchange::hash::check_weight(routing_key)?;
+            }
+            _ => {}
         }
         let binding = Binding {
             destination: dest,

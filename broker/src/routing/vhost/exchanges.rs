@@ -51,6 +51,9 @@ impl VHost {
             }
             return Ok(());
         }
+        if decl.kind == ExchangeKind::ConsistentHash {
+            crate::exchange::hash::HashSource::from_arguments(&decl.arguments)?;
+        }
         if name.starts_with("amq.") {
             return Err(AmqpError::channel(
                 ReplyCode::AccessRefused,
