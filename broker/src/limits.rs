@@ -43,3 +43,6 @@ pub const LOOPBACK_USERS: &[&str] = &["guest"];
 pub const DEFAULT_USER: &str = "guest";
 /// Its password.
 pub const DEFAULT_PASS: &str = "guest";
+/// Most partitions of one super stream or partitioned queue (RabbitMQ bounds super streams by
+/// its `max_super_stream_partitions`): each is a queue of its own.
+pub const SUPER_STREAM_PARTITIONS_MAX: u32 = 1024;

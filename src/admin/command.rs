@@ -56,6 +56,37 @@ pub struct RedriveArgs {
     pub vhost: String,
 }
 
+/// The options of `add_super_stream` (rabbitmq-streams' names).
+#[derive(Debug, clap::Args)]
+pub struct SuperStreamArgs {
+    /// The super stream's name (its exchange; partitions are NAME-0 .. or NAME-KEY).
+    pub name: String,
+    /// Number of partitions (streams NAME-0 .. NAME-(N-1), routing keys 0 .. N-1).
+    #[arg(long)]
+    pub partitions: Option<u32>,
+    /// Comma-separated binding keys instead of --partitions (streams NAME-KEY).
+    #[arg(long = "binding-keys", alias = "routing-keys")]
+    pub binding_keys: Option<String>,
+    /// Each partition's x-max-length-bytes.
+    #[arg(long = "max-length-bytes")]
+    pub max_length_bytes: Option<u64>,
+    /// Each partition's x-max-age (for example 7D, 1h).
+    #[arg(long = "max-age")]
+    pub max_age: Option<String>,
+    /// Each partition's x-stream-max-segment-size-bytes.
+    #[arg(long = "stream-max-segment-size-bytes")]
+    pub stream_max_segment_size_bytes: Option<u64>,
+    /// Where partition leaders go (client-local, balanced) [default: balanced].
+    #[arg(long = "leader-locator")]
+    pub leader_locator: Option<String>,
+    /// Each partition's x-initial-cluster-size.
+    #[arg(long = "initial-cluster-size")]
+    pub initial_cluster_size: Option<u32>,
+    /// Vhost.
+    #[arg(short = 'p', long, default_value = "/")]
+    pub vhost: String,
+}
+
 /// `warren ctl` subcommands (rabbitmqctl names).
 #[derive(Debug, clap::Subcommand)]
 #[command(rename_all = "snake_case")]
@@ -401,6 +432,17 @@ pub enum CtlCommand {
     CancelRedrive {
         /// The redrive's id (list_redrives).
         id: u64,
+    },
+    /// Create a super stream (rabbitmq-streams add_super_stream): a direct exchange NAME and
+    /// one stream per partition, bound by routing key with x-stream-partition-order.
+    AddSuperStream(Box<SuperStreamArgs>),
+    /// Delete a super stream: its exchange and every partition stream.
+    DeleteSuperStream {
+        /// The super stream's name.
+        name: String,
+        /// Vhost.
+        #[arg(short = 'p', long, default_value = "/")]
+        vhost: String,
     },
     /// Quorum queue membership (rabbitmq-queues): add_member, delete_member, grow, shrink.
     Queues {

@@ -16,6 +16,7 @@ mod command;
 mod ctl_api;
 mod ctl_cluster;
 mod ctl_redrive;
+mod ctl_streams;
 mod listing;
 mod protocol;
 mod socket;
@@ -181,6 +182,9 @@ pub fn ctl(data_dir: &Path, command: CtlCommand) -> anyhow::Result<u8> {
         return result;
     }
     if let Some(result) = ctl_redrive::run(data_dir, &command) {
+        return result;
+    }
+    if let Some(result) = ctl_streams::run(data_dir, &command) {
         return result;
     }
     let request = match command {

@@ -38,6 +38,7 @@ mod overview;
 mod permissions;
 mod policies;
 mod queues;
+mod super_streams;
 mod users;
 mod v1_leases;
 mod v1_messages;
@@ -303,6 +304,12 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v1/queues/{vhost}/{queue}/redrive",
             axum::routing::post(v1_redrives::start),
+        )
+        .route(
+            "/api/stream/super-streams/{vhost}/{name}",
+            get(super_streams::get_super_stream)
+                .put(super_streams::put_super_stream)
+                .delete(super_streams::delete_super_stream),
         )
         .route("/v1/redrives", get(v1_redrives::list))
         .route(
