@@ -6,5 +6,6 @@
 
 pub mod cluster;
 pub mod delayed;
+pub mod partitions;
 pub mod reply_to;
 pub mod vhost;

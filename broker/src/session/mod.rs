@@ -30,6 +30,7 @@ mod confirm;
 mod deliver;
 mod exchange;
 mod lease;
+mod partitioned;
 mod publish;
 mod queue;
 mod tx;

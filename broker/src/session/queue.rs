@@ -9,6 +9,7 @@ use crate::args::rs;
 use crate::exchange::Destination;
 use crate::node::access::{Perm, Resource};
 use crate::queue::Queue;
+use crate::routing::partitions::PartitionSpec;
 use crate::routing::reply_to::REPLY_TO;
 use crate::stats::Lifecycle;
 
@@ -39,9 +40,29 @@ impl Call<'_> {
         Ok(())
     }
 
-    /// queue.declare: server-named, passive or a declaration (created, or checked equivalent
-    /// to the existing queue); the queue becomes the channel's last declared one.
-    pub(super) fn queue_declare(&mut self, mut d: queue::Declare) -> Result<(), AmqpError> {
+    /// queue.declare: a partitioned queue (`x-partitions`, or the name of one), else
+    /// [`Call::queue_declare_one`].
+    pub(super) fn queue_declare(&mut self, d: queue::Declare) -> Result<(), AmqpError> {
+        self.refuse_partition_identity(&d)?;
+        let vhost = &self.ctx.vhost;
+        if !d.passive {
+            let what = rs("queue", d.queue.as_str(), &vhost.name);
+            if let Some(spec) = PartitionSpec::from_arguments(&d.arguments, &what)? {
+                return self.queue_declare_partitioned(d, spec);
+            }
+        }
+        if !d.queue.as_str().is_empty()
+            && vhost.queue(d.queue.as_str()).is_none()
+            && let Some(set) = vhost.partitioned(d.queue.as_str())
+        {
+            return self.queue_declare_logical(&d, &set);
+        }
+        self.queue_declare_one(d)
+    }
+
+    /// queue.declare of one queue: server-named, passive or a declaration (created, or checked
+    /// equivalent to the existing queue); the queue becomes the channel's last declared one.
+    pub(super) fn queue_declare_one(&mut self, mut d: queue::Declare) -> Result<(), AmqpError> {
         let ctx = self.ctx;
         let vhost = &ctx.vhost;
         // The vhost's default queue type stands in for a missing x-queue-type on queues a
@@ -227,6 +248,17 @@ impl Call<'_> {
         let ctx = self.ctx;
         let name = expand_queue_name(self.chan, p.queue.as_str())?;
         ctx.allow(Perm::Read, Resource::Queue, &name)?;
+        if ctx.vhost.queue(&name).is_none()
+            && let Some(set) = ctx.vhost.partitioned(&name)
+        {
+            let n = self.purge_partitioned(&set)?;
+            if !p.nowait {
+                self.reply(AMQPClass::Queue(queue::AMQPMethod::PurgeOk(
+                    queue::PurgeOk { message_count: n },
+                )));
+            }
+            return Ok(());
+        }
         let q = usable_queue(ctx, &name)?;
         if q.is_stream {
             // rabbit_stream_queue:purge is not supported (rabbitmq-server#2483).
@@ -248,7 +280,10 @@ impl Call<'_> {
         let name = expand_queue_name(self.chan, d.queue.as_str())?;
         ctx.allow(Perm::Configure, Resource::Queue, &name)?;
         let count = match vhost.queue(&name) {
-            None => 0,
+            None => match vhost.partitioned(&name) {
+                Some(set) => self.delete_partitioned(&d, &name, &set)?,
+                None => 0,
+            },
             Some(_) => {
                 let q = usable_queue(ctx, &name)?;
                 let c = q.counts();

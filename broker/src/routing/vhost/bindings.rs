@@ -18,7 +18,14 @@ impl VHost {
     pub(super) fn binding_is_durable(t: &Topology, source: &Exchange, dest: &Destination) -> bool {
         source.durable
             && match dest {
-                Destination::Queue(q) => t.queues.get(q).is_some_and(|q| q.is_stored()),
+                Destination::Queue(q) => match t.queues.get(q) {
+                    Some(q) => q.is_stored(),
+                    // A partitioned queue: as durable as its partitions.
+                    None => t
+                        .partitions
+                        .get(q)
+                        .is_some_and(|p| p.queues().any(|q| q.is_stored())),
+                },
                 Destination::Exchange(e) => t.exchanges.get(e).is_some_and(|e| e.durable),
             }
     }
@@ -27,7 +34,7 @@ impl VHost {
     pub fn restore_binding(&self, b: BindingRecord) -> bool {
         let mut t = self.topology.write();
         let dest_exists = match &b.destination {
-            Destination::Queue(q) => t.queues.contains_key(q),
+            Destination::Queue(q) => t.has_queue(q),
             Destination::Exchange(e) => t.exchanges.contains_key(e),
         };
         match t.exchanges.get_mut(&b.source) {
@@ -193,7 +200,7 @@ impl VHost {
             return Err(default_refused());
         }
         match dest {
-            Destination::Queue(q) if !t.queues.contains_key(q) => {
+            Destination::Queue(q) if !t.has_queue(q) => {
                 return Err(self.not_found("queue", q));
             }
             Destination::Exchange(e) if !t.exchanges.contains_key(e) => {

@@ -36,6 +36,29 @@ use crate::queue::Queue;
 pub struct Topology {
     exchanges: HashMap<String, Exchange>,
     queues: HashMap<String, Arc<Queue>>,
+    /// Partitioned queues, rebuilt from the partitions in `queues` (kept in step by
+    /// [`Topology::insert_queue`] and [`Topology::remove_queue`]).
+    partitions: crate::routing::partitions::PartitionIndex,
+}
+
+impl Topology {
+    /// Add a queue (and note it if it is a partition).
+    fn insert_queue(&mut self, queue: Arc<Queue>) {
+        self.partitions.added(&queue);
+        self.queues.insert(queue.name.clone(), queue);
+    }
+
+    /// Remove this very queue. Returns the logical name if it was the last partition of a
+    /// partitioned queue (whose bindings must go too).
+    fn remove_queue(&mut self, queue: &Arc<Queue>) -> Option<String> {
+        self.queues.remove(&queue.name);
+        self.partitions.removed(queue)
+    }
+
+    /// Whether `name` is a queue or a partitioned queue (a binding may lead to either).
+    fn has_queue(&self, name: &str) -> bool {
+        self.queues.contains_key(name) || self.partitions.get(name).is_some()
+    }
 }
 
 /// One vhost.

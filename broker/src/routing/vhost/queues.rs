@@ -52,7 +52,7 @@ impl VHost {
         if t.queues.contains_key(&queue.name) {
             return false;
         }
-        t.queues.insert(queue.name.clone(), queue);
+        t.insert_queue(queue);
         self.stats.event(Lifecycle::QueueCreated);
         true
     }
@@ -73,10 +73,19 @@ impl VHost {
 
     /// Put back a durable queue recovered from the store.
     pub fn restore_queue(&self, queue: Arc<Queue>) {
-        self.topology
-            .write()
-            .queues
-            .insert(queue.name.clone(), queue);
+        self.topology.write().insert_queue(queue);
+    }
+
+    /// The partitioned queue named `name` (a snapshot of its spec and partitions).
+    #[must_use]
+    pub fn partitioned(&self, name: &str) -> Option<crate::routing::partitions::PartitionSet> {
+        self.topology.read().partitions.get(name).cloned()
+    }
+
+    /// The names of the vhost's partitioned queues, sorted.
+    #[must_use]
+    pub fn partitioned_names(&self) -> Vec<String> {
+        self.topology.read().partitions.names()
     }
 
     /// A queue by name.
@@ -164,8 +173,7 @@ impl VHost {
             };
             self.submit(vec![record.put()], on_commit);
         }
-        t.queues
-            .insert(candidate.name.clone(), Arc::clone(&candidate));
+        t.insert_queue(Arc::clone(&candidate));
         drop(t);
         self.stats.event(Lifecycle::QueueCreated);
         if let Some(cluster) = self.cluster() {
@@ -236,14 +244,23 @@ impl VHost {
             return Some(ready);
         }
         let mut t = self.topology.write();
-        match t.queues.get(&queue.name) {
+        let logical_gone = match t.queues.get(&queue.name) {
             Some(q) if Arc::ptr_eq(q, queue) && still(queue) => {
-                t.queues.remove(&queue.name);
                 self.stats.event(Lifecycle::QueueDeleted);
+                t.remove_queue(queue)
             }
             _ => return None,
-        }
+        };
         let mut ops = Vec::new();
+        if let Some(logical) = logical_gone {
+            // The last partition went: so does the partitioned queue, and bindings to it.
+            self.remove_destination(
+                &mut t,
+                &Destination::Queue(logical),
+                queue.is_stored(),
+                &mut ops,
+            );
+        }
         if queue.is_stored() {
             ops.push(Op::Delete {
                 table: MetaTable::Queues,
@@ -288,14 +305,17 @@ impl VHost {
     /// consumers here get basic.cancel.
     pub fn drop_replicated(&self, queue: &Arc<Queue>) {
         let mut t = self.topology.write();
-        match t.queues.get(&queue.name) {
+        let logical_gone = match t.queues.get(&queue.name) {
             Some(q) if Arc::ptr_eq(q, queue) => {
-                t.queues.remove(&queue.name);
                 self.stats.event(Lifecycle::QueueDeleted);
+                t.remove_queue(queue)
             }
             _ => return,
-        }
+        };
         let mut ops = Vec::new();
+        if let Some(logical) = logical_gone {
+            self.remove_destination(&mut t, &Destination::Queue(logical), false, &mut ops);
+        }
         self.remove_destination(
             &mut t,
             &Destination::Queue(queue.name.clone()),

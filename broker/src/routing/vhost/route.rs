@@ -55,6 +55,10 @@ impl VHost {
             // The default exchange binds every queue by its name.
             if let Some(q) = t.queues.get(routing_key) {
                 out.push(Arc::clone(q));
+            } else if let Some(p) = t.partitions.get(routing_key)
+                && let Some(q) = p.route(routing_key, headers)
+            {
+                out.push(Arc::clone(q));
             }
             return Ok(());
         }
@@ -93,11 +97,29 @@ impl VHost {
         }
         queue_names.sort_unstable();
         queue_names.dedup();
-        out.extend(
-            queue_names
-                .into_iter()
-                .filter_map(|q| t.queues.get(q).cloned()),
-        );
+        let start = out.len();
+        out.extend(queue_names.into_iter().filter_map(|q| {
+            match t.queues.get(q) {
+                Some(q) => Some(Arc::clone(q)),
+                None => t
+                    .partitions
+                    .get(q)
+                    .and_then(|p| p.route(routing_key, headers))
+                    .cloned(),
+            }
+        }));
+        if out.len() - start > 1 {
+            // A partition may also be bound directly: one copy each.
+            let mut seen = HashSet::new();
+            let mut i = start;
+            while i < out.len() {
+                if seen.insert(Arc::as_ptr(&out[i])) {
+                    i += 1;
+                } else {
+                    out.swap_remove(i);
+                }
+            }
+        }
         Ok(())
     }
 }
