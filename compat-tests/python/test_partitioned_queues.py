@@ -205,3 +205,51 @@ def test_a_partitioned_queue_survives_a_restart(tmp_path):
         c.close()
         after = placements(w["port"])
     assert len(before) == 50 and after == before
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_a_consumer_of_the_logical_name_gets_every_partition(conn, names, kind):
+    """Without a consumer group a consumer of the logical name is subscribed to each partition;
+    its acks settle in the partition a message came from; cancelling leaves them all."""
+    ch = conn.channel()
+    name = names.q("all")
+    declare(ch, name, 3, kind, key="header:k")
+    ch.confirm_delivery()
+    for i in range(30):
+        ch.basic_publish("", name, f"m{i}".encode(),
+                         pika.BasicProperties(headers={"k": f"key{i}"}, delivery_mode=2))
+    got = []
+    ch.basic_qos(prefetch_count=50)
+    args = {"x-stream-offset": "first"} if kind == "stream" else {}
+    for m, _props, body in ch.consume(name, arguments=args, inactivity_timeout=5):
+        assert m is not None, f"only {len(got)} of 30 arrived"
+        got.append(body.decode())
+        ch.basic_ack(m.delivery_tag)
+        if len(got) == 30:
+            break
+    assert sorted(got) == sorted(f"m{i}" for i in range(30))
+    consumers = ch.queue_declare(name, passive=True).method.consumer_count
+    assert consumers == 3, "one subscription per partition"
+    ch.cancel()
+    assert ch.queue_declare(name, passive=True).method.consumer_count == 0
+    if kind != "stream":
+        assert ch.queue_declare(name, passive=True).method.message_count == 0, "acks settled"
+
+
+def test_unacked_deliveries_of_a_logical_consumer_return_when_its_channel_closes(conn, names):
+    name = names.q("ret")
+    ch = conn.channel()
+    declare(ch, name, 2, "quorum", key="header:k")
+    ch.confirm_delivery()
+    for i in range(6):
+        ch.basic_publish("", name, b"x", pika.BasicProperties(headers={"k": f"{i}"}))
+    worker = conn.channel()
+    worker.basic_qos(prefetch_count=10)
+    seen = 0
+    for m, _p, _b in worker.consume(name, inactivity_timeout=5):
+        assert m is not None
+        seen += 1
+        if seen == 6:
+            break
+    worker.close()
+    assert ch.queue_declare(name, passive=True).method.message_count == 6

@@ -138,36 +138,45 @@ impl Call<'_> {
         }
         let qname = expand_queue_name(self.chan, c.queue.as_str())?;
         ctx.allow(Perm::Read, Resource::Queue, &qname)?;
-        let q = usable_queue(ctx, &qname)?;
-        if q.is_stream && q.stream().is_none() {
-            return Err(AmqpError::connection(
-                ReplyCode::InternalError,
-                format!(
-                    "the files of stream {} could not be opened",
-                    rs("queue", &q.name, &ctx.vhost.name)
-                ),
-            ));
+        // A partitioned queue's consumer subscribes to every partition.
+        let targets: Vec<Arc<Queue>> = match ctx.vhost.queue(&qname) {
+            None => match ctx.vhost.partitioned(&qname) {
+                Some(set) if set.queues().next().is_some() => set.queues().cloned().collect(),
+                _ => vec![usable_queue(ctx, &qname)?],
+            },
+            Some(_) => vec![usable_queue(ctx, &qname)?],
+        };
+        for q in &targets {
+            if q.is_stream && q.stream().is_none() {
+                return Err(AmqpError::connection(
+                    ReplyCode::InternalError,
+                    format!(
+                        "the files of stream {} could not be opened",
+                        rs("queue", &q.name, &ctx.vhost.name)
+                    ),
+                ));
+            }
+            if (q.is_quorum || q.is_stream) && self.chan.prefetch_channel > 0 {
+                // rabbit_quorum_queue and rabbit_stream_queue refuse consumers under a
+                // channel-wide (global) QoS.
+                return Err(AmqpError::connection(
+                    ReplyCode::NotImplemented,
+                    format!(
+                        "{} does not support global qos",
+                        rs("queue", &q.name, &ctx.vhost.name)
+                    ),
+                ));
+            }
         }
-        let stream_spec = match q.stream() {
+        let stream_spec = match targets[0].stream() {
             Some(_) => Some(crate::stream::reader::consume_spec(
                 &c.arguments,
                 u16::try_from(self.chan.prefetch_consumer).unwrap_or(u16::MAX),
                 c.no_ack,
-                &rs("queue", &q.name, &ctx.vhost.name),
+                &rs("queue", &qname, &ctx.vhost.name),
             )?),
             None => None,
         };
-        if (q.is_quorum || q.is_stream) && self.chan.prefetch_channel > 0 {
-            // rabbit_quorum_queue and rabbit_stream_queue refuse consumers under a
-            // channel-wide (global) QoS.
-            return Err(AmqpError::connection(
-                ReplyCode::NotImplemented,
-                format!(
-                    "{} does not support global qos",
-                    rs("queue", &q.name, &ctx.vhost.name)
-                ),
-            ));
-        }
         let tag = if c.consumer_tag.as_str().is_empty() {
             ctx.broker.unique_name("amq.ctag-")
         } else {
@@ -213,57 +222,55 @@ impl Call<'_> {
             priority,
             limited: !c.no_ack && self.chan.prefetch_channel > 0,
         };
-        if let (Some(stream), Some(stream_spec)) = (q.stream(), &stream_spec) {
-            stream.consume(
-                id,
-                stream_spec,
-                u16::try_from(prefetch).unwrap_or(u16::MAX),
-                ConsumerSink {
-                    outbox: Arc::clone(&ctx.outbox),
-                    channel: ch,
-                    limiter: None,
-                },
-                crate::timers::wall_ms(),
-            )?;
-            self.chan.consumers.insert(
-                tag.clone(),
-                ConsumerEntry {
-                    id,
-                    queue: Arc::clone(&q),
-                    no_ack: false,
-                    exclusive: c.exclusive,
-                    arguments: c.arguments.clone(),
-                    prefetch,
-                },
-            );
-            self.consume_ok(c.nowait, &tag);
-            return Ok(());
-        }
         self.chan.consumers.insert(
             tag.clone(),
             ConsumerEntry {
                 id,
-                queue: Arc::clone(&q),
-                no_ack: c.no_ack,
+                queue: Arc::clone(&targets[0]),
+                // A stream acks through credit: its deliveries are tracked as acked ones.
+                no_ack: c.no_ack && stream_spec.is_none(),
                 exclusive: c.exclusive,
                 arguments: c.arguments.clone(),
                 prefetch,
+                also: targets[1..].to_vec(),
             },
         );
-        if let Err(MachineError::ExclusiveInUse | MachineError::DuplicateConsumer) = q.consume(
-            id,
-            spec,
-            ConsumerSink {
+        for q in &targets {
+            let sink = ConsumerSink {
                 outbox: Arc::clone(&ctx.outbox),
                 channel: ch,
-                limiter: (!c.no_ack).then(|| Arc::clone(&self.chan.limiter)),
-            },
-        ) {
-            self.chan.consumers.remove(&tag);
-            return Err(AmqpError::channel(
-                ReplyCode::AccessRefused,
-                format!("{} in exclusive use", rs("queue", &q.name, &ctx.vhost.name)),
-            ));
+                limiter: (!c.no_ack && stream_spec.is_none())
+                    .then(|| Arc::clone(&self.chan.limiter)),
+            };
+            let refused = match (q.stream(), &stream_spec) {
+                (Some(stream), Some(stream_spec)) => stream
+                    .consume(
+                        id,
+                        stream_spec,
+                        u16::try_from(prefetch).unwrap_or(u16::MAX),
+                        sink,
+                        crate::timers::wall_ms(),
+                    )
+                    .err(),
+                _ => match q.consume(id, spec, sink) {
+                    Err(MachineError::ExclusiveInUse | MachineError::DuplicateConsumer) => {
+                        Some(AmqpError::channel(
+                            ReplyCode::AccessRefused,
+                            format!("{} in exclusive use", rs("queue", &q.name, &ctx.vhost.name)),
+                        ))
+                    }
+                    _ => None,
+                },
+            };
+            if let Some(e) = refused {
+                // Leave the partitions already subscribed to.
+                if let Some(entry) = self.chan.consumers.remove(&tag) {
+                    for q in entry.cancel() {
+                        ctx.vhost.delete_queue(&q, &mut || ctx.on_commit());
+                    }
+                }
+                return Err(e);
+            }
         }
         // Deliveries reach the socket only when the outbox is drained, after this reply.
         self.consume_ok(c.nowait, &tag);
@@ -280,11 +287,10 @@ impl Call<'_> {
         {
             ctx.vhost.replies.unregister(&name);
         }
-        if let Some(entry) = self.chan.consumers.remove(c.consumer_tag.as_str())
-            && entry.queue.cancel(entry.id)
-        {
-            ctx.vhost
-                .delete_queue(&entry.queue, &mut || ctx.on_commit());
+        if let Some(entry) = self.chan.consumers.remove(c.consumer_tag.as_str()) {
+            for q in entry.cancel() {
+                ctx.vhost.delete_queue(&q, &mut || ctx.on_commit());
+            }
         }
         if !c.nowait {
             self.reply(AMQPClass::Basic(basic::AMQPMethod::CancelOk(

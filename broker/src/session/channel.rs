@@ -105,10 +105,10 @@ impl Session {
             });
         }
         for (_, c) in chan.consumers {
-            if c.queue.cancel(c.id) {
+            for q in c.cancel() {
                 self.ctx
                     .vhost
-                    .delete_queue(&c.queue, &mut || self.ctx.on_commit());
+                    .delete_queue(&q, &mut || self.ctx.on_commit());
             }
         }
         let mut pending: Vec<Unacked> = chan.unacked.into_values().collect();
@@ -200,11 +200,11 @@ impl Session {
                     .map(|(t, _)| t.clone())
                     && let Some(entry) = chan.consumers.remove(&tag)
                 {
-                    if entry.queue.cancel(entry.id) {
+                    for q in entry.cancel() {
                         // Its last consumer left an auto-delete queue.
                         self.ctx
                             .vhost
-                            .delete_queue(&entry.queue, &mut || self.ctx.on_commit());
+                            .delete_queue(&q, &mut || self.ctx.on_commit());
                     }
                     out.method(
                         *ch,

@@ -217,7 +217,14 @@ impl Session {
         else {
             return;
         };
-        chan.consumers.remove(&tag);
+        if let Some(entry) = chan.consumers.remove(&tag) {
+            // A consumer of a partitioned queue leaves every partition when one cancels it.
+            for q in entry.cancel() {
+                self.ctx
+                    .vhost
+                    .delete_queue(&q, &mut || self.ctx.on_commit());
+            }
+        }
         if self.ctx.cancel_notify {
             out.method(
                 ch,

@@ -133,6 +133,26 @@ struct ConsumerEntry {
     arguments: FieldTable,
     /// The channel's per-consumer prefetch when it subscribed.
     prefetch: u32,
+    /// A consumer of a partitioned queue: the other partitions it is subscribed to (with the
+    /// same consumer id, which is per queue), beside `queue`.
+    also: Vec<Arc<Queue>>,
+}
+
+impl ConsumerEntry {
+    /// Every queue this consumer is subscribed to.
+    fn subscriptions(&self) -> impl Iterator<Item = &Arc<Queue>> {
+        std::iter::once(&self.queue).chain(self.also.iter())
+    }
+
+    /// Cancel every subscription. Returns the auto-delete queues whose last consumer this was
+    /// (the caller deletes them).
+    #[must_use]
+    fn cancel(&self) -> Vec<Arc<Queue>> {
+        self.subscriptions()
+            .filter(|q| q.cancel(self.id))
+            .cloned()
+            .collect()
+    }
 }
 
 #[derive(Debug, Clone)]
