@@ -27,6 +27,7 @@ pub mod args;
 pub mod deadletter;
 pub mod durable;
 pub mod exchange;
+pub mod groups;
 pub mod limits;
 pub mod message;
 pub mod node;
