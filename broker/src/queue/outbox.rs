@@ -90,6 +90,17 @@ pub enum Outbound {
         /// count; None: the queue was empty.
         got: Option<crate::queue::Got>,
     },
+    /// A consumer-group assignment or revocation for a member on this connection.
+    Group {
+        /// Channel of the member.
+        channel: u16,
+        /// That channel's incarnation.
+        epoch: u64,
+        /// The member's consumer id.
+        consumer: ConsumerId,
+        /// What to do.
+        effect: crate::groups::GroupEffect,
+    },
     /// A metadata change (or tx commit) this connection waits for is durable (`ok`) or failed.
     Committed {
         /// Whether the store committed it.

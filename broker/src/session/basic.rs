@@ -70,7 +70,9 @@ impl Call<'_> {
             let wake = self.chan.limiter.set_limit(after);
             if (before == 0) != (after == 0) {
                 for c in self.chan.consumers.values().filter(|c| !c.no_ack) {
-                    c.queue.set_limited(c.id, after > 0);
+                    for q in &c.subscriptions {
+                        q.set_limited(c.id, after > 0);
+                    }
                 }
             }
             wake.run();
@@ -138,7 +140,9 @@ impl Call<'_> {
         }
         let qname = expand_queue_name(self.chan, c.queue.as_str())?;
         ctx.allow(Perm::Read, Resource::Queue, &qname)?;
-        // A partitioned queue's consumer subscribes to every partition.
+        let group = super::group::requested_group(ctx, &c, &qname)?;
+        // A partitioned queue's consumer subscribes to every partition (a group member only to
+        // those the group assigns it, as they are assigned).
         let targets: Vec<Arc<Queue>> = match ctx.vhost.queue(&qname) {
             None => match ctx.vhost.partitioned(&qname) {
                 Some(set) if set.queues().next().is_some() => set.queues().cloned().collect(),
@@ -226,15 +230,26 @@ impl Call<'_> {
             tag.clone(),
             ConsumerEntry {
                 id,
-                queue: Arc::clone(&targets[0]),
+                queue_name: qname.clone(),
+                subscriptions: if group.is_some() {
+                    Vec::new()
+                } else {
+                    targets.clone()
+                },
                 // A stream acks through credit: its deliveries are tracked as acked ones.
                 no_ack: c.no_ack && stream_spec.is_none(),
                 exclusive: c.exclusive,
                 arguments: c.arguments.clone(),
                 prefetch,
-                also: targets[1..].to_vec(),
+                spec,
+                group: group.as_ref().map(|(key, _)| key.clone()),
             },
         );
+        if let Some((key, set)) = group {
+            super::group::join(ctx, self.chan, ch, &tag, id, key, &set);
+            self.consume_ok(c.nowait, &tag);
+            return Ok(());
+        }
         for q in &targets {
             let sink = ConsumerSink {
                 outbox: Arc::clone(&ctx.outbox),
@@ -265,9 +280,7 @@ impl Call<'_> {
             if let Some(e) = refused {
                 // Leave the partitions already subscribed to.
                 if let Some(entry) = self.chan.consumers.remove(&tag) {
-                    for q in entry.cancel() {
-                        ctx.vhost.delete_queue(&q, &mut || ctx.on_commit());
-                    }
+                    ctx.consumer_gone(Some(self.chan), &entry);
                 }
                 return Err(e);
             }
@@ -288,9 +301,7 @@ impl Call<'_> {
             ctx.vhost.replies.unregister(&name);
         }
         if let Some(entry) = self.chan.consumers.remove(c.consumer_tag.as_str()) {
-            for q in entry.cancel() {
-                ctx.vhost.delete_queue(&q, &mut || ctx.on_commit());
-            }
+            ctx.consumer_gone(Some(self.chan), &entry);
         }
         if !c.nowait {
             self.reply(AMQPClass::Basic(basic::AMQPMethod::CancelOk(

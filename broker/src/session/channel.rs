@@ -105,11 +105,8 @@ impl Session {
             });
         }
         for (_, c) in chan.consumers {
-            for q in c.cancel() {
-                self.ctx
-                    .vhost
-                    .delete_queue(&q, &mut || self.ctx.on_commit());
-            }
+            // The channel's unacked deliveries all return below.
+            self.ctx.consumer_gone(None, &c);
         }
         let mut pending: Vec<Unacked> = chan.unacked.into_values().collect();
         if let Mode::Tx(buf) = chan.mode {
@@ -200,12 +197,8 @@ impl Session {
                     .map(|(t, _)| t.clone())
                     && let Some(entry) = chan.consumers.remove(&tag)
                 {
-                    for q in entry.cancel() {
-                        // Its last consumer left an auto-delete queue.
-                        self.ctx
-                            .vhost
-                            .delete_queue(&q, &mut || self.ctx.on_commit());
-                    }
+                    // Its last consumer may have left an auto-delete queue.
+                    self.ctx.consumer_gone(Some(chan), &entry);
                     out.method(
                         *ch,
                         &AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {

@@ -27,6 +27,12 @@ impl Session {
                 Outbound::Cancel { channel, consumer } => {
                     self.consumer_cancelled(channel, consumer, out)
                 }
+                Outbound::Group {
+                    channel,
+                    epoch,
+                    consumer,
+                    effect,
+                } => self.group_effect(channel, epoch, consumer, effect),
                 Outbound::StreamReady {
                     queue, consumer, ..
                 } => {
@@ -219,11 +225,7 @@ impl Session {
         };
         if let Some(entry) = chan.consumers.remove(&tag) {
             // A consumer of a partitioned queue leaves every partition when one cancels it.
-            for q in entry.cancel() {
-                self.ctx
-                    .vhost
-                    .delete_queue(&q, &mut || self.ctx.on_commit());
-            }
+            self.ctx.consumer_gone(Some(chan), &entry);
         }
         if self.ctx.cancel_notify {
             out.method(

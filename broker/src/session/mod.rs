@@ -29,6 +29,7 @@ mod common;
 mod confirm;
 mod deliver;
 mod exchange;
+mod group;
 mod lease;
 mod partitioned;
 mod publish;
@@ -124,7 +125,12 @@ impl Ctx {
 #[derive(Debug)]
 struct ConsumerEntry {
     id: ConsumerId,
-    queue: Arc<Queue>,
+    /// The queue named in basic.consume (a partitioned queue's logical name).
+    queue_name: String,
+    /// The queues it is subscribed to, all with consumer id `id` (ids are per queue): the
+    /// queue; every partition of a partitioned queue; a group member's assigned partitions
+    /// (none while it waits for an assignment).
+    subscriptions: Vec<Arc<Queue>>,
     no_ack: bool,
     /// basic.consume's `exclusive`, for the management API.
     exclusive: bool,
@@ -133,22 +139,19 @@ struct ConsumerEntry {
     arguments: FieldTable,
     /// The channel's per-consumer prefetch when it subscribed.
     prefetch: u32,
-    /// A consumer of a partitioned queue: the other partitions it is subscribed to (with the
-    /// same consumer id, which is per queue), beside `queue`.
-    also: Vec<Arc<Queue>>,
+    /// How it subscribes (a group member subscribes again on each assignment).
+    spec: crate::queue::machine::ConsumerSpec,
+    /// The consumer group it is a member of (`x-consumer-group`).
+    group: Option<crate::groups::GroupKey>,
 }
 
 impl ConsumerEntry {
-    /// Every queue this consumer is subscribed to.
-    fn subscriptions(&self) -> impl Iterator<Item = &Arc<Queue>> {
-        std::iter::once(&self.queue).chain(self.also.iter())
-    }
-
     /// Cancel every subscription. Returns the auto-delete queues whose last consumer this was
     /// (the caller deletes them).
     #[must_use]
     fn cancel(&self) -> Vec<Arc<Queue>> {
-        self.subscriptions()
+        self.subscriptions
+            .iter()
             .filter(|q| q.cancel(self.id))
             .cloned()
             .collect()
@@ -442,7 +445,7 @@ impl Session {
                     .iter()
                     .map(|(tag, e)| crate::node::connections::ConsumerInfo {
                         tag: tag.clone(),
-                        queue: e.queue.name.clone(),
+                        queue: e.queue_name.clone(),
                         ack_required: !e.no_ack,
                         exclusive: e.exclusive,
                         arguments: e.arguments.clone(),

@@ -26,6 +26,7 @@ mod bindings;
 mod commit;
 mod common;
 pub(crate) mod connections;
+mod consumer_groups;
 mod consumers;
 mod definitions;
 mod exchanges;
@@ -304,6 +305,15 @@ pub fn router(state: AppState) -> Router {
         .route(
             "/v1/queues/{vhost}/{queue}/redrive",
             axum::routing::post(v1_redrives::start),
+        )
+        .route("/api/consumer-groups", get(consumer_groups::list_all))
+        .route(
+            "/api/consumer-groups/{vhost}",
+            get(consumer_groups::list_vhost),
+        )
+        .route(
+            "/api/consumer-groups/{vhost}/{queue}",
+            get(consumer_groups::list_queue),
         )
         .route(
             "/api/stream/super-streams/{vhost}/{name}",

@@ -128,10 +128,18 @@ pub struct Broker {
     local_listings: std::sync::OnceLock<Arc<dyn crate::node::connections::LocalListings>>,
     /// Redrive tasks (moving messages out of dead-letter queues).
     redrives: crate::node::redrive::Redrives,
+    /// Consumer groups of partitioned queues.
+    groups: crate::node::groups::Groups,
 }
 
 impl Broker {
-    /// The node's redrive tasks.
+    /// The node's consumer groups.
+    #[must_use]
+    pub fn groups(&self) -> &crate::node::groups::Groups {
+        &self.groups
+    }
+
+    /// The redrives this node runs.
     #[must_use]
     pub fn redrives(&self) -> &crate::node::redrive::Redrives {
         &self.redrives
@@ -201,6 +209,7 @@ impl Broker {
             cluster: std::sync::OnceLock::new(),
             local_listings: std::sync::OnceLock::new(),
             redrives: crate::node::redrive::Redrives::default(),
+            groups: crate::node::groups::Groups::default(),
         };
         b.vhosts.write().insert(
             "/".into(),
