@@ -236,3 +236,28 @@ def test_rebalancing_under_load_loses_nothing_and_keeps_key_order(connect, api, 
     for k in keys:
         fresh = [n for kk, n, red in got if kk == k and not red]
         assert fresh == sorted(fresh), f"{k}: {fresh}"
+
+
+def test_prometheus_shows_members_epoch_and_lag(connect, api, names, prometheus_url):
+    import requests
+    name = names.q("prom")
+    pub = connect().channel()
+    declare(pub, name, 3)
+    pub.confirm_delivery()
+    publish(pub, name, [f"k{i}" for i in range(9)], 2)
+    c = connect()
+    c.channel().basic_consume(name, lambda *a: None, consumer_tag="only",
+                              arguments={"x-consumer-group": "pg", "x-priority": 0})
+    wait_until(c, lambda: settled(api, name, ["only"]))
+    text = requests.get(prometheus_url + "/metrics", timeout=10).text
+    labels = f'{{vhost="/",queue="{name}",group="pg"}}'
+    assert f"warren_consumer_group_members{labels} 1" in text
+    epoch = groups(api, name)[0]["epoch"]
+    assert f"warren_consumer_group_epoch{labels} {epoch}" in text
+    # The member has not acked (a prefetch of 0 takes them all): nothing is ready, no lag.
+    assert f"warren_consumer_group_lag_messages{labels} 0" in text
+    assert (f'warren_consumer_group_partition_lag_messages{{vhost="/",queue="{name}",group="pg",'
+            'partition="2"} 0') in text
+    c.close()
+    text = requests.get(prometheus_url + "/metrics", timeout=10).text
+    assert f"warren_consumer_group_members{labels}" not in text, "the group went with its member"

@@ -30,6 +30,7 @@ use crate::AppState;
 use node::{identity, node};
 use queues::{Family, OLDEST_READY, OLDEST_READY_HELP, QUEUE_SERIES, oldest_ready_seconds, queues};
 
+mod groups;
 mod node;
 mod queues;
 mod raft;

@@ -128,4 +128,5 @@ pub(super) fn queues(state: &AppState, s: &mut Scrape, rows: &[QueueRow], per_ob
     s.set("rabbitmq_queues", "Queues available", rows.len() as f64);
     raft(state, s, rows, labels, per_object);
     streams(s, rows);
+    super::groups::groups(state, s);
 }
