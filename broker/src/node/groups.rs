@@ -162,3 +162,21 @@ impl Groups {
             .collect()
     }
 }
+
+/// How far group `group` is behind on partition `queue`: a queue's ready messages (what no
+/// member has been given yet); a stream's messages after the group's tracked offset (all it
+/// holds while the group has none).
+#[must_use]
+pub fn partition_lag(queue: &crate::queue::Queue, group: &str) -> u64 {
+    match queue.stream() {
+        Some(stream) => {
+            let stats = stream.stats(crate::timers::wall_ms());
+            stats
+                .tracked
+                .iter()
+                .find(|t| t.name == group)
+                .map_or(stats.messages, |t| t.lag.messages)
+        }
+        None => u64::from(queue.counts().messages),
+    }
+}

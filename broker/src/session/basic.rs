@@ -243,6 +243,14 @@ impl Call<'_> {
                 prefetch,
                 spec,
                 group: group.as_ref().map(|(key, _)| key.clone()),
+                // A group reads each partition stream under its own name: its offset per
+                // partition is kept by the stream, and whoever owns the partition next resumes
+                // there (`x-stream-offset` only says where a group with no offset yet starts).
+                stream_spec: group.as_ref().and(stream_spec.clone()).map(|mut s| {
+                    s.name = group.as_ref().map(|(key, _)| key.group.clone());
+                    s.explicit_offset = false;
+                    s
+                }),
             },
         );
         if let Some((key, set)) = group {

@@ -59,12 +59,6 @@ pub(super) fn requested_group(
             "consumer groups are not yet available in a cluster",
         ));
     }
-    if set.queues().any(|q| q.is_stream) {
-        return Err(AmqpError::connection(
-            ReplyCode::NotImplemented,
-            "consumer groups of partitioned streams are not yet available",
-        ));
-    }
     Ok(Some((
         GroupKey {
             vhost: ctx.vhost.name.clone(),
@@ -179,12 +173,33 @@ impl Session {
                 if entry.subscriptions.iter().any(|s| Arc::ptr_eq(s, &q)) {
                     return;
                 }
-                let sink = ConsumerSink {
-                    outbox: Arc::clone(&self.ctx.outbox),
-                    channel: ch,
-                    limiter: (!entry.no_ack).then_some(limiter),
+                let subscribed = match (q.stream(), &entry.stream_spec) {
+                    (Some(stream), Some(spec)) => stream
+                        .consume(
+                            consumer,
+                            spec,
+                            u16::try_from(entry.prefetch).unwrap_or(u16::MAX),
+                            ConsumerSink {
+                                outbox: Arc::clone(&self.ctx.outbox),
+                                channel: ch,
+                                limiter: None,
+                            },
+                            crate::timers::wall_ms(),
+                        )
+                        .is_ok(),
+                    _ => q
+                        .consume(
+                            consumer,
+                            entry.spec,
+                            ConsumerSink {
+                                outbox: Arc::clone(&self.ctx.outbox),
+                                channel: ch,
+                                limiter: (!entry.no_ack).then_some(limiter),
+                            },
+                        )
+                        .is_ok(),
                 };
-                if q.consume(consumer, entry.spec, sink).is_ok() {
+                if subscribed {
                     entry.subscriptions.push(q);
                 }
             }

@@ -143,6 +143,9 @@ struct ConsumerEntry {
     spec: crate::queue::machine::ConsumerSpec,
     /// The consumer group it is a member of (`x-consumer-group`).
     group: Option<crate::groups::GroupKey>,
+    /// How a group member reads a partition stream it is assigned (tracked under the group's
+    /// name, so the next owner resumes where the group was).
+    stream_spec: Option<crate::stream::reader::ConsumeSpec>,
 }
 
 impl ConsumerEntry {

@@ -1,6 +1,7 @@
 //! `/api/consumer-groups[/{vhost}[/{queue}]]` (Warren): the consumer groups of partitioned
 //! queues: members (consumer tag, connection, channel, partitions), each partition's owner
-//! and lag (its ready messages: what no member has been given yet), the total lag, and the
+//! and lag (a queue's ready messages; a stream's messages after the group's offset), the
+//! total lag, and the
 //! group's epoch (bumped on every assignment).
 
 use axum::extract::{Path, State};
@@ -26,7 +27,9 @@ fn group_json(state: &AppState, g: &GroupInfo) -> Value {
             let queue = set
                 .as_ref()
                 .and_then(|s| s.members.get(i).cloned().flatten());
-            let lag = queue.as_ref().map_or(0, |q| u64::from(q.counts().messages));
+            let lag = queue.as_ref().map_or(0, |q| {
+                warren_broker::node::groups::partition_lag(q, &g.key.group)
+            });
             total += lag;
             let index = u32::try_from(i).unwrap_or(u32::MAX);
             json!({

@@ -25,12 +25,12 @@ pub(super) fn groups(state: &AppState, s: &Scrape) {
         ),
         s.gauge(
             "warren_consumer_group_lag_messages",
-            "Ready messages over a consumer group's partitions",
+            "Messages over a consumer group's partitions it has not been given",
             &labels,
         ),
         s.gauge(
             "warren_consumer_group_partition_lag_messages",
-            "Ready messages of one partition of a consumer group's queue",
+            "Messages of one partition a consumer group has not been given (a stream: after the group's offset)",
             &["vhost", "queue", "group", "partition"],
         ),
     ) else {
@@ -50,7 +50,9 @@ pub(super) fn groups(state: &AppState, s: &Scrape) {
             .and_then(|vh| vh.partitioned(&g.key.queue));
         let mut total = 0.0;
         for (i, q) in set.iter().flat_map(|s| s.members.iter().enumerate()) {
-            let ready = q.as_ref().map_or(0.0, |q| f64::from(q.counts().messages));
+            let ready = q.as_ref().map_or(0.0, |q| {
+                warren_broker::node::groups::partition_lag(q, &g.key.group) as f64
+            });
             total += ready;
             let index = i.to_string();
             partition_lag
