@@ -119,6 +119,11 @@ pub enum MetaChange {
         /// Its id there.
         id: u64,
     },
+    /// A consumer-group command (join, leave, release, node down), applied by every node to
+    /// its copy of the group table in log order.
+    Group(warren_broker::groups::GroupCommand),
+    /// The whole group table (a snapshot carries it; never proposed).
+    GroupTable(Vec<u8>),
 }
 
 /// The replies to one entry's commands, in order.

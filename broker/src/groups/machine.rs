@@ -57,6 +57,8 @@ pub enum GroupCommand {
         member: MemberId,
         /// The queue's partition count (used when the group is new).
         partitions: u32,
+        /// Its consumer tag (shown in listings on every node).
+        tag: String,
     },
     /// A consumer left, its deliveries already returned.
     Leave {
@@ -125,6 +127,8 @@ pub enum Slot {
 pub struct Group {
     /// Members in join order.
     members: Vec<MemberId>,
+    /// Their consumer tags, by the same index.
+    tags: Vec<String>,
     /// One slot per partition.
     slots: Vec<Slot>,
     /// The epoch of its last assignment.
@@ -136,6 +140,13 @@ impl Group {
     #[must_use]
     pub fn members(&self) -> &[MemberId] {
         &self.members
+    }
+
+    /// A member's consumer tag.
+    #[must_use]
+    pub fn tag(&self, member: MemberId) -> Option<&str> {
+        let i = self.members.iter().position(|m| *m == member)?;
+        self.tags.get(i).map(String::as_str)
     }
 
     /// The partitions' states.
@@ -180,6 +191,7 @@ impl Group {
 /// Every group of a node (or of the cluster).
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct GroupTable {
+    #[serde(with = "as_pairs")]
     groups: BTreeMap<GroupKey, Group>,
     /// The last epoch given out. One counter for every group, so a group's epoch never goes
     /// back, even when it empties and is formed again under the same name.
@@ -209,9 +221,11 @@ impl GroupTable {
                 key,
                 member,
                 partitions,
+                tag,
             } => {
                 let g = self.groups.entry(key.clone()).or_insert_with(|| Group {
                     members: Vec::new(),
+                    tags: Vec::new(),
                     slots: vec![Slot::Free; partitions as usize],
                     epoch: 0,
                 });
@@ -219,6 +233,7 @@ impl GroupTable {
                     return;
                 }
                 g.members.push(member);
+                g.tags.push(tag);
                 self.rebalance(&key, out);
             }
             GroupCommand::Leave { key, member } => self.leave(&key, member, out),
@@ -266,7 +281,15 @@ impl GroupTable {
             return;
         };
         let before = g.members.len();
-        g.members.retain(|m| !gone(*m));
+        let (members, tags): (Vec<MemberId>, Vec<String>) = g
+            .members
+            .iter()
+            .copied()
+            .zip(std::mem::take(&mut g.tags))
+            .filter(|(m, _)| !gone(*m))
+            .unzip();
+        g.members = members;
+        g.tags = tags;
         if g.members.len() == before {
             return;
         }
@@ -350,5 +373,29 @@ impl GroupTable {
         if bumped {
             self.epoch = next_epoch;
         }
+    }
+}
+
+/// The table's map as a list of pairs (JSON keys must be strings; a group's key is three).
+mod as_pairs {
+    use std::collections::BTreeMap;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use super::{Group, GroupKey};
+
+    pub(super) fn serialize<S: Serializer>(
+        map: &BTreeMap<GroupKey, Group>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        let pairs: Vec<(&GroupKey, &Group)> = map.iter().collect();
+        pairs.serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        d: D,
+    ) -> Result<BTreeMap<GroupKey, Group>, D::Error> {
+        let pairs: Vec<(GroupKey, Group)> = Vec::deserialize(d)?;
+        Ok(pairs.into_iter().collect())
     }
 }

@@ -115,6 +115,7 @@ fn run(steps: &[Step], partitions: u32) -> (GroupTable, Model, Vec<Vec<GroupEffe
                     key: key(),
                     member: member(*n),
                     partitions,
+                    tag: format!("t{n}"),
                 }
             }
             Step::Leave(n) => {
@@ -205,14 +206,19 @@ proptest! {
         let (t2, _, log2) = run(&before, 6);
         prop_assert_eq!(&t, &t2);
         prop_assert_eq!(log, log2);
-        let bytes = bincode::serialize(&t).expect("serialisable");
-        let restored: GroupTable = bincode::deserialize(&bytes).expect("readable");
+        let bytes = serde_json::to_vec(&t).expect("serialisable");
+        let restored: GroupTable = serde_json::from_slice(&bytes).expect("readable");
         prop_assert_eq!(&restored, &t);
         // The same further commands give the same effects on both.
         let (mut a, mut b) = (t, restored);
         for s in &after {
             let c = match s {
-                Step::Join(n) => GroupCommand::Join { key: key(), member: member(*n), partitions: 6 },
+                Step::Join(n) => GroupCommand::Join {
+                    key: key(),
+                    member: member(*n),
+                    partitions: 6,
+                    tag: format!("t{n}"),
+                },
                 Step::Leave(n) => GroupCommand::Leave { key: key(), member: member(*n) },
                 Step::Release(i) => GroupCommand::Released {
                     key: key(),
@@ -232,10 +238,11 @@ fn a_join_moves_only_the_surplus_after_its_release() {
     let mut t = GroupTable::default();
     let a = member(1);
     let b = member(2);
-    let join = |m| GroupCommand::Join {
+    let join = |m: MemberId| GroupCommand::Join {
         key: key(),
         member: m,
         partitions: 4,
+        tag: format!("t{}", m.consumer),
     };
     let effects = apply(&mut t, join(a));
     assert_eq!(effects.len(), 4, "the first member gets every partition");

@@ -71,6 +71,10 @@ pub trait ClusterHooks: Send + Sync + std::fmt::Debug {
     ///
     /// [`Outbound::PeerReply`]: crate::queue::outbox::Outbound::PeerReply
     fn reply_outbox(&self, node: u64) -> Option<Arc<crate::queue::outbox::Outbox>>;
+    /// A consumer-group command made here: the metadata log carries it to every node, each
+    /// of which applies it in log order (`crate::node::groups::Groups::apply_committed`).
+    /// Every group command is idempotent, so it may be retried.
+    fn replicate_group(&self, command: crate::groups::GroupCommand);
 }
 
 /// What a management listing across the cluster asks each node for.

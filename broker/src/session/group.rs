@@ -51,14 +51,6 @@ pub(super) fn requested_group(
             crate::args::rs("queue", queue, &ctx.vhost.name)
         ))
     })?;
-    if ctx.broker.cluster().is_some() {
-        // Members on several nodes need the assignment in the cluster's replicated metadata:
-        // a node-local group would let two nodes give one partition to two members.
-        return Err(AmqpError::connection(
-            ReplyCode::NotImplemented,
-            "consumer groups are not yet available in a cluster",
-        ));
-    }
     Ok(Some((
         GroupKey {
             vhost: ctx.vhost.name.clone(),
@@ -88,6 +80,7 @@ pub(super) fn join(
     set: &PartitionSet,
 ) {
     ctx.broker.groups().join(
+        ctx.broker.cluster(),
         key,
         member_id(ctx, id),
         set.spec.count,
@@ -136,9 +129,11 @@ impl Ctx {
             if let Some(chan) = chan {
                 reclaim(chan, entry.id, None);
             }
-            self.broker
-                .groups()
-                .leave(key.clone(), member_id(self, entry.id));
+            self.broker.groups().leave(
+                self.broker.cluster(),
+                key.clone(),
+                member_id(self, entry.id),
+            );
         }
     }
 }
@@ -217,10 +212,12 @@ impl Session {
                     }
                     reclaim(chan, consumer, Some(&q));
                 }
-                self.ctx
-                    .broker
-                    .groups()
-                    .released(key, member_id(&self.ctx, consumer), partition);
+                self.ctx.broker.groups().released(
+                    self.ctx.broker.cluster(),
+                    key,
+                    member_id(&self.ctx, consumer),
+                    partition,
+                );
             }
         }
     }

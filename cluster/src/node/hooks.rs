@@ -193,6 +193,14 @@ impl ClusterHooks for ClusterNode {
         });
     }
 
+    fn replicate_group(&self, command: warren_broker::groups::GroupCommand) {
+        let change = MetaChange::Group(command.clone());
+        if self.commit_meta(change, true, Box::new(|_| {})).is_err() {
+            // Not part of a cluster yet: this node is the whole group.
+            self.broker.groups().apply_committed(command, self.number());
+        }
+    }
+
     fn reply_outbox(&self, node: u64) -> Option<Arc<Outbox>> {
         let id = self
             .current()

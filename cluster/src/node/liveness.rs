@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use warren_broker::node::replication::Replicator;
 use warren_broker::queue::machine::Command;
+use warren_broker::routing::cluster::ClusterHooks;
 
 use crate::tcp::GroupId;
 use crate::types::NodeId;
@@ -85,8 +86,10 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
             }
             if down {
                 node.delete_transient_of(id);
+                node.evict_group_members_of(id);
             }
         }
+        node.leave_stale_group_members();
         for replica in node.replicas() {
             if !replica.is_leader() {
                 continue;
@@ -122,6 +125,33 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
                     _ => {}
                 }
             }
+        }
+    }
+}
+
+impl ClusterNode {
+    /// As the metadata leader, take the consumer-group members of down peer `peer` out of
+    /// their groups (their partitions go to the members still here). Checked every second
+    /// while it is down: the command is idempotent, and the leader may change meanwhile.
+    fn evict_group_members_of(&self, peer: NodeId) {
+        let leads = self
+            .meta
+            .get()
+            .is_some_and(|m| m.metrics().borrow().current_leader == Some(self.me));
+        let Some(number) = self.peer_number(peer) else {
+            return;
+        };
+        if leads && self.broker.groups().has_members_on(number) {
+            tracing::info!(node = %self.name_of(peer), "node down: its consumer-group members leave their groups");
+            self.replicate_group(warren_broker::groups::GroupCommand::NodeDown { node: number });
+        }
+    }
+
+    /// Members of this node the group table still lists but no connection here holds (their
+    /// Leave was lost, or they are from before a restart) leave.
+    fn leave_stale_group_members(&self) {
+        for (key, member) in self.broker.groups().stale_members(self.number()) {
+            self.replicate_group(warren_broker::groups::GroupCommand::Leave { key, member });
         }
     }
 }

@@ -166,6 +166,16 @@ impl ClusterNode {
             MetaChange::DeclareClassic { .. } | MetaChange::DeleteClassic { .. } => {
                 self.on_classic(change);
             }
+            MetaChange::Group(command) => {
+                self.broker
+                    .groups()
+                    .apply_committed(command.clone(), self.number());
+            }
+            MetaChange::GroupTable(bytes) => {
+                if let Err(e) = self.broker.groups().install(bytes) {
+                    tracing::error!(error = %e, "the consumer-group table of a snapshot is unreadable");
+                }
+            }
             MetaChange::Topology(change) => {
                 if warren_broker::node::replication::apply_topology(&self.broker, change).is_ok() {
                     if matches!(change, TopologyChange::DeclareExchange { .. }) {
@@ -416,6 +426,8 @@ impl Applied for MetaState {
                     }
                     records.insert(members_key(key), change.clone());
                 }
+                // Carried by snapshots as the whole table (`snapshot`), not as records.
+                MetaChange::Group(_) | MetaChange::GroupTable(_) => {}
                 MetaChange::Topology(t) => {
                     // What a snapshot must carry: the exchanges and bindings that stand.
                     if t.is_addition() {
@@ -435,7 +447,13 @@ impl Applied for MetaState {
 
     fn snapshot(&self) -> Result<Vec<u8>, String> {
         let records = self.records.lock().unwrap_or_else(PoisonError::into_inner);
-        let list: Vec<&MetaChange> = records.values().collect();
+        // The group table is applied under this lock too (`apply` holds it while a group
+        // command applies), so it matches the records.
+        let groups = match self.node.upgrade() {
+            Some(node) => Some(MetaChange::GroupTable(node.broker.groups().encode()?)),
+            None => None,
+        };
+        let list: Vec<&MetaChange> = records.values().chain(groups.as_ref()).collect();
         crate::codec::encode(&list).map_err(|e| e.to_string())
     }
 
@@ -447,6 +465,7 @@ impl Applied for MetaState {
             MetaChange::Node { .. } => 0,
             MetaChange::Topology(t) => 1 + t.rank(),
             MetaChange::SetMembers { .. } => 5,
+            MetaChange::GroupTable(_) => 6,
             _ => 4,
         });
         let node = self.node.upgrade();
@@ -460,6 +479,12 @@ impl Applied for MetaState {
                 MetaChange::SetMembers { key, .. } => members_key(key),
                 MetaChange::Node { name, .. } => node_key(name),
                 MetaChange::Topology(t) if t.is_addition() => t.record_key(),
+                MetaChange::GroupTable(_) => {
+                    if let Some(node) = &node {
+                        node.on_meta(&change);
+                    }
+                    continue;
+                }
                 _ => continue,
             };
             records.insert(key, change.clone());

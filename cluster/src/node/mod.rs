@@ -153,6 +153,9 @@ pub struct ClusterNode {
     classic_deleting: Mutex<HashMap<(NodeId, u64), Completion>>,
     /// The peers this node last saw down (their classic queues' consumers were dealt with).
     down_peers: Mutex<std::collections::HashSet<NodeId>>,
+    /// Leaders chosen by `place` for queues not yet led (incarnation -> (node, when)): counted
+    /// by the balanced locator so queues declared back to back spread (see `placement`).
+    placed: Mutex<HashMap<u64, (NodeId, std::time::Instant)>>,
 }
 
 impl std::fmt::Debug for ClusterNode {
@@ -273,6 +276,7 @@ impl ClusterNode {
             pumps: Mutex::new(HashMap::new()),
             classic_deleting: Mutex::new(HashMap::new()),
             down_peers: Mutex::new(std::collections::HashSet::new()),
+            placed: Mutex::new(HashMap::new()),
             config,
         });
         node.groups

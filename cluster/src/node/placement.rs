@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, PoisonError};
+use std::time::{Duration, Instant};
 
 use openraft::BasicNode;
 
@@ -12,6 +13,10 @@ use crate::types::NodeId;
 use super::ClusterNode;
 use super::config::node_id;
 use super::replicas::QueueReplica;
+
+/// How long a placement counts for its chosen leader before the queue has one (a queue whose
+/// group never started stops counting then).
+const PLACED_FOR: Duration = Duration::from_secs(30);
 
 /// Replicas of a quorum queue unless `x-quorum-initial-group-size` says otherwise.
 pub const GROUP_SIZE_DEFAULT: usize = 3;
@@ -64,13 +69,26 @@ impl ClusterNode {
             && let Some(at) = members.iter().position(|m| *m == leader)
         {
             members.swap(0, at);
+            if balanced {
+                self.placed
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(incarnation, (leader, Instant::now()));
+            }
         }
         members
     }
 
-    /// How many quorum queues each node leads, as this node's replicas see it.
+    /// How many quorum queues each node leads, as this node's replicas see it, counting the
+    /// queues placed here lately that have no leader yet as led by the node chosen for them
+    /// (queues declared back to back, such as a partitioned queue's partitions, would
+    /// otherwise all see the same counts and go to one node).
     fn leaders_per_node(&self) -> HashMap<NodeId, usize> {
         let mut led = HashMap::new();
+        let mut placed = self.placed.lock().unwrap_or_else(PoisonError::into_inner);
+        placed.retain(|_, (_, at)| at.elapsed() < PLACED_FOR);
+        let mut pending = placed.clone();
+        drop(placed);
         for r in self.replicas() {
             if let Some(l) = r
                 .raft
@@ -78,7 +96,11 @@ impl ClusterNode {
                 .and_then(|raft| raft.metrics().borrow().current_leader)
             {
                 *led.entry(l).or_insert(0) += 1;
+                pending.remove(&r.group.incarnation);
             }
+        }
+        for (node, _) in pending.into_values() {
+            *led.entry(node).or_insert(0) += 1;
         }
         led
     }

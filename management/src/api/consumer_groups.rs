@@ -47,6 +47,7 @@ fn group_json(state: &AppState, g: &GroupInfo) -> Value {
         "epoch": g.epoch,
         "members": g.members.iter().map(|m| json!({
             "consumer_tag": m.tag,
+            "node": m.node,
             "connection": m.connection,
             "channel": m.channel,
             "partitions": m.partitions,
