@@ -1389,7 +1389,19 @@ def queue_depth(cluster, queue, fallback_node):
     fallback_node's, when no leader is known); raises OSError if it does not answer."""
     leader = cluster.leader_of(queue)
     info = cluster.queue_info(leader if leader is not None else fallback_node, queue)
-    return None if info is None else info.get("messages")
+    if info is None:
+        # A partitioned queue's logical name has no record of its own: its partitions'
+        # sum (`<queue>-0`, `<queue>-1`, ... up to the first missing one).
+        total, i = None, 0
+        while True:
+            part = f"{queue}-{i}"
+            leader = cluster.leader_of(part)
+            pinfo = cluster.queue_info(leader if leader is not None else fallback_node, part)
+            if pinfo is None:
+                return total
+            total = (total or 0) + (pinfo.get("messages") or 0)
+            i += 1
+    return info.get("messages")
 
 
 def sweep(cluster, nodes, queue, history, deadline=30.0, via="sweep", prefetch=50):
@@ -1911,7 +1923,10 @@ def check_replicas(cluster, queue, deadline=20.0):
             "summary": f"REPLICAS DISAGREE at index {index}: digests {named}"}
 
 
-CHECK_QUEUE_TYPES = ("quorum", "classic")
+CHECK_QUEUE_TYPES = ("quorum", "classic", "partitioned")
+# A partitioned quorum queue of this many partitions, keyed by message id: its publishers and
+# consumer use the logical name; leader-directed faults aim at its first partition.
+CHECK_PARTITIONS = 3
 # A classic queue has one copy on its home node: no members to change, no leadership to move.
 CLASSIC_FAULT_KINDS = ("kill9", "pause", "term", "partition", "killall")
 
@@ -1963,15 +1978,25 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
         f"proxied={cluster.proxied} type={queue_type}")
 
     n = len(cluster)
+    # The queue whose leader faults aim at and whose replicas are compared (a partitioned
+    # queue's partitions: each is checked).
+    probe, replicated = queue, [queue]
     if queue_type == "classic":
         home = rng.randrange(n)
         declare_classic(cluster, home, queue)
         elsewhere = [i for i in range(n) if i != home] or [home]
+    elif queue_type == "partitioned":
+        declare_quorum(cluster, 0, queue, arguments={
+            "x-partitions": CHECK_PARTITIONS, "x-partition-key": "property:message_id"})
+        replicated = [f"{queue}-{i}" for i in range(CHECK_PARTITIONS)]
+        probe = replicated[0]
+        elsewhere = list(range(n))
     else:
         declare_quorum(cluster, 0, queue)
         elsewhere = list(range(n))
     wait_visible(cluster, queue, range(n))
-    cluster.wait_for_leader(queue)
+    for q in replicated:
+        cluster.wait_for_leader(q)
 
     consumer = Consumer(cluster, queue, history, cons_stop, watchdog, stats,
                         node=rng.choice(elsewhere))
@@ -1980,7 +2005,7 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
     if queue_type == "classic":
         for k, p in enumerate(pubs):
             p.node = elsewhere[k % len(elsewhere)]
-    faults = FaultInjector(cluster, queue, fault_stop, rng, kinds=kinds, order=order,
+    faults = FaultInjector(cluster, probe, fault_stop, rng, kinds=kinds, order=order,
                            partition_mode=partition_mode)
     workers = [consumer, *pubs, faults]
     replicas = None
@@ -2011,7 +2036,8 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
         log(f"checker: faults healed ({dict(faults.applied)}); draining "
             f"{len(history.missing())} confirmed ids not yet delivered")
         try:
-            cluster.wait_for_leader(queue)
+            for q in replicated:
+                cluster.wait_for_leader(q)
         except AssertionError as e:
             errors.append(str(e))
         # Drain: the consumer keeps going until every confirmed id was delivered. If it makes
@@ -2035,13 +2061,15 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
             errors.append(str(e))
         # No traffic now: every replica must reach the same applied index and state (a
         # classic queue has one copy).
-        replicas = (check_replicas(cluster, queue, deadline=replica_deadline)
-                    if queue_type == "quorum" else
-                    {"supported": False, "agree": None, "index": None, "nodes": 1, "views": {},
-                     "summary": "classic queue: one copy, on its home"})
-        log(f"checker: {replicas['summary']}")
-        if replicas["supported"] is not False and not replicas["agree"]:
-            errors.append(replicas["summary"])
+        if queue_type == "classic":
+            replicas = {"supported": False, "agree": None, "index": None, "nodes": 1,
+                        "views": {}, "summary": "classic queue: one copy, on its home"}
+        else:
+            for q in replicated:
+                replicas = check_replicas(cluster, q, deadline=replica_deadline)
+                log(f"checker: {q}: {replicas['summary']}")
+                if replicas["supported"] is not False and not replicas["agree"]:
+                    errors.append(f"{q}: {replicas['summary']}")
     finally:
         pub_stop.set()
         fault_stop.set()
@@ -2057,7 +2085,7 @@ def run_total_queue_check(cluster, seconds=30.0, seed=None, publishers=2,
     for i, rc in cluster.crashed():
         errors.append(f"{cluster.nodes[i].name} exited on its own (rc={rc})")
     stats.update({f"client timeout {k}": v for k, v in watchdog.timeouts.items()})
-    leader = cluster.leader_of(queue)
+    leader = cluster.leader_of(probe)
     result = history.check()
     if not result.ok or errors:
         path = cluster.root / f"history-{queue}.json"

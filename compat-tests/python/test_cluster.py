@@ -725,3 +725,14 @@ def test_total_queue_checker_on_a_classic_queue(cluster_factory, capsys):
     run_checker(cluster_factory, capsys, ("kill9", "pause", "term", "partition", "killall"),
                 order="cycle", partition_mode=PARTITION_MODE, until_each_kind=True,
                 queue_type="classic")
+
+
+@pytest.mark.timeout(int(CHECK_RUNS * (2 * CHECK_SECONDS + 300)))
+def test_total_queue_checker_on_a_partitioned_queue(cluster_factory, capsys):
+    """The checker on a partitioned quorum queue (3 partitions keyed by message id, used
+    through its logical name by two confirmed publishers and one consumer of every partition):
+    kill -9 and SIGSTOP, each at least once, the leader-directed ones at a partition's leader,
+    lose no confirmed message, create none, and leave every partition's replicas agreeing."""
+    run_checker(cluster_factory, capsys, ("kill9", "pause"), order="cycle",
+                partition_mode=PARTITION_MODE, until_each_kind=True,
+                queue_type="partitioned")

@@ -253,3 +253,21 @@ def test_unacked_deliveries_of_a_logical_consumer_return_when_its_channel_closes
             break
     worker.close()
     assert ch.queue_declare(name, passive=True).method.message_count == 6
+
+
+def test_basic_get_on_the_logical_name_takes_from_any_partition(conn, names):
+    ch = conn.channel()
+    name = names.q("get")
+    declare(ch, name, 3, "quorum", key="header:k")
+    ch.confirm_delivery()
+    for i in range(9):
+        ch.basic_publish("", name, f"m{i}".encode(), pika.BasicProperties(headers={"k": f"{i}"}))
+    got = []
+    for _ in range(9):
+        m, _p, body = ch.basic_get(name, auto_ack=False)
+        assert m is not None, f"only {len(got)} of 9"
+        got.append(body.decode())
+        ch.basic_ack(m.delivery_tag)
+    assert sorted(got) == sorted(f"m{i}" for i in range(9))
+    assert ch.basic_get(name)[0] is None
+    assert ch.queue_declare(name, passive=True).method.message_count == 0

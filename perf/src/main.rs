@@ -179,6 +179,17 @@ struct Args {
     /// Also write the JSON summary to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// With `--queues 1`: the queue is named exactly `--queue` (for example a partitioned
+    /// queue's logical name), not `<queue>-0`.
+    #[arg(long)]
+    exact_name: bool,
+    /// Give each message this header with one of `--keys` values, cycling (a partitioned
+    /// queue's `x-partition-key: header:<name>`). Raw client only.
+    #[arg(long)]
+    key_header: Option<String>,
+    /// How many distinct `--key-header` values.
+    #[arg(long, default_value_t = 1024)]
+    keys: usize,
 }
 
 /// Counters and histograms shared by all tasks.
@@ -262,6 +273,9 @@ fn table(pairs: &[String]) -> anyhow::Result<FieldTable> {
 }
 
 fn queue_name(args: &Args, i: usize) -> String {
+    if args.exact_name && args.queues <= 1 {
+        return args.queue.clone();
+    }
     format!("{}-{i}", args.queue)
 }
 

@@ -288,7 +288,20 @@ pub async fn producer(
             immediate: false,
         },
     )));
-    let properties = encode_properties(props)?;
+    // One encoded property list per key (just one without --key-header), used in turn.
+    let variants: Vec<Vec<u8>> = match &args.key_header {
+        None => vec![encode_properties(props)?],
+        Some(name) => (0..args.keys.max(1))
+            .map(|k| {
+                let mut headers = props.headers().clone().unwrap_or_default();
+                headers.insert(
+                    name.as_str().into(),
+                    amq_protocol::types::AMQPValue::LongString(format!("key-{k}").into()),
+                );
+                encode_properties(&props.clone().with_headers(headers))
+            })
+            .collect::<anyhow::Result<_>>()?,
+    };
     let mut body = vec![0u8; args.size.max(8)];
     // Send times of unconfirmed messages by publish sequence number (confirms of one
     // channel may arrive out of order when messages go to several queues).
@@ -316,7 +329,9 @@ pub async fn producer(
             let now = nanos_since(epoch);
             body[..8].copy_from_slice(&now.to_be_bytes());
             out.method_with(CHANNEL, |b| b.extend_from_slice(&publish));
-            out.content(CHANNEL, &properties, &body);
+            #[allow(clippy::cast_possible_truncation)] // the index is below variants.len()
+            let properties = &variants[(sent % variants.len() as u64) as usize];
+            out.content(CHANNEL, properties, &body);
             sent += 1;
             stats.published.fetch_add(1, Ordering::Relaxed);
             if args.confirm > 0 {

@@ -327,7 +327,23 @@ impl Call<'_> {
         let ch = self.ch;
         let name = expand_queue_name(self.chan, g.queue.as_str())?;
         ctx.allow(Perm::Read, Resource::Queue, &name)?;
-        let q = usable_queue(ctx, &name)?;
+        let q = match ctx.vhost.queue(&name) {
+            // A partitioned queue: a partition with ready messages, starting after the one
+            // the channel got from last (so one busy partition does not starve the others).
+            None => match ctx.vhost.partitioned(&name) {
+                Some(set) if set.queues().next().is_some() => {
+                    let queues: Vec<&Arc<Queue>> = set.queues().collect();
+                    let start = self.chan.next_tag as usize % queues.len();
+                    let pick = (0..queues.len())
+                        .map(|i| queues[(start + i) % queues.len()])
+                        .find(|q| q.counts().messages > 0)
+                        .unwrap_or(queues[start]);
+                    Arc::clone(pick)
+                }
+                _ => usable_queue(ctx, &name)?,
+            },
+            Some(_) => usable_queue(ctx, &name)?,
+        };
         if q.is_stream {
             return Err(stream_unsupported(&q, "basic.get"));
         }
