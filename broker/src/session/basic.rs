@@ -288,7 +288,7 @@ impl Call<'_> {
             if let Some(e) = refused {
                 // Leave the partitions already subscribed to.
                 if let Some(entry) = self.chan.consumers.remove(&tag) {
-                    ctx.consumer_gone(Some(self.chan), &entry);
+                    ctx.consumer_gone(self.chan, &entry);
                 }
                 return Err(e);
             }
@@ -309,7 +309,7 @@ impl Call<'_> {
             ctx.vhost.replies.unregister(&name);
         }
         if let Some(entry) = self.chan.consumers.remove(c.consumer_tag.as_str()) {
-            ctx.consumer_gone(Some(self.chan), &entry);
+            ctx.consumer_gone(self.chan, &entry);
         }
         if !c.nowait {
             self.reply(AMQPClass::Basic(basic::AMQPMethod::CancelOk(

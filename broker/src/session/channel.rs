@@ -104,15 +104,19 @@ impl Session {
                 s.confirm_abandoned += last_seq - acked_upto;
             });
         }
-        for (_, c) in chan.consumers {
-            // The channel's unacked deliveries all return below.
-            self.ctx.consumer_gone(None, &c);
+        let consumers: Vec<super::ConsumerEntry> = chan.consumers.into_values().collect();
+        for c in &consumers {
+            self.ctx.unsubscribe(c);
         }
         let mut pending: Vec<Unacked> = chan.unacked.into_values().collect();
         if let Mode::Tx(buf) = chan.mode {
             pending.extend(buf.acks.into_iter().map(|(_, _, u)| u));
         }
         apply_acks(&chan.limiter, AckAction::Release, pending, None);
+        // Only with its deliveries back may a member's partitions go to another member.
+        for c in &consumers {
+            self.ctx.leave_group(c);
+        }
     }
 
     /// The connection is gone: release every channel and delete exclusive queues.
@@ -198,7 +202,7 @@ impl Session {
                     && let Some(entry) = chan.consumers.remove(&tag)
                 {
                     // Its last consumer may have left an auto-delete queue.
-                    self.ctx.consumer_gone(Some(chan), &entry);
+                    self.ctx.consumer_gone(chan, &entry);
                     out.method(
                         *ch,
                         &AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {

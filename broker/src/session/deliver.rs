@@ -225,7 +225,7 @@ impl Session {
         };
         if let Some(entry) = chan.consumers.remove(&tag) {
             // A consumer of a partitioned queue leaves every partition when one cancels it.
-            self.ctx.consumer_gone(Some(chan), &entry);
+            self.ctx.consumer_gone(chan, &entry);
         }
         if self.ctx.cancel_notify {
             out.method(

@@ -51,6 +51,14 @@ pub(super) fn requested_group(
             crate::args::rs("queue", queue, &ctx.vhost.name)
         ))
     })?;
+    if let Some(i) = set.members.iter().position(Option::is_none) {
+        // In a cluster a partition joins this node's topology when the cluster commits it;
+        // a member that could not subscribe to an assigned partition would hold it idle.
+        return Err(ctx.vhost.not_found(
+            "queue",
+            &crate::routing::partitions::partition_name(queue, u32::try_from(i).unwrap_or(0)),
+        ));
+    }
     Ok(Some((
         GroupKey {
             vhost: ctx.vhost.name.clone(),
@@ -118,17 +126,29 @@ fn reclaim(chan: &mut Channel, consumer: ConsumerId, queue: Option<&Arc<Queue>>)
 }
 
 impl Ctx {
-    /// A consumer left its channel (cancelled, the channel or connection closed, a queue
-    /// cancelled it): leave every queue it is subscribed to (deleting auto-delete queues it
-    /// was the last consumer of) and its group, after returning a member's deliveries.
-    pub(super) fn consumer_gone(&self, chan: Option<&mut Channel>, entry: &ConsumerEntry) {
+    /// A consumer left its channel (cancelled, a queue cancelled it, its consumer timed out):
+    /// leave every queue it is subscribed to (deleting auto-delete queues it was the last
+    /// consumer of), return a group member's deliveries, then leave its group.
+    pub(super) fn consumer_gone(&self, chan: &mut Channel, entry: &ConsumerEntry) {
+        self.unsubscribe(entry);
+        if entry.group.is_some() {
+            reclaim(chan, entry.id, None);
+        }
+        self.leave_group(entry);
+    }
+
+    /// Cancel every subscription of `entry` (deleting auto-delete queues it was the last
+    /// consumer of).
+    pub(super) fn unsubscribe(&self, entry: &ConsumerEntry) {
         for q in entry.cancel() {
             self.vhost.delete_queue(&q, &mut || self.on_commit());
         }
+    }
+
+    /// Take a group member out of its group. Call once its deliveries are back in their
+    /// partitions: the group may give them to another member at once.
+    pub(super) fn leave_group(&self, entry: &ConsumerEntry) {
         if let Some(key) = &entry.group {
-            if let Some(chan) = chan {
-                reclaim(chan, entry.id, None);
-            }
             self.broker.groups().leave(
                 self.broker.cluster(),
                 key.clone(),
