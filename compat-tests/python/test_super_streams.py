@@ -1,7 +1,9 @@
 """Super streams as RabbitMQ lays them out (rabbit_stream_manager:create_super_stream): a durable
 direct exchange NAME with `x-super-stream: true`, a stream NAME-KEY per partition bound with the
-routing key KEY and `x-stream-partition-order: i`. Created through the management API
-(`PUT /api/stream/super-streams/{vhost}/{name}`, the stream management plugin's endpoint) and
+routing key KEY and `x-stream-partition-order: i` (the layout checked against RabbitMQ 4.0.5's
+`rabbitmq-streams add_super_stream`). Created through the management API
+(`PUT /api/stream/super-streams/{vhost}/{name}`, the stream management plugin's endpoint in
+releases after 4.0; 4.0.5 answers 405) and
 `warren ctl add_super_stream` (rabbitmq-streams' verb); the partitions are found the way a
 stream client's topology lookup finds them: the exchange's bindings ordered by
 `x-stream-partition-order`."""
@@ -38,7 +40,9 @@ def test_the_api_creates_rabbitmqs_layout(api, names):
     for i in range(3):
         queue = s.get(f"{base}/api/queues/%2F/{q(f'{name}-{i}')}").json()
         assert queue["type"] == "stream" and queue["durable"]
-        assert queue["arguments"]["x-max-length-bytes"] == 100000000
+        assert queue["arguments"] == {"x-max-length-bytes": 100000000,
+                                      "x-queue-leader-locator": "balanced",
+                                      "x-queue-type": "stream"}, "as RabbitMQ 4.0.5 makes it"
     binding = [b for b in s.get(f"{base}/api/exchanges/%2F/{q(name)}/bindings/source").json()
                if b["destination"] == f"{name}-2"][0]
     assert binding["arguments"] == {"x-stream-partition-order": 2}
@@ -84,13 +88,15 @@ def test_an_existing_partition_refuses_the_whole_super_stream(api, names, conn):
     name = names.q("clash")
     conn.channel().queue_declare(f"{name}-1", durable=True)
     r = s.put(f"{base}/api/stream/super-streams/%2F/{q(name)}", json={"partitions": 2})
-    assert r.status_code == 400 and "already exists" in r.json()["reason"]
+    assert r.status_code == 400, r.text
+    assert r.json()["reason"] == f"there is already a queue named {name}-1"
     assert s.get(f"{base}/api/exchanges/%2F/{q(name)}").status_code == 404
     assert s.get(f"{base}/api/queues/%2F/{q(name + '-0')}").status_code == 404
     assert s.put(f"{base}/api/stream/super-streams/%2F/{q(name + 'x')}",
                  json={"partitions": 1}).status_code == 201
     r = s.put(f"{base}/api/stream/super-streams/%2F/{q(name + 'x')}", json={"partitions": 1})
     assert r.status_code == 400, "a second create of the same name"
+    assert r.json()["reason"] == f"there is already an exchange named {name}x"
 
 
 def test_a_failed_partition_rolls_back_what_was_created(api, names, ctl):
@@ -119,15 +125,23 @@ def test_ctl_adds_and_deletes_a_super_stream(api, names, ctl):
     name = names.q("invoices")
     code, out = ctl("add_super_stream", name, "--partitions", "4", "--max-age", "7D")
     assert code == 0, out
-    assert f"Super stream {name} was created" in out
+    # rabbitmq-streams 4.0.5's lines and exit statuses (checked against it).
+    assert out.splitlines()[:2] == ["Adding a super stream...",
+                                    f"Super stream {name} has been created"], out
     parts = lookup_partitions(base, s, "/", name)
     assert parts == [(f"{name}-{i}", str(i)) for i in range(4)]
     queue = s.get(f"{base}/api/queues/%2F/{q(name + '-3')}").json()
     assert queue["arguments"]["x-max-age"] == "7D"
     code, out = ctl("delete_super_stream", name)
     assert code == 0, out
+    assert f"Super stream {name} has been deleted" in out
     assert s.get(f"{base}/api/exchanges/%2F/{q(name)}").status_code == 404
     for i in range(4):
         assert s.get(f"{base}/api/queues/%2F/{q(f'{name}-{i}')}").status_code == 404
     code, out = ctl("delete_super_stream", name)
-    assert code != 0
+    assert code == 70 and "stream_not_found" in out, (code, out)
+    code, out = ctl("add_super_stream", name + "-d")
+    assert code == 0, out
+    assert len(lookup_partitions(base, s, "/", name + "-d")) == 3, "3 partitions by default"
+    code, out = ctl("add_super_stream", name + "-d")
+    assert code == 70 and f"there is already an exchange named {name}-d" in out, (code, out)

@@ -13,7 +13,7 @@ pub fn run(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
     Some(match command {
         CtlCommand::AddSuperStream(a) => add(data_dir, a),
         CtlCommand::DeleteSuperStream { name, vhost } => {
-            println!("Deleting a super stream ...");
+            println!("Deleting a super stream...");
             api_request(
                 data_dir,
                 "DELETE",
@@ -23,8 +23,12 @@ pub fn run(data_dir: &Path, command: &CtlCommand) -> Option<anyhow::Result<u8>> 
             )
             .map(|(status, body)| {
                 if status < 300 {
-                    println!("Super stream {name} was deleted");
+                    println!("Super stream {name} has been deleted");
                     0
+                } else if status == 404 {
+                    // rabbitmq-streams' report and status for a missing super stream.
+                    eprintln!("Error:\nstream_not_found");
+                    70
                 } else {
                     api_failure(status, &body)
                 }
@@ -71,7 +75,7 @@ fn body(a: &SuperStreamArgs) -> Value {
 }
 
 fn add(data_dir: &Path, a: &SuperStreamArgs) -> anyhow::Result<u8> {
-    println!("Adding a super stream ...");
+    println!("Adding a super stream...");
     let (status, reply) = api_request(
         data_dir,
         "PUT",
@@ -83,9 +87,14 @@ fn add(data_dir: &Path, a: &SuperStreamArgs) -> anyhow::Result<u8> {
         Some(body(a)),
         Vec::new(),
     )?;
+    if status == 400 {
+        // rabbitmq-streams exits 70 when the broker refuses the super stream.
+        eprintln!("Error:\n{}", reply["reason"].as_str().unwrap_or("failed"));
+        return Ok(70);
+    }
     if status >= 300 {
         return Ok(api_failure(status, &reply));
     }
-    println!("Super stream {} was created", a.name);
+    println!("Super stream {} has been created", a.name);
     Ok(0)
 }

@@ -141,6 +141,27 @@ fn stream_arguments(
     Ok(t)
 }
 
+/// exchange.delete of `name`.
+fn exchange_delete(name: &str) -> Result<AMQPClass, ApiError> {
+    Ok(AMQPClass::Exchange(exchange::AMQPMethod::Delete(
+        exchange::Delete {
+            exchange: short(name)?,
+            if_unused: false,
+            nowait: false,
+        },
+    )))
+}
+
+/// queue.delete of `name` (whatever it holds).
+fn queue_delete(name: &str) -> Result<AMQPClass, ApiError> {
+    Ok(AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
+        queue: short(name)?,
+        if_unused: false,
+        if_empty: false,
+        nowait: false,
+    })))
+}
+
 /// What a failed creation has to undo.
 enum Created {
     Exchange(String),
@@ -150,26 +171,13 @@ enum Created {
 async fn undo(d: &mut Direct, created: Vec<Created>) {
     for c in created.into_iter().rev() {
         let method = match c {
-            Created::Exchange(name) => {
-                let Ok(exchange) = short(&name) else { continue };
-                AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
-                    exchange,
-                    if_unused: false,
-                    nowait: false,
-                }))
-            }
-            Created::Queue(name) => {
-                let Ok(queue) = short(&name) else { continue };
-                AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
-                    queue,
-                    if_unused: false,
-                    if_empty: false,
-                    nowait: false,
-                }))
-            }
+            Created::Exchange(name) => exchange_delete(&name),
+            Created::Queue(name) => queue_delete(&name),
         };
         // Best effort, as RabbitMQ's rollback: what stays is visible and deletable.
-        let _ = d.call(method, None).await;
+        if let Ok(method) = method {
+            let _ = d.call(method, None).await;
+        }
     }
 }
 
@@ -190,8 +198,10 @@ pub(super) async fn put_super_stream(
         return Err(ApiError::bad_request("a super stream needs a name"));
     }
     if vh.exchange_exists(&name) {
+        // RabbitMQ's stream manager: {reference_already_exists, "there is already an
+        // exchange named ..."}.
         return Err(ApiError::bad_request(format!(
-            "super stream {name} already exists (an exchange has its name)"
+            "there is already an exchange named {name}"
         )));
     }
     let partitions: Vec<String> = keys.iter().map(|k| format!("{name}-{k}")).collect();
@@ -199,7 +209,7 @@ pub(super) async fn put_super_stream(
         short(p)?;
         if vh.queue(p).is_some() {
             return Err(ApiError::bad_request(format!(
-                "partition {p} of super stream {name} already exists"
+                "there is already a queue named {p}"
             )));
         }
     }
@@ -332,26 +342,9 @@ pub(super) async fn delete_super_stream(
     let vh = vhost_for(&state, &caller, &vhost)?;
     let parts = partitions(&vh, &name).ok_or_else(ApiError::not_found)?;
     let mut d = direct(&state, &vhost, &caller)?;
-    d.call(
-        AMQPClass::Exchange(exchange::AMQPMethod::Delete(exchange::Delete {
-            exchange: short(&name)?,
-            if_unused: false,
-            nowait: false,
-        })),
-        None,
-    )
-    .await?;
+    d.call(exchange_delete(&name)?, None).await?;
     for (q, _, _) in parts {
-        d.call(
-            AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
-                queue: short(&q)?,
-                if_unused: false,
-                if_empty: false,
-                nowait: false,
-            })),
-            None,
-        )
-        .await?;
+        d.call(queue_delete(&q)?, None).await?;
     }
     no_content()
 }
