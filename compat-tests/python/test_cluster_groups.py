@@ -148,3 +148,72 @@ def test_members_on_three_nodes_share_the_partitions_and_survive_a_node_kill(clu
             assert fresh == sorted(fresh), f"{m.tag} {k}: {fresh}"
     for m in survivors:
         safe_close(m.conn)
+
+
+class StreamMember(Member):
+    """A member of a stream group (prefetch and x-stream-offset as a stream consumer needs)."""
+
+    def __init__(self, c, node, name, tag, group):
+        self.node, self.tag = node, tag
+        self.conn = c.connect(node)
+        self.ch = self.conn.channel()
+        self.ch.basic_qos(prefetch_count=100)
+        self.got = []
+        self.ch.basic_consume(name, self.on, consumer_tag=tag, arguments={
+            "x-consumer-group": group, "x-stream-offset": "first"})
+
+
+@pytest.mark.timeout(240)
+def test_a_stream_group_resumes_from_its_offsets_after_a_node_kill(cluster3):
+    """A partitioned stream read by a group with members on n2 and n3. n3 is killed with -9:
+    its partitions go to the member on n2, which resumes each from the group's replicated
+    offset. Every message published (before and after the kill) is read by the group; what
+    is read twice is only what n3's member had not acknowledged."""
+    c = cluster3
+    name = f"events.{uuid.uuid4().hex[:8]}"
+    end = time.monotonic() + 30
+    while True:
+        conn = None
+        try:
+            conn = c.connect(0)
+            conn.channel().queue_declare(name, durable=True, arguments={
+                "x-partitions": PARTITIONS, "x-queue-type": "stream",
+                "x-partition-key": "header:k"})
+            break
+        except Exception as e:
+            assert time.monotonic() < end, f"declare kept failing: {e!r}"
+            time.sleep(0.2)
+        finally:
+            safe_close(conn)
+    wait_for("every partition with a leader", lambda: all(
+        c.leader_of(f"{name}-{p}") is not None for p in range(PARTITIONS)))
+    members = [StreamMember(c, 1, name, "s1", "audit"), StreamMember(c, 2, name, "s2", "audit")]
+    conns = [m.conn for m in members]
+    wait_for("two members", lambda: settled_view(c, name, ["s1", "s2"], [0, 1]), pump=conns)
+    keys = [f"key{i}" for i in range(24)]
+    before = publish(c, 0, name, keys, 4)
+    wait_for("the group read everything",
+             lambda: {b for m in members for b, _ in m.got} >= set(before), pump=conns)
+    # The group's offsets are kept by the streams and replicated: once n1 reports no lag for
+    # the group, every partition's offset is past what was read.
+    wait_for("the group's offsets on n1", lambda: group_view(c, 0, name)[0]["lag"] == 0,
+             pump=conns)
+    c.kill9(2)
+    survivor = members[0]
+    wait_for("s2's partitions with s1", lambda: settled_view(c, name, ["s1"], [0, 1]),
+             deadline=60.0, pump=[survivor.conn])
+    after = publish(c, 0, name, keys, 2, start=4)
+    wait_for("the group read what came after",
+             lambda: {b for b, _ in survivor.got} >= set(after), deadline=60.0,
+             pump=[survivor.conn])
+    read_by_s1 = [b for b, _ in survivor.got]
+    again = [b for b in before if read_by_s1.count(b) > 0 and b in
+             {x for x, _ in members[1].got}]
+    log(f"read again by s1 after the kill: {len(again)} of {len(before)}")
+    assert len(again) < len(before) // 2, "s1 resumed from the group's offsets, not from first"
+    safe_close(survivor.conn)
+
+
+def settled_view(c, name, tags, nodes):
+    views = [owners(c, i, name) for i in nodes]
+    return bool(views[0]) and all(v == views[0] for v in views) and set(views[0]) == set(tags)
