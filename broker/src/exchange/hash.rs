@@ -14,6 +14,7 @@
 //! ones), and the same ring comes back after a restart and on every node.
 
 use std::cmp::Ordering;
+use std::collections::{HashMap, HashSet};
 
 use amq_protocol::types::{AMQPValue, FieldTable};
 use warren_amqp::{AmqpError, ReplyCode};
@@ -227,18 +228,20 @@ impl Ring {
     /// get no buckets.
     #[must_use]
     pub fn build(bindings: &[Binding]) -> Self {
+        // Linear in the bindings: a ring is rebuilt on every bind and unbind.
         let mut owners: Vec<(usize, u32)> = Vec::new();
+        let mut at: HashMap<&Destination, usize> = HashMap::with_capacity(bindings.len());
         for (i, b) in bindings.iter().enumerate() {
             let Ok(weight) = check_weight(&b.routing_key) else {
                 continue;
             };
-            match owners
-                .iter_mut()
-                .find(|(j, _)| bindings[*j].destination == b.destination)
-            {
-                Some(owner) if weight < owner.1 => *owner = (i, weight),
+            match at.get(&b.destination) {
+                Some(&k) if weight < owners[k].1 => owners[k] = (i, weight),
                 Some(_) => {}
-                None => owners.push((i, weight)),
+                None => {
+                    at.insert(&b.destination, owners.len());
+                    owners.push((i, weight));
+                }
             }
         }
         owners.sort_by(|(a, _), (b, _)| {
@@ -279,11 +282,9 @@ impl Ring {
 #[must_use]
 pub fn modulus_order(bindings: &[Binding]) -> Vec<usize> {
     let mut order: Vec<usize> = Vec::with_capacity(bindings.len());
+    let mut seen: HashSet<&Destination> = HashSet::with_capacity(bindings.len());
     for (i, b) in bindings.iter().enumerate() {
-        if !order
-            .iter()
-            .any(|j| bindings[*j].destination == b.destination)
-        {
+        if seen.insert(&b.destination) {
             order.push(i);
         }
     }
