@@ -330,7 +330,11 @@ def test_redrive_interrupted_by_kill_9_loses_and_doubles_nothing():
             with warren_process(data_dir=data_dir) as w:
                 r = start(api_of(w), "dlq", rate=100_000)
                 assert r.status_code == 202, r.text
-                wait_for(lambda: count(w, "src") >= 100)
+                # The broker logs the round it holds once every move of it is durable in
+                # the destination (a count of the destination could run ahead of its disk).
+                wait_for(lambda: "redrive round held by fault injection" in
+                         Path(w["log"]).read_text(errors="replace"))
+                assert count(w, "src") >= 100
                 os.kill(w["pid"], signal.SIGKILL)
         finally:
             del os.environ[ACK_DELAY_ENV]

@@ -608,6 +608,14 @@ impl Run {
             }
         }
         if let Some(delay) = self.ack_delay {
+            // The line the kill -9 test waits for: every move of this round is durable in
+            // its destination and none is acknowledged at the source yet.
+            tracing::warn!(
+                task = self.task.id,
+                held = acks.len(),
+                "redrive round held by fault injection ({ACK_DELAY_ENV}) for {} ms",
+                delay.as_millis()
+            );
             tokio::time::sleep(delay).await;
         }
         self.settle(acks, releases, refused).await;

@@ -106,21 +106,7 @@ impl Queue {
         }
         // The store's completion may run (on its writer thread) before or after the outcome
         // is known here: whichever comes second answers.
-        type Slot = (
-            Option<Enqueued>,
-            Option<Result<(), String>>,
-            Option<Box<dyn FnOnce(Result<Enqueued, String>) + Send>>,
-        );
-        let slot: Arc<parking_lot::Mutex<Slot>> =
-            Arc::new(parking_lot::Mutex::new((None, None, Some(done))));
-        let answer = |s: &mut Slot| {
-            if let (Some(outcome), Some(stored)) = (s.0, s.1.take())
-                && let Some(done) = s.2.take()
-            {
-                return Some((done, stored.map(|()| outcome)));
-            }
-            None
-        };
+        let slot = Arc::new(parking_lot::Mutex::new(Rendezvous::new(done)));
         let from_store = Arc::clone(&slot);
         let options = if self.is_stream {
             PublishOptions::default()
@@ -130,11 +116,9 @@ impl Queue {
         let targets = std::slice::from_ref(self);
         let on_commit = || -> Completion {
             Box::new(move |r| {
-                let ready = {
-                    let mut s = from_store.lock();
-                    s.1 = Some(r.map(drop).map_err(|e| e.to_string()));
-                    answer(&mut s)
-                };
+                let ready = from_store
+                    .lock()
+                    .stored(r.map(drop).map_err(|e| e.to_string()));
                 if let Some((done, r)) = ready {
                     done(r);
                 }
@@ -147,11 +131,8 @@ impl Queue {
         };
         let ready = {
             let mut s = slot.lock();
-            s.0 = Some(outcome);
-            if !submitted {
-                s.1 = Some(Ok(()));
-            }
-            answer(&mut s)
+            let ready = s.decided(outcome);
+            if submitted { ready } else { s.stored(Ok(())) }
         };
         if let Some((done, r)) = ready {
             done(r);
@@ -257,6 +238,50 @@ impl Queue {
                 expires_at,
             },
         );
+    }
+}
+
+/// What [`Queue::publish_one`]'s caller is told once, when both halves are in.
+type Answer = Box<dyn FnOnce(Result<Enqueued, String>) + Send>;
+
+/// Where the queue's decision and the store's completion of one publish meet, in either
+/// order: the second to arrive gets the caller's callback back to run (outside the lock).
+/// Guarantees the callback is handed out exactly once, and only with both halves.
+struct Rendezvous {
+    outcome: Option<Enqueued>,
+    stored: Option<Result<(), String>>,
+    done: Option<Answer>,
+}
+
+impl Rendezvous {
+    fn new(done: Answer) -> Self {
+        Self {
+            outcome: None,
+            stored: None,
+            done: Some(done),
+        }
+    }
+
+    /// The queue decided; the callback and its result if the store answered already.
+    fn decided(&mut self, outcome: Enqueued) -> Option<(Answer, Result<Enqueued, String>)> {
+        self.outcome = Some(outcome);
+        self.ready()
+    }
+
+    /// The store answered; the callback and its result if the queue decided already.
+    fn stored(&mut self, result: Result<(), String>) -> Option<(Answer, Result<Enqueued, String>)> {
+        self.stored = Some(result);
+        self.ready()
+    }
+
+    fn ready(&mut self) -> Option<(Answer, Result<Enqueued, String>)> {
+        // Nothing is taken until both halves are in: a half consumed by the first look
+        // would leave the second with nothing, and the callback would never run.
+        let outcome = self.outcome?;
+        self.stored.as_ref()?;
+        let stored = self.stored.take()?;
+        let done = self.done.take()?;
+        Some((done, stored.map(|()| outcome)))
     }
 }
 
@@ -610,5 +635,46 @@ impl PublishOptions {
             out.push(Command::Delay { until });
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use parking_lot::Mutex;
+
+    use super::{Enqueued, Rendezvous};
+
+    /// What the callback was told, in order.
+    type Told = Arc<Mutex<Vec<Result<Enqueued, String>>>>;
+
+    fn rendezvous() -> (Rendezvous, Told) {
+        let told = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&told);
+        (
+            Rendezvous::new(Box::new(move |r| sink.lock().push(r))),
+            told,
+        )
+    }
+
+    #[test]
+    fn the_store_answering_before_the_queue_decides_still_answers_once() {
+        let (mut r, told) = rendezvous();
+        assert!(r.stored(Ok(())).is_none());
+        let (done, result) = r.decided(Enqueued::Duplicate).expect("both halves are in");
+        done(result);
+        assert!(r.decided(Enqueued::Accepted).is_none());
+        assert!(r.stored(Ok(())).is_none());
+        assert_eq!(*told.lock(), vec![Ok(Enqueued::Duplicate)]);
+    }
+
+    #[test]
+    fn the_queue_deciding_first_waits_for_the_store_and_its_error_wins() {
+        let (mut r, told) = rendezvous();
+        assert!(r.decided(Enqueued::Accepted).is_none());
+        let (done, result) = r.stored(Err("disk".into())).expect("both halves are in");
+        done(result);
+        assert_eq!(*told.lock(), vec![Err("disk".to_string())]);
     }
 }
