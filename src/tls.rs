@@ -103,7 +103,9 @@ pub struct ClusterTlsFiles {
 /// TLS for the cluster port, both ways: peers must present a certificate signed by the CA
 /// (as clients and as servers), and this node presents its own in both roles. Servers are
 /// verified for the IP address they are dialled at, so certificates name their nodes' IPs.
-pub fn cluster(files: &ClusterTlsFiles) -> anyhow::Result<warren_cluster::tcp::ClusterTls> {
+pub fn cluster(
+    files: &ClusterTlsFiles,
+) -> anyhow::Result<warren_cluster::transport::tcp::ClusterTls> {
     let certs = read_certs(&files.cert)?;
     let key = PrivateKeyDer::from_pem_file(&files.key)
         .with_context(|| format!("reading the private key in {}", files.key.display()))?;
@@ -129,7 +131,7 @@ pub fn cluster(files: &ClusterTlsFiles) -> anyhow::Result<warren_cluster::tcp::C
         .with_root_certificates(roots)
         .with_client_auth_cert(certs, key)
         .context("the cluster certificate and key do not form a usable client pair")?;
-    Ok(warren_cluster::tcp::ClusterTls {
+    Ok(warren_cluster::transport::tcp::ClusterTls {
         acceptor: TlsAcceptor::from(Arc::new(server)),
         connector: tokio_rustls::TlsConnector::from(Arc::new(client)),
     })

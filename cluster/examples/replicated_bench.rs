@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 use openraft::{BasicNode, Config, Raft};
 use tokio::net::TcpListener;
 use warren_broker::queue::machine::{Command, QueueConfig};
-use warren_cluster::log_store::LogStore;
+use warren_cluster::log::store::LogStore;
 use warren_cluster::proposer::Proposer;
 use warren_cluster::state_machine::QueueStateMachine;
-use warren_cluster::tcp::{GroupId, Groups, Secret, TcpNetwork, serve};
+use warren_cluster::transport::tcp::{GroupId, Groups, Secret, TcpNetwork, serve};
 use warren_cluster::types::{QueueRequest, ReplicatedMessage};
 
 /// Every task's latencies, sorted, and a percentile function over them (milliseconds).

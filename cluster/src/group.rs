@@ -97,7 +97,7 @@ struct SnapshotData {
     state: Vec<u8>,
 }
 
-/// The current snapshot's meta and, unless it is on disk, its bytes ([`crate::snapshot_file`]'s
+/// The current snapshot's meta and, unless it is on disk, its bytes ([`crate::log::snapshot_file`]'s
 /// layout).
 type CurrentSnapshot = (SnapshotMeta<NodeId, BasicNode>, Option<Vec<u8>>);
 
@@ -205,8 +205,8 @@ impl<A> Clone for GroupStateMachine<A> {
     }
 }
 
-/// A snapshot as kept on disk (see [`crate::snapshot_file`]).
-type StoredSnapshot = crate::snapshot_file::Stored<SnapshotMeta<NodeId, BasicNode>, Tracked>;
+/// A snapshot as kept on disk (see [`crate::log::snapshot_file`]).
+type StoredSnapshot = crate::log::snapshot_file::Stored<SnapshotMeta<NodeId, BasicNode>, Tracked>;
 
 fn sm_error(verb: ErrorVerb, e: impl std::fmt::Display) -> StorageError {
     StorageIOError::new(
@@ -245,7 +245,7 @@ impl<A: Applied> GroupStateMachine<A> {
         let mut sm = Self::over(applied);
         // An expanded snapshot of the previous run is not known to be complete.
         remove_transit_files(&path);
-        if let Some(stored) = crate::snapshot_file::read::<_, Tracked>(&path)? {
+        if let Some(stored) = crate::log::snapshot_file::read::<_, Tracked>(&path)? {
             let last = stored.tracked.last_applied.map_or(0, |l| l.index);
             sm.applied
                 .install(stored.state(), last)
@@ -273,16 +273,16 @@ impl<A: Applied> GroupStateMachine<A> {
     ) -> Result<Option<Vec<u8>>, String> {
         let Some(path) = &self.snapshot_path else {
             let mut bytes = Vec::new();
-            crate::snapshot_file::write_to(&mut bytes, meta, tracked, state)?;
+            crate::log::snapshot_file::write_to(&mut bytes, meta, tracked, state)?;
             return Ok(Some(bytes));
         };
-        crate::snapshot_file::write(path, meta, tracked, state)?;
+        crate::log::snapshot_file::write(path, meta, tracked, state)?;
         // The expanded form of the one replaced is of no use now.
         let _ = std::fs::remove_file(sent_path(path));
         Ok(None)
     }
 
-    /// The current snapshot's bytes in [`crate::snapshot_file`]'s layout, as they go to
+    /// The current snapshot's bytes in [`crate::log::snapshot_file`]'s layout, as they go to
     /// another member: the file itself (opened now, so a snapshot that replaces it later does
     /// not change what is read), or the bytes kept in memory.
     #[allow(clippy::result_large_err)]
@@ -301,15 +301,15 @@ impl<A: Applied> GroupStateMachine<A> {
         let mut file = std::fs::File::open(path.as_path()).map_err(read)?;
         let mut first = [0u8; 8];
         let n = file.read(&mut first).map_err(read)?;
-        if crate::snapshot_file::is_layout(&first[..n]) {
+        if crate::log::snapshot_file::is_layout(&first[..n]) {
             return Ok(SnapshotBuf::file(file));
         }
         // A file of version 1, from before an upgrade: sent in the current layout.
-        let stored: StoredSnapshot = crate::snapshot_file::read(path.as_path())
+        let stored: StoredSnapshot = crate::log::snapshot_file::read(path.as_path())
             .map_err(|e| sm_error(ErrorVerb::Read, e))?
             .ok_or_else(|| sm_error(ErrorVerb::Read, "the snapshot file is gone"))?;
         let mut bytes = Vec::new();
-        crate::snapshot_file::write_to(&mut bytes, &stored.meta, &stored.tracked, |out| {
+        crate::log::snapshot_file::write_to(&mut bytes, &stored.meta, &stored.tracked, |out| {
             out.write_all(stored.state()).map_err(|e| e.to_string())
         })
         .map_err(|e| sm_error(ErrorVerb::Read, e))?;
@@ -331,9 +331,10 @@ impl<A: Applied> GroupStateMachine<A> {
             .read_to_end(&mut first)
             .map_err(|e| e.to_string())?;
         let mut input = std::io::Cursor::new(first).chain(input);
-        let (tracked, state) = if crate::snapshot_file::is_layout(input.get_ref().0.get_ref()) {
+        let (tracked, state) = if crate::log::snapshot_file::is_layout(input.get_ref().0.get_ref())
+        {
             let (sent_meta, tracked): (SnapshotMeta<NodeId, BasicNode>, Tracked) =
-                crate::snapshot_file::read_head(&mut input)?;
+                crate::log::snapshot_file::read_head(&mut input)?;
             if sent_meta.last_log_id != meta.last_log_id {
                 return Err(format!(
                     "a snapshot up to {:?} sent as one up to {:?}",
@@ -464,7 +465,7 @@ impl<A: Applied> GroupStateMachine<A> {
         }
         let mut file = std::fs::File::open(path).ok()?;
         let (head, _): (SnapshotMeta<NodeId, BasicNode>, Tracked) =
-            crate::snapshot_file::read_head(&mut std::io::BufReader::new(&mut file)).ok()?;
+            crate::log::snapshot_file::read_head(&mut std::io::BufReader::new(&mut file)).ok()?;
         if head.snapshot_id != meta.snapshot_id {
             return None;
         }
@@ -529,7 +530,7 @@ fn build_expanded<A: Applied>(
     input: &mut Box<dyn crate::snapshot_data::ReadSeek>,
 ) -> Result<tempfile::NamedTempFile, String> {
     let (meta, tracked): (SnapshotMeta<NodeId, BasicNode>, Tracked) =
-        crate::snapshot_file::read_head(input)?;
+        crate::log::snapshot_file::read_head(input)?;
     let last = meta.last_log_id.map_or(0, |l| l.index);
     let mut builder = tempfile::Builder::new();
     let prefix = snapshot.map(building_prefix).unwrap_or_default();
@@ -539,8 +540,8 @@ fn build_expanded<A: Applied>(
         None => builder.tempfile(),
     }
     .map_err(|e| e.to_string())?;
-    let mut out = std::io::BufWriter::with_capacity(crate::snapshot_file::WRITE_BUFFER, file);
-    crate::snapshot_file::write_to(&mut out, &meta, &tracked, |out| {
+    let mut out = std::io::BufWriter::with_capacity(crate::log::snapshot_file::WRITE_BUFFER, file);
+    crate::log::snapshot_file::write_to(&mut out, &meta, &tracked, |out| {
         applied.expand_into(input, last, out)
     })?;
     out.into_inner().map_err(|e| e.error().to_string())
@@ -887,7 +888,7 @@ mod tests {
         let short = a.get_current_snapshot().await.unwrap().unwrap();
         assert_eq!(short.meta, built.meta);
         let short = bytes_of(short).await;
-        assert!(crate::snapshot_file::is_layout(&short));
+        assert!(crate::log::snapshot_file::is_layout(&short));
 
         a.started();
         // Two members (or attempts) asking while it is built share one build.

@@ -5,28 +5,24 @@
 //!
 //! - [`types`]: the Raft type configuration, the replicated message and the entry payload.
 //! - [`codec`]: the binary encoding of entries, snapshots and frames.
-//! - [`log_store`]: the Raft log, vote and commit index in redb (durable before acknowledged).
-//! - [`node_log`]: the node-wide database the logs of all quorum queue groups share, and its
-//!   writer committing the writes of every group in one transaction (group commit).
+//! - [`log`]: where the groups' logs are kept: each group's Raft log, vote and commit index
+//!   (durable before acknowledged) in the node-wide database, written for every group in one
+//!   transaction (group commit), and a replica's snapshot file.
 //! - [`group`]: openraft's state machine over any replicated state, with snapshots.
-//! - [`snapshot_file`]: a replica's current snapshot on disk, streamed as it is encoded.
 //! - [`state_machine`]: the queue machine alone as that state (tests, benchmarks).
 //! - [`node`]: a cluster node: the metadata group, a replica per quorum queue applying into
 //!   the broker's queue, forwarding to leaders, down nodes.
 //! - [`proposer`]: the leader's batching of commands into entries, with a reply per command.
-//! - [`network`]: an in-process network, with injected faults, for tests of a group in one
-//!   process.
-//! - [`tcp`]: Raft RPCs between nodes over TCP, authenticated with the cluster's shared secret.
+//! - [`transport`]: how groups reach their peers: Raft RPCs between nodes over TCP,
+//!   authenticated with the cluster's shared secret, and an in-process network with injected
+//!   faults for tests of a group in one process.
 
 pub mod codec;
 pub mod group;
-pub mod log_store;
-pub mod network;
+pub mod log;
 pub mod node;
-pub mod node_log;
 pub mod proposer;
 pub mod snapshot_data;
-pub mod snapshot_file;
 pub mod state_machine;
-pub mod tcp;
+pub mod transport;
 pub mod types;

@@ -123,7 +123,7 @@ impl SnapshotBuf {
         };
         file.seek(SeekFrom::Start(0))?;
         Ok(Box::new(std::io::BufReader::with_capacity(
-            crate::snapshot_file::WRITE_BUFFER,
+            crate::log::snapshot_file::WRITE_BUFFER,
             file,
         )))
     }
@@ -145,7 +145,7 @@ impl SnapshotBuf {
         };
         file.seek(SeekFrom::Start(0))?;
         Ok(Box::new(std::io::BufReader::with_capacity(
-            crate::snapshot_file::WRITE_BUFFER,
+            crate::log::snapshot_file::WRITE_BUFFER,
             file,
         )))
     }

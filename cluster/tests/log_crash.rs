@@ -9,8 +9,8 @@ use std::process::{Command, Stdio};
 
 use openraft::{CommittedLeaderId, EntryPayload, LogId, RaftLogReader};
 use warren_broker::queue::machine::Command as MachineCommand;
-use warren_cluster::log_store::LogStore;
-use warren_cluster::node_log::NodeLog;
+use warren_cluster::log::node_log::NodeLog;
+use warren_cluster::log::store::LogStore;
 use warren_cluster::types::{QueueRaft, QueueRequest, ReplicatedMessage};
 
 const GROUPS: u64 = 8;

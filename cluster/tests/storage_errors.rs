@@ -16,7 +16,7 @@ use openraft::{
     ErrorSubject, ErrorVerb, LogId, LogState, OptionalSend, RaftLogReader, ServerState,
     StorageIOError, Vote,
 };
-use warren_cluster::log_store::LogStore;
+use warren_cluster::log::store::LogStore;
 use warren_cluster::types::{NodeId, QueueRaft, StorageError};
 
 type Entry = openraft::Entry<QueueRaft>;

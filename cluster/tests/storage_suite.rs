@@ -5,8 +5,8 @@
 use openraft::testing::{StoreBuilder, Suite};
 use tempfile::TempDir;
 use warren_broker::queue::machine::QueueConfig;
-use warren_cluster::log_store::LogStore;
-use warren_cluster::node_log::NodeLog;
+use warren_cluster::log::node_log::NodeLog;
+use warren_cluster::log::store::LogStore;
 use warren_cluster::state_machine::QueueStateMachine;
 use warren_cluster::types::{QueueRaft, StorageError};
 

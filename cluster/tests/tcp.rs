@@ -12,9 +12,9 @@ use openraft::{BasicNode, Config, Raft, Vote};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use warren_broker::queue::machine::{Command, QueueConfig};
-use warren_cluster::log_store::LogStore;
+use warren_cluster::log::store::LogStore;
 use warren_cluster::state_machine::QueueStateMachine;
-use warren_cluster::tcp::{GroupId, Groups, Secret, TcpNetwork, serve};
+use warren_cluster::transport::tcp::{GroupId, Groups, Secret, TcpNetwork, serve};
 use warren_cluster::types::{NodeId, QueueRaft, QueueRequest, ReplicatedMessage};
 
 const WAIT: Duration = Duration::from_secs(10);

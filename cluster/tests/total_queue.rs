@@ -19,7 +19,7 @@ use std::time::Duration;
 use common::Cluster;
 use openraft::error::{ClientWriteError, RaftError};
 use warren_broker::queue::machine::{Command, Reply};
-use warren_cluster::network::Faults;
+use warren_cluster::transport::in_process::Faults;
 use warren_cluster::types::{NodeId, QueueRequest, ReplicatedMessage};
 
 /// How long one write may take before its outcome counts as unknown (an isolated leader waits

@@ -147,7 +147,7 @@ def _bincode_varint(buf, pos):
 
 def parse_hello(body):
     """(from id, to id) of a cluster connection's first frame, the `Hello` of
-    cluster/src/tcp/wire.rs (bincode: from, to, group). Raises ValueError if it is not one."""
+    cluster/src/transport/tcp/wire.rs (bincode: from, to, group). Raises ValueError if it is not one."""
     src, pos = _bincode_varint(body, 0)
     dst, _ = _bincode_varint(body, pos)
     return src, dst
@@ -190,7 +190,7 @@ class NetProxy:
     Node i's --peers list names each other node j at a port of the proxy for the ordered pair
     (i -> j) (`pair_ports`), and itself at a port for "anyone -> i" (`front_ports`), so every
     cluster connection passes here, and the proxy knows who dialed whom in two ways:
-      * the connection's first frame, the `Hello` of cluster/src/tcp/wire.rs, names `from` and
+      * the connection's first frame, the `Hello` of cluster/src/transport/tcp/wire.rs, names `from` and
         `to` by Raft id before any authentication (when it can be read: not under TLS);
       * the port it came in on.
     The hello wins when they differ. That happens with binaries that dial a peer at the

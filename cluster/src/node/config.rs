@@ -31,7 +31,7 @@ pub struct NodeConfig {
     /// Where the Raft logs go.
     pub data_dir: PathBuf,
     /// TLS on the cluster port (both ways), if configured.
-    pub tls: Option<crate::tcp::ClusterTls>,
+    pub tls: Option<crate::transport::tcp::ClusterTls>,
     /// Join the running cluster of `peers` (seeds: some of its nodes, and this one for its
     /// own address) rather than found it with them.
     pub join: bool,

@@ -144,7 +144,7 @@ impl ClusterHooks for ClusterNode {
             .map(|(id, m)| NodeStatus {
                 name: m.name,
                 running: id == self.me
-                    || crate::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
+                    || crate::transport::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
             })
             .collect()
     }
@@ -264,7 +264,11 @@ impl ClusterHooks for ClusterNode {
                 let lease = Duration::from_millis(node.raft_config.election_timeout_max);
                 let answer_max =
                     2 * (lease + TRANSFER_MARGIN + HOLD_MAX) + TRANSFER_MAX + LINK_OPEN_MAX;
-                match tokio::time::timeout(answer_max, crate::tcp::request_transfer(call, id)).await
+                match tokio::time::timeout(
+                    answer_max,
+                    crate::transport::tcp::request_transfer(call, id),
+                )
+                .await
                 {
                     Ok(Ok(Ok(new))) => Ok(new),
                     Ok(Ok(Err(reason))) => Err(TransferError::Failed(reason)),
@@ -290,7 +294,7 @@ impl ClusterHooks for ClusterNode {
             .member(id)
             .filter(|m| m.name == name && !m.forgotten)
             .ok_or_else(|| MembershipError::UnknownNode(name.to_string()))?;
-        if id == self.me || crate::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER) {
+        if id == self.me || crate::transport::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER) {
             return Err(MembershipError::Running(name.to_string()));
         }
         let change = MetaChange::Node {

@@ -26,9 +26,9 @@ impl ClusterNode {
         &self,
         replica: &QueueReplica,
         peer: NodeId,
-    ) -> Option<crate::tcp::PeerCall> {
+    ) -> Option<crate::transport::tcp::PeerCall> {
         let raft = replica.raft.get()?;
-        Some(crate::tcp::PeerCall {
+        Some(crate::transport::tcp::PeerCall {
             from: self.me,
             to: peer,
             group: replica.group.clone(),
@@ -149,7 +149,7 @@ impl ClusterNode {
             for peer in &others {
                 let asked = tokio::time::timeout(
                     LINK_OPEN_MAX,
-                    crate::tcp::request_abstain(
+                    crate::transport::tcp::request_abstain(
                         call(*peer)?,
                         u64::try_from(span.as_millis()).unwrap_or(u64::MAX),
                     ),
@@ -170,12 +170,13 @@ impl ClusterNode {
         } else {
             None
         };
-        let started = tokio::time::timeout(LINK_OPEN_MAX, crate::tcp::request_campaign(call(to)?))
-            .await
-            .map_err(|_| TransferError::Failed(format!("{} did not answer", self.name_of(to))))?
-            .map_err(|e| {
-                TransferError::Failed(format!("cannot reach {}: {e}", self.name_of(to)))
-            })?;
+        let started = tokio::time::timeout(
+            LINK_OPEN_MAX,
+            crate::transport::tcp::request_campaign(call(to)?),
+        )
+        .await
+        .map_err(|_| TransferError::Failed(format!("{} did not answer", self.name_of(to))))?
+        .map_err(|e| TransferError::Failed(format!("cannot reach {}: {e}", self.name_of(to))))?;
         if !started {
             return Err(TransferError::Failed(format!(
                 "{} did not stand for election",
@@ -219,12 +220,14 @@ impl Drop for Heartbeats {
 /// Ask `peers` to take part in elections again (after a handover asked them to abstain);
 /// those that do not answer resume by themselves when their abstention runs out.
 async fn resume_elections(
-    call: impl Fn(NodeId) -> Result<crate::tcp::PeerCall, TransferError>,
+    call: impl Fn(NodeId) -> Result<crate::transport::tcp::PeerCall, TransferError>,
     peers: &[NodeId],
 ) {
     for peer in peers {
         if let Ok(c) = call(*peer) {
-            let _ = tokio::time::timeout(LINK_OPEN_MAX, crate::tcp::request_abstain(c, 0)).await;
+            let _ =
+                tokio::time::timeout(LINK_OPEN_MAX, crate::transport::tcp::request_abstain(c, 0))
+                    .await;
         }
     }
 }

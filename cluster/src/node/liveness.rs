@@ -9,7 +9,7 @@ use warren_broker::node::replication::Replicator;
 use warren_broker::queue::machine::Command;
 use warren_broker::routing::cluster::ClusterHooks;
 
-use crate::tcp::GroupId;
+use crate::transport::tcp::GroupId;
 use crate::types::NodeId;
 
 use super::membership::reconcile_meta;
@@ -57,7 +57,7 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
                 continue;
             }
             let alive = weak.clone();
-            tokio::spawn(crate::tcp::ping_loop(
+            tokio::spawn(crate::transport::tcp::ping_loop(
                 node.me,
                 id,
                 GroupId {
@@ -101,7 +101,8 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
                     continue;
                 }
                 // A peer never heard from since this node started is silent after a while.
-                let silent = crate::tcp::silent_for(id).unwrap_or_else(|| node.started.elapsed())
+                let silent = crate::transport::tcp::silent_for(id)
+                    .unwrap_or_else(|| node.started.elapsed())
                     > DOWN_AFTER;
                 let mut downed = replica
                     .downed

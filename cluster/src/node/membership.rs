@@ -10,7 +10,7 @@ use std::time::Duration;
 use openraft::BasicNode;
 
 use crate::proposer::ProposeError;
-use crate::tcp::{ForwardLink, Forwarded, GroupId};
+use crate::transport::tcp::{ForwardLink, Forwarded, GroupId};
 use crate::types::{MetaChange, NodeId};
 
 use super::config::node_id;
@@ -145,7 +145,11 @@ impl ClusterNode {
                 ),
             )
             .await
-            .unwrap_or_else(|_| Err(crate::tcp::TransportError::Frame("no answer".into())));
+            .unwrap_or_else(|_| {
+                Err(crate::transport::tcp::TransportError::Frame(
+                    "no answer".into(),
+                ))
+            });
             let outcome = match link {
                 Ok(mut link) => {
                     let rx = link

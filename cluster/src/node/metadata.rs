@@ -12,7 +12,7 @@ use warren_broker::node::replication::{Replicator, TopologyChange};
 use warren_store::writer::Completion;
 
 use crate::group::Applied;
-use crate::tcp::Forwarded;
+use crate::transport::tcp::Forwarded;
 use crate::types::{MetaChange, QueueRaft, QueueRequest, QueueResponse};
 
 use super::forwarding::{RETRY_FOR, send_retrying};
@@ -117,7 +117,7 @@ impl ClusterNode {
                     let path = self.queue_log_path(*incarnation);
                     let snapshot = self.queue_snapshot_path(*incarnation);
                     let node_log = Arc::clone(&self.queue_log);
-                    let tables = crate::node_log::GroupTables::of_group(*incarnation);
+                    let tables = crate::log::node_log::GroupTables::of_group(*incarnation);
                     let in_node_log = !replica.queue.is_stream;
                     tokio::spawn(async move {
                         if let Some(raft) = raft {

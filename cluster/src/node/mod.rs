@@ -53,9 +53,9 @@ use warren_broker::node::replication::{ClusterHooks, ReplicationError, TopologyC
 use warren_store::writer::Completion;
 
 use crate::group::GroupStateMachine;
-use crate::log_store::LogStore;
+use crate::log::store::LogStore;
 use crate::proposer::ProposeError;
-use crate::tcp::{Addresses, Forwarded, GroupId, Groups, Secret, TcpNetwork};
+use crate::transport::tcp::{Addresses, Forwarded, GroupId, Groups, Secret, TcpNetwork};
 use crate::types::{NodeId, QueueRaft};
 
 pub use config::{
@@ -127,7 +127,7 @@ pub struct ClusterNode {
     /// Queue groups served here, by incarnation.
     queues: Mutex<HashMap<u64, Arc<QueueReplica>>>,
     /// The Raft log every quorum queue group on this node writes to (`queues/raft-log.redb`).
-    queue_log: Arc<crate::node_log::NodeLog>,
+    queue_log: Arc<crate::log::node_log::NodeLog>,
     /// Declares made here, waiting for their commit: the queue to serve and the completion.
     declaring: Mutex<HashMap<u64, Completion>>,
     /// Deletes made here, waiting for their commit.
@@ -214,9 +214,11 @@ impl ClusterNode {
             .await
             .map_err(|e| NodeError::Io(format!("cluster port {}: {e}", config.listen)))?;
         let queue_log_path = config.data_dir.join("queues").join("raft-log.redb");
-        let queue_log =
-            crate::node_log::NodeLog::open(&queue_log_path, crate::node_log::NODE_LOG_CACHE_BYTES)
-                .map_err(|e| NodeError::Log(queue_log_path.clone(), e))?;
+        let queue_log = crate::log::node_log::NodeLog::open(
+            &queue_log_path,
+            crate::log::node_log::NODE_LOG_CACHE_BYTES,
+        )
+        .map_err(|e| NodeError::Log(queue_log_path.clone(), e))?;
         let me = node_id(&config.name);
         let mut addresses = Addresses::default();
         if let Some(tls) = &config.tls {
@@ -281,7 +283,7 @@ impl ClusterNode {
         });
         node.groups
             .set_classic(Arc::new(classic::Service(Arc::downgrade(&node))));
-        tokio::spawn(crate::tcp::serve_tls(
+        tokio::spawn(crate::transport::tcp::serve_tls(
             listener,
             me,
             node.groups.clone(),

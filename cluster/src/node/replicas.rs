@@ -19,10 +19,10 @@ use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 
 use crate::group::{Applied, GroupStateMachine};
-use crate::log_store::{LogStore, SLOTS_PER_ENTRY, body_key, key_index, stub_size};
-use crate::node_log::GroupTables;
+use crate::log::node_log::GroupTables;
+use crate::log::store::{LogStore, SLOTS_PER_ENTRY, body_key, key_index, stub_size};
 use crate::proposer::{ProposeError, Proposer};
-use crate::tcp::{Forwarded, GroupId, TcpNetwork};
+use crate::transport::tcp::{Forwarded, GroupId, TcpNetwork};
 use crate::types::{NodeId, QueueRaft, QueueRequest, QueueResponse, ReplicatedMessage};
 
 use super::config::{NodeError, QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX};
@@ -870,7 +870,8 @@ impl Replicator for QueueReplica {
         let online = voters
             .iter()
             .filter(|id| {
-                **id == node.me || crate::tcp::silent_for(**id).is_some_and(|s| s < DOWN_AFTER)
+                **id == node.me
+                    || crate::transport::tcp::silent_for(**id).is_some_and(|s| s < DOWN_AFTER)
             })
             .filter_map(|id| node.peer_name(*id))
             .collect();

@@ -10,9 +10,9 @@ use openraft::storage::RaftLogStorage;
 use openraft::{BasicNode, Config, Raft};
 use tempfile::TempDir;
 use warren_broker::queue::machine::{Command, QueueConfig, Reply};
-use warren_cluster::log_store::LogStore;
-use warren_cluster::network::Router;
+use warren_cluster::log::store::LogStore;
 use warren_cluster::state_machine::QueueStateMachine;
+use warren_cluster::transport::in_process::Router;
 use warren_cluster::types::{NodeId, QueueRaft, QueueRequest, ReplicatedMessage};
 
 pub const WAIT: Duration = Duration::from_secs(10);

@@ -31,7 +31,7 @@ use warren_broker::queue::Queue;
 use warren_broker::queue::machine::Command;
 
 use crate::proposer::ProposeError;
-use crate::tcp::{
+use crate::transport::tcp::{
     ClassicPeer, ClassicService, ForwardReplies, Forwarded, RemoteEvent, RemoteQueueStats,
 };
 use crate::types::{MetaChange, NodeId};
@@ -266,9 +266,11 @@ impl ClusterNode {
         if id == self.me {
             return false;
         }
-        let silent = crate::tcp::silent_for(id).unwrap_or_else(|| self.started.elapsed());
+        let silent =
+            crate::transport::tcp::silent_for(id).unwrap_or_else(|| self.started.elapsed());
         silent > super::DOWN_AFTER
-            || (crate::tcp::refusing(id) && silent > crate::tcp::LEADER_SILENCE_MAX)
+            || (crate::transport::tcp::refusing(id)
+                && silent > crate::transport::tcp::LEADER_SILENCE_MAX)
     }
 
     /// Where this node dials peer `id`: its own `--peers` address, else the one the

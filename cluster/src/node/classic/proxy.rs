@@ -11,7 +11,7 @@ use warren_broker::node::replication::{
 };
 use warren_broker::queue::machine::{Command, Reply};
 
-use crate::tcp::{CLASSIC_PREFIX, GroupId};
+use crate::transport::tcp::{CLASSIC_PREFIX, GroupId};
 use crate::types::NodeId;
 
 use super::super::ClusterNode;

@@ -12,7 +12,7 @@ use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{ConsumerId, MsgId};
 use warren_broker::queue::outbox::{Outbound, Outbox};
 
-use crate::tcp::{ClassicPeer, RemoteEvent};
+use crate::transport::tcp::{ClassicPeer, RemoteEvent};
 use crate::types::NodeId;
 
 use super::super::ClusterNode;

@@ -50,14 +50,14 @@ use serde::de::DeserializeOwned;
 
 use warren_broker::queue::machine::Command;
 
-use crate::node_log::{GroupTables, NodeLog, bodies_table, log_table, meta_table};
+use crate::log::node_log::{GroupTables, NodeLog, bodies_table, log_table, meta_table};
 use crate::types::{NodeId, QueueRaft, StorageError};
 
 type Entry = openraft::Entry<QueueRaft>;
 
 /// redb's page cache of a quorum queue's log in a file of its own ([`LogStore::open_queue`]:
 /// tests, tools). The queues of a node share the node-wide log's cache instead
-/// ([`crate::node_log::NODE_LOG_CACHE_BYTES`]).
+/// ([`crate::log::node_log::NODE_LOG_CACHE_BYTES`]).
 pub const LOG_CACHE_BYTES: usize = 2 * 1024 * 1024;
 
 /// redb's page cache for the other logs (a replicated stream's, the metadata's): redb's own

@@ -1,0 +1,11 @@
+//! Where a node keeps its Raft groups' logs: what openraft's storage traits sit on.
+//!
+//! - [`store`]: a group's Raft log, vote and commit index in redb (durable before
+//!   acknowledged), and the copied-out message records of a quorum queue;
+//! - [`node_log`]: the node-wide database the logs of all quorum queue groups share, and its
+//!   writer committing the writes of every group in one transaction (group commit);
+//! - [`snapshot_file`]: a replica's current snapshot on disk, streamed as it is encoded.
+
+pub mod node_log;
+pub mod snapshot_file;
+pub mod store;
