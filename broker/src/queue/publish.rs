@@ -279,9 +279,8 @@ impl Rendezvous {
         // would leave the second with nothing, and the callback would never run.
         let outcome = self.outcome?;
         self.stored.as_ref()?;
-        let stored = self.stored.take()?;
         let done = self.done.take()?;
-        Some((done, stored.map(|()| outcome)))
+        Some((done, self.stored.take()?.map(|()| outcome)))
     }
 }
 

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use openraft::Config;
 
+use crate::transport::tcp;
 use crate::types::NodeId;
 
 /// One member of the cluster.
@@ -31,7 +32,7 @@ pub struct NodeConfig {
     /// Where the Raft logs go.
     pub data_dir: PathBuf,
     /// TLS on the cluster port (both ways), if configured.
-    pub tls: Option<crate::transport::tcp::ClusterTls>,
+    pub tls: Option<tcp::ClusterTls>,
     /// Join the running cluster of `peers` (seeds: some of its nodes, and this one for its
     /// own address) rather than found it with them.
     pub join: bool,

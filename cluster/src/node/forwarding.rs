@@ -12,6 +12,7 @@ use warren_broker::node::replication::ReplicationError;
 use warren_broker::queue::machine::{MachineError, Reply};
 
 use crate::proposer::{ProposeError, Proposer};
+use crate::transport::tcp;
 use crate::transport::tcp::{FORWARDS_IN_FLIGHT_MAX, ForwardLink, Forwarded, GroupId, Secret};
 use crate::types::{NodeId, QueueRaft};
 
@@ -119,8 +120,7 @@ pub(super) enum Target {
 }
 
 /// Called once with the leader's replies to a forwarded request.
-pub(super) type ForwardDone =
-    Box<dyn FnOnce(Result<crate::transport::tcp::ForwardReplies, ReplicationError>) + Send>;
+pub(super) type ForwardDone = Box<dyn FnOnce(Result<tcp::ForwardReplies, ReplicationError>) + Send>;
 
 /// Sends a group's submissions to its leader, in submission order: proposed here when this
 /// replica leads, else batched into forward requests to the leader (one in flight).
@@ -225,7 +225,7 @@ async fn send_batch(
         dones.push(done);
     }
     let meta = !request.meta.is_empty();
-    let finish = move |outcome: Result<crate::transport::tcp::ForwardReplies, ReplicationError>| {
+    let finish = move |outcome: Result<tcp::ForwardReplies, ReplicationError>| {
         drop(permit);
         match outcome {
             Ok(replies) if !meta => {
@@ -273,7 +273,7 @@ async fn send_batch(
                 leader = now;
             }
             if leader == me {
-                let staged = crate::transport::tcp::stage_here(raft, proposer, request).await;
+                let staged = tcp::stage_here(raft, proposer, request).await;
                 tokio::spawn(async move {
                     finish(staged.replies().await.map_err(unknown));
                 });

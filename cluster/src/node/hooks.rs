@@ -14,6 +14,7 @@ use warren_broker::queue::Queue;
 use warren_broker::queue::outbox::Outbox;
 use warren_store::writer::Completion;
 
+use crate::transport::tcp;
 use crate::types::MetaChange;
 
 use super::config::node_id;
@@ -143,8 +144,7 @@ impl ClusterHooks for ClusterNode {
             .into_iter()
             .map(|(id, m)| NodeStatus {
                 name: m.name,
-                running: id == self.me
-                    || crate::transport::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
+                running: id == self.me || tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
             })
             .collect()
     }
@@ -264,12 +264,7 @@ impl ClusterHooks for ClusterNode {
                 let lease = Duration::from_millis(node.raft_config.election_timeout_max);
                 let answer_max =
                     2 * (lease + TRANSFER_MARGIN + HOLD_MAX) + TRANSFER_MAX + LINK_OPEN_MAX;
-                match tokio::time::timeout(
-                    answer_max,
-                    crate::transport::tcp::request_transfer(call, id),
-                )
-                .await
-                {
+                match tokio::time::timeout(answer_max, tcp::request_transfer(call, id)).await {
                     Ok(Ok(Ok(new))) => Ok(new),
                     Ok(Ok(Err(reason))) => Err(TransferError::Failed(reason)),
                     Ok(Err(e)) => Err(TransferError::Failed(format!(
@@ -294,7 +289,7 @@ impl ClusterHooks for ClusterNode {
             .member(id)
             .filter(|m| m.name == name && !m.forgotten)
             .ok_or_else(|| MembershipError::UnknownNode(name.to_string()))?;
-        if id == self.me || crate::transport::tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER) {
+        if id == self.me || tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER) {
             return Err(MembershipError::Running(name.to_string()));
         }
         let change = MetaChange::Node {

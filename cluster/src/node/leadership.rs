@@ -7,6 +7,7 @@ use std::time::Duration;
 use openraft::Raft;
 use warren_broker::node::replication::TransferError;
 
+use crate::transport::tcp;
 use crate::types::{NodeId, QueueRaft};
 
 use super::replicas::QueueReplica;
@@ -22,13 +23,9 @@ pub(super) const TRANSFER_MARGIN: Duration = Duration::from_millis(50);
 
 impl ClusterNode {
     /// A single request to `peer`'s replica of `replica`'s group (None: no address known).
-    pub(super) fn peer_call(
-        &self,
-        replica: &QueueReplica,
-        peer: NodeId,
-    ) -> Option<crate::transport::tcp::PeerCall> {
+    pub(super) fn peer_call(&self, replica: &QueueReplica, peer: NodeId) -> Option<tcp::PeerCall> {
         let raft = replica.raft.get()?;
-        Some(crate::transport::tcp::PeerCall {
+        Some(tcp::PeerCall {
             from: self.me,
             to: peer,
             group: replica.group.clone(),
@@ -149,7 +146,7 @@ impl ClusterNode {
             for peer in &others {
                 let asked = tokio::time::timeout(
                     LINK_OPEN_MAX,
-                    crate::transport::tcp::request_abstain(
+                    tcp::request_abstain(
                         call(*peer)?,
                         u64::try_from(span.as_millis()).unwrap_or(u64::MAX),
                     ),
@@ -170,13 +167,12 @@ impl ClusterNode {
         } else {
             None
         };
-        let started = tokio::time::timeout(
-            LINK_OPEN_MAX,
-            crate::transport::tcp::request_campaign(call(to)?),
-        )
-        .await
-        .map_err(|_| TransferError::Failed(format!("{} did not answer", self.name_of(to))))?
-        .map_err(|e| TransferError::Failed(format!("cannot reach {}: {e}", self.name_of(to))))?;
+        let started = tokio::time::timeout(LINK_OPEN_MAX, tcp::request_campaign(call(to)?))
+            .await
+            .map_err(|_| TransferError::Failed(format!("{} did not answer", self.name_of(to))))?
+            .map_err(|e| {
+                TransferError::Failed(format!("cannot reach {}: {e}", self.name_of(to)))
+            })?;
         if !started {
             return Err(TransferError::Failed(format!(
                 "{} did not stand for election",
@@ -220,14 +216,12 @@ impl Drop for Heartbeats {
 /// Ask `peers` to take part in elections again (after a handover asked them to abstain);
 /// those that do not answer resume by themselves when their abstention runs out.
 async fn resume_elections(
-    call: impl Fn(NodeId) -> Result<crate::transport::tcp::PeerCall, TransferError>,
+    call: impl Fn(NodeId) -> Result<tcp::PeerCall, TransferError>,
     peers: &[NodeId],
 ) {
     for peer in peers {
         if let Ok(c) = call(*peer) {
-            let _ =
-                tokio::time::timeout(LINK_OPEN_MAX, crate::transport::tcp::request_abstain(c, 0))
-                    .await;
+            let _ = tokio::time::timeout(LINK_OPEN_MAX, tcp::request_abstain(c, 0)).await;
         }
     }
 }

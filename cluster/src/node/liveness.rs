@@ -9,6 +9,7 @@ use warren_broker::node::replication::Replicator;
 use warren_broker::queue::machine::Command;
 use warren_broker::routing::cluster::ClusterHooks;
 
+use crate::transport::tcp;
 use crate::transport::tcp::GroupId;
 use crate::types::NodeId;
 
@@ -57,7 +58,7 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
                 continue;
             }
             let alive = weak.clone();
-            tokio::spawn(crate::transport::tcp::ping_loop(
+            tokio::spawn(tcp::ping_loop(
                 node.me,
                 id,
                 GroupId {
@@ -101,9 +102,8 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
                     continue;
                 }
                 // A peer never heard from since this node started is silent after a while.
-                let silent = crate::transport::tcp::silent_for(id)
-                    .unwrap_or_else(|| node.started.elapsed())
-                    > DOWN_AFTER;
+                let silent =
+                    tcp::silent_for(id).unwrap_or_else(|| node.started.elapsed()) > DOWN_AFTER;
                 let mut downed = replica
                     .downed
                     .lock()

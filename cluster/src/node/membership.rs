@@ -10,6 +10,7 @@ use std::time::Duration;
 use openraft::BasicNode;
 
 use crate::proposer::ProposeError;
+use crate::transport::tcp;
 use crate::transport::tcp::{ForwardLink, Forwarded, GroupId};
 use crate::types::{MetaChange, NodeId};
 
@@ -145,11 +146,7 @@ impl ClusterNode {
                 ),
             )
             .await
-            .unwrap_or_else(|_| {
-                Err(crate::transport::tcp::TransportError::Frame(
-                    "no answer".into(),
-                ))
-            });
+            .unwrap_or_else(|_| Err(tcp::TransportError::Frame("no answer".into())));
             let outcome = match link {
                 Ok(mut link) => {
                     let rx = link

@@ -55,6 +55,7 @@ use warren_store::writer::Completion;
 use crate::group::GroupStateMachine;
 use crate::log::store::LogStore;
 use crate::proposer::ProposeError;
+use crate::transport::tcp;
 use crate::transport::tcp::{Addresses, Forwarded, GroupId, Groups, Secret, TcpNetwork};
 use crate::types::{NodeId, QueueRaft};
 
@@ -283,7 +284,7 @@ impl ClusterNode {
         });
         node.groups
             .set_classic(Arc::new(classic::Service(Arc::downgrade(&node))));
-        tokio::spawn(crate::transport::tcp::serve_tls(
+        tokio::spawn(tcp::serve_tls(
             listener,
             me,
             node.groups.clone(),

@@ -22,6 +22,7 @@ use crate::group::{Applied, GroupStateMachine};
 use crate::log::node_log::GroupTables;
 use crate::log::store::{LogStore, SLOTS_PER_ENTRY, body_key, key_index, stub_size};
 use crate::proposer::{ProposeError, Proposer};
+use crate::transport::tcp;
 use crate::transport::tcp::{Forwarded, GroupId, TcpNetwork};
 use crate::types::{NodeId, QueueRaft, QueueRequest, QueueResponse, ReplicatedMessage};
 
@@ -869,10 +870,7 @@ impl Replicator for QueueReplica {
         };
         let online = voters
             .iter()
-            .filter(|id| {
-                **id == node.me
-                    || crate::transport::tcp::silent_for(**id).is_some_and(|s| s < DOWN_AFTER)
-            })
+            .filter(|id| **id == node.me || tcp::silent_for(**id).is_some_and(|s| s < DOWN_AFTER))
             .filter_map(|id| node.peer_name(*id))
             .collect();
         Placement {

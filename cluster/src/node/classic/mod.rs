@@ -31,6 +31,7 @@ use warren_broker::queue::Queue;
 use warren_broker::queue::machine::Command;
 
 use crate::proposer::ProposeError;
+use crate::transport::tcp;
 use crate::transport::tcp::{
     ClassicPeer, ClassicService, ForwardReplies, Forwarded, RemoteEvent, RemoteQueueStats,
 };
@@ -266,11 +267,8 @@ impl ClusterNode {
         if id == self.me {
             return false;
         }
-        let silent =
-            crate::transport::tcp::silent_for(id).unwrap_or_else(|| self.started.elapsed());
-        silent > super::DOWN_AFTER
-            || (crate::transport::tcp::refusing(id)
-                && silent > crate::transport::tcp::LEADER_SILENCE_MAX)
+        let silent = tcp::silent_for(id).unwrap_or_else(|| self.started.elapsed());
+        silent > super::DOWN_AFTER || (tcp::refusing(id) && silent > tcp::LEADER_SILENCE_MAX)
     }
 
     /// Where this node dials peer `id`: its own `--peers` address, else the one the
