@@ -1,6 +1,7 @@
 //! Three replicas talking over real TCP on loopback through the authenticated transport: they
 //! elect a leader, replicate, fail over when the leader stops; a peer without the secret is
-//! refused, and so is a replica of an earlier incarnation of the queue.
+//! refused, and so is a replica of an earlier incarnation of the queue. Many groups on the
+//! same three nodes share one link per pair of nodes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,7 +15,7 @@ use tokio::task::JoinHandle;
 use warren_broker::queue::machine::{Command, QueueConfig};
 use warren_cluster::log::store::LogStore;
 use warren_cluster::state_machine::QueueStateMachine;
-use warren_cluster::transport::tcp::{GroupId, Groups, Secret, TcpNetwork, serve};
+use warren_cluster::transport::tcp::{Addresses, GroupId, Groups, Secret, TcpNetwork, serve};
 use warren_cluster::types::{NodeId, QueueRaft, QueueRequest, ReplicatedMessage};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -188,5 +189,111 @@ async fn replicas_over_tcp_replicate_fail_over_and_refuse_strangers() {
     for n in nodes.values() {
         n.server.abort();
         n.raft.shutdown().await.expect("stops");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_groups_share_one_link_per_peer() {
+    const GROUPS: u64 = 12;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = Arc::new(
+        Config {
+            heartbeat_interval: 50,
+            election_timeout_min: 300,
+            election_timeout_max: 600,
+            ..Config::default()
+        }
+        .validate()
+        .expect("a valid config"),
+    );
+    let secret = Secret::new(SECRET);
+    let mut listeners = BTreeMap::new();
+    let mut members = BTreeMap::new();
+    for id in 1..=3u64 {
+        let l = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+        members.insert(
+            id,
+            BasicNode::new(l.local_addr().expect("bound").to_string()),
+        );
+        listeners.insert(id, l);
+    }
+    // One table of links per node, shared by all its groups, as a cluster node keeps it.
+    let addresses: BTreeMap<NodeId, Addresses> =
+        (1..=3).map(|id| (id, Addresses::default())).collect();
+    let served: BTreeMap<NodeId, Groups> = (1..=3).map(|id| (id, Groups::default())).collect();
+    let mut servers = Vec::new();
+    for (id, listener) in listeners {
+        servers.push(tokio::spawn(serve(
+            listener,
+            id,
+            served[&id].clone(),
+            secret.clone(),
+        )));
+    }
+    let mut groups: Vec<BTreeMap<NodeId, Node>> = Vec::new();
+    for g in 0..GROUPS {
+        let group = GroupId {
+            name: format!("/q{g}"),
+            incarnation: 1,
+        };
+        let mut nodes = BTreeMap::new();
+        for id in 1..=3u64 {
+            let log = LogStore::open(&dir.path().join(format!("g{g}n{id}.redb"))).expect("a log");
+            let sm = QueueStateMachine::new(QueueConfig::default());
+            let raft = Raft::new(
+                id,
+                Arc::clone(&config),
+                TcpNetwork::new(id, group.clone(), secret.clone())
+                    .resolving(addresses[&id].clone()),
+                log,
+                sm.clone(),
+            )
+            .await
+            .expect("the node starts");
+            served[&id].insert(group.clone(), raft.clone());
+            let server = tokio::spawn(async { Ok(()) });
+            nodes.insert(id, Node { raft, sm, server });
+        }
+        nodes[&1]
+            .raft
+            .initialize(members.clone())
+            .await
+            .expect("the group initialises");
+        groups.push(nodes);
+    }
+    for (g, nodes) in groups.iter().enumerate() {
+        let leader = leader_among(nodes, None).await;
+        nodes[&leader]
+            .raft
+            .client_write(QueueRequest {
+                at: 1_000,
+                commands: (0..5)
+                    .map(|i| enqueue(u8::try_from(g).unwrap_or(0) + i))
+                    .collect(),
+                meta: Vec::new(),
+            })
+            .await
+            .expect("committed over the shared links");
+        converge(nodes, leader).await;
+    }
+    // A node dials each peer it has something to say to once, whatever the number of groups
+    // (a connection per group and stream would be a dozen per follower here): at most two
+    // links into each node, and the leaders' links reach every follower.
+    for (id, g) in &served {
+        assert!(
+            g.open_links() <= 2,
+            "{} links open to node {id}",
+            g.open_links()
+        );
+    }
+    let total: usize = served.values().map(Groups::open_links).sum();
+    assert!(total >= 2, "{total} links in all");
+    for nodes in groups {
+        for n in nodes.values() {
+            n.raft.shutdown().await.expect("stops");
+        }
+    }
+    for s in servers {
+        s.abort();
     }
 }

@@ -83,9 +83,15 @@ pub fn raft_config() -> Config {
         election_timeout_min: 1500,
         election_timeout_max: 3000,
         max_payload_entries: 8,
+        snapshot_max_chunk_size: SNAPSHOT_CHUNK_MAX,
         ..Config::default()
     }
 }
+
+/// Largest chunk of a snapshot sent in one request. Every group's traffic to a peer shares one
+/// link, written in order: a chunk holds the requests queued behind it for as long as it
+/// takes to write (512 KiB: about 4 ms at 1 Gbit/s; openraft's default, 3 MiB, about 25 ms).
+pub const SNAPSHOT_CHUNK_MAX: u64 = 512 * 1024;
 
 /// Entries a quorum queue's log keeps before its snapshot point when nothing older is live,
 /// so a member briefly away catches up from the log.

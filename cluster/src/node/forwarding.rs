@@ -13,10 +13,12 @@ use warren_broker::queue::machine::{MachineError, Reply};
 
 use crate::proposer::{ProposeError, Proposer};
 use crate::transport::tcp;
-use crate::transport::tcp::{FORWARDS_IN_FLIGHT_MAX, ForwardLink, Forwarded, GroupId, Secret};
+use crate::transport::tcp::{
+    FORWARDS_IN_FLIGHT_MAX, ForwardLink, Forwarded, GroupId, Refusal, TransportError,
+};
 use crate::types::{NodeId, QueueRaft};
 
-use super::{ClusterNode, FORWARD_REPLY_MAX, LINK_OPEN_MAX};
+use super::{ClusterNode, FORWARD_REPLY_MAX, PEER_REQUEST_MAX};
 
 /// Most commands forwarded in one request.
 pub const FORWARD_BATCH_MAX: usize = 256;
@@ -282,62 +284,61 @@ async fn send_batch(
             leader
         }
     };
-    if links.get(&leader).is_some_and(ForwardLink::is_broken) {
-        links.remove(&leader);
-    }
     let link = match links.entry(leader) {
         std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
         std::collections::hash_map::Entry::Vacant(v) => {
-            let addr = node.upgrade().and_then(|n| match target {
-                Target::Group { raft, .. } => n.peer_addr(raft, leader),
-                Target::Home(_) => n.dial_addr(leader),
+            let made = node.upgrade().and_then(|n| {
+                let addr = match target {
+                    Target::Group { raft, .. } => n.peer_addr(raft, leader),
+                    Target::Home(_) => n.dial_addr(leader),
+                }?;
+                Some(ForwardLink::new(
+                    &n.addresses,
+                    me,
+                    leader,
+                    group.clone(),
+                    addr,
+                    &n.secret,
+                ))
             });
-            let Some(addr) = addr else {
+            let Some(made) = made else {
                 finish(Err(ReplicationError::Unavailable));
                 return;
             };
-            let tls = node.upgrade().and_then(|n| n.addresses.tls());
-            let opened = tokio::time::timeout(
-                LINK_OPEN_MAX,
-                ForwardLink::open(me, leader, group.clone(), addr, node_secret(node), tls),
-            )
-            .await;
-            match opened {
-                Ok(Ok(link)) => v.insert(link),
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "cannot reach the leader");
-                    // Nothing was sent.
-                    finish(Err(ReplicationError::Unavailable));
-                    return;
-                }
-                Err(_) => {
-                    tracing::debug!("the leader does not answer");
-                    finish(Err(ReplicationError::Unavailable));
-                    return;
-                }
-            }
+            v.insert(made)
         }
     };
-    let breaker = link.breaker();
-    // A socket whose peer stopped reading (a black hole) fills up: the write must not hang.
-    let Ok(rx) = tokio::time::timeout(LINK_OPEN_MAX, link.send(request)).await else {
-        breaker.abort();
-        finish(Err(ReplicationError::Unknown(
-            "the leader does not take requests".into(),
-        )));
-        return;
+    // A link whose peer stopped reading fills up: waiting for room must not hang (nothing
+    // was sent if it times out).
+    let answer = match tokio::time::timeout(PEER_REQUEST_MAX, link.send(request)).await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "cannot reach the leader");
+            finish(Err(ReplicationError::Unavailable));
+            return;
+        }
+        Err(_) => {
+            finish(Err(ReplicationError::Unavailable));
+            return;
+        }
     };
     tokio::spawn(async move {
-        let outcome = match tokio::time::timeout(FORWARD_REPLY_MAX, rx).await {
-            Ok(Ok(Ok(r))) => r.map_err(unknown),
-            Ok(Ok(Err(e))) => Err(ReplicationError::Unknown(e)),
-            Ok(Err(e)) => Err(ReplicationError::Unknown(e.to_string())),
-            Err(_) => {
-                breaker.abort();
-                Err(ReplicationError::Unknown(
-                    "the leader did not answer in time".into(),
-                ))
+        let outcome = match tokio::time::timeout(FORWARD_REPLY_MAX, answer.replies()).await {
+            Ok(Ok(r)) => r.map_err(unknown),
+            // Nothing reached the leader (it could not be dialled), or it staged nothing:
+            // safe to try again.
+            Ok(Err(
+                e @ (TransportError::NotSent(_)
+                | TransportError::NoSuchGroup(_)
+                | TransportError::Refused(Refusal::Busy)),
+            )) => {
+                tracing::debug!(error = %e, "cannot reach the leader");
+                Err(ReplicationError::Unavailable)
             }
+            Ok(Err(e)) => Err(ReplicationError::Unknown(e.to_string())),
+            Err(_) => Err(ReplicationError::Unknown(
+                "the leader did not answer in time".into(),
+            )),
         };
         finish(outcome);
     });
@@ -349,11 +350,6 @@ fn unknown(e: ProposeError) -> ReplicationError {
         ProposeError::NotLeader(_) => ReplicationError::Unavailable,
         other => ReplicationError::Unknown(other.to_string()),
     }
-}
-
-fn node_secret(node: &Weak<ClusterNode>) -> Secret {
-    node.upgrade()
-        .map_or_else(|| Secret::new(b""), |n| n.secret.clone())
 }
 
 /// The group's leader, waiting up to [`LEADER_WAIT`] for one to be elected.

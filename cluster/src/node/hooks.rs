@@ -20,7 +20,7 @@ use crate::types::MetaChange;
 use super::config::node_id;
 use super::leadership::{HOLD_MAX, TRANSFER_MARGIN, TRANSFER_MAX};
 use super::placement::GROUP_SIZE_DEFAULT;
-use super::{ClusterNode, DOWN_AFTER, LINK_OPEN_MAX};
+use super::{ClusterNode, DOWN_AFTER, PEER_REQUEST_MAX};
 
 impl ClusterHooks for ClusterNode {
     fn node_name(&self) -> &str {
@@ -263,7 +263,7 @@ impl ClusterHooks for ClusterNode {
                 // leases (groups of more than three) and the election.
                 let lease = Duration::from_millis(node.raft_config.election_timeout_max);
                 let answer_max =
-                    2 * (lease + TRANSFER_MARGIN + HOLD_MAX) + TRANSFER_MAX + LINK_OPEN_MAX;
+                    2 * (lease + TRANSFER_MARGIN + HOLD_MAX) + TRANSFER_MAX + PEER_REQUEST_MAX;
                 match tokio::time::timeout(answer_max, tcp::request_transfer(call, id)).await {
                     Ok(Ok(Ok(new))) => Ok(new),
                     Ok(Ok(Err(reason))) => Err(TransferError::Failed(reason)),

@@ -11,7 +11,7 @@ use crate::transport::tcp;
 use crate::types::{NodeId, QueueRaft};
 
 use super::replicas::QueueReplica;
-use super::{ClusterNode, LINK_OPEN_MAX};
+use super::{ClusterNode, PEER_REQUEST_MAX};
 
 /// How long a leader handing over waits for its log to settle, and then for the target to
 /// hold every entry.
@@ -25,14 +25,14 @@ impl ClusterNode {
     /// A single request to `peer`'s replica of `replica`'s group (None: no address known).
     pub(super) fn peer_call(&self, replica: &QueueReplica, peer: NodeId) -> Option<tcp::PeerCall> {
         let raft = replica.raft.get()?;
-        Some(tcp::PeerCall {
-            from: self.me,
-            to: peer,
-            group: replica.group.clone(),
-            addr: self.peer_addr(raft, peer)?,
-            secret: self.secret.clone(),
-            tls: self.addresses.tls(),
-        })
+        Some(tcp::PeerCall::new(
+            &self.addresses,
+            self.me,
+            peer,
+            replica.group.clone(),
+            self.peer_addr(raft, peer)?,
+            &self.secret,
+        ))
     }
 
     /// As the leader of a queue group, hand leadership to voter `to`: hold the proposer
@@ -145,7 +145,7 @@ impl ClusterNode {
             let span = lease + TRANSFER_MAX;
             for peer in &others {
                 let asked = tokio::time::timeout(
-                    LINK_OPEN_MAX,
+                    PEER_REQUEST_MAX,
                     tcp::request_abstain(
                         call(*peer)?,
                         u64::try_from(span.as_millis()).unwrap_or(u64::MAX),
@@ -167,7 +167,7 @@ impl ClusterNode {
         } else {
             None
         };
-        let started = tokio::time::timeout(LINK_OPEN_MAX, tcp::request_campaign(call(to)?))
+        let started = tokio::time::timeout(PEER_REQUEST_MAX, tcp::request_campaign(call(to)?))
             .await
             .map_err(|_| TransferError::Failed(format!("{} did not answer", self.name_of(to))))?
             .map_err(|e| {
@@ -221,7 +221,7 @@ async fn resume_elections(
 ) {
     for peer in peers {
         if let Ok(c) = call(*peer) {
-            let _ = tokio::time::timeout(LINK_OPEN_MAX, tcp::request_abstain(c, 0)).await;
+            let _ = tokio::time::timeout(PEER_REQUEST_MAX, tcp::request_abstain(c, 0)).await;
         }
     }
 }

@@ -15,7 +15,7 @@ use crate::transport::tcp::{ForwardLink, Forwarded, GroupId};
 use crate::types::{MetaChange, NodeId};
 
 use super::config::node_id;
-use super::{ClusterNode, FORWARD_REPLY_MAX, LINK_OPEN_MAX, META_GROUP, Member};
+use super::{ClusterNode, FORWARD_REPLY_MAX, META_GROUP, Member};
 
 /// How long a joining node waits between attempts to reach a seed.
 const JOIN_RETRY: Duration = Duration::from_millis(500);
@@ -134,44 +134,35 @@ impl ClusterNode {
         while self.number() == 0 && !seeds.is_empty() {
             let (id, addr) = &seeds[next % seeds.len()];
             next += 1;
-            let link = tokio::time::timeout(
-                LINK_OPEN_MAX,
-                ForwardLink::open(
-                    self.me,
-                    *id,
-                    meta.clone(),
-                    addr.clone(),
-                    self.secret.clone(),
-                    self.addresses.tls(),
-                ),
-            )
-            .await
-            .unwrap_or_else(|_| Err(tcp::TransportError::Frame("no answer".into())));
-            let outcome = match link {
-                Ok(mut link) => {
-                    let rx = link
-                        .send(Forwarded {
-                            commands: Vec::new(),
-                            meta: vec![request.clone()],
-                        })
-                        .await;
-                    let reply = tokio::time::timeout(FORWARD_REPLY_MAX, rx)
-                        .await
-                        .unwrap_or_else(|_| Ok(Err("no answer in time".into())));
-                    match reply {
-                        Ok(Ok(Ok(_))) => Ok(()),
-                        Ok(Ok(Err(ProposeError::NotLeader(Some(leader))))) => {
-                            // Ask the leader next, when it is one of the seeds.
-                            if let Some(i) = seeds.iter().position(|(s, _)| *s == leader) {
-                                next = i;
-                            }
-                            Err("not the metadata leader".to_string())
-                        }
-                        Ok(Ok(Err(e))) => Err(e.to_string()),
-                        Ok(Err(e)) => Err(e),
-                        Err(e) => Err(e.to_string()),
+            let link = ForwardLink::new(
+                &self.addresses,
+                self.me,
+                *id,
+                meta.clone(),
+                addr.clone(),
+                &self.secret,
+            );
+            let sent = link.send(Forwarded {
+                commands: Vec::new(),
+                meta: vec![request.clone()],
+            });
+            let reply =
+                tokio::time::timeout(
+                    FORWARD_REPLY_MAX,
+                    async move { sent.await?.replies().await },
+                )
+                .await
+                .unwrap_or_else(|_| Err(tcp::TransportError::Broken("no answer in time".into())));
+            let outcome = match reply {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(ProposeError::NotLeader(Some(leader)))) => {
+                    // Ask the leader next, when it is one of the seeds.
+                    if let Some(i) = seeds.iter().position(|(s, _)| *s == leader) {
+                        next = i;
                     }
+                    Err("not the metadata leader".to_string())
                 }
+                Ok(Err(e)) => Err(e.to_string()),
                 Err(e) => Err(e.to_string()),
             };
             match outcome {

@@ -78,12 +78,12 @@ pub const DOWN_AFTER: Duration = Duration::from_secs(5);
 /// Founding nodes are numbered 1 and up from their sorted names, joined nodes from 63 down:
 /// at most this many founding nodes, so the two never meet.
 pub const FOUNDING_NODES_MAX: usize = 31;
-/// How long opening a forwarding link to a leader may take (a connect and a handshake); a
-/// peer behind a black hole must not hold a group's forwarder.
-const LINK_OPEN_MAX: Duration = Duration::from_secs(1);
+/// How long a request may wait to be queued on a peer's link, and a handover's one-off
+/// request for its answer; a peer behind a black hole must not hold a group's forwarder.
+const PEER_REQUEST_MAX: Duration = Duration::from_secs(1);
 /// How long a forwarded batch waits for the leader's answer before its outcome is unknown
-/// and the link is dropped (commits take milliseconds, p99 under the ten-queue benchmark
-/// about 1.6 s).
+/// (commits take milliseconds, p99 under the ten-queue benchmark about 1.6 s); the link itself
+/// breaks on the peer's silence (`tcp::LINK_SILENCE_MAX`).
 const FORWARD_REPLY_MAX: Duration = Duration::from_secs(5);
 /// The metadata group's name.
 const META_GROUP: &str = "$meta";

@@ -283,11 +283,11 @@ impl ClusterNode {
     pub(super) fn classic_peer(&self, id: NodeId) -> Option<ClassicPeer> {
         let addr = self.dial_addr(id)?;
         Some(ClassicPeer::new(
+            &self.addresses,
             self.me,
             id,
             addr,
-            self.secret.clone(),
-            self.addresses.tls(),
+            &self.secret,
         ))
     }
 

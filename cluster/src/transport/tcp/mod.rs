@@ -1,32 +1,36 @@
-//! Raft RPCs between nodes over TCP, authenticated with the cluster's shared secret.
+//! The cluster port: everything nodes say to each other, over one authenticated link per peer.
 //!
 //! Wire format: frames of a 4-byte big-endian length and a [`codec`](crate::codec) body, at most
-//! [`FRAME_MAX`] bytes (checked before allocating). A connection opens with a challenge: the
-//! client names itself, its target and the group (queue and incarnation), the server answers
-//! with a random nonce, the client proves it holds the secret with
-//! HMAC-SHA256(secret, nonce ‖ hello), and only then are RPCs served, to that group only. The
-//! secret never crosses the wire, and a recorded proof is useless against a new nonce. (TLS
-//! for this port comes later; the secret authenticates, it does not encrypt.)
+//! [`FRAME_MAX`] bytes (checked before allocating). A link opens with a challenge: the client
+//! names itself and its target, the server answers with a random nonce, the client proves it
+//! holds the secret with HMAC-SHA256(secret, nonce ‖ hello), and only then are requests served.
+//! The secret never crosses the wire, and a recorded proof is useless against a new nonce. With
+//! TLS configured ([`ClusterTls`]) the link runs over TLS, both sides presenting certificates.
 //!
-//! A node serves many groups on one port ([`Groups`]). A group is named by its queue and an
-//! incarnation id, fixed when the queue is declared: a replica of a deleted queue that comes
-//! back asks for the old incarnation and is refused, so it can never replay its entries into
-//! a re-created queue of the same name (RabbitMQ issue 12366).
+//! A node dials each peer once (`link`): every group's Raft RPCs, forwarded commands,
+//! handover requests, classic queues' traffic and pings to that peer share the link, many in
+//! flight at once, each request naming its group and an id its answer repeats. So a node's
+//! descriptors and handshakes grow with its peers, not its queues, and the frames of many
+//! groups leave in one write.
 //!
-//! One connection carries one RPC at a time: openraft opens a client per replication stream,
-//! so streams do not queue behind each other.
+//! A group is named by its queue and an incarnation id, fixed when the queue is declared: a
+//! replica of a deleted queue that comes back asks for the old incarnation and is refused
+//! ([`TransportError::NoSuchGroup`]), so it can never replay its entries into a re-created queue
+//! of the same name (RabbitMQ issue 12366).
 //!
 //! The code, by side:
 //!
 //! - this file: when each peer was last heard from ([`silent_for`]) and the port's TLS
 //!   settings ([`ClusterTls`]);
-//! - `wire`: frames, the handshake's messages and proof, the RPCs and their responses;
-//! - `server`: the groups a node serves ([`Groups`]) and the connections it accepts: Raft
-//!   RPCs, forwarded commands staged into the leader's proposer, handover requests;
-//! - `client`: dialling peers: openraft's network ([`TcpNetwork`]), forwarding links,
-//!   one-off requests, pings.
+//! - `wire`: frames, the handshake's messages and proof, the requests and answers by purpose;
+//! - `link`: a node's link to one peer (queueing, folding writes, routing answers, breaking on
+//!   silence);
+//! - `server`: the groups a node serves ([`Groups`]) and the links it accepts;
+//! - `client`: what the node asks over its links: openraft's network ([`TcpNetwork`]),
+//!   forwarding ([`ForwardLink`]), handover requests, classic queues' traffic, pings.
 
 mod client;
+mod link;
 mod server;
 mod wire;
 
@@ -38,17 +42,22 @@ use tokio_rustls::{TlsAcceptor, TlsConnector};
 use crate::types::NodeId;
 
 pub use client::{
-    Addresses, ClassicPeer, ForwardLink, PeerCall, TcpConnection, TcpNetwork, ping_loop,
-    request_abstain, request_campaign, request_transfer,
+    Addresses, ClassicPeer, ForwardAnswer, ForwardLink, PeerCall, TcpConnection, TcpNetwork,
+    ping_loop, request_abstain, request_campaign, request_transfer,
 };
+pub use link::{DIAL_MAX, FOLD_MAX, LINK_PING_AFTER, LINK_QUEUE_MAX, LINK_SILENCE_MAX};
 pub use server::{
     CLASSIC_PREFIX, ClassicService, FORWARDS_IN_FLIGHT_MAX, Groups, LEADER_SILENCE_MAX, Relay,
     Staged, Transfer, serve, serve_tls, stage_here,
 };
 pub use wire::{
-    ABSTAIN_MAX, FRAME_MAX, ForwardReplies, Forwarded, GroupId, Io, RemoteEvent, RemoteQueueStats,
-    Secret, TransportError,
+    ABSTAIN_MAX, FRAME_MAX, ForwardReplies, Forwarded, GroupId, Io, Refusal, RemoteEvent,
+    RemoteQueueStats, Secret, TransportError,
 };
+
+/// A link tells the node-wide liveness table ([`heard_from`]) at most this often: every
+/// frame shows the peer alive, but the table is shared by every link.
+const HEARD_EVERY: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// When each peer was last heard from (an RPC it answered or sent), process-wide: a node
 /// runs one transport, and every group's traffic shows the peer is alive.

@@ -1,16 +1,20 @@
 //! The server side of the cluster port: the groups a node serves ([`Groups`]), accepting and
-//! authenticating connections, answering Raft RPCs, staging forwarded commands into the
-//! leader's proposer ([`stage_here`], pipelined per connection), and the requests of a leader
-//! handing over (campaign, abstain); a replicating leader whose connection closes is
-//! suspected gone.
+//! authenticating the link each peer dials, and serving what it carries by group and purpose:
+//! Raft RPCs (each in a task of its own, so one group's slow append holds no other), forwarded
+//! commands staged into the leader's proposer ([`stage_here`]) in the order they came, per
+//! group, the requests of a leader handing over (campaign, abstain), classic queues' traffic
+//! and pings. Answers are written by a task of the link's own that folds every answer ready
+//! into one write. A leader whose link closes is suspected gone in the groups it replicated
+//! over it.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use openraft::Raft;
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 use tokio::net::TcpListener;
+use tokio::sync::mpsc;
 use tokio_rustls::TlsAcceptor;
 
 use warren_broker::node::replication::Listing;
@@ -18,12 +22,14 @@ use warren_broker::node::replication::Listing;
 use crate::proposer::{ProposeError, Proposer};
 use crate::types::{NodeId, QueueRaft, QueueRequest};
 
+use super::link::{FOLD_MAX, LINK_QUEUE_MAX, write_frames};
 use super::wire::{
-    ABSTAIN_MAX, Challenge, ForwardReplies, Forwarded, GroupId, Hello, Proof, RemoteEvent,
-    RemoteQueueStats, Request, Response, Secret, Stream, TransportError, Verdict, proof_input,
-    read_frame, write_frame,
+    ABSTAIN_MAX, Answer, Challenge, ClassicRequest, ClassicResponse, Envelope, ForwardReplies,
+    Forwarded, GroupId, HandoverRequest, HandoverResponse, Hello, Proof, RaftRequest, RaftResponse,
+    Refusal, RemoteEvent, RemoteQueueStats, Request, Response, Secret, Stream, TransportError,
+    Verdict, encode_frame, proof_input, read_frame, write_frame,
 };
-use super::{heard_from, silent_for};
+use super::{HEARD_EVERY, heard_from, silent_for};
 
 /// One group as a node serves it: its Raft instance and its leader-side batcher (used when
 /// another node forwards commands here).
@@ -51,6 +57,8 @@ pub type Relay = Arc<
 pub struct Groups {
     by_id: Arc<RwLock<HashMap<GroupId, Served>>>,
     classic: Arc<RwLock<Option<Arc<dyn ClassicService>>>>,
+    /// Links from peers open now (authenticated, not yet closed).
+    links: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Group names under this prefix are not Raft groups: they reach the node's classic queues
@@ -114,6 +122,13 @@ impl Groups {
                 },
             );
         proposer
+    }
+
+    /// How many links peers have open to this node now: one per peer that talks to it,
+    /// whatever the number of groups.
+    #[must_use]
+    pub fn open_links(&self) -> usize {
+        self.links.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Serve classic queues' traffic through `service`.
@@ -330,74 +345,9 @@ fn abstain(served: &Served, leader: NodeId, ms: u64) -> bool {
     true
 }
 
-/// Most forwarded requests in flight on one connection.
+/// Most forwarded batches of one group in flight on one link (more are refused with
+/// [`Refusal::Busy`]; a node's forwarder keeps at most this many in flight per group).
 pub const FORWARDS_IN_FLIGHT_MAX: usize = 16;
-
-/// Serve a connection that forwards (after its first forward): requests are staged as they
-/// arrive and answered in arrival order as their entries commit, so a forwarding node keeps
-/// several batches in flight.
-async fn serve_forwards(s: Stream, served: Served, first: Forwarded) -> Result<(), TransportError> {
-    let Served {
-        raft,
-        proposer,
-        relay,
-        ..
-    } = served;
-    serve_pipelined(s, first, move |f| {
-        let (raft, proposer, relay) = (raft.clone(), proposer.clone(), relay.clone());
-        async move {
-            match &relay {
-                Some(relay) if !f.meta.is_empty() => {
-                    let rx = relay(f);
-                    Staged::Meta(tokio::spawn(async move {
-                        rx.await.unwrap_or(Err(ProposeError::Stopped))
-                    }))
-                }
-                _ => stage_here(&raft, &proposer, f).await,
-            }
-        }
-    })
-    .await
-}
-
-/// Answer a connection's forwards, staged by `stage` in arrival order, in that order.
-async fn serve_pipelined<F, Fut>(
-    s: Stream,
-    first: Forwarded,
-    mut stage: F,
-) -> Result<(), TransportError>
-where
-    F: FnMut(Forwarded) -> Fut,
-    Fut: Future<Output = Staged>,
-{
-    let (mut r, mut w) = tokio::io::split(s);
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Staged>(FORWARDS_IN_FLIGHT_MAX);
-    let writer = tokio::spawn(async move {
-        while let Some(staged) = rx.recv().await {
-            let response = Response::Forward(staged.replies().await);
-            if write_frame(&mut w, &response).await.is_err() {
-                return;
-            }
-        }
-    });
-    let mut next = Some(first);
-    loop {
-        let f = match next.take() {
-            Some(f) => f,
-            None => match read_frame(&mut r).await {
-                Ok(Request::Forward(f)) => f,
-                Ok(_) => break,
-                Err(_) => break,
-            },
-        };
-        if tx.send(stage(f).await).await.is_err() {
-            break;
-        }
-    }
-    drop(tx);
-    let _ = writer.await;
-    Ok(())
-}
 
 /// The vhost and queue a `$classic\0<vhost>\0<queue>` group names (None: `$classic` alone,
 /// or another name).
@@ -405,58 +355,6 @@ fn classic_target(name: &str) -> Option<(&str, &str)> {
     name.strip_prefix(CLASSIC_PREFIX)
         .and_then(|rest| rest.strip_prefix('\0'))
         .and_then(|rest| rest.split_once('\0'))
-}
-
-/// Serve a connection to the classic queues held here: a proxy's forwarded commands (group
-/// `$classic\0<vhost>\0<queue>`), or deliveries and stats between nodes (`$classic`).
-async fn serve_classic(
-    mut s: Stream,
-    from: NodeId,
-    group: &GroupId,
-    service: Arc<dyn ClassicService>,
-) -> Result<(), TransportError> {
-    let target = classic_target(&group.name).map(|(v, q)| (v.to_string(), q.to_string()));
-    loop {
-        let request: Request = match read_frame(&mut s).await {
-            Ok(r) => r,
-            Err(TransportError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                return Ok(());
-            }
-            Err(e) => return Err(e),
-        };
-        heard_from(from);
-        let response = match (request, &target) {
-            (Request::Forward(f), Some((vhost, queue))) => {
-                let (vhost, queue) = (vhost.clone(), queue.clone());
-                return serve_pipelined(s, f, move |f| {
-                    let rx = service.forward(from, &vhost, &queue, f);
-                    async move {
-                        Staged::Meta(tokio::spawn(async move {
-                            rx.await.unwrap_or(Err(ProposeError::Stopped))
-                        }))
-                    }
-                })
-                .await;
-            }
-            (Request::Deliver(events), _) => Response::Delivered(service.deliver(from, events)),
-            (Request::ClassicStats, _) => Response::ClassicStats(service.stats(from)),
-            (Request::Listing(kind), _) => {
-                // An empty array when the management layer does not answer (not started).
-                Response::Listing(
-                    service
-                        .listing(kind)
-                        .await
-                        .unwrap_or_else(|_| b"[]".to_vec()),
-                )
-            }
-            (Request::CloseConnection { name, reason }, _) => {
-                Response::Closed(service.close_connection(&name, reason))
-            }
-            (Request::Ping, _) => Response::Pong,
-            _ => return Err(TransportError::Frame("not a classic queue request".into())),
-        };
-        write_frame(&mut s, &response).await?;
-    }
 }
 
 /// Serve Raft RPCs for node `me`'s `groups` on `listener` until the task is dropped.
@@ -504,98 +402,321 @@ pub async fn serve_tls(
     }
 }
 
+/// Pass the challenge of a peer dialling in: the peer it says it is, proven with the secret.
+async fn authenticate(
+    s: &mut Stream,
+    me: NodeId,
+    secret: &Secret,
+) -> Result<NodeId, TransportError> {
+    let hello: Hello = read_frame(s).await?;
+    let mut nonce = vec![0u8; 32];
+    SystemRandom::new()
+        .fill(&mut nonce)
+        .map_err(|_| TransportError::Auth)?;
+    write_frame(
+        s,
+        &Challenge {
+            nonce: nonce.clone(),
+        },
+    )
+    .await?;
+    let proof: Proof = read_frame(s).await?;
+    let valid =
+        hello.to == me && hmac::verify(&secret.0, &proof_input(&nonce, &hello), &proof.mac).is_ok();
+    if !valid {
+        write_frame(s, &Verdict::Refused).await?;
+        return Err(TransportError::Auth);
+    }
+    write_frame(s, &Verdict::Welcome).await?;
+    Ok(hello.from)
+}
+
 async fn serve_connection(
     mut s: Stream,
     me: NodeId,
     groups: Groups,
     secret: Secret,
 ) -> Result<(), TransportError> {
-    let hello: Hello = read_frame(&mut s).await?;
-    let mut nonce = vec![0u8; 32];
-    SystemRandom::new()
-        .fill(&mut nonce)
-        .map_err(|_| TransportError::Auth)?;
-    write_frame(
-        &mut s,
-        &Challenge {
-            nonce: nonce.clone(),
-        },
-    )
-    .await?;
-    let proof: Proof = read_frame(&mut s).await?;
-    let valid =
-        hello.to == me && hmac::verify(&secret.0, &proof_input(&nonce, &hello), &proof.mac).is_ok();
-    if !valid {
-        write_frame(&mut s, &Verdict::Refused).await?;
-        return Err(TransportError::Auth);
-    }
-    if hello.group.name.starts_with(CLASSIC_PREFIX) {
-        let service = groups
-            .classic()
-            .filter(|svc| match classic_target(&hello.group.name) {
-                Some((vhost, queue)) => svc.holds(vhost, queue),
-                None => hello.group.name.len() == CLASSIC_PREFIX.len(),
-            });
-        let Some(service) = service else {
-            write_frame(&mut s, &Verdict::NoSuchGroup).await?;
-            return Err(TransportError::NoSuchGroup(hello.group));
-        };
-        write_frame(&mut s, &Verdict::Welcome).await?;
-        heard_from(hello.from);
-        return serve_classic(s, hello.from, &hello.group, service).await;
-    }
-    let Some(served) = groups.get(&hello.group) else {
-        write_frame(&mut s, &Verdict::NoSuchGroup).await?;
-        return Err(TransportError::NoSuchGroup(hello.group));
+    let from = authenticate(&mut s, me, &secret).await?;
+    heard_from(from);
+    let _open = OpenLink::count(&groups.links);
+    let (mut r, w) = tokio::io::split(s);
+    let (out, rx) = mpsc::channel::<Vec<u8>>(LINK_QUEUE_MAX);
+    let writer = tokio::spawn(write_answers(w, rx));
+    let mut link = ServedLink {
+        from,
+        groups,
+        out,
+        lanes: HashMap::new(),
+        replicated: HashSet::new(),
+        classic_targets: HashSet::new(),
+        told: std::time::Instant::now(),
     };
-    let raft = served.raft.clone();
-    write_frame(&mut s, &Verdict::Welcome).await?;
-    heard_from(hello.from);
-    // Only a connection that carried appends is the leader's replication stream: one-off
-    // requests (a handover's, a ping) close as a matter of course.
-    let mut replicating = false;
-    loop {
-        let request: Request = match read_frame(&mut s).await {
-            Ok(r) => r,
-            // The client closed the connection between RPCs.
-            Err(TransportError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                if replicating {
-                    suspect_leader(&raft, hello.from);
+    let ended = loop {
+        match read_frame::<Envelope, _>(&mut r).await {
+            Ok(envelope) => {
+                if link.serve(envelope).await.is_err() {
+                    break Ok(());
                 }
+            }
+            // The peer closed the link between requests.
+            Err(TransportError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                break Ok(());
+            }
+            Err(e) => break Err(e),
+        }
+    };
+    // The groups whose leader replicated over this link: if it stays silent, it is gone.
+    for group in &link.replicated {
+        if let Some(served) = link.groups.get(group) {
+            suspect_leader(&served.raft, from);
+        }
+    }
+    drop(link);
+    // Answers still being prepared hold the writer; it ends once they are written or fail.
+    drop(writer);
+    ended
+}
+
+/// Counts a link as open while it lives.
+struct OpenLink(Arc<std::sync::atomic::AtomicUsize>);
+
+impl OpenLink {
+    fn count(links: &Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        links.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Self(Arc::clone(links))
+    }
+}
+
+impl Drop for OpenLink {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Write answers as they come, every answer queued by then in one vectored write.
+async fn write_answers(mut w: tokio::io::WriteHalf<Stream>, mut rx: mpsc::Receiver<Vec<u8>>) {
+    let mut batch = Vec::with_capacity(FOLD_MAX);
+    while rx.recv_many(&mut batch, FOLD_MAX).await > 0 {
+        let frames: Vec<&[u8]> = batch.iter().map(Vec::as_slice).collect();
+        if write_frames(&mut w, &frames).await.is_err() {
+            return;
+        }
+        batch.clear();
+    }
+}
+
+/// A link a peer dialled: the requests it carries, served by group and purpose.
+struct ServedLink {
+    from: NodeId,
+    groups: Groups,
+    /// Answers, to the link's writer.
+    out: mpsc::Sender<Vec<u8>>,
+    /// Per group, the task that stages its forwarded batches in the order they came.
+    lanes: HashMap<GroupId, mpsc::Sender<(u64, Forwarded)>>,
+    /// Groups whose appends came over this link (the peer led them).
+    replicated: HashSet<GroupId>,
+    /// `$classic\0<vhost>\0<queue>` groups whose queue was found held here.
+    classic_targets: HashSet<GroupId>,
+    /// When the node-wide liveness table was last told of this peer.
+    told: std::time::Instant,
+}
+
+/// The link's writer is gone: stop reading.
+struct Closed;
+
+impl ServedLink {
+    async fn serve(&mut self, envelope: Envelope) -> Result<(), Closed> {
+        if self.told.elapsed() >= HEARD_EVERY {
+            self.told = std::time::Instant::now();
+            heard_from(self.from);
+        }
+        let Envelope { id, group, request } = envelope;
+        if matches!(request, Request::Ping) {
+            return answer(&self.out, id, Ok(Response::Pong)).await;
+        }
+        if group.name.starts_with(CLASSIC_PREFIX) {
+            return self.serve_classic(id, group, request).await;
+        }
+        let Some(served) = self.groups.get(&group) else {
+            return answer(&self.out, id, Err(Refusal::NoSuchGroup)).await;
+        };
+        match request {
+            Request::Raft(rpc) => {
+                if matches!(rpc, RaftRequest::AppendEntries(_)) && !self.replicated.contains(&group)
+                {
+                    self.replicated.insert(group);
+                }
+                let out = self.out.clone();
+                tokio::spawn(async move {
+                    let raft = &served.raft;
+                    let response = match rpc {
+                        RaftRequest::AppendEntries(r) => {
+                            RaftResponse::AppendEntries(raft.append_entries(r).await)
+                        }
+                        RaftRequest::Vote(r) => RaftResponse::Vote(raft.vote(r).await),
+                        RaftRequest::InstallSnapshot(r) => {
+                            RaftResponse::InstallSnapshot(raft.install_snapshot(r.into()).await)
+                        }
+                    };
+                    let _ = answer(&out, id, Ok(Response::Raft(response))).await;
+                });
+                Ok(())
+            }
+            Request::Forward(f) => {
+                let lane = self
+                    .lanes
+                    .entry(group)
+                    .or_insert_with(|| forward_lane(served, self.out.clone()));
+                match lane.try_send((id, f)) {
+                    Ok(()) => Ok(()),
+                    Err(_) => answer(&self.out, id, Err(Refusal::Busy)).await,
+                }
+            }
+            Request::Handover(HandoverRequest::Abstain(ms)) => {
+                let ok = abstain(&served, self.from, ms);
+                answer(
+                    &self.out,
+                    id,
+                    Ok(Response::Handover(HandoverResponse::Abstaining(ok))),
+                )
+                .await
+            }
+            Request::Handover(h) => {
+                let (out, from) = (self.out.clone(), self.from);
+                tokio::spawn(async move {
+                    let response = match h {
+                        HandoverRequest::Transfer(to) => {
+                            HandoverResponse::Transferred(match &served.transfer {
+                                Some(transfer) => transfer(to).await,
+                                None => Err("this replica cannot transfer leadership".into()),
+                            })
+                        }
+                        HandoverRequest::Campaign => {
+                            HandoverResponse::Campaigning(campaign(&served.raft, from).await)
+                        }
+                        HandoverRequest::Abstain(ms) => {
+                            HandoverResponse::Abstaining(abstain(&served, from, ms))
+                        }
+                    };
+                    let _ = answer(&out, id, Ok(Response::Handover(response))).await;
+                });
+                Ok(())
+            }
+            Request::Classic(_) => {
+                let refusal = Refusal::Misdirected("a classic request to a Raft group".into());
+                answer(&self.out, id, Err(refusal)).await
+            }
+            Request::Ping => answer(&self.out, id, Ok(Response::Pong)).await,
+        }
+    }
+
+    /// A request to the classic queues held here: a proxy's forwarded commands (group
+    /// `$classic\0<vhost>\0<queue>`), or deliveries, stats, listings and closings
+    /// (`$classic`).
+    async fn serve_classic(
+        &mut self,
+        id: u64,
+        group: GroupId,
+        request: Request,
+    ) -> Result<(), Closed> {
+        let service = self.groups.classic();
+        let target = classic_target(&group.name);
+        let admitted = match (&service, target) {
+            (None, _) => false,
+            (Some(_), None) => group.name.len() == CLASSIC_PREFIX.len(),
+            (Some(_), Some(_)) if self.classic_targets.contains(&group) => true,
+            (Some(svc), Some((vhost, queue))) => svc.holds(vhost, queue),
+        };
+        let Some(service) = service.filter(|_| admitted) else {
+            return answer(&self.out, id, Err(Refusal::NoSuchGroup)).await;
+        };
+        let response = match (request, target) {
+            (Request::Forward(f), Some((vhost, queue))) => {
+                // Called here, in arrival order: the service queues the commands in order.
+                let rx = service.forward(self.from, vhost, queue, f);
+                if !self.classic_targets.contains(&group) {
+                    self.classic_targets.insert(group);
+                }
+                let out = self.out.clone();
+                tokio::spawn(async move {
+                    let replies = rx.await.unwrap_or(Err(ProposeError::Stopped));
+                    let _ = answer(&out, id, Ok(Response::Forward(replies))).await;
+                });
                 return Ok(());
             }
-            Err(e) => {
-                if replicating {
-                    suspect_leader(&raft, hello.from);
-                }
-                return Err(e);
+            (Request::Classic(ClassicRequest::Deliver(events)), _) => {
+                ClassicResponse::Delivered(service.deliver(self.from, events))
+            }
+            (Request::Classic(ClassicRequest::Stats), _) => {
+                ClassicResponse::Stats(service.stats(self.from))
+            }
+            (Request::Classic(ClassicRequest::Listing(kind)), _) => {
+                let rx = service.listing(kind);
+                let out = self.out.clone();
+                tokio::spawn(async move {
+                    // An empty array when the management layer does not answer (not started).
+                    let json = rx.await.unwrap_or_else(|_| b"[]".to_vec());
+                    let response = Response::Classic(ClassicResponse::Listing(json));
+                    let _ = answer(&out, id, Ok(response)).await;
+                });
+                return Ok(());
+            }
+            (Request::Classic(ClassicRequest::CloseConnection { name, reason }), _) => {
+                ClassicResponse::Closed(service.close_connection(&name, reason))
+            }
+            _ => {
+                let refusal = Refusal::Misdirected("not a classic queue request".into());
+                return answer(&self.out, id, Err(refusal)).await;
             }
         };
-        heard_from(hello.from);
-        replicating |= matches!(request, Request::AppendEntries(_));
-        let response = match request {
-            Request::AppendEntries(r) => Response::AppendEntries(raft.append_entries(r).await),
-            Request::Vote(r) => Response::Vote(raft.vote(r).await),
-            Request::InstallSnapshot(r) => {
-                Response::InstallSnapshot(raft.install_snapshot(r).await)
-            }
-            Request::Forward(f) => return serve_forwards(s, served, f).await,
-            Request::Ping => Response::Pong,
-            Request::Transfer(to) => Response::Transferred(match &served.transfer {
-                Some(transfer) => transfer(to).await,
-                None => Err("this replica cannot transfer leadership".into()),
-            }),
-            Request::Campaign => Response::Campaigning(campaign(&raft, hello.from).await),
-            Request::Abstain(ms) => Response::Abstaining(abstain(&served, hello.from, ms)),
-            Request::Deliver(_)
-            | Request::ClassicStats
-            | Request::Listing(_)
-            | Request::CloseConnection { .. } => {
-                return Err(TransportError::Frame(
-                    "a classic request to a Raft group".into(),
-                ));
-            }
-        };
-        write_frame(&mut s, &response).await?;
+        answer(&self.out, id, Ok(Response::Classic(response))).await
     }
+}
+
+/// A task staging one group's forwarded batches from one link in the order they came, each
+/// answered once its entries commit (so a forwarding node keeps several batches in flight).
+fn forward_lane(served: Served, out: mpsc::Sender<Vec<u8>>) -> mpsc::Sender<(u64, Forwarded)> {
+    let (tx, mut rx) = mpsc::channel::<(u64, Forwarded)>(FORWARDS_IN_FLIGHT_MAX);
+    tokio::spawn(async move {
+        while let Some((id, f)) = rx.recv().await {
+            let staged = match &served.relay {
+                Some(relay) if !f.meta.is_empty() => {
+                    let rx = relay(f);
+                    Staged::Meta(tokio::spawn(async move {
+                        rx.await.unwrap_or(Err(ProposeError::Stopped))
+                    }))
+                }
+                _ => stage_here(&served.raft, &served.proposer, f).await,
+            };
+            let out = out.clone();
+            tokio::spawn(async move {
+                let replies = staged.replies().await;
+                let _ = answer(&out, id, Ok(Response::Forward(replies))).await;
+            });
+        }
+    });
+    tx
+}
+
+/// Queue the answer to request `id` for the link's writer.
+async fn answer(
+    out: &mpsc::Sender<Vec<u8>>,
+    id: u64,
+    outcome: Result<Response, Refusal>,
+) -> Result<(), Closed> {
+    let frame = match encode_frame(&Answer { id, outcome }) {
+        Ok(f) => f,
+        Err(e) => {
+            // An answer too large to send (over the frame limit): say so instead.
+            tracing::warn!(error = %e, "a cluster answer does not encode");
+            let refusal = Refusal::Misdirected(format!("the answer does not encode: {e}"));
+            encode_frame(&Answer {
+                id,
+                outcome: Err(refusal),
+            })
+            .map_err(|_| Closed)?
+        }
+    };
+    out.send(frame).await.map_err(|_| Closed)
 }

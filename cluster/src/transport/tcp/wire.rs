@@ -36,6 +36,17 @@ pub enum TransportError {
     /// The target does not host that group (or that incarnation of it).
     #[error("no group {0} on the target")]
     NoSuchGroup(GroupId),
+    /// The target would not serve the request (see [`Refusal`]).
+    #[error("refused: {0}")]
+    Refused(Refusal),
+    /// The request never left this node (the peer could not be dialled, or the link broke
+    /// before the request was written): nothing of it happened there.
+    #[error("not sent: {0}")]
+    NotSent(String),
+    /// The link broke after the request was written and before its answer: its outcome is
+    /// unknown.
+    #[error("no answer: {0}")]
+    Broken(String),
 }
 
 /// A replicated queue's identity: its name (vhost-qualified by the caller) and the incarnation
@@ -98,11 +109,11 @@ pub(super) async fn read_frame<T: DeserializeOwned, R: AsyncReadExt + Unpin>(
     crate::codec::decode(&body).map_err(|e| TransportError::Frame(e.to_string()))
 }
 
+/// The first frame of a link: who dials whom. A link serves every group the two nodes share.
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) struct Hello {
     pub(super) from: NodeId,
     pub(super) to: NodeId,
-    pub(super) group: GroupId,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -119,31 +130,134 @@ pub(super) struct Proof {
 pub(super) enum Verdict {
     Welcome,
     Refused,
-    NoSuchGroup,
 }
 
-/// What the proof covers: the nonce and the whole hello (so a proof for one group or one pair
-/// of nodes is no proof for another).
+/// What the proof covers: the nonce and the whole hello (so a proof for one pair of nodes is
+/// no proof for another).
 pub(super) fn proof_input(nonce: &[u8], hello: &Hello) -> Vec<u8> {
     let mut m = nonce.to_vec();
+    m.extend_from_slice(b"warren-link-1");
     m.extend_from_slice(&hello.from.to_be_bytes());
     m.extend_from_slice(&hello.to.to_be_bytes());
-    m.extend_from_slice(&hello.group.incarnation.to_be_bytes());
-    m.extend_from_slice(hello.group.name.as_bytes());
     m
 }
 
+/// A request on a link: its id (its answer names it; 0 is the link's own ping), the group it
+/// is for, and what is asked. Encoded from borrowed parts ([`EnvelopeRef`]), so a request is
+/// not copied to be sent.
+#[derive(Debug, Deserialize)]
+pub(super) struct Envelope {
+    pub(super) id: u64,
+    pub(super) group: GroupId,
+    pub(super) request: Request,
+}
+
+/// [`Envelope`] as it is encoded.
+#[derive(Serialize)]
+pub(super) struct EnvelopeRef<'a> {
+    pub(super) id: u64,
+    pub(super) group: &'a GroupId,
+    pub(super) request: &'a Request,
+}
+
+/// The answer to the request of the same id.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct Answer {
+    pub(super) id: u64,
+    pub(super) outcome: Result<Response, Refusal>,
+}
+
+/// Why a link's request was not served.
+#[derive(Debug, Clone, Serialize, Deserialize, thiserror::Error)]
+pub enum Refusal {
+    /// The target does not host that group (or that incarnation of it).
+    #[error("no such group on the target")]
+    NoSuchGroup,
+    /// A request that group does not take (a classic request to a Raft group, say).
+    #[error("misdirected: {0}")]
+    Misdirected(String),
+    /// More forwarded batches of the group in flight on the link than
+    /// [`FORWARDS_IN_FLIGHT_MAX`](super::FORWARDS_IN_FLIGHT_MAX) (nothing was staged).
+    #[error("too many forwarded batches in flight")]
+    Busy,
+}
+
+/// What a link carries, by purpose.
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) enum Request {
+    /// Openraft's RPCs to the group's replica.
+    Raft(RaftRequest),
+    /// Commands (or metadata changes) from a node that is not the leader, to be proposed by
+    /// the one that is, in the order they were sent.
+    Forward(Forwarded),
+    /// A leader handing over to another voter.
+    Handover(HandoverRequest),
+    /// Traffic of classic queues between their home and other nodes (group `$classic...`).
+    Classic(ClassicRequest),
+    /// Are you there (nodes that share no replication traffic still learn each other's
+    /// liveness; a link with requests outstanding and nothing heard asks too)?
+    Ping,
+}
+
+/// Openraft's RPCs.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) enum RaftRequest {
     AppendEntries(AppendEntriesRequest<QueueRaft>),
     Vote(VoteRequest<NodeId>),
-    InstallSnapshot(InstallSnapshotRequest<QueueRaft>),
-    /// Commands (or metadata changes) from a node that is not the leader, to be proposed by
-    /// the one that is.
-    Forward(Forwarded),
-    /// Are you there (nodes that share no replication traffic still learn each other's
-    /// liveness)?
-    Ping,
+    InstallSnapshot(SnapshotChunk),
+}
+
+/// A snapshot chunk as it crosses the wire: openraft's request, its data written as one run of
+/// bytes. (Serde writes openraft's `Vec<u8>` as a sequence, a call per byte: a 3 MiB chunk took
+/// half a second to encode and as long to decode in a debug build, and the link's reader, which
+/// decodes every frame in turn, held every other group's heartbeats meanwhile.)
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) struct SnapshotChunk {
+    vote: openraft::Vote<NodeId>,
+    meta: openraft::SnapshotMeta<NodeId, openraft::BasicNode>,
+    offset: u64,
+    #[serde(with = "crate::codec::raw_bytes")]
+    data: Vec<u8>,
+    done: bool,
+}
+
+impl From<InstallSnapshotRequest<QueueRaft>> for SnapshotChunk {
+    fn from(r: InstallSnapshotRequest<QueueRaft>) -> Self {
+        Self {
+            vote: r.vote,
+            meta: r.meta,
+            offset: r.offset,
+            data: r.data,
+            done: r.done,
+        }
+    }
+}
+
+impl From<SnapshotChunk> for InstallSnapshotRequest<QueueRaft> {
+    fn from(c: SnapshotChunk) -> Self {
+        Self {
+            vote: c.vote,
+            meta: c.meta,
+            offset: c.offset,
+            data: c.data,
+            done: c.done,
+        }
+    }
+}
+
+/// Openraft's RPC responses.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) enum RaftResponse {
+    AppendEntries(Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>),
+    Vote(Result<VoteResponse<NodeId>, RaftError<NodeId>>),
+    InstallSnapshot(
+        Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>,
+    ),
+}
+
+/// A leadership handover's requests.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) enum HandoverRequest {
     /// To a group's leader: hand leadership to this voter (see [`Transfer`]).
     ///
     /// [`Transfer`]: super::Transfer
@@ -156,11 +270,26 @@ pub(super) enum Request {
     /// hands over to does (after it asked that one too). Ignored from any other node, except
     /// 0 ms: take part again at once.
     Abstain(u64),
-    /// From a classic queue's home node to a node whose consumers it delivers to (on the
-    /// metadata group's connection, which every node serves).
+}
+
+/// A handover's answers.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) enum HandoverResponse {
+    /// The new leader, or why leadership did not move.
+    Transferred(Result<NodeId, String>),
+    /// Whether the replica stood for election.
+    Campaigning(bool),
+    /// Whether the replica abstains.
+    Abstaining(bool),
+}
+
+/// Classic queues' traffic between nodes.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) enum ClassicRequest {
+    /// From a classic queue's home node to a node whose consumers it delivers to.
     Deliver(Vec<RemoteEvent>),
     /// To a classic queue's home: its queues' depths and consumers, for the proxies there.
-    ClassicStats,
+    Stats,
     /// To any node: its management listing of this kind (`/api/connections` through another
     /// node lists the whole cluster).
     Listing(Listing),
@@ -171,6 +300,30 @@ pub(super) enum Request {
         /// The connection.close text (320 CONNECTION_FORCED).
         reason: String,
     },
+}
+
+/// Classic queues' answers.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) enum ClassicResponse {
+    /// The consumers of a [`ClassicRequest::Deliver`] that are not attached here (their
+    /// deliveries go back to the queue).
+    Delivered(Vec<u64>),
+    /// The home's classic queues.
+    Stats(Vec<RemoteQueueStats>),
+    /// The node's listing: a JSON array, UTF-8.
+    Listing(Vec<u8>),
+    /// Whether the node had the connection (it is closing now).
+    Closed(bool),
+}
+
+/// The answers, by purpose (as [`Request`]).
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) enum Response {
+    Raft(RaftResponse),
+    Forward(Result<ForwardReplies, ProposeError>),
+    Handover(HandoverResponse),
+    Classic(ClassicResponse),
+    Pong,
 }
 
 /// What a classic queue's home sends to another node's consumers of it.
@@ -228,32 +381,6 @@ pub struct RemoteQueueStats {
 /// Longest a replica abstains from elections when a leader asks.
 pub const ABSTAIN_MAX: std::time::Duration = std::time::Duration::from_secs(15);
 
-#[derive(Debug, Serialize, Deserialize)]
-pub(super) enum Response {
-    AppendEntries(Result<AppendEntriesResponse<NodeId>, RaftError<NodeId>>),
-    Vote(Result<VoteResponse<NodeId>, RaftError<NodeId>>),
-    InstallSnapshot(
-        Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>,
-    ),
-    Forward(Result<ForwardReplies, ProposeError>),
-    Pong,
-    /// The new leader, or why leadership did not move.
-    Transferred(Result<NodeId, String>),
-    /// Whether the replica stood for election.
-    Campaigning(bool),
-    /// Whether the replica abstains.
-    Abstaining(bool),
-    /// The consumers of a [`Request::Deliver`] that are not attached here (their deliveries
-    /// go back to the queue).
-    Delivered(Vec<u64>),
-    /// The home's classic queues.
-    ClassicStats(Vec<RemoteQueueStats>),
-    /// The node's listing: a JSON array, UTF-8.
-    Listing(Vec<u8>),
-    /// Whether the node had the connection (it is closing now).
-    Closed(bool),
-}
-
 /// What a node forwards to a group's leader.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Forwarded {
@@ -310,43 +437,69 @@ mod tests {
     #[tokio::test]
     async fn frames_round_trip_and_proofs_bind_both_ends() {
         let (mut client, mut server) = pair().await;
-        let group = GroupId {
-            name: "q".into(),
-            incarnation: 1,
-        };
-        write_frame(
-            &mut client,
-            &Hello {
-                from: 1,
-                to: 2,
-                group: group.clone(),
-            },
-        )
-        .await
-        .expect("writes");
+        write_frame(&mut client, &Hello { from: 1, to: 2 })
+            .await
+            .expect("writes");
         let hello: Hello = read_frame(&mut server).await.expect("reads");
-        assert_eq!((hello.from, hello.to, &hello.group), (1, 2, &group));
+        assert_eq!((hello.from, hello.to), (1, 2));
         let key = Secret::new(b"s");
         let nonce = [7u8; 32];
         let mac = hmac::sign(&key.0, &proof_input(&nonce, &hello));
         assert!(hmac::verify(&key.0, &proof_input(&nonce, &hello), mac.as_ref()).is_ok());
-        // The same proof does not pass for another pair of nodes, another incarnation of the
-        // group, or another nonce.
-        let other = Hello {
-            from: 3,
-            to: 2,
-            group: group.clone(),
-        };
-        assert!(hmac::verify(&key.0, &proof_input(&nonce, &other), mac.as_ref()).is_err());
-        let reborn = Hello {
-            from: 1,
-            to: 2,
-            group: GroupId {
-                name: "q".into(),
-                incarnation: 2,
-            },
-        };
-        assert!(hmac::verify(&key.0, &proof_input(&nonce, &reborn), mac.as_ref()).is_err());
+        // The same proof does not pass for another pair of nodes, or another nonce.
+        for other in [Hello { from: 3, to: 2 }, Hello { from: 1, to: 3 }] {
+            assert!(hmac::verify(&key.0, &proof_input(&nonce, &other), mac.as_ref()).is_err());
+        }
         assert!(hmac::verify(&key.0, &proof_input(&[8u8; 32], &hello), mac.as_ref()).is_err());
+    }
+
+    #[tokio::test]
+    async fn an_envelope_decodes_as_it_was_encoded_from_borrowed_parts() {
+        let (mut client, mut server) = pair().await;
+        let group = GroupId {
+            name: "q".into(),
+            incarnation: 4,
+        };
+        let request = Request::Handover(HandoverRequest::Abstain(250));
+        let frame = encode_frame(&EnvelopeRef {
+            id: 9,
+            group: &group,
+            request: &request,
+        })
+        .expect("encodes");
+        client.write_all(&frame).await.expect("writes");
+        let e: Envelope = read_frame(&mut server).await.expect("reads");
+        assert_eq!((e.id, &e.group), (9, &group));
+        assert!(matches!(
+            e.request,
+            Request::Handover(HandoverRequest::Abstain(250))
+        ));
+    }
+
+    #[test]
+    fn a_snapshot_chunk_is_its_bytes_and_a_small_header() {
+        let request = InstallSnapshotRequest::<QueueRaft> {
+            vote: openraft::Vote::new(3, 1),
+            meta: openraft::SnapshotMeta::default(),
+            offset: 1 << 20,
+            data: (0..=255u8).cycle().take(64 * 1024).collect(),
+            done: true,
+        };
+        let encoded = crate::codec::encode(&SnapshotChunk::from(request)).expect("encodes");
+        assert!(encoded.len() < 64 * 1024 + 256, "{} bytes", encoded.len());
+        let back: InstallSnapshotRequest<QueueRaft> =
+            crate::codec::decode::<SnapshotChunk>(&encoded)
+                .expect("decodes")
+                .into();
+        assert_eq!(
+            (back.offset, back.done, back.data.len()),
+            (1 << 20, true, 64 * 1024)
+        );
+        assert!(
+            back.data
+                .iter()
+                .zip((0..=255u8).cycle())
+                .all(|(a, b)| *a == b)
+        );
     }
 }
