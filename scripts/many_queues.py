@@ -8,7 +8,9 @@ For each broker (one 3-node cluster at a time, started and torn down as
 2. declares `--queues` quorum queues `mq-0` .. through node 1, one after another, and times it;
 3. waits until every node lists them all (management API), lets the cluster settle, and samples
    again: RSS and descriptors per queue replica are the growth over the queue count;
-4. with `--rate R` (> 0), runs `warren-perf` against node 1 with one producer per queue at R
+4. measures the nodes' CPU over `--idle` seconds with every queue idle (what a queue costs
+   when nothing happens: heartbeats, timers);
+5. with `--rate R` (> 0), runs `warren-perf` against node 1 with one producer per queue at R
    msg/s each (1 KB persistent, confirms) and one consumer per queue for `--duration` seconds,
    and reports the confirmed rate against the offered one, confirm p50/p99, and the nodes' CPU
    per message.
@@ -96,7 +98,10 @@ def run_load(cluster, port, n, prefix, rate, duration):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 300)
     cpu = cb.group_cpu_s(pgids) - cpu0
     if r.returncode != 0:
-        cb.log(f"  warren-perf exited {r.returncode}:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+        # The tasks' own errors come first; the exit's reason last.
+        err = r.stderr.splitlines()
+        shown = "\n".join(err[:20] + (["..."] if len(err) > 25 else []) + err[-5:])
+        cb.log(f"  warren-perf exited {r.returncode}:\n{r.stdout[-2000:]}{shown}")
         return None
     res = json.loads(out.read_text())
     res["cluster_cpu_s"] = cpu
@@ -110,6 +115,8 @@ def main():
     p.add_argument("--rate", type=int, default=0, help="msg/s per producer (0: no load)")
     p.add_argument("--duration", type=int, default=30)
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the second sample")
+    p.add_argument("--idle", type=float, default=10.0,
+                   help="seconds of idle CPU measured with the queues declared (0: skip)")
     a = p.parse_args()
     prefix = "mq"
     rows = []
@@ -145,6 +152,14 @@ def main():
                     cb.log(f"  {n}: RSS {before[n][0] / 1e6:.0f} -> {after[n][0] / 1e6:.0f} MB "
                            f"({rss / 1024:.1f} KB per queue), fds {before[n][1]} -> {after[n][1]} "
                            f"({fds:.2f} per queue)")
+                if a.idle > 0:
+                    pgids = list(cluster.pids().values())
+                    cpu0 = cb.group_cpu_s(pgids)
+                    time.sleep(a.idle)
+                    busy = (cb.group_cpu_s(pgids) - cpu0) / a.idle
+                    row["idle_cpu_cores"] = busy
+                    cb.log(f"  idle: {busy * 100:.1f}% of a core over the {len(cluster.nodes)} "
+                           f"nodes ({busy * 1e6 / a.queues:.1f} µs CPU per queue per second)")
                 if a.rate > 0:
                     res = run_load(cluster, port, a.queues, prefix, a.rate, a.duration)
                     if res is not None:

@@ -120,6 +120,14 @@ impl Shared {
             .remove(&id)
     }
 
+    /// Drop from `batch` the frames whose callers stopped waiting (openraft's RPC timeout):
+    /// the peer would do their work for nobody, and under overload, when every caller times
+    /// out and sends again, such frames would crowd out the live ones.
+    fn keep_awaited(&self, batch: &mut Vec<Queued>) {
+        let waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        batch.retain(|q| q.id == 0 || waiting.contains_key(&q.id));
+    }
+
     fn any_waiting(&self) -> bool {
         !self
             .waiting
@@ -313,7 +321,7 @@ impl Link {
             owed_ms: AtomicU64::new(u64::MAX),
         });
         let (tx, rx) = mpsc::channel(LINK_QUEUE_MAX);
-        tokio::spawn(run(Arc::clone(&shared), dial, rx));
+        runtime().spawn(run(Arc::clone(&shared), dial, rx));
         Self { shared, tx }
     }
 
@@ -400,6 +408,26 @@ async fn run(shared: Arc<Shared>, dial: Dial, mut rx: mpsc::Receiver<Queued>) {
     }
 }
 
+/// The runtime links run on: a thread of their own, so a link's writer and reader are not
+/// queued behind the node's thousands of connection tasks when the node is busy (each request
+/// passes through both; on the node's runtime, under load, every hop waited a whole round of
+/// its run queue and appends outlived openraft's timeout). Falls back to the caller's runtime
+/// if the thread cannot be made.
+pub(super) fn runtime() -> tokio::runtime::Handle {
+    static LINKS: std::sync::LazyLock<Option<tokio::runtime::Runtime>> =
+        std::sync::LazyLock::new(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name("cluster-link")
+                .enable_all()
+                .build()
+                .ok()
+        });
+    LINKS
+        .as_ref()
+        .map_or_else(tokio::runtime::Handle::current, |r| r.handle().clone())
+}
+
 /// Fail what is queued (the batch in hand and whatever waits in the queue now): never sent.
 fn fail_queued(
     shared: &Shared,
@@ -450,6 +478,10 @@ async fn write_until_broken(
                     }
                 }
             }
+        }
+        shared.keep_awaited(batch);
+        if batch.is_empty() {
+            continue;
         }
         let frames: Vec<&[u8]> = batch.iter().map(|q| q.frame.as_slice()).collect();
         match tokio::time::timeout(LINK_SILENCE_MAX, write_frames(&mut w, &frames)).await {
@@ -612,6 +644,29 @@ mod tests {
         drop(answering);
         assert!(!link.shared.any_waiting());
         drop(l);
+    }
+
+    #[tokio::test]
+    async fn frames_of_callers_that_stopped_waiting_are_not_written() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("a port");
+        let link = link_to(l.local_addr().expect("bound").to_string());
+        let kept = link.send(&group(), &Request::Ping).await.expect("queued");
+        let gone = link.send(&group(), &Request::Ping).await.expect("queued");
+        let gone_id = gone.id;
+        drop(gone);
+        let mut batch: Vec<Queued> = [0, kept.id, gone_id]
+            .into_iter()
+            .map(|id| Queued {
+                id,
+                frame: Vec::new(),
+            })
+            .collect();
+        link.shared.keep_awaited(&mut batch);
+        let ids: Vec<u64> = batch.iter().map(|q| q.id).collect();
+        // The link's own ping stays, and so does the request still awaited.
+        assert_eq!(ids, vec![0, kept.id]);
     }
 
     #[tokio::test]

@@ -386,7 +386,7 @@ pub async fn serve_tls(
         let groups = groups.clone();
         let secret = secret.clone();
         let tls = tls.clone();
-        tokio::spawn(async move {
+        super::link::runtime().spawn(async move {
             let served = async {
                 stream.set_nodelay(true)?;
                 let s: Stream = match tls {
