@@ -31,18 +31,17 @@ use super::wire::{
     Secret, TransportError,
 };
 
-/// One-off requests to one peer's replica of a group (a handover's).
+/// Requests to one group on one peer, over the node's link to that peer.
 #[derive(Debug, Clone)]
-pub struct PeerCall {
+struct ToGroup {
     link: Link,
     group: GroupId,
 }
 
-impl PeerCall {
-    /// Requests from `from` to `to`'s replica of `group`, over the link `addresses` keeps (it
-    /// dials `addr` when the node has no address of its own for `to`).
-    #[must_use]
-    pub fn new(
+impl ToGroup {
+    /// From `from` to `to`'s `group`, over the link `addresses` keeps (it dials `addr` when the
+    /// node has no address of its own for `to`).
+    fn new(
         addresses: &Addresses,
         from: NodeId,
         to: NodeId,
@@ -56,15 +55,38 @@ impl PeerCall {
         }
     }
 
-    async fn handover(&self, request: HandoverRequest) -> Result<HandoverResponse, TransportError> {
-        match self
-            .link
-            .call(&self.group, &Request::Handover(request))
+    /// Send `request` and wait for its answer (a refusal names the group).
+    async fn call(&self, request: &Request) -> Result<Response, TransportError> {
+        self.link
+            .call(&self.group, request)
             .await
-        {
-            Ok(Response::Handover(r)) => Ok(r),
-            Ok(_) => Err(other_kind()),
-            Err(e) => Err(refused(e, &self.group)),
+            .map_err(|e| refused(e, &self.group))
+    }
+}
+
+/// One-off requests to one peer's replica of a group (a handover's).
+#[derive(Debug, Clone)]
+pub struct PeerCall(ToGroup);
+
+impl PeerCall {
+    /// Requests from `from` to `to`'s replica of `group`, over the link `addresses` keeps (it
+    /// dials `addr` when the node has no address of its own for `to`).
+    #[must_use]
+    pub fn new(
+        addresses: &Addresses,
+        from: NodeId,
+        to: NodeId,
+        group: GroupId,
+        addr: String,
+        secret: &Secret,
+    ) -> Self {
+        Self(ToGroup::new(addresses, from, to, group, addr, secret))
+    }
+
+    async fn handover(&self, request: HandoverRequest) -> Result<HandoverResponse, TransportError> {
+        match self.0.call(&Request::Handover(request)).await? {
+            Response::Handover(r) => Ok(r),
+            _ => Err(other_kind()),
         }
     }
 }
@@ -113,10 +135,7 @@ pub async fn request_campaign(peer: PeerCall) -> Result<bool, TransportError> {
 /// Forwarding to a peer that leads a group (or holds a classic queue): batches go out as they
 /// come, each staged at the peer in the order sent, each answered on its own.
 #[derive(Debug, Clone)]
-pub struct ForwardLink {
-    link: Link,
-    group: GroupId,
-}
+pub struct ForwardLink(ToGroup);
 
 /// A forwarded batch's replies to come (see [`ForwardLink::send`]).
 pub struct ForwardAnswer {
@@ -151,10 +170,7 @@ impl ForwardLink {
         addr: String,
         secret: &Secret,
     ) -> Self {
-        Self {
-            link: addresses.link(from, to, secret, Some(addr)),
-            group,
-        }
+        Self(ToGroup::new(addresses, from, to, group, addr, secret))
     }
 
     /// Queue `f` after the batches sent before it; resolves once it is queued.
@@ -164,10 +180,10 @@ impl ForwardLink {
     /// nothing was sent.
     pub async fn send(&self, f: Forwarded) -> Result<ForwardAnswer, TransportError> {
         let request = Request::Forward(f);
-        let answering = self.link.send(&self.group, &request).await?;
+        let answering = self.0.link.send(&self.0.group, &request).await?;
         Ok(ForwardAnswer {
             answering,
-            group: self.group.clone(),
+            group: self.0.group.clone(),
         })
     }
 }
@@ -176,10 +192,7 @@ impl ForwardLink {
 /// queues held here to consumers attached there, the stats of those held there, listings and
 /// closing connections.
 #[derive(Debug, Clone)]
-pub struct ClassicPeer {
-    link: Link,
-    group: GroupId,
-}
+pub struct ClassicPeer(ToGroup);
 
 impl ClassicPeer {
     /// Requests from `from` to peer `to`, over the link `addresses` keeps (it dials `addr`
@@ -192,24 +205,17 @@ impl ClassicPeer {
         addr: String,
         secret: &Secret,
     ) -> Self {
-        Self {
-            link: addresses.link(from, to, secret, Some(addr)),
-            group: GroupId {
-                name: super::server::CLASSIC_PREFIX.into(),
-                incarnation: 0,
-            },
-        }
+        let group = GroupId {
+            name: super::server::CLASSIC_PREFIX.into(),
+            incarnation: 0,
+        };
+        Self(ToGroup::new(addresses, from, to, group, addr, secret))
     }
 
     async fn call(&self, request: ClassicRequest) -> Result<ClassicResponse, TransportError> {
-        match self
-            .link
-            .call(&self.group, &Request::Classic(request))
-            .await
-        {
-            Ok(Response::Classic(r)) => Ok(r),
-            Ok(_) => Err(other_kind()),
-            Err(e) => Err(refused(e, &self.group)),
+        match self.0.call(&Request::Classic(request)).await? {
+            Response::Classic(r) => Ok(r),
+            _ => Err(other_kind()),
         }
     }
 

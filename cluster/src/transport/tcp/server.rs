@@ -573,15 +573,6 @@ impl ServedLink {
                     Err(_) => answer(&self.out, id, Err(Refusal::Busy)).await,
                 }
             }
-            Request::Handover(HandoverRequest::Abstain(ms)) => {
-                let ok = abstain(&served, self.from, ms);
-                answer(
-                    &self.out,
-                    id,
-                    Ok(Response::Handover(HandoverResponse::Abstaining(ok))),
-                )
-                .await
-            }
             Request::Handover(h) => {
                 let (out, from) = (self.out.clone(), self.from);
                 tokio::spawn(async move {
