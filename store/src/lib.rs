@@ -23,6 +23,7 @@ mod reclaim;
 pub mod record;
 pub mod segment;
 pub mod stream_file;
+pub mod wal;
 pub mod writer;
 
 use std::collections::{BTreeMap, HashMap};
