@@ -164,7 +164,9 @@ impl NodeLog {
         &self.stats
     }
 
-    fn submit<T: Send + 'static>(
+    /// Run `f` in the writer's next transaction and call `done` with its result once that
+    /// transaction is durable (or failed), on the writer's thread.
+    pub fn submit<T: Send + 'static>(
         &self,
         f: impl FnOnce(&WriteTransaction) -> Result<T, redb::Error> + Send + 'static,
         done: impl FnOnce(Result<T, redb::Error>) + Send + 'static,

@@ -44,13 +44,15 @@ use openraft::storage::{LogFlushed, RaftLogStorage};
 use openraft::{
     ErrorSubject, ErrorVerb, LogId, LogState, OptionalSend, RaftLogReader, StorageIOError, Vote,
 };
-use redb::{ReadableDatabase, ReadableTable};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use warren_broker::queue::machine::Command;
 
-use crate::log::node_log::{GroupTables, NodeLog, bodies_table, log_table, meta_table};
+use warren_store::wal::Wal;
+
+use crate::log::backend::{LogBackend, LogError, LogOp, MetaKey, RedbGroup, WalGroup};
+use crate::log::node_log::{GroupTables, NodeLog};
 use crate::types::{NodeId, QueueRaft, StorageError};
 
 type Entry = openraft::Entry<QueueRaft>;
@@ -142,10 +144,6 @@ pub fn stub_size(body: &[u8]) -> Option<u32> {
     Some(u32::from_be_bytes([body[1], body[2], body[3], body[4]]))
 }
 
-const KEY_VOTE: &str = "vote";
-const KEY_COMMITTED: &str = "committed";
-const KEY_PURGED: &str = "last_purged";
-
 fn io_error(
     subject: ErrorSubject<NodeId>,
     verb: ErrorVerb,
@@ -162,12 +160,11 @@ fn write_logs_error(e: impl std::fmt::Display) -> StorageError {
     io_error(ErrorSubject::Logs, ErrorVerb::Write, e)
 }
 
-/// One group's log. Cheap to clone: clones share the database (the reader openraft asks for is
+/// One group's log. Cheap to clone: clones share the storage (the reader openraft asks for is
 /// a clone).
 #[derive(Debug, Clone)]
 pub struct LogStore {
-    log: Arc<NodeLog>,
-    tables: Arc<GroupTables>,
+    backend: Arc<dyn LogBackend>,
     /// A quorum queue's log: bodies are read by key and copied out before a purge.
     queue: bool,
     /// Reads put split-out bodies back (the reader openraft replicates from).
@@ -183,7 +180,7 @@ pub struct LogStore {
 /// What [`LogStore::release`] and [`LogStore::copy_out`] share.
 ///
 /// Invariant: every live message's body is in its entry (index above `copied_upto`, entry
-/// not purged) or in `raft_bodies` (copied, or brought by a snapshot).
+/// not purged) or kept as a body (copied, or brought by a snapshot).
 #[derive(Debug, Default)]
 struct Copies {
     /// Entries up to here had their live bodies copied out (or were purged).
@@ -200,12 +197,9 @@ impl LogStore {
     ///
     /// # Errors
     /// When redb cannot open or initialise the file.
-    pub fn open(path: &Path) -> Result<Self, redb::Error> {
-        Self::over(
-            NodeLog::open(path, STREAM_LOG_CACHE_BYTES)?,
-            GroupTables::single(),
-            false,
-        )
+    pub fn open(path: &Path) -> Result<Self, LogError> {
+        let log = NodeLog::open(path, STREAM_LOG_CACHE_BYTES)?;
+        Self::over(Arc::new(RedbGroup::new(log, GroupTables::single())?), false)
     }
 
     /// Open or create a quorum queue's log at `path`: its bodies read by key and copied out
@@ -213,12 +207,9 @@ impl LogStore {
     ///
     /// # Errors
     /// When redb cannot open or initialise the file.
-    pub fn open_queue(path: &Path) -> Result<Self, redb::Error> {
-        Self::over(
-            NodeLog::open(path, LOG_CACHE_BYTES)?,
-            GroupTables::single(),
-            true,
-        )
+    pub fn open_queue(path: &Path) -> Result<Self, LogError> {
+        let log = NodeLog::open(path, LOG_CACHE_BYTES)?;
+        Self::over(Arc::new(RedbGroup::new(log, GroupTables::single())?), true)
     }
 
     /// Open or create the log of quorum queue group `group` in the node-wide log `log`, its
@@ -226,21 +217,31 @@ impl LogStore {
     ///
     /// # Errors
     /// When redb cannot create its tables or read its metadata.
-    pub fn in_node_log(log: &Arc<NodeLog>, group: u64) -> Result<Self, redb::Error> {
-        Self::over(Arc::clone(log), GroupTables::of_group(group), true)
+    pub fn in_node_log(log: &Arc<NodeLog>, group: u64) -> Result<Self, LogError> {
+        let backend = RedbGroup::new(Arc::clone(log), GroupTables::of_group(group))?;
+        Self::over(Arc::new(backend), true)
     }
 
-    fn over(log: Arc<NodeLog>, tables: GroupTables, queue: bool) -> Result<Self, redb::Error> {
-        log.create(&tables)?;
-        let purged: Option<LogId<NodeId>> = {
-            let tx = log.db().begin_read()?;
-            let meta = tx.open_table(meta_table(&tables))?;
-            meta.get(KEY_PURGED)?
-                .and_then(|v| serde_json::from_slice(v.value()).ok())
+    /// The log of quorum queue group `group` in the node's write-ahead log `wal`, its bodies
+    /// read by key and copied out before a purge.
+    ///
+    /// # Errors
+    /// When its metadata does not decode.
+    pub fn in_wal(wal: &Arc<Wal>, group: u64) -> Result<Self, LogError> {
+        Self::over(Arc::new(WalGroup::new(Arc::clone(wal), group)), true)
+    }
+
+    /// A log over `backend`: a quorum queue's (`queue`) or another.
+    ///
+    /// # Errors
+    /// When the backend cannot read the purge point or it does not decode.
+    pub fn over(backend: Arc<dyn LogBackend>, queue: bool) -> Result<Self, LogError> {
+        let purged: Option<LogId<NodeId>> = match backend.meta(MetaKey::Purged)? {
+            Some(v) => serde_json::from_slice(&v).map_err(|e| LogError::Storage(e.to_string()))?,
+            None => None,
         };
         Ok(Self {
-            log,
-            tables: Arc::new(tables),
+            backend,
             queue,
             inflate: false,
             copies: Arc::new(std::sync::Mutex::new(Copies {
@@ -258,11 +259,37 @@ impl LogStore {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Make `ops` durable, blocking this thread until they are.
+    fn write_now(&self, ops: Vec<LogOp>) -> Result<(), LogError> {
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.backend.write(
+            ops,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        rx.recv()
+            .unwrap_or_else(|_| Err(LogError::Storage("the log's writer dropped a write".into())))
+    }
+
+    /// Make `ops` durable, awaiting it without blocking a worker.
+    async fn write_async(&self, ops: Vec<LogOp>) -> Result<(), LogError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.backend.write(
+            ops,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        rx.await
+            .unwrap_or_else(|_| Err(LogError::Storage("the log's writer dropped a write".into())))
+    }
+
     /// The body stored under `key` (None: released, or never here).
     ///
     /// # Errors
-    /// When redb cannot read it.
-    pub fn read_body(&self, key: u64) -> Result<Option<Vec<u8>>, redb::Error> {
+    /// When the storage cannot read it.
+    pub fn read_body(&self, key: u64) -> Result<Option<Vec<u8>>, LogError> {
         self.with_body(key, <[u8]>::to_vec)
     }
 
@@ -270,34 +297,28 @@ impl LogStore {
     /// it out first: from memory (recently appended), its entry, or its copy.
     ///
     /// # Errors
-    /// When redb cannot read it or its entry does not decode.
+    /// When the storage cannot read it or its entry does not decode.
     pub fn with_body<T>(
         &self,
         key: u64,
         f: impl FnOnce(&[u8]) -> T,
-    ) -> Result<Option<T>, redb::Error> {
+    ) -> Result<Option<T>, LogError> {
         if let Some(b) = self.recent().bodies.get(&key).cloned() {
             return Ok(Some(f(&b)));
         }
         let index = key_index(key);
-        let tx = self.log.db().begin_read()?;
         if index > self.copies().copied_upto
-            && let Some(entry) = self.entry_at(&tx, index)?
+            && let Some(entry) = self.entry_at(index)?
             && let Some(record) = record_in(&entry, key)
         {
             return Ok(Some(f(record)));
         }
         // Copied out (or a stub's, or a snapshot's).
-        let bodies = tx.open_table(bodies_table(&self.tables))?;
-        Ok(bodies.get(key)?.map(|v| f(v.value())))
+        Ok(self.backend.body(key)?.map(|b| f(&b)))
     }
 
     /// The entry at `index`, decoded (the last one read is kept).
-    fn entry_at(
-        &self,
-        tx: &redb::ReadTransaction,
-        index: u64,
-    ) -> Result<Option<Arc<Entry>>, redb::Error> {
+    fn entry_at(&self, index: u64) -> Result<Option<Arc<Entry>>, LogError> {
         let mut last = self
             .last_read
             .lock()
@@ -307,12 +328,11 @@ impl LogStore {
         {
             return Ok(Some(Arc::clone(e)));
         }
-        let log = tx.open_table(log_table(&self.tables))?;
-        let Some(v) = log.get(index)? else {
+        let Some(v) = self.backend.entry(index)? else {
             return Ok(None);
         };
-        let entry: Entry = crate::codec::decode(v.value())
-            .map_err(|e| redb::Error::Corrupted(format!("log entry {index}: {e}")))?;
+        let entry: Entry = crate::codec::decode(&v)
+            .map_err(|e| LogError::Storage(format!("log entry {index}: {e}")))?;
         let entry = Arc::new(entry);
         *last = Some(Arc::clone(&entry));
         Ok(Some(entry))
@@ -376,8 +396,8 @@ impl LogStore {
     /// every purge of a queue's log; returns how many were copied.
     ///
     /// # Errors
-    /// When redb cannot read or write; nothing is marked copied then.
-    pub fn copy_out(&self, live: &[u64], upto: u64) -> Result<usize, redb::Error> {
+    /// When the storage cannot read or write; nothing is marked copied then.
+    pub fn copy_out(&self, live: &[u64], upto: u64) -> Result<usize, LogError> {
         let (released, from) = {
             let copies = self.copies();
             if upto <= copies.copied_upto {
@@ -394,42 +414,40 @@ impl LogStore {
             .filter(|&k| key_index(k) <= upto)
             .peekable();
         while keys.peek().is_some() {
-            // Batches of at most COPY_OUT_TXN_BYTES: redb holds a transaction's dirty pages
-            // in memory until it commits, and a backlog can be gigabytes. Read (and decoded)
-            // here; the writer's job only inserts. Entries up to `upto` are committed, so
+            // Batches of at most COPY_OUT_TXN_BYTES: a write is held in memory until it is
+            // durable, and a backlog can be gigabytes. Entries up to `upto` are committed, so
             // nothing truncates them meanwhile.
-            let mut batch: Vec<(u64, Vec<u8>)> = Vec::new();
+            let mut batch: Vec<LogOp> = Vec::new();
             let mut bytes = 0;
-            {
-                let tx = self.log.db().begin_read()?;
-                let log = tx.open_table(log_table(&self.tables))?;
-                let bodies = tx.open_table(bodies_table(&self.tables))?;
-                let mut current: Option<(u64, Entry)> = None;
-                while bytes < COPY_OUT_TXN_BYTES {
-                    let Some(key) = keys.next() else { break };
-                    if released.binary_search(&key).is_ok() || bodies.get(key)?.is_some() {
+            let mut current: Option<(u64, Entry)> = None;
+            while bytes < COPY_OUT_TXN_BYTES {
+                let Some(key) = keys.next() else { break };
+                if released.binary_search(&key).is_ok() || self.backend.has_body(key)? {
+                    continue;
+                }
+                let index = key_index(key);
+                if current.as_ref().is_none_or(|(i, _)| *i != index) {
+                    let Some(v) = self.backend.entry(index)? else {
+                        tracing::warn!(key, "a live message's entry and copy are both gone");
                         continue;
-                    }
-                    let index = key_index(key);
-                    if current.as_ref().is_none_or(|(i, _)| *i != index) {
-                        let Some(v) = log.get(index)? else {
-                            tracing::warn!(key, "a live message's entry and copy are both gone");
-                            continue;
-                        };
-                        let entry = crate::codec::decode(v.value()).map_err(|e| {
-                            redb::Error::Corrupted(format!("log entry {index}: {e}"))
-                        })?;
-                        current = Some((index, entry));
-                    }
-                    let Some((_, entry)) = &current else { continue };
-                    if let Some(record) = record_in(entry, key) {
-                        bytes += record.len();
-                        batch.push((key, record.to_vec()));
-                    }
+                    };
+                    let entry = crate::codec::decode(&v)
+                        .map_err(|e| LogError::Storage(format!("log entry {index}: {e}")))?;
+                    current = Some((index, entry));
+                }
+                let Some((_, entry)) = &current else { continue };
+                if let Some(record) = record_in(entry, key) {
+                    bytes += record.len();
+                    batch.push(LogOp::PutBody {
+                        key,
+                        body: bytes::Bytes::copy_from_slice(record),
+                    });
                 }
             }
             copied += batch.len();
-            self.put_bodies(batch)?;
+            if !batch.is_empty() {
+                self.write_now(batch)?;
+            }
         }
         self.copied(upto, from);
         Ok(copied)
@@ -438,49 +456,35 @@ impl LogStore {
     /// Delete the bodies released since the last write (when no append came to do it).
     ///
     /// # Errors
-    /// When redb cannot write.
-    pub fn flush_released(&self) -> Result<(), redb::Error> {
+    /// When the storage cannot write.
+    pub fn flush_released(&self) -> Result<(), LogError> {
         let keys = self.take_released();
         if keys.is_empty() {
             return Ok(());
         }
-        self.remove_bodies(keys)
-    }
-
-    /// Store `bodies` under their keys, durably.
-    fn put_bodies(&self, bodies: Vec<(u64, Vec<u8>)>) -> Result<(), redb::Error> {
-        let tables = Arc::clone(&self.tables);
-        self.log.write(move |tx| {
-            let mut table = tx.open_table(bodies_table(&tables))?;
-            for (k, body) in &bodies {
-                table.insert(*k, body.as_slice())?;
-            }
-            Ok(())
-        })
-    }
-
-    /// Delete the bodies under `keys`, durably.
-    fn remove_bodies(&self, keys: Vec<u64>) -> Result<(), redb::Error> {
-        let tables = Arc::clone(&self.tables);
-        self.log.write(move |tx| {
-            let mut table = tx.open_table(bodies_table(&tables))?;
-            for k in keys {
-                table.remove(k)?;
-            }
-            Ok(())
-        })
+        self.write_now(vec![LogOp::DropBodies(keys)])
     }
 
     /// Store bodies a snapshot whose last entry is `upto` brought (a member that was behind
     /// the purged log; its entries up to `upto` are purged after it is installed).
     ///
     /// # Errors
-    /// When redb cannot write.
-    pub fn insert_bodies(&self, bodies: Vec<(u64, Vec<u8>)>, upto: u64) -> Result<(), redb::Error> {
+    /// When the storage cannot write.
+    pub fn insert_bodies(&self, bodies: Vec<(u64, Vec<u8>)>, upto: u64) -> Result<(), LogError> {
         // Every key released before: a snapshot's messages are live after its releases, so
         // none of them is among the bodies; deleting them is harmless and keeps none behind.
         let from = 0;
-        self.put_bodies(bodies)?;
+        if !bodies.is_empty() {
+            self.write_now(
+                bodies
+                    .into_iter()
+                    .map(|(key, body)| LogOp::PutBody {
+                        key,
+                        body: body.into(),
+                    })
+                    .collect(),
+            )?;
+        }
         self.copied(upto, from);
         Ok(())
     }
@@ -490,70 +494,69 @@ impl LogStore {
     /// went.
     ///
     /// # Errors
-    /// When redb cannot read or write.
-    pub fn sweep(&self, live: &[u64], upto_index: u64) -> Result<usize, redb::Error> {
+    /// When the storage cannot read or write.
+    pub fn sweep(&self, live: &[u64], upto_index: u64) -> Result<usize, LogError> {
         let end = (upto_index.saturating_add(1)).min(u64::MAX >> 16) << 16;
-        let dead: Vec<u64> = {
-            let tx = self.log.db().begin_read()?;
-            let bodies = tx.open_table(bodies_table(&self.tables))?;
-            let mut dead = Vec::new();
-            for row in bodies.range(..end)? {
-                let k = row?.0.value();
-                if live.binary_search(&k).is_err() {
-                    dead.push(k);
-                }
-            }
-            dead
-        };
+        let dead: Vec<u64> = self
+            .backend
+            .body_keys(0..end)?
+            .into_iter()
+            .filter(|k| live.binary_search(k).is_err())
+            .collect();
         let n = dead.len();
         if !dead.is_empty() {
-            self.remove_bodies(dead)?;
+            self.write_now(vec![LogOp::DropBodies(dead)])?;
         }
         Ok(n)
     }
 
-    /// An append's write, encoded: the entries, the bodies for the recent cache (a queue's
-    /// log), and the deletions of released copies it carries.
-    fn prepare(&self, entries: impl IntoIterator<Item = Entry>) -> Result<Write, bincode::Error> {
+    /// An append's write, encoded: the entries and the deletions of released copies it
+    /// carries, and the bodies for the recent cache (a queue's log).
+    fn prepare(
+        &self,
+        entries: impl IntoIterator<Item = Entry>,
+    ) -> Result<(Vec<LogOp>, AfterWrite), bincode::Error> {
         let mut bodies = Vec::new();
-        let encoded: Vec<(u64, Vec<u8>)> = entries
+        let mut ops: Vec<LogOp> = entries
             .into_iter()
             .map(|mut e| {
                 let bytes = crate::codec::encode(&e)?;
                 if self.queue {
                     take_bodies(&mut e, &mut bodies);
                 }
-                Ok((e.log_id.index, bytes))
+                Ok(LogOp::Append {
+                    index: e.log_id.index,
+                    bytes: bytes.into(),
+                })
             })
             .collect::<Result<_, bincode::Error>>()?;
-        Ok(Write {
-            tables: Arc::clone(&self.tables),
-            encoded,
-            bodies,
-            released: self.take_released(),
-            recent: Arc::clone(&self.recent),
-        })
+        let released = self.take_released();
+        if !released.is_empty() {
+            ops.push(LogOp::DropBodies(released));
+        }
+        Ok((
+            ops,
+            AfterWrite {
+                bodies,
+                recent: Arc::clone(&self.recent),
+            },
+        ))
     }
 
     /// Append `entries` durably, on this thread (tests; openraft's append runs the same
     /// write off its workers).
     ///
     /// # Errors
-    /// When they do not encode or redb cannot write.
+    /// When they do not encode or the storage cannot write.
     pub fn append_now(&self, entries: Vec<Entry>) -> Result<(), String> {
-        let write = self.prepare(entries).map_err(|e| e.to_string())?;
-        let (job, after) = write.split();
-        self.log.write(job).map_err(|e| e.to_string())?;
+        let (ops, after) = self.prepare(entries).map_err(|e| e.to_string())?;
+        self.write_now(ops).map_err(|e| e.to_string())?;
         after.done();
         Ok(())
     }
 
     /// Put the split-out bodies back into `entry` (those still stored).
-    fn inflate_bodies(
-        &self,
-        entry: &mut Entry,
-        bodies: &redb::ReadOnlyTable<u64, &'static [u8]>,
-    ) -> Result<(), StorageError> {
+    fn inflate_bodies(&self, entry: &mut Entry) -> Result<(), StorageError> {
         let openraft::EntryPayload::Normal(req) = &mut entry.payload else {
             return Ok(());
         };
@@ -565,90 +568,47 @@ impl LogStore {
             if stub_size(&m.body).is_none() {
                 continue;
             }
-            if let Some(v) = bodies.get(body_key(index, slot)).map_err(read_logs_error)? {
-                m.body = v.value().to_vec();
+            if let Some(v) = self
+                .backend
+                .body(body_key(index, slot))
+                .map_err(read_logs_error)?
+            {
+                m.body = v.to_vec();
             }
         }
         Ok(())
     }
 
-    fn meta<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StorageError> {
-        let tx = self.log.db().begin_read().map_err(read_logs_error)?;
-        let table = tx
-            .open_table(meta_table(&self.tables))
-            .map_err(read_logs_error)?;
-        let Some(v) = table.get(key).map_err(read_logs_error)? else {
+    fn meta<T: DeserializeOwned>(&self, key: MetaKey) -> Result<Option<T>, StorageError> {
+        let Some(v) = self.backend.meta(key).map_err(read_logs_error)? else {
             return Ok(None);
         };
-        serde_json::from_slice(v.value())
+        serde_json::from_slice(&v)
             .map(Some)
             .map_err(read_logs_error)
     }
 
     async fn set_meta<T: Serialize>(
         &self,
-        key: &'static str,
+        key: MetaKey,
         value: &T,
         subject: ErrorSubject<NodeId>,
     ) -> Result<(), StorageError> {
         let err = |e: &dyn std::fmt::Display| io_error(subject.clone(), ErrorVerb::Write, e);
         let bytes = serde_json::to_vec(value).map_err(|e| err(&e))?;
-        let tables = Arc::clone(&self.tables);
-        self.log
-            .write_async(move |tx| {
-                tx.open_table(meta_table(&tables))?
-                    .insert(key, bytes.as_slice())?;
-                Ok(())
-            })
-            .await
-            .map_err(|e| err(&e))
-    }
-
-    /// Delete the entries whose index is in `range`, in one durable transaction, with
-    /// `then` written to the metadata; with `bodies`, the copies under their keys too (a
-    /// truncation: they were never applied; a purge keeps them, they are the copies of live
-    /// messages).
-    async fn delete(
-        &self,
-        range: (Bound<u64>, Bound<u64>),
-        then: Option<(&'static str, Vec<u8>)>,
-        bodies: bool,
-    ) -> Result<(), StorageError> {
-        let tables = Arc::clone(&self.tables);
-        self.log
-            .write_async(move |tx| {
-                let start = range.0;
-                let mut log = tx.open_table(log_table(&tables))?;
-                remove_range(&mut log, range)?;
-                if bodies {
-                    let key = |i: u64| i.min(u64::MAX >> 16) << 16;
-                    let from = match start {
-                        Bound::Included(i) => Bound::Included(key(i)),
-                        Bound::Excluded(i) => Bound::Included(key(i.saturating_add(1))),
-                        Bound::Unbounded => Bound::Unbounded,
-                    };
-                    let mut table = tx.open_table(bodies_table(&tables))?;
-                    remove_range(&mut table, (from, Bound::Unbounded))?;
-                }
-                if let Some((key, value)) = then {
-                    let mut meta = tx.open_table(meta_table(&tables))?;
-                    meta.insert(key, value.as_slice())?;
-                }
-                Ok(())
-            })
-            .await
-            .map_err(write_logs_error)
+        self.write_async(vec![LogOp::Meta {
+            key,
+            value: bytes.into(),
+        }])
+        .await
+        .map_err(|e| err(&e))
     }
 
     fn last_entry_id(&self) -> Result<Option<LogId<NodeId>>, StorageError> {
-        let tx = self.log.db().begin_read().map_err(read_logs_error)?;
-        let log = tx
-            .open_table(log_table(&self.tables))
-            .map_err(read_logs_error)?;
-        let Some((_, v)) = log.last().map_err(read_logs_error)? else {
+        let Some(v) = self.backend.last_entry().map_err(read_logs_error)? else {
             return Ok(None);
         };
-        let entry: Entry = crate::codec::decode(v.value()).map_err(read_logs_error)?;
+        let entry: Entry = crate::codec::decode(&v).map_err(read_logs_error)?;
         Ok(Some(entry.log_id))
     }
 }
@@ -680,32 +640,7 @@ fn take_bodies(entry: &mut Entry, bodies: &mut Vec<(u64, Vec<u8>)>) {
     }
 }
 
-/// Remove the rows of `table` whose keys are in `range`.
-fn remove_range(
-    table: &mut redb::Table<'_, u64, &[u8]>,
-    range: (Bound<u64>, Bound<u64>),
-) -> Result<(), redb::Error> {
-    // `retain_in` would scan the same range; collecting keys keeps the borrow simple.
-    let keys: Vec<u64> = table
-        .range(range)?
-        .map(|r| r.map(|(k, _)| k.value()))
-        .collect::<Result<_, _>>()?;
-    for k in keys {
-        table.remove(k)?;
-    }
-    Ok(())
-}
-
-/// See [`LogStore::prepare`].
-struct Write {
-    tables: Arc<GroupTables>,
-    encoded: Vec<(u64, Vec<u8>)>,
-    bodies: Vec<(u64, Vec<u8>)>,
-    released: Vec<u64>,
-    recent: Arc<std::sync::Mutex<Recent>>,
-}
-
-/// What an append does once its transaction is durable: its bodies go to the recent cache.
+/// What an append does once it is durable: its bodies go to the recent cache.
 struct AfterWrite {
     bodies: Vec<(u64, Vec<u8>)>,
     recent: Arc<std::sync::Mutex<Recent>>,
@@ -727,65 +662,19 @@ impl AfterWrite {
     }
 }
 
-impl Write {
-    /// The writer's job (the entries and the deletion of released copies, in the batch's
-    /// transaction) and what follows its commit.
-    #[allow(clippy::type_complexity)]
-    fn split(
-        self,
-    ) -> (
-        impl FnOnce(&redb::WriteTransaction) -> Result<(), redb::Error> + Send + 'static,
-        AfterWrite,
-    ) {
-        let Self {
-            tables,
-            encoded,
-            bodies,
-            released,
-            recent,
-        } = self;
-        let job = move |tx: &redb::WriteTransaction| {
-            let mut log = tx.open_table(log_table(&tables))?;
-            for (index, bytes) in &encoded {
-                log.insert(*index, bytes.as_slice())?;
-            }
-            if !released.is_empty() {
-                let mut table = tx.open_table(bodies_table(&tables))?;
-                for key in released {
-                    table.remove(key)?;
-                }
-            }
-            Ok(())
-        };
-        (job, AfterWrite { bodies, recent })
-    }
-}
-
 impl RaftLogReader<QueueRaft> for LogStore {
     async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + Debug + OptionalSend>(
         &mut self,
         range: RB,
     ) -> Result<Vec<Entry>, StorageError> {
-        let tx = self.log.db().begin_read().map_err(read_logs_error)?;
-        let log = tx
-            .open_table(log_table(&self.tables))
-            .map_err(read_logs_error)?;
         let bounds: (Bound<u64>, Bound<u64>) =
             (range.start_bound().cloned(), range.end_bound().cloned());
-        let bodies = if self.queue && self.inflate {
-            Some(
-                tx.open_table(bodies_table(&self.tables))
-                    .map_err(read_logs_error)?,
-            )
-        } else {
-            None
-        };
+        let inflate = self.queue && self.inflate;
         let mut out = Vec::new();
-        for row in log.range(bounds).map_err(read_logs_error)? {
-            let (_, v) = row.map_err(read_logs_error)?;
-            let mut entry: Entry = crate::codec::decode(v.value()).map_err(read_logs_error)?;
-            if let Some(bodies) = &bodies {
-                self.inflate_bodies(&mut entry, bodies)?;
+        for v in self.backend.entries(bounds).map_err(read_logs_error)? {
+            let mut entry: Entry = crate::codec::decode(&v).map_err(read_logs_error)?;
+            if inflate {
+                self.inflate_bodies(&mut entry)?;
             }
             out.push(entry);
         }
@@ -797,7 +686,7 @@ impl RaftLogStorage<QueueRaft> for LogStore {
     type LogReader = Self;
 
     async fn get_log_state(&mut self) -> Result<LogState<QueueRaft>, StorageError> {
-        let last_purged_log_id: Option<LogId<NodeId>> = self.meta(KEY_PURGED)?;
+        let last_purged_log_id: Option<LogId<NodeId>> = self.meta(MetaKey::Purged)?;
         let last_log_id = self.last_entry_id()?.or(last_purged_log_id);
         Ok(LogState {
             last_purged_log_id,
@@ -814,23 +703,25 @@ impl RaftLogStorage<QueueRaft> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError> {
-        self.set_meta(KEY_VOTE, vote, ErrorSubject::Vote).await
+        self.set_meta(MetaKey::Vote, vote, ErrorSubject::Vote).await
     }
 
     async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError> {
-        self.meta(KEY_VOTE)
+        self.meta(MetaKey::Vote)
     }
 
     async fn save_committed(
         &mut self,
         committed: Option<LogId<NodeId>>,
     ) -> Result<(), StorageError> {
-        self.set_meta(KEY_COMMITTED, &committed, ErrorSubject::Store)
+        self.set_meta(MetaKey::Committed, &committed, ErrorSubject::Store)
             .await
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError> {
-        Ok(self.meta::<Option<LogId<NodeId>>>(KEY_COMMITTED)?.flatten())
+        Ok(self
+            .meta::<Option<LogId<NodeId>>>(MetaKey::Committed)?
+            .flatten())
     }
 
     async fn append<I>(
@@ -842,20 +733,37 @@ impl RaftLogStorage<QueueRaft> for LogStore {
         I: IntoIterator<Item = Entry> + OptionalSend,
         I::IntoIter: OptionalSend,
     {
-        let write = self.prepare(entries).map_err(write_logs_error)?;
-        let (job, after) = write.split();
-        // The writer commits it with the other groups' writes ready now, and fsyncs off the
-        // async workers, which must keep serving heartbeats.
-        match self.log.write_async(job).await {
+        let (ops, after) = self.prepare(entries).map_err(write_logs_error)?;
+        let done = move |r: Result<(), LogError>| match r {
             Ok(()) => {
                 after.done();
                 callback.log_io_completed(Ok(()));
-                Ok(())
             }
-            Err(e) => {
-                callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
-                Err(write_logs_error(e))
-            }
+            Err(e) => callback.log_io_completed(Err(std::io::Error::other(e.to_string()))),
+        };
+        if self.backend.readable_at_once() {
+            // Readable now, durable when `done` is told: openraft replicates the entries
+            // while they are synced.
+            self.backend.write(ops, Box::new(done));
+            return Ok(());
+        }
+        // The writer commits it with the other groups' writes ready now, and fsyncs off the
+        // async workers, which must keep serving heartbeats.
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.backend.write(
+            ops,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        let r = rx
+            .await
+            .unwrap_or_else(|_| Err(LogError::Storage("the log's writer dropped a write".into())));
+        let failed = r.as_ref().err().cloned();
+        done(r);
+        match failed {
+            None => Ok(()),
+            Some(e) => Err(write_logs_error(e)),
         }
     }
 
@@ -863,24 +771,25 @@ impl RaftLogStorage<QueueRaft> for LogStore {
         self.recent()
             .remove_from(log_id.index.min(u64::MAX >> 16) << 16);
         self.forget_read(|i| i >= log_id.index);
-        self.delete(
-            (Bound::Included(log_id.index), Bound::Unbounded),
-            None,
-            true,
-        )
-        .await
+        self.write_async(vec![LogOp::Truncate { from: log_id.index }])
+            .await
+            .map_err(write_logs_error)
     }
 
     async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError> {
-        // The purge point and the deletion commit together: a crash in between cannot leave
-        // entries below the recorded purge point, nor a gap above it.
+        // The purge point first, then the deletion: in redb they commit together; in the
+        // WAL a crash between them leaves entries below the recorded purge point, which the
+        // next purge removes (never a gap above it).
         let purged = serde_json::to_vec(&log_id).map_err(write_logs_error)?;
-        self.delete(
-            (Bound::Unbounded, Bound::Included(log_id.index)),
-            Some((KEY_PURGED, purged)),
-            false,
-        )
-        .await?;
+        self.write_async(vec![
+            LogOp::Meta {
+                key: MetaKey::Purged,
+                value: purged.into(),
+            },
+            LogOp::Purge { upto: log_id.index },
+        ])
+        .await
+        .map_err(write_logs_error)?;
         self.forget_read(|i| i <= log_id.index);
         // Copied out before (compaction), or brought by a snapshot (an install): either way
         // the live bodies of these entries are copies now.
@@ -958,7 +867,24 @@ mod tests {
     #[tokio::test]
     async fn bodies_are_read_from_entries_and_copied_out_before_a_purge() {
         let dir = tempfile::tempdir().unwrap();
-        let mut store = LogStore::open_queue(&dir.path().join("q.redb")).unwrap();
+        bodies_in(LogStore::open_queue(&dir.path().join("q.redb")).unwrap()).await;
+    }
+
+    /// The same over the node's write-ahead log, with another group beside.
+    #[tokio::test]
+    async fn bodies_in_the_wal_are_read_from_entries_and_copied_out_before_a_purge() {
+        let dir = tempfile::tempdir().unwrap();
+        let wal =
+            Arc::new(Wal::open(dir.path(), warren_store::wal::WalOptions::default()).unwrap());
+        let other = LogStore::in_wal(&wal, 7).unwrap();
+        other
+            .append_now(vec![entry(1, vec![enqueue("other")])])
+            .unwrap();
+        bodies_in(LogStore::in_wal(&wal, 8).unwrap()).await;
+        assert_eq!(cold(&other, body_key(1, 0)), Some(record("other")));
+    }
+
+    async fn bodies_in(mut store: LogStore) {
         store
             .append_now(vec![
                 entry(
@@ -1041,10 +967,8 @@ mod tests {
         store.copied(1, from);
         assert_eq!(store.copies().pending, vec![b]);
         store.flush_released().unwrap();
-        let tx = store.log.db().begin_read().unwrap();
-        let bodies = tx.open_table(bodies_table(&store.tables)).unwrap();
-        assert!(bodies.get(b).unwrap().is_none());
-        assert!(bodies.get(a).unwrap().is_none());
+        assert!(!store.backend.has_body(b).unwrap());
+        assert!(!store.backend.has_body(a).unwrap());
     }
 
     /// A copy-out larger than one transaction's bound commits several and copies everything.
@@ -1057,12 +981,10 @@ mod tests {
         store.append_now(entries).unwrap();
         let live: Vec<u64> = (1..=5).map(|i| body_key(i, 0)).collect();
         assert_eq!(store.copy_out(&live, 5).unwrap(), 5);
-        let tx = store.log.db().begin_read().unwrap();
-        let bodies = tx.open_table(bodies_table(&store.tables)).unwrap();
         for k in live {
             assert_eq!(
-                bodies.get(k).unwrap().unwrap().value(),
-                record(&big).as_slice()
+                store.backend.body(k).unwrap().as_deref(),
+                Some(record(&big).as_slice())
             );
         }
     }

@@ -49,7 +49,7 @@ pub enum NodeError {
     Config(String),
     /// A log could not be opened.
     #[error("raft log {0}: {1}")]
-    Log(PathBuf, redb::Error),
+    Log(PathBuf, crate::log::backend::LogError),
     /// The port or a Raft instance failed.
     #[error("cluster: {0}")]
     Io(String),

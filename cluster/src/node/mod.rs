@@ -219,7 +219,7 @@ impl ClusterNode {
             &queue_log_path,
             crate::log::node_log::NODE_LOG_CACHE_BYTES,
         )
-        .map_err(|e| NodeError::Log(queue_log_path.clone(), e))?;
+        .map_err(|e| NodeError::Log(queue_log_path.clone(), e.into()))?;
         let me = node_id(&config.name);
         let mut addresses = Addresses::default();
         if let Some(tls) = &config.tls {

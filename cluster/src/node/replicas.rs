@@ -19,6 +19,7 @@ use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 
 use crate::group::{Applied, GroupStateMachine};
+use crate::log::backend::LogError;
 use crate::log::node_log::GroupTables;
 use crate::log::store::{LogStore, SLOTS_PER_ENTRY, body_key, key_index, stub_size};
 use crate::proposer::{ProposeError, Proposer};
@@ -98,6 +99,7 @@ impl ClusterNode {
             // The import opens (so creates) the tables it writes; in_node_log creates the rest.
             self.queue_log
                 .import(&path, &tables)
+                .map_err(LogError::from)
                 .and_then(|imported| {
                     if imported {
                         tracing::info!(queue = %record.name, "imported the queue's log into the node's");

@@ -10,6 +10,7 @@ use openraft::storage::RaftLogStorage;
 use openraft::{BasicNode, Config, Raft};
 use tempfile::TempDir;
 use warren_broker::queue::machine::{Command, QueueConfig, Reply};
+use warren_cluster::log::backend::LogError;
 use warren_cluster::log::store::LogStore;
 use warren_cluster::state_machine::QueueStateMachine;
 use warren_cluster::transport::in_process::Router;
@@ -91,7 +92,7 @@ impl Cluster {
         let log = loop {
             match LogStore::open(&path) {
                 Ok(log) => break log,
-                Err(redb::Error::DatabaseAlreadyOpen) if tries < 500 => {
+                Err(LogError::AlreadyOpen) if tries < 500 => {
                     tries += 1;
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }

@@ -50,6 +50,76 @@ pub trait Liveness {
     fn release(&mut self, segment: u32);
 }
 
+/// Where a group takes appends, followed through the ops of one write before any is applied
+/// ([`GroupLog::expect`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Expect {
+    first: u64,
+    next: u64,
+    empty: bool,
+}
+
+impl Expect {
+    /// Take an append at `index`.
+    ///
+    /// # Errors
+    /// [`OutOfOrder`] when the group has entries and `index` is not the next. Without
+    /// entries any index starts the run (redb's log took them too, and openraft's storage
+    /// suite appends below a purge point of an empty log).
+    pub fn append(&mut self, index: u64) -> Result<(), OutOfOrder> {
+        if !self.empty && index != self.next {
+            return Err(OutOfOrder {
+                index,
+                expected: self.next,
+            });
+        }
+        if self.empty {
+            self.first = index;
+        }
+        self.next = index + 1;
+        self.empty = false;
+        Ok(())
+    }
+
+    /// Follow `op` (an append is checked).
+    ///
+    /// # Errors
+    /// As [`Expect::append`].
+    pub fn follow(&mut self, op: &Op) -> Result<(), OutOfOrder> {
+        match op {
+            Op::Append { index, .. } => self.append(*index)?,
+            Op::Truncate { from } => {
+                if *from <= self.first {
+                    self.first = *from;
+                    self.empty = true;
+                }
+                self.next = self.next.min(*from).max(self.first);
+            }
+            Op::Purge { upto } => {
+                let after = upto.saturating_add(1);
+                if after >= self.next {
+                    self.empty = true;
+                    self.next = after;
+                }
+                self.first = self.first.max(after);
+            }
+            Op::Forget => *self = Self::default(),
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+impl Default for Expect {
+    fn default() -> Self {
+        Self {
+            first: 0,
+            next: 0,
+            empty: true,
+        }
+    }
+}
+
 /// Why an op cannot be applied to a group's index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OutOfOrder {
@@ -73,10 +143,7 @@ impl GroupLog {
     /// A group with nothing written.
     #[must_use]
     pub fn new() -> Self {
-        Self {
-            first: 1,
-            ..Self::default()
-        }
+        Self::default()
     }
 
     /// The index the next append must have.
@@ -106,12 +173,10 @@ impl GroupLog {
         }
     }
 
-    /// Whether the entries are whole: the first (or the next, with none) follows the purge
-    /// point. Always so while running; at the end of a replay that started at a segment's head,
-    /// a gap means a segment was freed while an entry in it was live.
+    /// A metadata slot's value.
     #[must_use]
-    pub fn is_whole(&self) -> bool {
-        self.first == self.state.purged_upto + 1
+    pub fn meta(&self, slot: crate::wal::record::MetaSlot) -> Option<bytes::Bytes> {
+        self.state.meta[slot as usize].clone()
     }
 
     /// Where the entry at `index` is.
@@ -145,26 +210,15 @@ impl GroupLog {
             || self.bodies.values().any(|l| l.segment == segment)
     }
 
-    /// Whether `op` can be applied (an append must be the next index; other ops always can).
-    ///
-    /// # Errors
-    /// [`OutOfOrder`] for an append that is not the next index.
-    pub fn check(&self, op: &Op, next: &mut u64) -> Result<(), OutOfOrder> {
-        match op {
-            Op::Append { index, .. } => {
-                if *index != *next {
-                    return Err(OutOfOrder {
-                        index: *index,
-                        expected: *next,
-                    });
-                }
-                *next += 1;
-            }
-            Op::Truncate { from } => *next = (*next).min((*from).max(self.state.purged_upto + 1)),
-            Op::Purge { upto } => *next = (*next).max(upto.saturating_add(1)),
-            _ => {}
+    /// Where appends may go now: the next index, or anywhere while the group has no entries
+    /// (openraft starts logs at 0 or 1, and installs snapshots past the end).
+    #[must_use]
+    pub fn expect(&self) -> Expect {
+        Expect {
+            first: self.first,
+            next: self.next_index(),
+            empty: self.entries.is_empty(),
         }
-        Ok(())
     }
 
     /// Apply `op`, whose record is at `loc`. A [`Op::Forget`] only releases; the caller drops
@@ -175,12 +229,9 @@ impl GroupLog {
     pub fn apply(&mut self, op: &Op, loc: Loc, live: &mut impl Liveness) -> Result<(), OutOfOrder> {
         match op {
             Op::Append { index, .. } => {
-                let expected = self.next_index();
-                if *index != expected {
-                    return Err(OutOfOrder {
-                        index: *index,
-                        expected,
-                    });
+                self.expect().append(*index)?;
+                if self.entries.is_empty() {
+                    self.first = *index;
                 }
                 self.entries.push_back(loc);
                 live.hold(loc.segment);
@@ -188,10 +239,8 @@ impl GroupLog {
             Op::Meta { slot, value } => self.state.meta[*slot as usize] = Some(value.clone()),
             Op::Truncate { from } => {
                 if *from < self.first {
-                    // Only in a replay that started at a segment's head (see `restore`): the
-                    // entries before `first` are gone, and the next append is at `from`.
-                    self.first = (*from).max(self.state.purged_upto + 1);
                     self.release_entries(live);
+                    self.first = *from;
                 }
                 let keep = from.saturating_sub(self.first);
                 let keep = usize::try_from(keep).unwrap_or(usize::MAX);
@@ -223,7 +272,9 @@ impl GroupLog {
     /// Take a whole state (a segment head's record): the purge point, the metadata and, for a
     /// group that has no entries so far in the replay, the next index.
     pub fn restore(&mut self, state: &GroupState, live: &mut impl Liveness) {
-        self.purge(state.purged_upto, live);
+        if let Some(upto) = state.purged {
+            self.purge(upto, live);
+        }
         self.state.meta.clone_from(&state.meta);
         if self.entries.is_empty() {
             self.first = self.first.max(state.next);
@@ -231,9 +282,6 @@ impl GroupLog {
     }
 
     fn purge(&mut self, upto: u64, live: &mut impl Liveness) {
-        if upto == 0 {
-            return;
-        }
         while self.first <= upto {
             match self.entries.pop_front() {
                 Some(gone) => live.release(gone.segment),
@@ -242,7 +290,7 @@ impl GroupLog {
             self.first += 1;
         }
         self.first = self.first.max(upto.saturating_add(1));
-        self.state.purged_upto = self.state.purged_upto.max(upto);
+        self.state.purged = Some(self.state.purged.map_or(upto, |p| p.max(upto)));
     }
 
     fn release_entries(&mut self, live: &mut impl Liveness) {
@@ -339,7 +387,7 @@ mod tests {
             .expect("purge");
         assert_eq!((g.first_index(), g.next_index()), (None, 11));
         assert_eq!(live.0[&0], 0);
-        assert_eq!(g.state().purged_upto, 10);
+        assert_eq!(g.state().purged, Some(10));
     }
 
     #[test]

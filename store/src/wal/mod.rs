@@ -436,11 +436,13 @@ impl Wal {
         if let Some(why) = &state.stopped {
             return Err(WalError::Stopped(Arc::clone(why)));
         }
-        let mut next = state.groups.get(&group).map_or(1, GroupLog::next_index);
-        let empty = GroupLog::new();
-        let g = state.groups.get(&group).unwrap_or(&empty);
+        let mut expect = state
+            .groups
+            .get(&group)
+            .map(GroupLog::expect)
+            .unwrap_or_default();
         for op in ops {
-            g.check(op, &mut next).map_err(|e| WalError::OutOfOrder {
+            expect.follow(op).map_err(|e| WalError::OutOfOrder {
                 group,
                 index: e.index,
                 expected: e.expected,
@@ -490,9 +492,34 @@ impl Wal {
         state.groups.get(&group).map(|g| GroupView {
             first: g.first_index(),
             last: g.last_index(),
-            state: g.state().clone(),
+            state: g.state(),
             bodies: g.bodies().count(),
         })
+    }
+
+    /// The index `group`'s next append takes (None: the WAL holds nothing of it).
+    #[must_use]
+    pub fn next_index(&self, group: u64) -> Option<u64> {
+        self.shared
+            .state
+            .lock()
+            .groups
+            .get(&group)
+            .map(GroupLog::next_index)
+    }
+
+    /// `group`'s last live entry's index.
+    #[must_use]
+    pub fn last_index(&self, group: u64) -> Option<u64> {
+        let state = self.shared.state.lock();
+        state.groups.get(&group).and_then(GroupLog::last_index)
+    }
+
+    /// `group`'s metadata slot.
+    #[must_use]
+    pub fn meta(&self, group: u64, slot: MetaSlot) -> Option<Bytes> {
+        let state = self.shared.state.lock();
+        state.groups.get(&group).and_then(|g| g.meta(slot))
     }
 
     /// Every group the WAL holds.
@@ -572,6 +599,27 @@ impl Wal {
             Some(Record::Op(Op::Body { data, .. })) => Ok(Some(data)),
             other => Err(self.corrupt(format!("a body's location holds {other:?}"))),
         }
+    }
+
+    /// Whether `group` keeps a body under `key`.
+    #[must_use]
+    pub fn has_body(&self, group: u64, key: u64) -> bool {
+        let state = self.shared.state.lock();
+        state.groups.get(&group).and_then(|g| g.body(key)).is_some()
+    }
+
+    /// The keys of `group`'s bodies in `range`, ascending.
+    #[must_use]
+    pub fn body_keys(&self, group: u64, range: impl RangeBounds<u64>) -> Vec<u64> {
+        let state = self.shared.state.lock();
+        let mut keys: Vec<u64> = state.groups.get(&group).map_or_else(Vec::new, |g| {
+            g.bodies()
+                .map(|(k, _)| k)
+                .filter(|k| range.contains(k))
+                .collect()
+        });
+        keys.sort_unstable();
+        keys
     }
 
     /// The oldest segment other than the active one and the groups with live entries or bodies

@@ -14,7 +14,8 @@
 //! | 5    | Body       | key:u64, data (a body copied out of a purged entry)         |
 //! | 6    | DropBodies | key:u64 * n                                                 |
 //! | 7    | Forget     | (empty: the group and everything it wrote are gone)         |
-//! | 8    | State      | upto:u64, next:u64, per slot: len:u32 (u32::MAX none), value|
+//! | 8    | State      | purged:u64 (u64::MAX none), next:u64, per slot: len:u32     |
+//! |      |            | (u32::MAX none), value                                      |
 //! | 9    | Seal       | next_seq:u64 (group 0: the segment ends here)               |
 //!
 //! The checksum covers the segment's sequence number, so a record left in a recycled segment
@@ -103,8 +104,8 @@ pub enum Op {
 /// older segments are never needed for them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GroupState {
-    /// Entries up to here are purged (0: none).
-    pub purged_upto: u64,
+    /// Entries up to here are purged (None: none ever was).
+    pub purged: Option<u64>,
     /// The index the next append takes. Replay that starts at this segment starts the group
     /// here: the entries before it are in older segments, freed because they are gone since.
     pub next: u64,
@@ -197,7 +198,7 @@ pub fn encode_op(out: &mut Vec<u8>, seq: u64, group: u64, op: &Op) {
 /// Append `group`'s whole state to `out` as a record of segment `seq`.
 pub fn encode_state(out: &mut Vec<u8>, seq: u64, group: u64, state: &GroupState) {
     let start = begin(out, group);
-    out.put_u64_le(state.purged_upto);
+    out.put_u64_le(state.purged.unwrap_or(u64::MAX));
     out.put_u64_le(state.next);
     for value in &state.meta {
         match value {
@@ -327,7 +328,7 @@ fn decode_payload(kind: u8, p: &Bytes) -> Option<Record> {
 
 fn decode_state(p: &Bytes) -> Option<GroupState> {
     let mut state = GroupState {
-        purged_upto: u64::from_le_bytes(p.get(0..8)?.try_into().ok()?),
+        purged: Some(u64::from_le_bytes(p.get(0..8)?.try_into().ok()?)).filter(|p| *p != u64::MAX),
         next: u64::from_le_bytes(p.get(8..16)?.try_into().ok()?),
         meta: [None, None, None],
     };
@@ -403,7 +404,7 @@ mod tests {
             assert_eq!(d.record, Record::Op(op));
         }
         let state = GroupState {
-            purged_upto: 12,
+            purged: Some(12),
             next: 20,
             meta: [Some(Bytes::from_static(b"v")), None, Some(Bytes::new())],
         };

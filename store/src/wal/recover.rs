@@ -74,18 +74,6 @@ pub(super) fn recover(dir: &Path, state: &mut State) -> Result<Option<u32>, WalE
         }
         last = Some((seq32, (!sealed).then_some(end)));
     }
-    if let Some((id, g)) = state.groups.iter().find(|(_, g)| !g.is_whole()) {
-        return Err(WalError::Corrupt {
-            path: dir.to_path_buf(),
-            offset: 0,
-            detail: format!(
-                "group {id}: entries from {:?} after a purge point of {}: a segment with live \
-                 entries is missing",
-                g.first_index(),
-                g.state().purged_upto
-            ),
-        });
-    }
     // Cut a torn tail: a seal where the valid records end, so later scans stop there.
     if let Some((seq, Some(cut))) = last {
         let next = u64::from(seq) + 1;

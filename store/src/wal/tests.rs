@@ -97,8 +97,8 @@ fn writes_are_readable_at_once_and_survive_a_reopen() {
     );
     let g = wal.group(7).expect("group 7");
     assert_eq!(
-        (g.first, g.last, g.state.purged_upto),
-        (Some(2), Some(3), 1)
+        (g.first, g.last, g.state.purged),
+        (Some(2), Some(3), Some(1))
     );
     assert_eq!(
         g.state.meta[MetaSlot::Vote as usize].as_deref(),
@@ -208,7 +208,7 @@ fn segments_roll_and_are_freed_once_no_group_needs_them() {
     );
     drop(wal);
     let wal = Wal::open(dir.path(), SMALL).expect("reopen");
-    assert_eq!(wal.group(2).expect("group 2").state.purged_upto, 100);
+    assert_eq!(wal.group(2).expect("group 2").state.purged, Some(100));
     assert_eq!(
         wal.entry(3, 1).expect("read"),
         Some(Bytes::from_static(b"tick"))
@@ -308,7 +308,7 @@ struct ModelGroup {
     next: u64,
     bodies: BTreeMap<u64, Bytes>,
     vote: Option<Bytes>,
-    purged: u64,
+    purged: Option<u64>,
 }
 
 #[derive(Debug, Clone)]
@@ -346,7 +346,7 @@ fn check(wal: &Wal, model: &BTreeMap<u64, ModelGroup>) {
         assert_eq!(entries, m.entries, "group {id}");
         let g = wal.group(*id).expect("group");
         assert_eq!(g.state.meta[MetaSlot::Vote as usize], m.vote, "group {id}");
-        assert_eq!(g.state.purged_upto, m.purged, "group {id}");
+        assert_eq!(g.state.purged, m.purged, "group {id}");
         for (key, body) in &m.bodies {
             assert_eq!(
                 wal.body(*id, *key).expect("read").as_ref(),
@@ -386,17 +386,16 @@ proptest! {
                 }
                 Step::Truncate { group, back } => {
                     let Some(m) = model.get_mut(&group) else { continue };
-                    let from = m.next.saturating_sub(back).max(m.purged + 1);
+                    let from = m.next.saturating_sub(back).max(m.purged.map_or(0, |p| p + 1));
                     m.entries.retain(|i, _| *i < from);
                     m.next = from;
                     wal.write_and_wait(group, &[Op::Truncate { from }]).expect("truncate");
                 }
                 Step::Purge { group, ahead } => {
                     let Some(m) = model.get_mut(&group) else { continue };
-                    let upto = m.purged + ahead;
-                    if upto == 0 { continue; }
+                    let upto = m.purged.unwrap_or(0) + ahead;
                     m.entries.retain(|i, _| *i > upto);
-                    m.purged = m.purged.max(upto);
+                    m.purged = Some(m.purged.map_or(upto, |p| p.max(upto)));
                     m.next = m.next.max(upto + 1);
                     wal.write_and_wait(group, &[Op::Purge { upto }]).expect("purge");
                 }
@@ -440,7 +439,7 @@ proptest! {
         drop(wal);
         let wal = Wal::open(dir.path(), SMALL).expect("reopen");
         for (id, m) in &model {
-            prop_assert_eq!(wal.group(*id).map(|g| g.state.purged_upto), Some(m.next));
+            prop_assert_eq!(wal.group(*id).map(|g| g.state.purged), Some(Some(m.next)));
         }
     }
 }
