@@ -20,7 +20,8 @@ r1..r3@localhost on AMQP ports 5681-5683 and distribution ports 25681-25683, def
 configuration apart from ports, directories and no plugins; r2 and r3 join r1 with
 `rabbitmqctl join_cluster`. Warren: target/release/warren, nodes n1..n3 on AMQP 5701-5703,
 cluster 26001-26003, management 15801-15803, Prometheus 15901-15903. Raw JSON of every
-warren-perf run goes to target/cluster-bench/. `WARREN_BENCH_BIN=<path>` runs another build of
+warren-perf run goes to target/cluster-bench/. `WARREN_BENCH_ARGS="--quorum-log wal"` adds flags to every Warren node's command line;
+`WARREN_BENCH_BIN=<path>` runs another build of
 warren (an older tree's, for a same-hour comparison).
 
 Python 3 standard library only; the failover publishers use the small AMQP 0-9-1 client below.
@@ -346,7 +347,9 @@ class WarrenCluster:
         self.amqp = {f"n{i}": 5700 + i for i in (1, 2, 3)}
         self.mgmt = {f"n{i}": 15800 + i for i in (1, 2, 3)}
         self.procs = {}
-        self.extra_args = []  # appended to every node's command line
+        # Appended to every node's command line; WARREN_BENCH_ARGS adds to it (for example
+        # "--quorum-log wal" to measure the write-ahead log).
+        self.extra_args = os.environ.get("WARREN_BENCH_ARGS", "").split()
 
     def start_node(self, n):
         """Start node `n` (again: its data directory is kept)."""

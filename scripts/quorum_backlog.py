@@ -192,7 +192,7 @@ def main():
     cluster = cb.WarrenCluster(root)
     pin_max = args.pin_max if args.pin_max is not None else (0 if args.behind else None)
     if pin_max is not None:
-        cluster.extra_args = ["--quorum-log-pin-max", str(pin_max)]
+        cluster.extra_args += ["--quorum-log-pin-max", str(pin_max)]
     result_pin = pin_max
     cluster.start()
     result = {"messages": args.messages, "size": 1024, "date": datetime.date.today().isoformat(),

@@ -112,6 +112,7 @@ pub async fn run(cfg: ServerConfig) -> anyhow::Result<Exit> {
                     data_dir: cfg.data_dir.join("cluster"),
                     join: c.join,
                     queue_log_pin_max: c.log_pin_max,
+                    queue_log: c.quorum_log,
                     tls: c
                         .tls
                         .as_ref()

@@ -479,7 +479,9 @@ class Cluster:
         # openraft logs every vote and append at info: keep it to warnings unless asked.
         self.log_level = log_level or os.environ.get("WARREN_CLUSTER_LOG_LEVEL",
                                                      "info,openraft=warn")
-        self.extra_args = list(extra_args)
+        # WARREN_CLUSTER_EXTRA_ARGS: flags for every node of every cluster (for example
+        # "--quorum-log wal" to run the cluster tests on the write-ahead log).
+        self.extra_args = list(extra_args) + os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", "").split()
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="warren-cluster-"))
         self.keep = (os.environ.get("WARREN_CLUSTER_KEEP") == "1") if keep is None else keep
         self.nodes = [Node(i, self.root) for i in range(n)]

@@ -112,6 +112,10 @@ pub struct ServerArgs {
     /// message; older live bodies are copied out and the log purged [default: 50000].
     #[arg(long)]
     pub quorum_log_pin_max: Option<u64>,
+    /// Where this node keeps its quorum queues' Raft logs: `redb` (one database) or `wal`
+    /// (the segmented write-ahead log) [default: redb].
+    #[arg(long)]
+    pub quorum_log: Option<String>,
 }
 
 /// Effective configuration.
@@ -283,6 +287,10 @@ impl ServerConfig {
                     .quorum_log_pin_max
                     .or(file.quorum_log_pin_max)
                     .unwrap_or(warren_cluster::node::QUEUE_LOG_PIN_MAX),
+                quorum_log: match args.quorum_log.or(file.quorum_log) {
+                    Some(kind) => kind.parse().map_err(anyhow::Error::msg)?,
+                    None => warren_cluster::node::QueueLogKind::default(),
+                },
                 tls: match (
                     args.cluster_tls_cert.or(file.cluster_tls_cert),
                     args.cluster_tls_key.or(file.cluster_tls_key),
@@ -501,6 +509,7 @@ mod tests {
             cluster_tls_ca: None,
             join: false,
             quorum_log_pin_max: None,
+            quorum_log: None,
         }
     }
 
@@ -575,6 +584,26 @@ mod tests {
         a.cluster_tls_cert = Some("node.pem".into());
         let e = ServerConfig::load(a).unwrap_err().to_string();
         assert!(e.contains("needs all of --cluster-tls-cert"), "{e}");
+    }
+
+    /// `--quorum-log` picks the quorum queues' log: redb by default, the WAL by name, and
+    /// anything else is refused with the choices.
+    #[test]
+    fn the_quorum_log_is_redb_or_wal() {
+        let with = |kind: Option<&str>| {
+            let mut a = args(None);
+            a.peers = Some("n1@127.0.0.1:25001".into());
+            a.node_name = Some("n1".into());
+            a.cluster_secret = Some("s".into());
+            a.quorum_log = kind.map(str::to_string);
+            ServerConfig::load(a).map(|c| c.cluster.map(|c| c.quorum_log))
+        };
+        use warren_cluster::node::QueueLogKind;
+        assert_eq!(with(None).unwrap(), Some(QueueLogKind::Redb));
+        assert_eq!(with(Some("wal")).unwrap(), Some(QueueLogKind::Wal));
+        assert_eq!(with(Some("redb")).unwrap(), Some(QueueLogKind::Redb));
+        let e = with(Some("rocks")).unwrap_err().to_string();
+        assert!(e.contains("expected \"redb\" or \"wal\""), "{e}");
     }
 
     /// A node with a cluster identity and no --peers runs alone but can join

@@ -49,6 +49,7 @@ pub(crate) struct FileConfig {
     pub(crate) cluster_tls_ca: Option<PathBuf>,
     pub(crate) join: Option<bool>,
     pub(crate) quorum_log_pin_max: Option<u64>,
+    pub(crate) quorum_log: Option<String>,
     pub(crate) product_name: Option<String>,
     pub(crate) product_version: Option<String>,
     pub(crate) default_user: Option<String>,
@@ -74,6 +75,8 @@ pub struct ClusterConfig {
     pub join: bool,
     /// Entries a quorum queue's log keeps at most for its oldest live message.
     pub log_pin_max: u64,
+    /// Which log this node's quorum queues use.
+    pub quorum_log: warren_cluster::node::QueueLogKind,
 }
 
 /// Parse `name@host:port,...`.

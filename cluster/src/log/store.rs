@@ -474,16 +474,23 @@ impl LogStore {
         // Every key released before: a snapshot's messages are live after its releases, so
         // none of them is among the bodies; deleting them is harmless and keeps none behind.
         let from = 0;
-        if !bodies.is_empty() {
-            self.write_now(
-                bodies
-                    .into_iter()
-                    .map(|(key, body)| LogOp::PutBody {
-                        key,
-                        body: body.into(),
-                    })
-                    .collect(),
-            )?;
+        // Writes of COPY_OUT_TXN_BYTES at most: a write is held whole in memory (the WAL's
+        // buffer, redb's dirty pages) until it is durable.
+        let mut ops = Vec::new();
+        let mut bytes = 0;
+        for (key, body) in bodies {
+            bytes += body.len();
+            ops.push(LogOp::PutBody {
+                key,
+                body: body.into(),
+            });
+            if bytes >= COPY_OUT_TXN_BYTES {
+                self.write_now(std::mem::take(&mut ops))?;
+                bytes = 0;
+            }
+        }
+        if !ops.is_empty() {
+            self.write_now(ops)?;
         }
         self.copied(upto, from);
         Ok(())

@@ -39,6 +39,8 @@ pub struct NodeConfig {
     /// Entries a quorum queue's log keeps at most before its snapshot point for its oldest
     /// live message ([`QUEUE_LOG_PIN_MAX`] by default).
     pub queue_log_pin_max: u64,
+    /// Which log the quorum queues use (`--quorum-log`).
+    pub queue_log: crate::log::queue_logs::QueueLogKind,
 }
 
 /// Why a node could not start.

@@ -116,8 +116,8 @@ impl ClusterNode {
                     let raft = replica.raft.get().cloned();
                     let path = self.queue_log_path(*incarnation);
                     let snapshot = self.queue_snapshot_path(*incarnation);
-                    let node_log = Arc::clone(&self.queue_log);
-                    let tables = crate::log::node_log::GroupTables::of_group(*incarnation);
+                    let queue_logs = Arc::clone(&self.queue_logs);
+                    let group = *incarnation;
                     let in_node_log = !replica.queue.is_stream;
                     tokio::spawn(async move {
                         if let Some(raft) = raft {
@@ -129,7 +129,7 @@ impl ClusterNode {
                         let _ = std::fs::remove_file(path);
                         if in_node_log {
                             let dropped =
-                                tokio::task::spawn_blocking(move || node_log.drop_group(&tables))
+                                tokio::task::spawn_blocking(move || queue_logs.drop_group(group))
                                     .await;
                             if let Ok(Err(e)) = dropped {
                                 tracing::warn!(error = %e, "a deleted queue's log tables were not dropped");

@@ -67,6 +67,8 @@ pub use config::{
 pub use forwarding::{FORWARD_BATCH_MAX, FORWARD_QUEUE_MAX, RETRY_FOR};
 pub use placement::GROUP_SIZE_DEFAULT;
 
+pub use crate::log::queue_logs::QueueLogKind;
+
 use forwarding::{Forwarder, Target, send_retrying};
 use liveness::watch_peers;
 use membership::stored_number;
@@ -127,8 +129,9 @@ pub struct ClusterNode {
     meta_forwarder: OnceLock<Forwarder>,
     /// Queue groups served here, by incarnation.
     queues: Mutex<HashMap<u64, Arc<QueueReplica>>>,
-    /// The Raft log every quorum queue group on this node writes to (`queues/raft-log.redb`).
-    queue_log: Arc<crate::log::node_log::NodeLog>,
+    /// The Raft log every quorum queue group on this node writes to (`queues/raft-log.redb`
+    /// or `queues/wal/`).
+    queue_logs: Arc<crate::log::queue_logs::QueueLogs>,
     /// Declares made here, waiting for their commit: the queue to serve and the completion.
     declaring: Mutex<HashMap<u64, Completion>>,
     /// Deletes made here, waiting for their commit.
@@ -214,12 +217,13 @@ impl ClusterNode {
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| NodeError::Io(format!("cluster port {}: {e}", config.listen)))?;
-        let queue_log_path = config.data_dir.join("queues").join("raft-log.redb");
-        let queue_log = crate::log::node_log::NodeLog::open(
-            &queue_log_path,
-            crate::log::node_log::NODE_LOG_CACHE_BYTES,
-        )
-        .map_err(|e| NodeError::Log(queue_log_path.clone(), e.into()))?;
+        let queue_logs = Arc::new(
+            crate::log::queue_logs::QueueLogs::open(
+                config.queue_log,
+                &config.data_dir.join("queues"),
+            )
+            .map_err(|(path, e)| NodeError::Log(path, e))?,
+        );
         let me = node_id(&config.name);
         let mut addresses = Addresses::default();
         if let Some(tls) = &config.tls {
@@ -268,7 +272,7 @@ impl ClusterNode {
             meta: OnceLock::new(),
             meta_forwarder: OnceLock::new(),
             queues: Mutex::new(HashMap::new()),
-            queue_log,
+            queue_logs,
             declaring: Mutex::new(HashMap::new()),
             deleting: Mutex::new(HashMap::new()),
             members: Mutex::new(HashMap::new()),

@@ -19,8 +19,6 @@ use warren_broker::queue::Queue;
 use warren_broker::queue::machine::{Command, MachineError, QueueMachine, Reply};
 
 use crate::group::{Applied, GroupStateMachine};
-use crate::log::backend::LogError;
-use crate::log::node_log::GroupTables;
 use crate::log::store::{LogStore, SLOTS_PER_ENTRY, body_key, key_index, stub_size};
 use crate::proposer::{ProposeError, Proposer};
 use crate::transport::tcp;
@@ -95,17 +93,7 @@ impl ClusterNode {
         let log = if queue.is_stream {
             LogStore::open(&path)
         } else {
-            let tables = GroupTables::of_group(incarnation);
-            // The import opens (so creates) the tables it writes; in_node_log creates the rest.
-            self.queue_log
-                .import(&path, &tables)
-                .map_err(LogError::from)
-                .and_then(|imported| {
-                    if imported {
-                        tracing::info!(queue = %record.name, "imported the queue's log into the node's");
-                    }
-                    LogStore::in_node_log(&self.queue_log, incarnation)
-                })
+            self.queue_logs.group(incarnation, &path, &record.name)
         }
         .map_err(|e| NodeError::Log(path.clone(), e))?;
         let bodies = (!queue.is_stream).then(|| {

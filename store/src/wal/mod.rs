@@ -64,7 +64,7 @@ pub const WAL_SEGMENT_BYTES_MAX: u64 = 1024 * 1024 * 1024;
 pub const WAL_SEGMENT_BYTES_MIN: u64 = 4096;
 /// Bytes waiting for the writer at most; a write past it waits for the writer to take them
 /// (back-pressure, never unbounded memory).
-pub const WAL_PENDING_BYTES_MAX: usize = 64 * 1024 * 1024;
+pub const WAL_PENDING_BYTES_MAX: usize = 8 * 1024 * 1024;
 
 /// How a WAL is laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -456,6 +456,9 @@ impl Wal {
             state.roll()?;
         }
         let seq = u64::from(state.active);
+        // Exactly what the write needs: growing by doubling would hold up to twice a large
+        // write (a snapshot's batch of bodies) until the writer takes it.
+        state.tail.reserve_exact(len);
         let State {
             groups,
             segments,

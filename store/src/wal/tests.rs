@@ -443,3 +443,33 @@ proptest! {
         }
     }
 }
+
+/// Replay reads a segment a window at a time: records across a window's edge and a record
+/// larger than a window come back whole.
+#[test]
+fn a_replay_crosses_its_read_windows() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let big = "B".repeat(5 * 1024 * 1024 + 3);
+    {
+        let wal = Wal::open(dir.path(), WalOptions::default()).expect("open");
+        for i in 1..=1500 {
+            let text = format!("{i:05}{}", "e".repeat(4000 + (i as usize % 97)));
+            wal.write_and_wait(1, &[append(i, &text)]).expect("write");
+        }
+        wal.write_and_wait(1, &[append(1501, &big)])
+            .expect("a record larger than a window");
+        wal.write_and_wait(2, &[append(1, "after")]).expect("write");
+    }
+    let wal = Wal::open(dir.path(), WalOptions::default()).expect("reopen");
+    let entries = wal.entries(1, ..).expect("read");
+    assert_eq!(entries.len(), 1501);
+    for (i, data) in &entries[..1500] {
+        assert_eq!(&data[..5], format!("{i:05}").as_bytes());
+        assert_eq!(data.len(), 5 + 4000 + (*i as usize % 97));
+    }
+    assert_eq!(entries[1500].1.len(), big.len());
+    assert_eq!(
+        wal.entry(2, 1).expect("read"),
+        Some(Bytes::from_static(b"after"))
+    );
+}
