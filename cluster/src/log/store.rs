@@ -756,16 +756,7 @@ impl RaftLogStorage<QueueRaft> for LogStore {
         }
         // The writer commits it with the other groups' writes ready now, and fsyncs off the
         // async workers, which must keep serving heartbeats.
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.backend.write(
-            ops,
-            Box::new(move |r| {
-                let _ = tx.send(r);
-            }),
-        );
-        let r = rx
-            .await
-            .unwrap_or_else(|_| Err(LogError::Storage("the log's writer dropped a write".into())));
+        let r = self.write_async(ops).await;
         let failed = r.as_ref().err().cloned();
         done(r);
         match failed {

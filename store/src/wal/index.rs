@@ -8,7 +8,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::wal::record::{GroupState, Op, RECORD_HEADER};
+use crate::wal::record::{GroupState, Op};
 
 /// Where a record is: segment sequence number, offset of the record's first byte, and the
 /// record's length (header included). 12 bytes.
@@ -23,18 +23,6 @@ pub struct Loc {
 }
 
 impl Loc {
-    /// Offset of the entry's (or body's) data: after the header and the index (or key).
-    #[must_use]
-    pub fn data_offset(&self) -> u64 {
-        u64::from(self.offset) + (RECORD_HEADER + 8) as u64
-    }
-
-    /// Length of the entry's (or body's) data.
-    #[must_use]
-    pub fn data_len(&self) -> usize {
-        (self.len as usize).saturating_sub(RECORD_HEADER + 8)
-    }
-
     /// Offset one past the record's last byte.
     #[must_use]
     pub fn end(&self) -> u64 {
@@ -197,12 +185,6 @@ impl GroupLog {
         self.bodies.iter().map(|(k, l)| (*k, *l))
     }
 
-    /// Live entries and bodies.
-    #[must_use]
-    pub fn live_records(&self) -> usize {
-        self.entries.len() + self.bodies.len()
-    }
-
     /// Whether a live entry or body of this group is in `segment`.
     #[must_use]
     pub fn pins(&self, segment: u32) -> bool {
@@ -306,21 +288,6 @@ impl GroupLog {
             live.release(gone.segment);
         }
     }
-
-    /// Bytes of memory this group's index takes, about (for the capacity figures).
-    #[must_use]
-    pub fn memory_bytes(&self) -> usize {
-        std::mem::size_of::<Self>()
-            + self.entries.capacity() * std::mem::size_of::<Loc>()
-            + self.bodies.capacity() * (8 + std::mem::size_of::<Loc>() + 8)
-            + self
-                .state
-                .meta
-                .iter()
-                .flatten()
-                .map(bytes::Bytes::len)
-                .sum::<usize>()
-    }
 }
 
 #[cfg(test)]
@@ -388,6 +355,12 @@ mod tests {
         assert_eq!((g.first_index(), g.next_index()), (None, 11));
         assert_eq!(live.0[&0], 0);
         assert_eq!(g.state().purged, Some(10));
+    }
+
+    /// The 12 bytes per live entry docs/storage-format.md states.
+    #[test]
+    fn a_location_is_twelve_bytes() {
+        assert_eq!(std::mem::size_of::<Loc>(), 12);
     }
 
     #[test]

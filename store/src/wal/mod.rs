@@ -655,13 +655,6 @@ impl Wal {
         }
     }
 
-    /// Bytes of memory the index takes, about (all groups).
-    #[must_use]
-    pub fn index_bytes(&self) -> usize {
-        let state = self.shared.state.lock();
-        state.groups.values().map(GroupLog::memory_bytes).sum()
-    }
-
     fn corrupt(&self, detail: String) -> WalError {
         WalError::Corrupt {
             path: self.shared.dir.clone(),

@@ -153,10 +153,6 @@ pub fn op_len(op: &Op) -> usize {
         }
 }
 
-/// Where an encoded record's data (an entry's or a body's bytes) starts, from the record's
-/// first byte.
-pub const DATA_OFFSET: usize = RECORD_HEADER + 8;
-
 /// Append `op` of `group` to `out` as a record of segment `seq`.
 pub fn encode_op(out: &mut Vec<u8>, seq: u64, group: u64, op: &Op) {
     let start = begin(out, group);
