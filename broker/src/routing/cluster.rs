@@ -132,6 +132,10 @@ pub struct NodeStatus {
     pub name: String,
     /// Heard from within the down-detection window (this node always is).
     pub running: bool,
+    /// Bytes this node sent it over the cluster port since this node started (0 for itself).
+    pub send_bytes: u64,
+    /// Bytes this node received from it over the cluster port since this node started.
+    pub recv_bytes: u64,
 }
 
 /// A change to a quorum queue's members (`warren ctl queues add_member|delete_member`).

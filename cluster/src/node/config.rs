@@ -72,7 +72,8 @@ pub(super) fn fnv1a(bytes: &[u8]) -> u64 {
     h
 }
 
-/// Timings for real nodes: heartbeats every 300 ms, an election after 1.5 to 3 s of silence
+/// Timings for real nodes: heartbeats every 300 ms (the metadata group's; queue and stream
+/// groups leave liveness to the node, `elections`), an election after 1.5 to 3 s of silence
 /// (sooner when the leader's connection closes: `tcp::suspect_leader`). openraft also takes
 /// the heartbeat interval as the AppendEntries timeout, so it must cover a full append and
 /// its fsync under load; appends carry at most 8 entries (of up to 512 commands each), which
@@ -107,10 +108,14 @@ pub const QUEUE_LOG_KEEP: u64 = 1000;
 pub const QUEUE_LOG_PIN_MAX: u64 = 50_000;
 
 /// A quorum queue group's Raft settings: the common ones, with purging left to the node
-/// (`QueueReplica::compact_log`, after [`QUEUE_LOG_KEEP`] and [`QUEUE_LOG_PIN_MAX`]).
+/// (`QueueReplica::compact_log`, after [`QUEUE_LOG_KEEP`] and [`QUEUE_LOG_PIN_MAX`]), and
+/// liveness left to the node too: the group sends no heartbeats and starts no election of
+/// its own (`elections`: the node watches its peers once, for all its groups).
 #[must_use]
 pub fn queue_raft_config() -> Config {
     Config {
+        enable_heartbeat: false,
+        enable_elect: false,
         max_in_snapshot_log_to_keep: u64::MAX,
         // A snapshot sent to a member behind the purged log carries the backlog's bodies: the
         // member answers its last chunk once they are all in its log.
@@ -132,9 +137,9 @@ pub const STREAM_SNAPSHOT_EVERY_ENV: &str = "WARREN_STREAM_SNAPSHOT_EVERY";
 /// `scripts/quorum_backlog.py --behind`, docs/benchmarks.md).
 pub const SNAPSHOT_INSTALL_TIMEOUT_MS: u64 = 60_000;
 
-/// A stream group's Raft settings: the queue groups', with its own snapshot interval; as many
-/// entries are kept after a snapshot (a member further behind gets the snapshot, with the
-/// chunks it lacks).
+/// A stream group's Raft settings: the queue groups' (liveness left to the node), with its
+/// own snapshot interval; as many entries are kept after a snapshot (a member further behind
+/// gets the snapshot, with the chunks it lacks).
 #[must_use]
 pub fn stream_raft_config() -> Config {
     let every = std::env::var(STREAM_SNAPSHOT_EVERY_ENV)
@@ -148,6 +153,8 @@ pub fn stream_raft_config() -> Config {
         max_in_snapshot_log_to_keep: every,
         // A snapshot with data takes longer to send and install than a queue's.
         install_snapshot_timeout: SNAPSHOT_INSTALL_TIMEOUT_MS,
+        enable_heartbeat: false,
+        enable_elect: false,
         ..raft_config()
     }
 }

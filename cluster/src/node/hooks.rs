@@ -142,9 +142,18 @@ impl ClusterHooks for ClusterNode {
     fn nodes(&self) -> Vec<NodeStatus> {
         self.current()
             .into_iter()
-            .map(|(id, m)| NodeStatus {
-                name: m.name,
-                running: id == self.me || tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
+            .map(|(id, m)| {
+                let (send_bytes, recv_bytes) = if id == self.me {
+                    (0, 0)
+                } else {
+                    tcp::traffic(id)
+                };
+                NodeStatus {
+                    name: m.name,
+                    running: id == self.me || tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),
+                    send_bytes,
+                    recv_bytes,
+                }
             })
             .collect()
     }

@@ -204,12 +204,14 @@ impl ClusterNode {
     }
 }
 
-/// Turns a replica's heartbeats back on when dropped (a leader handing over stops them).
+/// Turns a replica's heartbeats back to its configuration when dropped (a leader handing
+/// over stops them; a queue group's are off anyway, its node watching liveness).
 struct Heartbeats(Raft<QueueRaft>);
 
 impl Drop for Heartbeats {
     fn drop(&mut self) {
-        self.0.runtime_config().heartbeat(true);
+        let configured = self.0.config().enable_heartbeat;
+        self.0.runtime_config().heartbeat(configured);
     }
 }
 

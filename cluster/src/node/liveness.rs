@@ -25,8 +25,10 @@ const CLASSIC_RECONCILE_TICKS: u64 = 10;
 /// deleted, entries purged: `QueueReplica::compact_log`).
 const COMPACT_TICKS: u64 = 5;
 
-/// How often a peer that sent nothing lately is pinged (well within [`DOWN_AFTER`]).
-const PING_EVERY: Duration = Duration::from_secs(1);
+/// How often a peer that sent nothing lately is pinged: well within [`DOWN_AFTER`], and
+/// within the groups' election timeout (1.5 s at least), which the node's watch measures on
+/// this silence (`elections`).
+pub(super) const PING_EVERY: Duration = Duration::from_millis(250);
 
 /// Every second: for each queue this node leads, return what consumers on silent peers held.
 pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {

@@ -27,13 +27,15 @@
 //! - `forwarding`: submissions to a group's leader, here or over the cluster port, with retries;
 //! - `leadership`: handing a queue's leadership to another voter;
 //! - `hooks`: the broker's `ClusterHooks`;
-//! - `liveness`: pings, down nodes, and the leaders' periodic reconciliation.
+//! - `liveness`: pings, down nodes, and the leaders' periodic reconciliation;
+//! - `elections`: the queue groups' liveness, watched once per node (elections, retries).
 //!
 //! [`MetaChange`]: crate::types::MetaChange
 //! [`Queue`]: warren_broker::queue::Queue
 
 mod classic;
 mod config;
+mod elections;
 mod forwarding;
 mod hooks;
 mod leadership;
@@ -384,6 +386,7 @@ impl ClusterNode {
             }
         }
         tokio::spawn(watch_peers(Arc::downgrade(&node)));
+        tokio::spawn(elections::watch_elections(Arc::downgrade(&node)));
         node.replay(&raft, committed.map(|l| l.index)).await;
         node.reconcile_classic(true);
         tokio::spawn(classic::poll_stats(Arc::downgrade(&node)));

@@ -71,6 +71,22 @@ fn node_json(state: &AppState, caller: &Caller) -> Result<Value, ApiError> {
     if !caller.sees_all_vhosts() {
         return Err(ApiError::unauthorised("Not monitor user"));
     }
+    // RabbitMQ lists its distribution links here; Warren's cluster port has one link each
+    // way per peer, counted together.
+    let cluster_links: Vec<Value> = state
+        .broker
+        .cluster()
+        .map(|c| c.nodes())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|n| n.name != state.node.node)
+        .map(|n| {
+            json!({
+                "name": n.name,
+                "stats": {"send_bytes": n.send_bytes, "recv_bytes": n.recv_bytes},
+            })
+        })
+        .collect();
     let alarms = state.broker.alarms();
     let w = alarms.watermarks();
     let sample = alarms.last_sample();
@@ -91,5 +107,6 @@ fn node_json(state: &AppState, caller: &Caller) -> Result<Value, ApiError> {
         "sockets_total": state.broker.config.connection_max.or(crate::process::max_fds()),
         "uptime": u64::try_from(state.started.elapsed().as_millis()).unwrap_or(u64::MAX),
         "os_pid": std::process::id().to_string(),
+        "cluster_links": cluster_links,
     }))
 }

@@ -397,7 +397,7 @@ async fn run(shared: Arc<Shared>, dial: Dial, mut rx: mpsc::Receiver<Queued>) {
             }
         };
         shared.heard();
-        let (r, w) = tokio::io::split(stream);
+        let (r, w) = tokio::io::split(super::traffic::counted(stream, shared.to));
         let reader = tokio::spawn(read_answers(r, Arc::clone(&shared)));
         let reason = write_until_broken(w, reader, &shared, &mut rx, &mut batch).await;
         tracing::debug!(peer = shared.to, %reason, "cluster link broke");

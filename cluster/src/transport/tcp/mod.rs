@@ -27,11 +27,13 @@
 //!   silence);
 //! - `server`: the groups a node serves ([`Groups`]) and the links it accepts;
 //! - `client`: what the node asks over its links: openraft's network ([`TcpNetwork`]),
-//!   forwarding ([`ForwardLink`]), handover requests, classic queues' traffic, pings.
+//!   forwarding ([`ForwardLink`]), handover requests, classic queues' traffic, pings;
+//! - `traffic`: the bytes each peer's links carried ([`traffic`]).
 
 mod client;
 mod link;
 mod server;
+mod traffic;
 mod wire;
 
 use std::collections::HashMap;
@@ -50,6 +52,7 @@ pub use server::{
     CLASSIC_PREFIX, ClassicService, FORWARDS_IN_FLIGHT_MAX, Groups, LEADER_SILENCE_MAX, Relay,
     Staged, Transfer, serve, serve_tls, stage_here,
 };
+pub use traffic::traffic;
 pub use wire::{
     ABSTAIN_MAX, FRAME_MAX, ForwardReplies, Forwarded, GroupId, Io, Refusal, RemoteEvent,
     RemoteQueueStats, Secret, TransportError,

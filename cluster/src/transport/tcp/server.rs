@@ -59,6 +59,9 @@ pub struct Groups {
     classic: Arc<RwLock<Option<Arc<dyn ClassicService>>>>,
     /// Links from peers open now (authenticated, not yet closed).
     links: Arc<std::sync::atomic::AtomicUsize>,
+    /// Links each peer opened to this node since it started (a peer that restarted or lost
+    /// its link dials again): leaders tell such a peer about themselves at once.
+    accepted: Arc<std::sync::Mutex<HashMap<NodeId, u64>>>,
 }
 
 /// Group names under this prefix are not Raft groups: they reach the node's classic queues
@@ -129,6 +132,35 @@ impl Groups {
     #[must_use]
     pub fn open_links(&self) -> usize {
         self.links.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many links `peer` opened to this node since it started; a change means the peer
+    /// restarted or reconnected.
+    #[must_use]
+    pub fn links_accepted(&self, peer: NodeId) -> u64 {
+        self.accepted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&peer)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Whether this node's replica of group `id` abstains from elections now (its leader,
+    /// handing over, asked it to).
+    #[must_use]
+    pub fn abstaining(&self, id: &GroupId) -> bool {
+        self.by_id
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id)
+            .is_some_and(|served| {
+                served
+                    .abstain_until
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .is_some_and(|until| until > std::time::Instant::now())
+            })
     }
 
     /// Serve classic queues' traffic through `service`.
@@ -317,7 +349,9 @@ async fn campaign(raft: &Raft<QueueRaft>, leader: NodeId) -> bool {
 
 /// Stop standing for election for `ms` (bounded) because `leader`, whom this replica follows,
 /// asked; elections come back on by themselves, or at once for a request of 0 ms. The latest
-/// request sets the end.
+/// request sets the end. A group whose elections the node drives (openraft's own are off:
+/// queues and streams) only records the end, which the node's watch reads
+/// ([`Groups::abstaining`]).
 fn abstain(served: &Served, leader: NodeId, ms: u64) -> bool {
     let raft = &served.raft;
     // Resuming (0 ms) is harmless from anyone: the old leader asks it after the handover.
@@ -330,6 +364,9 @@ fn abstain(served: &Served, leader: NodeId, ms: u64) -> bool {
         .abstain_until
         .lock()
         .unwrap_or_else(PoisonError::into_inner) = Some(until);
+    if !raft.config().enable_elect {
+        return true;
+    }
     raft.runtime_config().elect(false);
     let (raft, abstain_until) = (raft.clone(), Arc::clone(&served.abstain_until));
     tokio::spawn(async move {
@@ -439,8 +476,14 @@ async fn serve_connection(
 ) -> Result<(), TransportError> {
     let from = authenticate(&mut s, me, &secret).await?;
     heard_from(from);
+    *groups
+        .accepted
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .entry(from)
+        .or_default() += 1;
     let _open = OpenLink::count(&groups.links);
-    let (mut r, w) = tokio::io::split(s);
+    let (mut r, w) = tokio::io::split(super::traffic::counted(s, from));
     let (out, rx) = mpsc::channel::<Vec<u8>>(LINK_QUEUE_MAX);
     let writer = tokio::spawn(write_answers(w, rx));
     let mut link = ServedLink {

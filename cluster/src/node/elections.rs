@@ -1,0 +1,291 @@
+//! Liveness per node, not per group, as RabbitMQ's Ra does with Aten: a quorum queue's or a
+//! stream's group sends no heartbeats and starts no election of its own (openraft's
+//! `enable_heartbeat` and `enable_elect` are off for them: [`queue_raft_config`]). The node
+//! pings each peer (`liveness`, [`PING_EVERY`]), and this watch, every [`TICK`], looks at each
+//! group served here:
+//!
+//! - a voter whose group's leader has been silent for the group's election timeout (drawn
+//!   per group and attempt between openraft's minimum and maximum), or whose group has had no
+//!   leader that long, stands for election, provided a majority of the voters is heard from
+//!   and its leader did not ask it to abstain (a handover);
+//! - a leader sends a heartbeat (which carries whatever a follower lacks) when a follower that
+//!   is heard from is behind and made no progress for a second, when a member's node dialled
+//!   in again (it restarted, or lost its link), and once a second after its log last moved
+//!   (the commit point again, in case the one openraft sent was lost).
+//!
+//! Commits still reach followers at once: openraft sends the new commit point after every
+//! commit, and retries a failed append by itself. So an idle group costs nothing on the wire,
+//! and a thousand idle queues cost a few pings per peer rather than 4,444 AppendEntries a
+//! second (openraft's tick, every 450 ms, to two followers each).
+//!
+//! [`queue_raft_config`]: super::queue_raft_config
+//! [`PING_EVERY`]: super::liveness::PING_EVERY
+
+use std::collections::HashMap;
+use std::sync::Weak;
+use std::time::{Duration, Instant};
+
+use openraft::ServerState;
+
+use crate::transport::tcp;
+use crate::types::NodeId;
+
+use super::ClusterNode;
+use super::config::fnv1a;
+use super::replicas::QueueReplica;
+
+/// How often the watch looks at every group served here. A look reads the group's metrics
+/// (no call into its Raft core, no message).
+pub(super) const TICK: Duration = Duration::from_millis(200);
+
+/// A leader retries a follower that made no progress for this long (openraft retries a
+/// failed request only when something new is appended, or on a heartbeat).
+const STUCK_AFTER: Duration = Duration::from_secs(1);
+
+/// What the watch remembers of one group between looks.
+struct Watch {
+    /// This replica's election timeout for the current wait.
+    timeout: Duration,
+    /// Elections this replica started (drawn timeouts differ between attempts).
+    attempts: u64,
+    /// Since when the group has had no live leader known here (None: it has one).
+    leaderless_since: Option<Instant>,
+    /// As leader: each follower's matched index at the last look, and since when it was so.
+    matched: HashMap<NodeId, (Option<u64>, Instant)>,
+    /// As leader: the links each member had opened to this node at the last look.
+    dialled: HashMap<NodeId, u64>,
+    /// As leader: the last log index at the last look, since when it is so, and whether the
+    /// heartbeat that follows a burst of writes went out.
+    settled: (Option<u64>, Instant, bool),
+}
+
+/// Watch every group served here until the node is gone.
+pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut watches: HashMap<u64, Watch> = HashMap::new();
+    loop {
+        tick.tick().await;
+        let Some(node) = weak.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        let replicas = node.replicas();
+        // Groups no longer served here drop out.
+        let mut next = HashMap::with_capacity(replicas.len());
+        for replica in replicas {
+            let incarnation = replica.group.incarnation;
+            let mut watch = watches.remove(&incarnation).unwrap_or_else(|| Watch {
+                timeout: node.election_timeout(incarnation, 0),
+                attempts: 0,
+                leaderless_since: None,
+                matched: HashMap::new(),
+                dialled: HashMap::new(),
+                settled: (None, now, true),
+            });
+            node.look_after(&replica, &mut watch, now);
+            next.insert(incarnation, watch);
+        }
+        watches = next;
+    }
+}
+
+/// The election timeout of node `me`'s replica of group `incarnation` for attempt `attempt`:
+/// at least `min_ms`, below `max_ms`, different per node, group and attempt (so two voters
+/// rarely campaign at once and split the vote).
+fn election_timeout(
+    (me, incarnation, attempt): (NodeId, u64, u64),
+    min_ms: u64,
+    max_ms: u64,
+) -> Duration {
+    let mut seed = [0u8; 24];
+    seed[..8].copy_from_slice(&me.to_le_bytes());
+    seed[8..16].copy_from_slice(&incarnation.to_le_bytes());
+    seed[16..].copy_from_slice(&attempt.to_le_bytes());
+    let span = max_ms.saturating_sub(min_ms).max(1);
+    Duration::from_millis(min_ms + fnv1a(&seed) % span)
+}
+
+/// What one group's metrics say, read at once.
+struct Look {
+    leads: bool,
+    votes: bool,
+    leader: Option<NodeId>,
+    voters: Vec<NodeId>,
+    last_log_index: Option<u64>,
+    /// As leader: each follower's matched index.
+    replication: Vec<(NodeId, Option<u64>)>,
+}
+
+impl Look {
+    fn of(raft: &openraft::Raft<crate::types::QueueRaft>, me: NodeId) -> Self {
+        let m = raft.metrics();
+        let m = m.borrow();
+        let voters: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
+        Self {
+            leads: m.state == ServerState::Leader,
+            votes: voters.contains(&me),
+            leader: m.current_leader,
+            voters,
+            last_log_index: m.last_log_index,
+            replication: m
+                .replication
+                .as_ref()
+                .map(|r| {
+                    r.iter()
+                        .filter(|(id, _)| **id != me)
+                        .map(|(id, l)| (*id, l.map(|l| l.index)))
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
+    }
+}
+
+impl ClusterNode {
+    /// One look at `replica`'s group: as its leader, send a heartbeat if a follower waits; as
+    /// a voter without a live leader for its election timeout, stand for election.
+    fn look_after(&self, replica: &QueueReplica, watch: &mut Watch, now: Instant) {
+        let Some(raft) = replica.raft.get() else {
+            return;
+        };
+        let look = Look::of(raft, self.me);
+        if look.leads {
+            watch.leaderless_since = None;
+            if self.follower_waits(&look, watch, now) {
+                let raft = raft.clone();
+                tokio::spawn(async move {
+                    let _ = raft.trigger().heartbeat().await;
+                });
+            }
+            return;
+        }
+        watch.matched.clear();
+        watch.dialled.clear();
+        watch.settled = (None, now, true);
+        if !look.votes || self.groups.abstaining(&replica.group) {
+            watch.leaderless_since = None;
+            return;
+        }
+        let live_leader = look.leader.filter(|l| look.voters.contains(l));
+        if live_leader.is_some_and(|l| self.silence(l) < watch.timeout) {
+            watch.leaderless_since = None;
+            return;
+        }
+        // Silent since when: a leader's silence counts from its last word, no leader from
+        // when this watch first saw none.
+        let since = *watch.leaderless_since.get_or_insert_with(|| {
+            live_leader
+                .and_then(|l| now.checked_sub(self.silence(l)))
+                .unwrap_or(now)
+        });
+        if now.duration_since(since) < watch.timeout || !self.hears_majority(&look.voters) {
+            return;
+        }
+        watch.attempts += 1;
+        watch.timeout = self.election_timeout(replica.group.incarnation, watch.attempts);
+        watch.leaderless_since = Some(now);
+        tracing::info!(queue = %replica.queue.name, leader = ?look.leader, "no live leader: electing");
+        let raft = raft.clone();
+        tokio::spawn(async move {
+            let _ = raft.trigger().elect().await;
+        });
+    }
+
+    /// How long peer `id` has been silent (never heard from: since this node started).
+    fn silence(&self, id: NodeId) -> Duration {
+        if id == self.me {
+            return Duration::ZERO;
+        }
+        tcp::silent_for(id).unwrap_or_else(|| self.started.elapsed())
+    }
+
+    /// Whether a majority of `voters` is heard from (this node included): a replica cut off
+    /// from most of its group does not campaign (each attempt raises the term, and a higher
+    /// term deposes the leader once the partition heals).
+    fn hears_majority(&self, voters: &[NodeId]) -> bool {
+        let min = Duration::from_millis(self.queue_raft_config.election_timeout_min);
+        let heard = voters.iter().filter(|v| self.silence(**v) < min).count();
+        heard * 2 > voters.len()
+    }
+
+    /// Group `incarnation`'s election timeout for attempt `attempt` here
+    /// ([`election_timeout`] within the groups' Raft settings).
+    fn election_timeout(&self, incarnation: u64, attempt: u64) -> Duration {
+        election_timeout(
+            (self.me, incarnation, attempt),
+            self.queue_raft_config.election_timeout_min,
+            self.queue_raft_config.election_timeout_max,
+        )
+    }
+
+    /// As a group's leader: whether a follower waits for what a heartbeat would send: entries
+    /// (it is heard from, behind, and made no progress for [`STUCK_AFTER`]), this leader (its
+    /// node dialled in again since the last look), or the commit point (the log has not
+    /// moved for [`STUCK_AFTER`] since it last did: openraft sends each commit point once,
+    /// and one lost on a broken link would leave the followers' queues a write behind until
+    /// the next). Updates `watch`.
+    fn follower_waits(&self, look: &Look, watch: &mut Watch, now: Instant) -> bool {
+        let mut send = false;
+        let (index, since, sent) = &mut watch.settled;
+        if *index != look.last_log_index {
+            (*index, *since, *sent) = (look.last_log_index, now, false);
+        } else if !*sent && now.duration_since(*since) >= STUCK_AFTER {
+            *sent = true;
+            send = true;
+        }
+        for (peer, matched) in &look.replication {
+            let dialled = self.groups.links_accepted(*peer);
+            if watch
+                .dialled
+                .insert(*peer, dialled)
+                .is_some_and(|d| d != dialled)
+            {
+                send = true;
+            }
+            let since = match watch.matched.get(peer) {
+                Some((m, since)) if m == matched => *since,
+                _ => now,
+            };
+            watch.matched.insert(*peer, (*matched, since));
+            let behind = *matched < look.last_log_index;
+            let alive = self.silence(*peer) < STUCK_AFTER;
+            if behind && alive && now.duration_since(since) >= STUCK_AFTER {
+                // Looked at again only after another STUCK_AFTER.
+                watch.matched.insert(*peer, (*matched, now));
+                send = true;
+            }
+        }
+        send
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn election_timeouts_stay_in_range_and_differ_between_voters_and_attempts() {
+        let mut seen = std::collections::HashSet::new();
+        for me in 1..4u64 {
+            for attempt in 0..50u64 {
+                let t = election_timeout((me, 42, attempt), 1500, 3000);
+                assert!(
+                    t >= Duration::from_millis(1500) && t < Duration::from_millis(3000),
+                    "{t:?}"
+                );
+                seen.insert(t);
+            }
+        }
+        // Spread over the range, not a handful of values.
+        assert!(seen.len() > 100, "{}", seen.len());
+        assert_ne!(
+            election_timeout((1, 42, 0), 1500, 3000),
+            election_timeout((2, 42, 0), 1500, 3000)
+        );
+        assert_eq!(
+            election_timeout((1, 7, 3), 100, 100),
+            Duration::from_millis(100)
+        );
+    }
+}
