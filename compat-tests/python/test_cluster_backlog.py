@@ -5,6 +5,7 @@ grows by far less per queued message than the bodies' size, a follower killed -9
 catches up without loading the backlog into memory, and a consumer through another node gets
 every message exactly once, bodies intact."""
 
+import os
 import time
 import uuid
 
@@ -220,3 +221,58 @@ def test_a_member_behind_the_purged_log_gets_the_bodies_streamed_in_a_snapshot(c
     # The follower's copies are all there: read through it with the old leader gone.
     c.kill9(leader)
     drain(c, follower, q, SENT, SENT_BODY)
+
+
+WAL_SEGMENT = 64 * 1024
+WAL_SEGMENTS_SOFT_MAX = 4  # cluster/src/log/queue_logs.rs
+ROLLED = 600
+
+
+def wal_segments(c, i):
+    """Node i's write-ahead log segment files (spares not counted)."""
+    wal = c.nodes[i].data_dir / "cluster" / "queues" / "wal"
+    return sorted(p.name for p in wal.glob("*.wal"))
+
+
+@pytest.mark.timeout(300)
+def test_a_long_wal_makes_the_groups_holding_its_oldest_segment_compact(cluster_factory,
+                                                                         monkeypatch):
+    """On the write-ahead log with 64 KiB segments: an idle queue holds one old message
+    while another queue passes 600 x 1 KB through (far below the 5000 entries of a scheduled
+    snapshot). Once a node's WAL holds more than 4 segments, the groups holding its oldest
+    snapshot and purge now, the idle queue's body copied out: every node comes back to at
+    most 5 segments, and the old message reads back intact after a restart of every node."""
+    import pika
+    monkeypatch.setenv("WARREN_WAL_SEGMENT_BYTES", str(WAL_SEGMENT))
+    extra = [] if "--quorum-log" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", "") \
+        else ["--quorum-log", "wal"]
+    c = cluster_factory(3, extra_args=extra)
+    idle, busy = "pinning-" + uuid.uuid4().hex[:6], "passing-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, idle)
+    declare_quorum(c, 0, busy)
+    leader = c.wait_for_leader(busy)
+    conn = c.connect(leader)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        props = pika.BasicProperties(delivery_mode=2)
+        ch.basic_publish("", idle, body(0), props)
+        for k in range(ROLLED):
+            ch.basic_publish("", busy, body(k), props)
+    finally:
+        safe_close(conn)
+    drain(c, leader, busy, ROLLED)
+    # 600 KB of bodies went through every node's WAL (each holds a replica of both queues):
+    # ten segments' worth. Only compaction ahead of schedule purges the idle queue's few
+    # entries (a log keeps 1000 before a snapshot, taken every 5000).
+    for i in range(3):
+        eventually(lambda i=i: (len(wal_segments(c, i)),
+                                raft_of(c, i, idle).get("purged_index", 0)),
+                   lambda v: v[0] <= WAL_SEGMENTS_SOFT_MAX + 1 and v[1] > 0,
+                   60, f"n{i + 1}'s WAL back within its bound, the idle queue's log purged")
+    c.kill_all()
+    c.restart_all()
+    for i in range(3):
+        eventually(lambda i=i: depth_on(c, i, idle), lambda d: d == 1, 60,
+                   f"n{i + 1} holding the idle queue's message")
+    drain(c, c.wait_for_leader(idle), idle, 1)

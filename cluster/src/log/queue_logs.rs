@@ -6,11 +6,20 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use warren_store::wal::{Op, Wal, WalOptions};
+use warren_store::wal::{Op, WAL_SEGMENT_BYTES_MAX, WAL_SEGMENT_BYTES_MIN, Wal, WalOptions};
 
 use crate::log::backend::LogError;
 use crate::log::node_log::{GroupTables, NODE_LOG_CACHE_BYTES, NodeLog};
 use crate::log::store::LogStore;
+
+/// Segments the WAL may hold before the groups pinning its oldest are compacted ahead of
+/// their schedule ([`QueueLogs::pinning_groups`]): with 64 MiB segments, 256 MiB of log
+/// before one idle queue's old entries are copied out of the way.
+pub const WAL_SEGMENTS_SOFT_MAX: usize = 4;
+
+/// Environment variable overriding the WAL's segment size (`WAL_SEGMENT_BYTES`, within its
+/// bounds): tests make it small so that segments roll and are freed after a few writes.
+pub const WAL_SEGMENT_BYTES_ENV: &str = "WARREN_WAL_SEGMENT_BYTES";
 
 /// Which log a node's quorum queues use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -60,7 +69,15 @@ impl QueueLogs {
             }
             QueueLogKind::Wal => {
                 let path = dir.join("wal");
-                Wal::open(&path, WalOptions::default())
+                let mut options = WalOptions::default();
+                if let Some(bytes) = std::env::var(WAL_SEGMENT_BYTES_ENV)
+                    .ok()
+                    .and_then(|v| v.parse::<u64>().ok())
+                {
+                    options.segment_bytes =
+                        bytes.clamp(WAL_SEGMENT_BYTES_MIN, WAL_SEGMENT_BYTES_MAX);
+                }
+                Wal::open(&path, options)
                     .map(|w| Self::Wal(Arc::new(w)))
                     .map_err(|e| (path, LogError::of(e)))
             }
@@ -82,6 +99,31 @@ impl QueueLogs {
                 LogStore::in_node_log(log, incarnation)
             }
             Self::Wal(wal) => LogStore::in_wal(wal, incarnation),
+        }
+    }
+
+    /// The groups (by incarnation) to compact now: those pinning the oldest segment of a WAL
+    /// that holds more than [`WAL_SEGMENTS_SOFT_MAX`] (none for redb, whose pages are reused
+    /// as groups purge).
+    #[must_use]
+    pub fn pinning_groups(&self) -> Vec<u64> {
+        match self {
+            Self::Redb(_) => Vec::new(),
+            Self::Wal(wal) => {
+                if wal.stats().segments <= WAL_SEGMENTS_SOFT_MAX {
+                    return Vec::new();
+                }
+                wal.pinning().map(|(_, groups)| groups).unwrap_or_default()
+            }
+        }
+    }
+
+    /// The WAL's segments now (None: the log is redb).
+    #[must_use]
+    pub fn wal_segments(&self) -> Option<usize> {
+        match self {
+            Self::Redb(_) => None,
+            Self::Wal(wal) => Some(wal.stats().segments),
         }
     }
 

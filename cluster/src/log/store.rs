@@ -372,6 +372,12 @@ impl LogStore {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// Whether released bodies wait to be deleted ([`Self::flush_released`] would write).
+    #[must_use]
+    pub fn has_released(&self) -> bool {
+        !self.copies().pending.is_empty()
+    }
+
     fn take_released(&self) -> Vec<u64> {
         std::mem::take(&mut self.copies().pending)
     }

@@ -49,9 +49,24 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
         }
         if ticks.is_multiple_of(COMPACT_TICKS) {
             let replicas = node.replicas();
+            let logs = std::sync::Arc::clone(&node.queue_logs);
+            let here = weak.clone();
             tokio::spawn(async move {
                 for replica in replicas {
                     replica.compact_log().await;
+                }
+                // A WAL grown past its bound: the groups holding its oldest segment snapshot
+                // and purge now (an idle queue's old entries would keep every segment after).
+                let pinning = logs.pinning_groups();
+                if pinning.is_empty() {
+                    return;
+                }
+                tracing::info!(groups = pinning.len(), segments = ?logs.wal_segments(), "the write-ahead log is long: compacting the groups holding its oldest segment");
+                for incarnation in pinning {
+                    let replica = here.upgrade().and_then(|n| n.replica_of(incarnation));
+                    if let Some(replica) = replica {
+                        replica.compact_log_now().await;
+                    }
                 }
             });
         }

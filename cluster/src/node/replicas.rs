@@ -29,6 +29,9 @@ use super::config::{NodeError, QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX};
 use super::forwarding::{Forwarder, RETRY_FOR, Target, send_retrying};
 use super::{ClusterNode, DOWN_AFTER};
 
+/// How long a snapshot asked for by WAL pressure may take to be built.
+const SNAPSHOT_BUILD_MAX: std::time::Duration = std::time::Duration::from_secs(30);
+
 impl ClusterNode {
     /// Where this node keeps its copy of a replicated stream's files.
     fn stream_dir(&self, incarnation: u64) -> PathBuf {
@@ -123,6 +126,7 @@ impl ClusterNode {
             changing: std::sync::atomic::AtomicBool::new(false),
             downed: Mutex::new(Vec::new()),
             bodies,
+            compacted: Mutex::new(None),
         });
         queue.attach_replica(Arc::clone(&replica) as Arc<dyn Replicator>);
         let config = if queue.is_stream {
@@ -710,6 +714,9 @@ pub(super) struct QueueReplica {
     pub(super) downed: Mutex<Vec<NodeId>>,
     /// Where a quorum queue's bodies are (None: a stream).
     bodies: Option<Arc<LogBodies>>,
+    /// The applied index, snapshot point and bounds the log was last compacted for: a
+    /// compaction with none of them changed since is skipped.
+    compacted: Mutex<Option<(u64, u64, u64, u64)>>,
 }
 
 impl QueueReplica {
@@ -732,22 +739,81 @@ impl QueueReplica {
     /// replica's snapshot and its oldest live message allow (see [`purge_point`]), the live
     /// messages' bodies in the purged entries copied out first.
     pub(super) async fn compact_log(&self) {
+        let pin_max = self
+            .node
+            .upgrade()
+            .map_or(QUEUE_LOG_PIN_MAX, |n| n.config.queue_log_pin_max);
+        self.compact_log_keeping(QUEUE_LOG_KEEP, pin_max).await;
+    }
+
+    /// Snapshot now and purge the whole log up to the snapshot, the live messages' bodies
+    /// copied out: asked of the groups pinning the oldest segment of a WAL that holds too many
+    /// (`QueueLogs::pinning_groups`), so one idle queue with old entries does not keep every
+    /// newer segment on disk.
+    pub(super) async fn compact_log_now(&self) {
+        let Some(raft) = self.raft.get() else {
+            return;
+        };
+        let (applied, snapshot) = {
+            let m = raft.metrics();
+            let m = m.borrow();
+            (m.last_applied.map(|l| l.index), m.snapshot.map(|l| l.index))
+        };
+        if applied > snapshot {
+            if raft.trigger().snapshot().await.is_err() {
+                return;
+            }
+            let built = raft
+                .wait(Some(SNAPSHOT_BUILD_MAX))
+                .metrics(
+                    |m| m.snapshot.map(|l| l.index) >= applied,
+                    "the snapshot is built",
+                )
+                .await;
+            if built.is_err() {
+                tracing::warn!(queue = %self.queue.name, "no snapshot in time: the log is not purged");
+                return;
+            }
+        }
+        self.compact_log_keeping(0, 0).await;
+    }
+
+    /// Purge the log up to [`purge_point`] with `keep` entries before the snapshot and the
+    /// oldest live message pinning it within `pin_max` entries.
+    async fn compact_log_keeping(&self, keep: u64, pin_max: u64) {
         let (Some(bodies), Some(raft)) = (&self.bodies, self.raft.get()) else {
             return;
         };
         bodies.hand_over();
-        let log = bodies.log.clone();
-        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || log.flush_released()).await {
-            tracing::warn!(queue = %self.queue.name, error = %e, "released bodies not deleted");
+        if bodies.log.has_released() {
+            let log = bodies.log.clone();
+            if let Ok(Err(e)) = tokio::task::spawn_blocking(move || log.flush_released()).await {
+                tracing::warn!(queue = %self.queue.name, error = %e, "released bodies not deleted");
+            }
         }
-        let (snapshot, purged) = {
+        let (snapshot, purged, applied) = {
             let m = raft.metrics();
             let m = m.borrow();
             (
                 m.snapshot.map_or(0, |s| s.index),
                 m.purged.map_or(0, |p| p.index),
+                m.last_applied.map_or(0, |a| a.index),
             )
         };
+        // Nothing applied or snapshotted since the last look (an idle queue): no scan of its
+        // messages. Ten thousand idle queues otherwise cost a scan each every few seconds.
+        let seen = Some((applied, snapshot, keep, pin_max));
+        {
+            // Looked at again only once it worked (cleared on a failure below).
+            let mut compacted = self
+                .compacted
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if *compacted == seen {
+                return;
+            }
+            *compacted = seen;
+        }
         let oldest = self.queue.with_machine(|m| {
             let mut oldest: Option<u64> = None;
             m.for_each_message(|e| {
@@ -758,11 +824,7 @@ impl QueueReplica {
             });
             oldest
         });
-        let pin_max = self
-            .node
-            .upgrade()
-            .map_or(QUEUE_LOG_PIN_MAX, |n| n.config.queue_log_pin_max);
-        let upto = purge_point(snapshot, oldest, pin_max);
+        let upto = purge_point(snapshot, oldest, keep, pin_max);
         if upto <= purged {
             return;
         }
@@ -788,22 +850,32 @@ impl QueueReplica {
             }
             Ok(Err(e)) => {
                 tracing::warn!(queue = %self.queue.name, error = %e, "bodies not copied out: the log is not purged");
+                *self
+                    .compacted
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = None;
             }
-            Err(e) => tracing::warn!(queue = %self.queue.name, error = %e, "copy-out failed"),
+            Err(e) => {
+                tracing::warn!(queue = %self.queue.name, error = %e, "copy-out failed");
+                *self
+                    .compacted
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = None;
+            }
         }
     }
 }
 
-/// How far a quorum queue's log may be purged: up to [`QUEUE_LOG_KEEP`] entries before its
-/// snapshot point `snapshot`, and not past its oldest live message (the entry at index
-/// `oldest` enqueued it) unless that is more than `pin_max` entries back
-/// ([`QUEUE_LOG_PIN_MAX`] by default, `--quorum-log-pin-max`). A
+/// How far a quorum queue's log may be purged: up to `keep` entries ([`QUEUE_LOG_KEEP`] on
+/// schedule) before its snapshot point `snapshot`, and not past its oldest live message (the
+/// entry at index `oldest` enqueued it) unless that is `pin_max` entries back or more
+/// ([`QUEUE_LOG_PIN_MAX`] by default, `--quorum-log-pin-max`; 0: never pinned). A
 /// member away for a while then catches up from the log (whose entries carry the bodies)
 /// rather than from a snapshot that must carry them.
-fn purge_point(snapshot: u64, oldest: Option<u64>, pin_max: u64) -> u64 {
-    let base = snapshot.saturating_sub(QUEUE_LOG_KEEP);
+fn purge_point(snapshot: u64, oldest: Option<u64>, keep: u64, pin_max: u64) -> u64 {
+    let base = snapshot.saturating_sub(keep);
     match oldest {
-        Some(o) if o <= base && snapshot - o <= pin_max => o.saturating_sub(1),
+        Some(o) if o <= base && snapshot - o < pin_max => o.saturating_sub(1),
         _ => base,
     }
 }
@@ -950,23 +1022,34 @@ mod tests {
     fn the_purge_point_follows_the_oldest_live_message_within_bounds() {
         // Nothing live: keep QUEUE_LOG_KEEP before the snapshot.
         assert_eq!(
-            purge_point(10_000, None, QUEUE_LOG_PIN_MAX),
+            purge_point(10_000, None, QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX),
             10_000 - QUEUE_LOG_KEEP
         );
         // Nothing snapshotted yet.
-        assert_eq!(purge_point(0, Some(5), QUEUE_LOG_PIN_MAX), 0);
+        assert_eq!(
+            purge_point(0, Some(5), QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX),
+            0
+        );
         // The oldest live message is recent: the keep distance is the bound.
         assert_eq!(
-            purge_point(10_000, Some(9_800), QUEUE_LOG_PIN_MAX),
+            purge_point(10_000, Some(9_800), QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX),
             10_000 - QUEUE_LOG_KEEP
         );
         // Older, within the pin limit: the log stays from it on.
-        assert_eq!(purge_point(10_000, Some(500), QUEUE_LOG_PIN_MAX), 499);
+        assert_eq!(
+            purge_point(10_000, Some(500), QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX),
+            499
+        );
         // Beyond the pin limit: it no longer holds the log.
         let s = QUEUE_LOG_PIN_MAX + 10_000;
         assert_eq!(
-            purge_point(s, Some(3), QUEUE_LOG_PIN_MAX),
+            purge_point(s, Some(3), QUEUE_LOG_KEEP, QUEUE_LOG_PIN_MAX),
             s - QUEUE_LOG_KEEP
         );
+        // Compacted now (the WAL asks): up to the snapshot, whatever is live, even a message
+        // enqueued by the snapshot's own entry.
+        assert_eq!(purge_point(10_000, Some(500), 0, 0), 10_000);
+        assert_eq!(purge_point(10_000, Some(10_000), 0, 0), 10_000);
+        assert_eq!(purge_point(10_000, None, 0, 0), 10_000);
     }
 }
