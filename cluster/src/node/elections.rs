@@ -106,41 +106,42 @@ fn election_timeout(
     Duration::from_millis(min_ms + fnv1a(&seed) % span)
 }
 
-/// What one group's metrics say, read at once.
+/// What one group's metrics say, read at once (no allocation: most looks end here).
 struct Look {
     leads: bool,
     votes: bool,
+    /// The leader this replica knows, if it is a voter of the group.
     leader: Option<NodeId>,
-    voters: Vec<NodeId>,
     last_log_index: Option<u64>,
-    /// As leader: each follower's matched index.
-    replication: Vec<(NodeId, Option<u64>)>,
 }
 
 impl Look {
-    fn of(raft: &openraft::Raft<crate::types::QueueRaft>, me: NodeId) -> Self {
+    fn of(raft: &QueueRaftHandle, me: NodeId) -> Self {
         let m = raft.metrics();
         let m = m.borrow();
-        let voters: Vec<NodeId> = m.membership_config.membership().voter_ids().collect();
+        let membership = m.membership_config.membership();
         Self {
             leads: m.state == ServerState::Leader,
-            votes: voters.contains(&me),
-            leader: m.current_leader,
-            voters,
+            votes: membership.voter_ids().any(|v| v == me),
+            leader: m
+                .current_leader
+                .filter(|l| membership.voter_ids().any(|v| v == *l)),
             last_log_index: m.last_log_index,
-            replication: m
-                .replication
-                .as_ref()
-                .map(|r| {
-                    r.iter()
-                        .filter(|(id, _)| **id != me)
-                        .map(|(id, l)| (*id, l.map(|l| l.index)))
-                        .collect()
-                })
-                .unwrap_or_default(),
         }
     }
 }
+
+/// The group's voters (read again: needed only when it has no live leader).
+fn voters(raft: &QueueRaftHandle) -> Vec<NodeId> {
+    raft.metrics()
+        .borrow()
+        .membership_config
+        .membership()
+        .voter_ids()
+        .collect()
+}
+
+type QueueRaftHandle = openraft::Raft<crate::types::QueueRaft>;
 
 impl ClusterNode {
     /// One look at `replica`'s group: as its leader, send a heartbeat if a follower waits; as
@@ -152,7 +153,7 @@ impl ClusterNode {
         let look = Look::of(raft, self.me);
         if look.leads {
             watch.leaderless_since = None;
-            if self.follower_waits(&look, watch, now) {
+            if self.follower_waits(raft, &look, watch, now) {
                 let raft = raft.clone();
                 tokio::spawn(async move {
                     let _ = raft.trigger().heartbeat().await;
@@ -163,12 +164,13 @@ impl ClusterNode {
         watch.matched.clear();
         watch.dialled.clear();
         watch.settled = (None, now, true);
-        if !look.votes || self.groups.abstaining(&replica.group) {
+        let live_leader = look.leader;
+        if !look.votes || live_leader.is_some_and(|l| self.silence(l) < watch.timeout) {
             watch.leaderless_since = None;
             return;
         }
-        let live_leader = look.leader.filter(|l| look.voters.contains(l));
-        if live_leader.is_some_and(|l| self.silence(l) < watch.timeout) {
+        // Asked last: most looks end above.
+        if self.groups.abstaining(&replica.group) {
             watch.leaderless_since = None;
             return;
         }
@@ -179,7 +181,7 @@ impl ClusterNode {
                 .and_then(|l| now.checked_sub(self.silence(l)))
                 .unwrap_or(now)
         });
-        if now.duration_since(since) < watch.timeout || !self.hears_majority(&look.voters) {
+        if now.duration_since(since) < watch.timeout || !self.hears_majority(&voters(raft)) {
             return;
         }
         watch.attempts += 1;
@@ -225,7 +227,13 @@ impl ClusterNode {
     /// moved for [`STUCK_AFTER`] since it last did: openraft sends each commit point once,
     /// and one lost on a broken link would leave the followers' queues a write behind until
     /// the next). Updates `watch`.
-    fn follower_waits(&self, look: &Look, watch: &mut Watch, now: Instant) -> bool {
+    fn follower_waits(
+        &self,
+        raft: &QueueRaftHandle,
+        look: &Look,
+        watch: &mut Watch,
+        now: Instant,
+    ) -> bool {
         let mut send = false;
         let (index, since, sent) = &mut watch.settled;
         if *index != look.last_log_index {
@@ -234,7 +242,16 @@ impl ClusterNode {
             *sent = true;
             send = true;
         }
-        for (peer, matched) in &look.replication {
+        let metrics = raft.metrics();
+        let metrics = metrics.borrow();
+        let Some(replication) = metrics.replication.as_ref() else {
+            return send;
+        };
+        for (peer, matched) in replication {
+            if *peer == self.me {
+                continue;
+            }
+            let matched = &matched.map(|l| l.index);
             let dialled = self.groups.links_accepted(*peer);
             if watch
                 .dialled
