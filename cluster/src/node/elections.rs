@@ -7,7 +7,9 @@
 //! - a voter whose group's leader has been silent for the group's election timeout (drawn
 //!   per group and attempt between openraft's minimum and maximum), or whose group has had no
 //!   leader that long, stands for election, provided a majority of the voters is heard from
-//!   and its leader did not ask it to abstain (a handover);
+//!   and its leader did not ask it to abstain (a handover); until a live leader is known
+//!   again, openraft's own elections are on for the group, so a failed attempt is retried
+//!   the way openraft does (a replica that saw a longer log than its own waits longer);
 //! - a leader sends a heartbeat (which carries whatever a follower lacks) when a follower that
 //!   is heard from is behind and made no progress for a second, when a member's node dialled
 //!   in again (it restarted, or lost its link), and once a second after its log last moved
@@ -50,6 +52,10 @@ struct Watch {
     attempts: u64,
     /// Since when the group has had no live leader known here (None: it has one).
     leaderless_since: Option<Instant>,
+    /// Whether openraft's own elections are on for the group: from this replica's first
+    /// attempt until a live leader is known again (openraft's retries wait longer on a
+    /// replica that saw a longer log than its own, so the replica that can win does).
+    retrying: bool,
     /// As leader: each follower's matched index at the last look, and since when it was so.
     matched: HashMap<NodeId, (Option<u64>, Instant)>,
     /// As leader: the links each member had opened to this node at the last look.
@@ -79,6 +85,7 @@ pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
                 timeout: node.election_timeout(incarnation, 0),
                 attempts: 0,
                 leaderless_since: None,
+                retrying: false,
                 matched: HashMap::new(),
                 dialled: HashMap::new(),
                 settled: (None, now, true),
@@ -87,6 +94,15 @@ pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
             next.insert(incarnation, watch);
         }
         watches = next;
+    }
+}
+
+/// Turn openraft's own elections off again for a group whose leader is known (or which this
+/// replica leads, or must not campaign in).
+fn stop_retrying(raft: &QueueRaftHandle, watch: &mut Watch) {
+    if watch.retrying {
+        watch.retrying = false;
+        raft.runtime_config().elect(false);
     }
 }
 
@@ -153,7 +169,11 @@ impl ClusterNode {
         let look = Look::of(raft, self.me);
         if look.leads {
             watch.leaderless_since = None;
-            if self.follower_waits(raft, &look, watch, now) {
+            stop_retrying(raft, watch);
+            // A leader handing over (or changing its voters) holds its heartbeats: the other
+            // voters' leases must run out for the target's election.
+            let changing = replica.changing.load(std::sync::atomic::Ordering::Acquire);
+            if self.follower_waits(raft, &look, watch, now) && !changing {
                 let raft = raft.clone();
                 tokio::spawn(async move {
                     let _ = raft.trigger().heartbeat().await;
@@ -167,11 +187,16 @@ impl ClusterNode {
         let live_leader = look.leader;
         if !look.votes || live_leader.is_some_and(|l| self.silence(l) < watch.timeout) {
             watch.leaderless_since = None;
+            stop_retrying(raft, watch);
             return;
         }
         // Asked last: most looks end above.
         if self.groups.abstaining(&replica.group) {
             watch.leaderless_since = None;
+            stop_retrying(raft, watch);
+            return;
+        }
+        if watch.retrying {
             return;
         }
         // Silent since when: a leader's silence counts from its last word, no leader from
@@ -188,6 +213,11 @@ impl ClusterNode {
         watch.timeout = self.election_timeout(replica.group.incarnation, watch.attempts);
         watch.leaderless_since = Some(now);
         tracing::info!(queue = %replica.queue.name, leader = ?look.leader, "no live leader: electing");
+        // Should this attempt fail, openraft retries by itself until a leader is known: with
+        // retries of our own every voter would campaign on its own clock, and one whose log is
+        // shorter (it cannot win) would keep raising the term under the one that can.
+        watch.retrying = true;
+        raft.runtime_config().elect(true);
         let raft = raft.clone();
         tokio::spawn(async move {
             let _ = raft.trigger().elect().await;
