@@ -13,9 +13,13 @@ For each broker (one 3-node cluster at a time, started and torn down as
 5. with `--rate R` (> 0), runs `warren-perf` against node 1 with one producer per queue at R
    msg/s each (1 KB persistent, confirms) and one consumer per queue for `--duration` seconds,
    and reports the confirmed rate against the offered one, confirm p50/p99, and the nodes' CPU
-   per message.
+   per message;
+6. with `--restart` (Warren), kills node 2 (`kill -9`), starts it again and times how long it
+   takes until its management API lists every queue again (a node opens its ports only once
+   its committed metadata is applied and the replicas it names are started).
 
     scripts/many_queues.py                             # 1,000 queues, Warren only, no load
+    scripts/many_queues.py --queues 10000 --restart    # 10,000 queues and a node's restart
     scripts/many_queues.py --rate 20 --duration 30     # and 1,000 producers at 20 msg/s
     scripts/many_queues.py --brokers warren,rabbitmq --rate 20
 
@@ -108,6 +112,20 @@ def run_load(cluster, port, n, prefix, rate, duration):
     return res
 
 
+def restart_node(cluster, node, prefix, n, deadline_s=300):
+    """kill -9 `node`, start it again and return the seconds until it lists all `n` queues."""
+    cluster.kill(node)
+    t0 = time.monotonic()
+    cluster.start_node(node)
+    while listed(cluster, node, prefix) != n:
+        if time.monotonic() - t0 > deadline_s:
+            raise RuntimeError(f"{node} does not list the {n} queues {deadline_s} s after its start")
+        time.sleep(0.2)
+    took = time.monotonic() - t0
+    cb.log(f"  {node} killed and started again: lists all {n} queues after {took:.1f} s")
+    return took
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--queues", type=int, default=1000)
@@ -117,6 +135,8 @@ def main():
     p.add_argument("--settle", type=float, default=5.0, help="seconds before the second sample")
     p.add_argument("--idle", type=float, default=10.0,
                    help="seconds of idle CPU measured with the queues declared (0: skip)")
+    p.add_argument("--restart", action="store_true",
+                   help="Warren: kill -9 node 2 at the end, start it again and time its return")
     a = p.parse_args()
     prefix = "mq"
     rows = []
@@ -177,6 +197,8 @@ def main():
                                f"confirm p50/p99 {load['confirm_p50_ms']:.1f}/"
                                f"{load['confirm_p99_ms']:.1f} ms, "
                                f"{load['cpu_us_per_msg']:.1f} µs CPU/msg (3 nodes)")
+                if a.restart and isinstance(cluster, cb.WarrenCluster):
+                    row["restart_s"] = restart_node(cluster, cluster.nodes[1], prefix, a.queues)
                 rows.append(row)
             finally:
                 cluster.stop()
