@@ -15,7 +15,8 @@ import uuid
 
 import pytest
 
-from cluster_harness import cluster_supported, declare_quorum, eventually, publish_with_retry
+from cluster_harness import (check_replicas, cluster_supported, declare_quorum, eventually,
+                             publish_with_retry)
 
 if os.environ.get("WARREN_TEST_AMQP_URL"):
     pytest.skip("cluster tests start their own Warren nodes", allow_module_level=True)
@@ -38,16 +39,12 @@ def link_bytes(cluster, i):
             sum(link["stats"]["recv_bytes"] for link in links))
 
 
-def replicas_agree(cluster, queue, nodes, deadline=DEADLINE):
-    """Every node in `nodes` reports the same applied index and digest for `queue`."""
-    def states():
-        return {i: (cluster.queue_info(i, queue) or {}).get("raft") for i in nodes}
-
-    seen = eventually(states, lambda s: all(s.values())
-                      and len({r["applied_index"] for r in s.values()}) == 1
-                      and len({r["digest"] for r in s.values()}) == 1,
-                      deadline, f"replicas of {queue} at one index and digest")
-    return next(iter(seen.values()))["applied_index"]
+def replicas_agree(cluster, queue):
+    """Every up node's replica of `queue` reaches one applied index with one digest
+    (cluster_harness.check_replicas); returns the index."""
+    r = check_replicas(cluster, queue, deadline=DEADLINE)
+    assert r["agree"], r["summary"]
+    return r["index"]
 
 
 def test_idle_queues_cost_the_cluster_port_next_to_nothing(cluster_factory):
@@ -62,7 +59,7 @@ def test_idle_queues_cost_the_cluster_port_next_to_nothing(cluster_factory):
     for k, q in enumerate(queues):
         publish_with_retry(c, [k % 3], q, [f"m-{k}"], history)
     for q in queues[:5]:
-        replicas_agree(c, q, range(3))
+        replicas_agree(c, q)
     # A leader sends one heartbeat a second after its log last moved (the commit point
     # again): a timer, nothing to await; let those of the last writes go out first.
     time.sleep(1.5)
@@ -111,13 +108,14 @@ def test_idle_queues_of_a_silent_leader_elect_and_the_old_leader_follows(cluster
     finally:
         c.resume(0)
     for q in queues:
-        replicas_agree(c, q, range(3))
+        replicas_agree(c, q)
         assert c.leader_of(q) in (1, 2), q
 
 
 def test_a_restarted_follower_catches_up_without_another_write(cluster_factory):
     """n3 is killed while its queues take writes, restarted, and reaches the others' index
-    and digest though nothing is written after it came back (its leaders retry it)."""
+    and digest though nothing is written after it came back (openraft retries a failed
+    append by itself; the node's watch would retry a follower that stays behind)."""
     c = cluster_factory(3)
     queues = [f"behind{k}-" + uuid.uuid4().hex[:4] for k in range(4)]
     for q in queues:
@@ -129,5 +127,5 @@ def test_a_restarted_follower_catches_up_without_another_write(cluster_factory):
         publish_with_retry(c, [0, 1], q, [f"m-{k}-{n}" for n in range(50)], history)
     c.start_node(2)
     for q in queues:
-        index = replicas_agree(c, q, range(3))
+        index = replicas_agree(c, q)
         assert index > 50, (q, index)

@@ -63,6 +63,8 @@ struct Watch {
     /// As leader: the last log index at the last look, since when it is so, and whether the
     /// heartbeat that follows a burst of writes went out.
     settled: (Option<u64>, Instant, bool),
+    /// The watch's tick that last saw the group served here (groups not seen drop out).
+    seen: u64,
 }
 
 /// Watch every group served here until the node is gone.
@@ -70,18 +72,15 @@ pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut watches: HashMap<u64, Watch> = HashMap::new();
-    loop {
+    for ticks in 1u64.. {
         tick.tick().await;
         let Some(node) = weak.upgrade() else {
             return;
         };
         let now = Instant::now();
-        let replicas = node.replicas();
-        // Groups no longer served here drop out.
-        let mut next = HashMap::with_capacity(replicas.len());
-        for replica in replicas {
+        for replica in node.replicas() {
             let incarnation = replica.group.incarnation;
-            let mut watch = watches.remove(&incarnation).unwrap_or_else(|| Watch {
+            let watch = watches.entry(incarnation).or_insert_with(|| Watch {
                 timeout: node.election_timeout(incarnation, 0),
                 attempts: 0,
                 leaderless_since: None,
@@ -89,11 +88,13 @@ pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
                 matched: HashMap::new(),
                 dialled: HashMap::new(),
                 settled: (None, now, true),
+                seen: ticks,
             });
-            node.look_after(&replica, &mut watch, now);
-            next.insert(incarnation, watch);
+            watch.seen = ticks;
+            node.look_after(&replica, watch, now);
         }
-        watches = next;
+        // Groups no longer served here drop out.
+        watches.retain(|_, w| w.seen == ticks);
     }
 }
 
@@ -185,13 +186,11 @@ impl ClusterNode {
         watch.dialled.clear();
         watch.settled = (None, now, true);
         let live_leader = look.leader;
-        if !look.votes || live_leader.is_some_and(|l| self.silence(l) < watch.timeout) {
-            watch.leaderless_since = None;
-            stop_retrying(raft, watch);
-            return;
-        }
-        // Asked last: most looks end above.
-        if self.groups.abstaining(&replica.group) {
+        // Abstention asked last: most looks end before it.
+        if !look.votes
+            || live_leader.is_some_and(|l| self.silence(l) < watch.timeout)
+            || self.groups.abstaining(&replica.group)
+        {
             watch.leaderless_since = None;
             stop_retrying(raft, watch);
             return;
@@ -225,7 +224,7 @@ impl ClusterNode {
     }
 
     /// How long peer `id` has been silent (never heard from: since this node started).
-    fn silence(&self, id: NodeId) -> Duration {
+    pub(super) fn silence(&self, id: NodeId) -> Duration {
         if id == self.me {
             return Duration::ZERO;
         }

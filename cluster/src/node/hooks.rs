@@ -143,11 +143,8 @@ impl ClusterHooks for ClusterNode {
         self.current()
             .into_iter()
             .map(|(id, m)| {
-                let (send_bytes, recv_bytes) = if id == self.me {
-                    (0, 0)
-                } else {
-                    tcp::traffic(id)
-                };
+                // Nothing for this node itself: it has no link to itself.
+                let (send_bytes, recv_bytes) = tcp::traffic(id);
                 NodeStatus {
                     name: m.name,
                     running: id == self.me || tcp::silent_for(id).is_some_and(|s| s < DOWN_AFTER),

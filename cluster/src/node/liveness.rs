@@ -119,8 +119,7 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
                     continue;
                 }
                 // A peer never heard from since this node started is silent after a while.
-                let silent =
-                    tcp::silent_for(id).unwrap_or_else(|| node.started.elapsed()) > DOWN_AFTER;
+                let silent = node.silence(id) > DOWN_AFTER;
                 let mut downed = replica
                     .downed
                     .lock()

@@ -844,25 +844,19 @@ impl QueueReplica {
         let mut live = live;
         live.sort_unstable();
         let log = bodies.log.clone();
-        match tokio::task::spawn_blocking(move || log.copy_out(&live, upto)).await {
+        let failed = match tokio::task::spawn_blocking(move || log.copy_out(&live, upto)).await {
             Ok(Ok(_)) => {
                 let _ = raft.trigger().purge_log(upto).await;
+                return;
             }
-            Ok(Err(e)) => {
-                tracing::warn!(queue = %self.queue.name, error = %e, "bodies not copied out: the log is not purged");
-                *self
-                    .compacted
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = None;
-            }
-            Err(e) => {
-                tracing::warn!(queue = %self.queue.name, error = %e, "copy-out failed");
-                *self
-                    .compacted
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) = None;
-            }
-        }
+            Ok(Err(e)) => e.to_string(),
+            Err(e) => format!("copy-out failed: {e}"),
+        };
+        tracing::warn!(queue = %self.queue.name, error = %failed, "bodies not copied out: the log is not purged");
+        *self
+            .compacted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
     }
 }
 
