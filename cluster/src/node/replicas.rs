@@ -714,8 +714,8 @@ pub(super) struct QueueReplica {
     pub(super) downed: Mutex<Vec<NodeId>>,
     /// Where a quorum queue's bodies are (None: a stream).
     bodies: Option<Arc<LogBodies>>,
-    /// The applied index, snapshot point and bounds the log was last compacted for: a
-    /// compaction with none of them changed since is skipped.
+    /// The applied index, snapshot point and bounds of the last compaction that found
+    /// nothing to purge: a compaction with none of them changed since is skipped.
     compacted: Mutex<Option<(u64, u64, u64, u64)>>,
 }
 
@@ -803,16 +803,13 @@ impl QueueReplica {
         // Nothing applied or snapshotted since the last look (an idle queue): no scan of its
         // messages. Ten thousand idle queues otherwise cost a scan each every few seconds.
         let seen = Some((applied, snapshot, keep, pin_max));
+        if *self
+            .compacted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            == seen
         {
-            // Looked at again only once it worked (cleared on a failure below).
-            let mut compacted = self
-                .compacted
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            if *compacted == seen {
-                return;
-            }
-            *compacted = seen;
+            return;
         }
         let oldest = self.queue.with_machine(|m| {
             let mut oldest: Option<u64> = None;
@@ -826,6 +823,13 @@ impl QueueReplica {
         });
         let upto = purge_point(snapshot, oldest, keep, pin_max);
         if upto <= purged {
+            // Done for this state: skipped until something is applied or snapshotted. (Not
+            // recorded when a purge is asked for: openraft may put it off while a replication
+            // uses the entries, and the next look asks again.)
+            *self
+                .compacted
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = seen;
             return;
         }
         // The live messages of the entries to purge keep their bodies as copies. A message
@@ -853,10 +857,6 @@ impl QueueReplica {
             Err(e) => format!("copy-out failed: {e}"),
         };
         tracing::warn!(queue = %self.queue.name, error = %failed, "bodies not copied out: the log is not purged");
-        *self
-            .compacted
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = None;
     }
 }
 
