@@ -20,7 +20,7 @@ r1..r3@localhost on AMQP ports 5681-5683 and distribution ports 25681-25683, def
 configuration apart from ports, directories and no plugins; r2 and r3 join r1 with
 `rabbitmqctl join_cluster`. Warren: target/release/warren, nodes n1..n3 on AMQP 5701-5703,
 cluster 26001-26003, management 15801-15803, Prometheus 15901-15903. Raw JSON of every
-warren-perf run goes to target/cluster-bench/. `WARREN_BENCH_ARGS="--quorum-log wal"` adds flags to every Warren node's command line;
+warren-perf run goes to target/cluster-bench/. `WARREN_BENCH_ARGS="--quorum-log redb"` adds flags to every Warren node's command line;
 `WARREN_BENCH_BIN=<path>` runs another build of
 warren (an older tree's, for a same-hour comparison).
 
@@ -348,7 +348,7 @@ class WarrenCluster:
         self.mgmt = {f"n{i}": 15800 + i for i in (1, 2, 3)}
         self.procs = {}
         # Appended to every node's command line; WARREN_BENCH_ARGS adds to it (for example
-        # "--quorum-log wal" to measure the write-ahead log).
+        # "--quorum-log redb" to measure the redb log rather than the write-ahead log).
         self.extra_args = os.environ.get("WARREN_BENCH_ARGS", "").split()
 
     def start_node(self, n):

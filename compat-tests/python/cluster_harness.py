@@ -480,7 +480,7 @@ class Cluster:
         self.log_level = log_level or os.environ.get("WARREN_CLUSTER_LOG_LEVEL",
                                                      "info,openraft=warn")
         # WARREN_CLUSTER_EXTRA_ARGS: flags for every node of every cluster (for example
-        # "--quorum-log wal" to run the cluster tests on the write-ahead log).
+        # "--quorum-log redb" to run the cluster tests on redb rather than the write-ahead log).
         self.extra_args = list(extra_args) + os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", "").split()
         self.root = Path(root) if root else Path(tempfile.mkdtemp(prefix="warren-cluster-"))
         self.keep = (os.environ.get("WARREN_CLUSTER_KEEP") == "1") if keep is None else keep

@@ -698,14 +698,15 @@ def test_total_queue_checker_under_kills_and_pauses(cluster_factory, capsys):
 
 
 @pytest.mark.timeout(int(CHECK_RUNS * (CHECK_SECONDS + 240)))
-def test_total_queue_checker_on_the_write_ahead_log(cluster_factory, capsys):
-    """The same check with the quorum queues' logs in each node's write-ahead log
-    (`--quorum-log wal`) rather than redb: kill -9 in the middle of its rounds and SIGSTOP
-    lose no confirmed message, create none, and leave the replicas agreeing."""
+def test_total_queue_checker_on_redb(cluster_factory, capsys):
+    """The same check with the quorum queues' logs in each node's redb database
+    (`--quorum-log redb`) rather than the write-ahead log every other test runs on: kill -9
+    in the middle of its rounds and SIGSTOP lose no confirmed message, create none, and leave
+    the replicas agreeing."""
     # Under WARREN_CLUSTER_EXTRA_ARGS="--quorum-log ..." every cluster has the flag already.
-    on_wal = () if "--quorum-log" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", "") \
-        else ("--quorum-log", "wal")
-    run_checker(cluster_factory, capsys, CHECK_FAULTS, cluster_args=on_wal,
+    on_redb = () if "--quorum-log" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", "") \
+        else ("--quorum-log", "redb")
+    run_checker(cluster_factory, capsys, CHECK_FAULTS, cluster_args=on_redb,
                 partition_mode=PARTITION_MODE)
 
 

@@ -244,9 +244,9 @@ def test_a_long_wal_makes_the_groups_holding_its_oldest_segment_compact(cluster_
     most 5 segments, and the old message reads back intact after a restart of every node."""
     import pika
     monkeypatch.setenv("WARREN_WAL_SEGMENT_BYTES", str(WAL_SEGMENT))
-    extra = [] if "--quorum-log" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", "") \
-        else ["--quorum-log", "wal"]
-    c = cluster_factory(3, extra_args=extra)
+    if "--quorum-log redb" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", ""):
+        pytest.skip("the write-ahead log's test; the clusters run on redb")
+    c = cluster_factory(3)
     idle, busy = "pinning-" + uuid.uuid4().hex[:6], "passing-" + uuid.uuid4().hex[:6]
     declare_quorum(c, 0, idle)
     declare_quorum(c, 0, busy)
@@ -276,3 +276,56 @@ def test_a_long_wal_makes_the_groups_holding_its_oldest_segment_compact(cluster_
         eventually(lambda i=i: depth_on(c, i, idle), lambda d: d == 1, 60,
                    f"n{i + 1} holding the idle queue's message")
     drain(c, c.wait_for_leader(idle), idle, 1)
+
+
+@pytest.mark.timeout(300)
+def test_a_cluster_on_redb_restarted_on_the_write_ahead_log_keeps_every_message(
+        cluster_factory):
+    """Nodes whose quorum queue logs are in redb (`--quorum-log redb`, the default before
+    issue 42 step 4), with the log purged past live messages so some bodies exist only as
+    copies, are killed -9 and started on the default log: each imports its redb log into the
+    write-ahead log once (the redb file is gone after), every message reads back intact
+    through a new leader, and the queue takes new messages."""
+    import pika
+    if "--quorum-log" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", ""):
+        pytest.skip("the clusters' log is set for the whole run")
+    c = cluster_factory(3, extra_args=["--quorum-log", "redb", "--quorum-log-pin-max", "0"])
+    q = "imported-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, q)
+    leader = c.wait_for_leader(q)
+    conn = c.connect(leader)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        props = pika.BasicProperties(delivery_mode=2)
+        for k in range(PURGED):
+            ch.basic_publish("", q, body(k), props)
+    finally:
+        safe_close(conn)
+    for i in range(3):
+        eventually(lambda i=i: raft_of(c, i, q).get("purged_index", 0), lambda p: p >= 3000,
+                   60, f"n{i + 1} purged past live messages")
+    redb = [c.nodes[i].data_dir / "cluster" / "queues" / "raft-log.redb" for i in range(3)]
+    assert all(p.exists() for p in redb)
+
+    c.kill_all()
+    c.extra_args = [a for a in c.extra_args if a not in ("--quorum-log", "redb")]
+    c.restart_all()
+    for i in range(3):
+        eventually(lambda i=i: depth_on(c, i, q), lambda d: d == PURGED, 120,
+                   f"n{i + 1} holding the queue after the import")
+        assert not redb[i].exists(), f"n{i + 1} kept its redb log"
+        assert wal_segments(c, i), f"n{i + 1} has no write-ahead log"
+        text = c.nodes[i].log_path.read_text(errors="replace")
+        assert "imported the quorum queues' redb log into the write-ahead log" in text
+    # Through another leader, so the bodies are read from a second node's imported copies.
+    old = c.wait_for_leader(q)
+    c.kill9(old)
+    serving = next(i for i in range(3) if i != old)
+    c.wait_for_leader(q, exclude=(old,))
+    drain(c, serving, q, PURGED)
+    c.start_node(old)
+    publish(c, serving, q, 10, first=PURGED)
+    for i in range(3):
+        eventually(lambda i=i: depth_on(c, i, q), lambda d: d == 10, 60,
+                   f"n{i + 1} holding the new messages")

@@ -586,7 +586,7 @@ mod tests {
         assert!(e.contains("needs all of --cluster-tls-cert"), "{e}");
     }
 
-    /// `--quorum-log` picks the quorum queues' log: redb by default, the WAL by name, and
+    /// `--quorum-log` picks the quorum queues' log: the WAL by default, redb by name, and
     /// anything else is refused with the choices.
     #[test]
     fn the_quorum_log_is_redb_or_wal() {
@@ -599,7 +599,7 @@ mod tests {
             ServerConfig::load(a).map(|c| c.cluster.map(|c| c.quorum_log))
         };
         use warren_cluster::node::QueueLogKind;
-        assert_eq!(with(None).unwrap(), Some(QueueLogKind::Redb));
+        assert_eq!(with(None).unwrap(), Some(QueueLogKind::Wal));
         assert_eq!(with(Some("wal")).unwrap(), Some(QueueLogKind::Wal));
         assert_eq!(with(Some("redb")).unwrap(), Some(QueueLogKind::Redb));
         let e = with(Some("rocks")).unwrap_err().to_string();

@@ -7,9 +7,11 @@
 //! - [`node_log`]: the node-wide database the logs of all quorum queue groups share, and its
 //!   writer committing the writes of every group in one transaction (group commit);
 //! - [`queue_logs`]: which of the two a node's quorum queues use (`--quorum-log`);
+//! - [`import`]: redb logs moved into the WAL once, when a node starts on it;
 //! - [`snapshot_file`]: a replica's current snapshot on disk, streamed as it is encoded.
 
 pub mod backend;
+pub mod import;
 pub mod node_log;
 pub mod queue_logs;
 pub mod snapshot_file;

@@ -323,7 +323,7 @@ impl NodeLog {
 pub const IMPORT_TXN_BYTES: usize = 16 * 1024 * 1024;
 
 /// Rows of table `name` after key `after`, [`IMPORT_TXN_BYTES`] of values at most.
-fn read_u64_rows(
+pub(crate) fn read_u64_rows(
     db: &Database,
     name: &str,
     after: Option<u64>,

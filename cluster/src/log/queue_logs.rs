@@ -1,7 +1,12 @@
-//! Where a node keeps its quorum queues' Raft logs: the node-wide redb log
-//! (`queues/raft-log.redb`, the default until the WAL's import lands) or the node's
-//! write-ahead log (`queues/wal/`), chosen by `--quorum-log` ([`QueueLogKind`]). Both hold
-//! every group of the node in one file set written by one thread (group commit).
+//! Where a node keeps its quorum queues' Raft logs: the node's write-ahead log
+//! (`queues/wal/`, the default) or the node-wide redb log (`queues/raft-log.redb`), chosen
+//! by `--quorum-log` ([`QueueLogKind`]). Both hold every group of the node in one file set
+//! written by one thread (group commit).
+//!
+//! A node starting on the WAL with logs in redb imports them first ([`crate::log::import`]):
+//! the node-wide file at open, a queue's own file of the older layout when its group opens.
+//! The other way is refused: a node whose WAL holds groups does not start on redb, which
+//! would start those queues with empty logs (their votes forgotten).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -9,6 +14,7 @@ use std::sync::Arc;
 use warren_store::wal::{Op, WAL_SEGMENT_BYTES_MAX, WAL_SEGMENT_BYTES_MIN, Wal, WalOptions};
 
 use crate::log::backend::LogError;
+use crate::log::import;
 use crate::log::node_log::{GroupTables, NODE_LOG_CACHE_BYTES, NodeLog};
 use crate::log::store::LogStore;
 
@@ -25,9 +31,9 @@ pub const WAL_SEGMENT_BYTES_ENV: &str = "WARREN_WAL_SEGMENT_BYTES";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum QueueLogKind {
     /// The node-wide redb database.
-    #[default]
     Redb,
     /// The node's segmented write-ahead log.
+    #[default]
     Wal,
 }
 
@@ -43,6 +49,34 @@ impl std::str::FromStr for QueueLogKind {
             )),
         }
     }
+}
+
+/// The node-wide redb log's file in the node's `queues/` directory.
+pub const NODE_LOG_FILE: &str = "raft-log.redb";
+
+/// Open the WAL at `path`, its segment size from [`WAL_SEGMENT_BYTES_ENV`] if set.
+fn open_wal(path: &Path) -> Result<Arc<Wal>, LogError> {
+    let mut options = WalOptions::default();
+    if let Some(bytes) = std::env::var(WAL_SEGMENT_BYTES_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        options.segment_bytes = bytes.clamp(WAL_SEGMENT_BYTES_MIN, WAL_SEGMENT_BYTES_MAX);
+    }
+    Wal::open(path, options).map(Arc::new).map_err(LogError::of)
+}
+
+/// Whether a WAL at `path` holds any group (opened only if the directory has files).
+fn wal_has_groups(path: &Path) -> Result<bool, LogError> {
+    let has_files = match std::fs::read_dir(path) {
+        Ok(mut files) => files.next().is_some(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(LogError::of(e)),
+    };
+    if !has_files {
+        return Ok(false);
+    }
+    Ok(!open_wal(path)?.groups().is_empty())
 }
 
 /// The open log of a node's quorum queues.
@@ -62,30 +96,46 @@ impl QueueLogs {
     pub fn open(kind: QueueLogKind, dir: &Path) -> Result<Self, (PathBuf, LogError)> {
         match kind {
             QueueLogKind::Redb => {
-                let path = dir.join("raft-log.redb");
+                let wal = dir.join("wal");
+                if wal_has_groups(&wal).map_err(|e| (wal.clone(), e))? {
+                    return Err((
+                        wal,
+                        LogError::Storage(
+                            "this node's quorum queue logs are in the write-ahead log; \
+                             --quorum-log redb cannot read them (start with --quorum-log wal)"
+                                .into(),
+                        ),
+                    ));
+                }
+                let path = dir.join(NODE_LOG_FILE);
                 NodeLog::open(&path, NODE_LOG_CACHE_BYTES)
                     .map(Self::Redb)
                     .map_err(|e| (path, e.into()))
             }
             QueueLogKind::Wal => {
                 let path = dir.join("wal");
-                let mut options = WalOptions::default();
-                if let Some(bytes) = std::env::var(WAL_SEGMENT_BYTES_ENV)
-                    .ok()
-                    .and_then(|v| v.parse::<u64>().ok())
-                {
-                    options.segment_bytes =
-                        bytes.clamp(WAL_SEGMENT_BYTES_MIN, WAL_SEGMENT_BYTES_MAX);
+                let wal = open_wal(&path).map_err(|e| (path, e))?;
+                let old = dir.join(NODE_LOG_FILE);
+                let started = std::time::Instant::now();
+                match import::node_log_into_wal(&old, &wal) {
+                    Ok(None) => {}
+                    Ok(Some(i)) => tracing::info!(
+                        groups = i.groups,
+                        entries = i.entries,
+                        bodies = i.bodies,
+                        bytes = i.bytes,
+                        ms = started.elapsed().as_millis() as u64,
+                        "imported the quorum queues' redb log into the write-ahead log"
+                    ),
+                    Err(e) => return Err((old, e)),
                 }
-                Wal::open(&path, options)
-                    .map(|w| Self::Wal(Arc::new(w)))
-                    .map_err(|e| (path, LogError::of(e)))
+                Ok(Self::Wal(wal))
             }
         }
     }
 
-    /// The log of group `incarnation`. In redb, a log of the layout before the node-wide log
-    /// (a file of its own at `old`) is imported first.
+    /// The log of group `incarnation`. A log of the layout before the node-wide log (a file
+    /// of its own at `old`) is imported first, into either log.
     ///
     /// # Errors
     /// When the import or the opening fails.
@@ -98,7 +148,12 @@ impl QueueLogs {
                 }
                 LogStore::in_node_log(log, incarnation)
             }
-            Self::Wal(wal) => LogStore::in_wal(wal, incarnation),
+            Self::Wal(wal) => {
+                if import::queue_file_into_wal(old, wal, incarnation)? {
+                    tracing::info!(%queue, "imported the queue's log into the write-ahead log");
+                }
+                LogStore::in_wal(wal, incarnation)
+            }
         }
     }
 
@@ -138,5 +193,51 @@ impl QueueLogs {
                 .write_and_wait(incarnation, &[Op::Forget])
                 .map_err(LogError::of),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A node moving from redb to the WAL keeps its groups; moving back is refused rather
+    /// than starting its queues on empty logs.
+    #[test]
+    fn redb_logs_move_to_the_wal_and_not_back() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let QueueLogs::Redb(log) = QueueLogs::open(QueueLogKind::Redb, dir.path()).unwrap()
+            else {
+                panic!("asked for redb");
+            };
+            let store = LogStore::in_node_log(&log, 9).unwrap();
+            drop(store);
+            let tables = GroupTables::of_group(9);
+            let t = tables.clone();
+            log.write(move |tx| {
+                tx.open_table(crate::log::node_log::meta_table(&t))?
+                    .insert("vote", &b"v"[..])?;
+                Ok(())
+            })
+            .unwrap();
+        }
+        assert_eq!(QueueLogKind::default(), QueueLogKind::Wal);
+        let logs = QueueLogs::open(QueueLogKind::Wal, dir.path()).unwrap();
+        assert!(!dir.path().join(NODE_LOG_FILE).exists());
+        let QueueLogs::Wal(wal) = &logs else {
+            panic!("asked for the WAL");
+        };
+        assert_eq!(wal.groups(), vec![9]);
+        assert_eq!(
+            wal.meta(9, warren_store::wal::MetaSlot::Vote).as_deref(),
+            Some(&b"v"[..])
+        );
+        drop(logs);
+        let (path, e) = QueueLogs::open(QueueLogKind::Redb, dir.path()).unwrap_err();
+        assert_eq!(path, dir.path().join("wal"));
+        assert!(
+            e.to_string().contains("--quorum-log redb cannot read them"),
+            "{e}"
+        );
     }
 }
