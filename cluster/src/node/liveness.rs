@@ -63,9 +63,20 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
                 }
                 tracing::info!(groups = pinning.len(), segments = ?logs.wal_segments(), "the write-ahead log is long: compacting the groups holding its oldest segment");
                 for incarnation in pinning {
-                    let replica = here.upgrade().and_then(|n| n.replica_of(incarnation));
-                    if let Some(replica) = replica {
+                    let Some(node) = here.upgrade() else {
+                        return;
+                    };
+                    if let Some(replica) = node.replica_of(incarnation) {
+                        drop(node);
                         replica.compact_log_now().await;
+                    } else if node.is_orphan_log(incarnation) {
+                        tracing::info!(
+                            incarnation,
+                            "dropping the log of a queue deleted while this node was away"
+                        );
+                        let logs = std::sync::Arc::clone(&logs);
+                        let _ =
+                            tokio::task::spawn_blocking(move || logs.drop_group(incarnation)).await;
                     }
                 }
             });

@@ -59,6 +59,46 @@ impl ClusterNode {
         }
     }
 
+    /// Stop serving the deleted queue `incarnation` here and remove its log and snapshot
+    /// (nothing if no replica of it is registered). Idempotent: the replica leaves the table
+    /// once, so only one caller retires it.
+    pub(super) fn retire_replica(self: &Arc<Self>, incarnation: u64) {
+        let replica = self
+            .queues
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&incarnation);
+        let Some(replica) = replica else {
+            return;
+        };
+        if let Some(vh) = self.broker.vhost(&replica.queue.vhost) {
+            vh.drop_replicated(&replica.queue);
+        }
+        let gid = replica.group.clone();
+        self.groups.remove(&gid);
+        let raft = replica.raft.get().cloned();
+        let path = self.queue_log_path(incarnation);
+        let snapshot = self.queue_snapshot_path(incarnation);
+        let queue_logs = Arc::clone(&self.queue_logs);
+        let in_node_log = !replica.queue.is_stream;
+        tokio::spawn(async move {
+            if let Some(raft) = raft {
+                let _ = raft.shutdown().await;
+            }
+            // The log of a deleted incarnation is never read again.
+            crate::group::remove_transit_files(&snapshot);
+            let _ = std::fs::remove_file(snapshot);
+            let _ = std::fs::remove_file(path);
+            if in_node_log {
+                let dropped =
+                    tokio::task::spawn_blocking(move || queue_logs.drop_group(incarnation)).await;
+                if let Ok(Err(e)) = dropped {
+                    tracing::warn!(error = %e, "a deleted queue's log tables were not dropped");
+                }
+            }
+        });
+    }
+
     /// A metadata change committed: serve or drop the queue here.
     fn on_meta(self: &Arc<Self>, change: &MetaChange) {
         match change {
@@ -102,41 +142,7 @@ impl ClusterNode {
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner)
                     .remove(incarnation);
-                let replica = self
-                    .queues
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .remove(incarnation);
-                if let Some(replica) = replica {
-                    if let Some(vh) = self.broker.vhost(&replica.queue.vhost) {
-                        vh.drop_replicated(&replica.queue);
-                    }
-                    let gid = replica.group.clone();
-                    self.groups.remove(&gid);
-                    let raft = replica.raft.get().cloned();
-                    let path = self.queue_log_path(*incarnation);
-                    let snapshot = self.queue_snapshot_path(*incarnation);
-                    let queue_logs = Arc::clone(&self.queue_logs);
-                    let group = *incarnation;
-                    let in_node_log = !replica.queue.is_stream;
-                    tokio::spawn(async move {
-                        if let Some(raft) = raft {
-                            let _ = raft.shutdown().await;
-                        }
-                        // The log of a deleted incarnation is never read again.
-                        crate::group::remove_transit_files(&snapshot);
-                        let _ = std::fs::remove_file(snapshot);
-                        let _ = std::fs::remove_file(path);
-                        if in_node_log {
-                            let dropped =
-                                tokio::task::spawn_blocking(move || queue_logs.drop_group(group))
-                                    .await;
-                            if let Ok(Err(e)) = dropped {
-                                tracing::warn!(error = %e, "a deleted queue's log tables were not dropped");
-                            }
-                        }
-                    });
-                }
+                self.retire_replica(*incarnation);
                 let done = take_waiting(&self.deleting, *incarnation);
                 if let Some(done) = done {
                     done(Ok(Vec::new()));

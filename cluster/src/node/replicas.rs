@@ -187,6 +187,20 @@ impl ClusterNode {
         if !vhost.insert_replicated(Arc::clone(&queue)) {
             tracing::warn!(queue = %queue.name, "a queue of that name exists here already");
         }
+        // Deleted while this replica started (a restarted node replays the declaration and
+        // the deletion before this task runs, and the deletion found no replica to retire):
+        // retired now, its log with it. Registered above first, so a deletion after this
+        // check finds the replica itself.
+        let deleted = !self
+            .members
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(&incarnation);
+        if deleted {
+            tracing::info!(queue = %queue.name, incarnation, "the queue was deleted while its replica started: retired");
+            self.retire_replica(incarnation);
+            return Ok(());
+        }
         self.retry_topology();
         // The top-ranked member starts the group and so usually leads it first: leaders
         // spread over the nodes as placement does.
@@ -213,6 +227,30 @@ impl ClusterNode {
             );
         }
         Ok(())
+    }
+
+    /// Whether this node's quorum queue log of group `incarnation` belongs to no queue: the
+    /// metadata replay is over, no replica of it is registered or starting, and the metadata
+    /// holds no such queue (a queue deleted while this node was down, learnt from a metadata
+    /// snapshot without the deletion). Incarnations are never reused, so such a log is
+    /// never read again.
+    pub(super) fn is_orphan_log(&self, incarnation: u64) -> bool {
+        let booted = self
+            .booting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none();
+        booted
+            && !self
+                .members
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains_key(&incarnation)
+            && !self
+                .queues
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .contains_key(&incarnation)
     }
 
     /// The incarnation of the replicated queue `queue` served here.
