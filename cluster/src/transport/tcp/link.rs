@@ -37,8 +37,9 @@ use tokio_rustls::TlsConnector;
 use crate::types::NodeId;
 
 use super::wire::{
-    Answer, Challenge, EnvelopeRef, GroupId, Hello, Proof, Refusal, Request, Response, Secret,
-    Stream, TransportError, Verdict, encode_frame, proof_input, read_frame, write_frame,
+    Answer, Challenge, EnvelopeRef, GroupId, Hello, LINK_READ_BUFFER, Proof, Refusal, Request,
+    Response, Secret, Stream, TransportError, Verdict, encode_frame, proof_input, read_frame,
+    write_frame,
 };
 use super::{HEARD_EVERY, heard_from, refused_by};
 
@@ -513,7 +514,8 @@ fn ping_frame() -> Result<Vec<u8>, TransportError> {
 }
 
 /// Route the peer's answers to their callers, until the connection ends.
-async fn read_answers(mut r: ReadHalf<Stream>, shared: Arc<Shared>) {
+async fn read_answers(r: ReadHalf<Stream>, shared: Arc<Shared>) {
+    let mut r = tokio::io::BufReader::with_capacity(LINK_READ_BUFFER, r);
     while let Ok(answer) = read_frame::<Answer, _>(&mut r).await {
         shared.heard();
         if answer.id == 0 {

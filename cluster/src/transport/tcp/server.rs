@@ -25,9 +25,9 @@ use crate::types::{NodeId, QueueRaft, QueueRequest};
 use super::link::{FOLD_MAX, LINK_QUEUE_MAX, write_frames};
 use super::wire::{
     ABSTAIN_MAX, Answer, Challenge, ClassicRequest, ClassicResponse, Envelope, ForwardReplies,
-    Forwarded, GroupId, HandoverRequest, HandoverResponse, Hello, Proof, RaftRequest, RaftResponse,
-    Refusal, RemoteEvent, RemoteQueueStats, Request, Response, Secret, Stream, TransportError,
-    Verdict, encode_frame, proof_input, read_frame, write_frame,
+    Forwarded, GroupId, HandoverRequest, HandoverResponse, Hello, LINK_READ_BUFFER, Proof,
+    RaftRequest, RaftResponse, Refusal, RemoteEvent, RemoteQueueStats, Request, Response, Secret,
+    Stream, TransportError, Verdict, encode_frame, proof_input, read_frame, write_frame,
 };
 use super::{HEARD_EVERY, heard_from, silent_for};
 
@@ -483,7 +483,8 @@ async fn serve_connection(
         .entry(from)
         .or_default() += 1;
     let _open = OpenLink::count(&groups.links);
-    let (mut r, w) = tokio::io::split(super::traffic::counted(s, from));
+    let (r, w) = tokio::io::split(super::traffic::counted(s, from));
+    let mut r = tokio::io::BufReader::with_capacity(LINK_READ_BUFFER, r);
     let (out, rx) = mpsc::channel::<Vec<u8>>(LINK_QUEUE_MAX);
     let writer = tokio::spawn(write_answers(w, rx));
     let mut link = ServedLink {

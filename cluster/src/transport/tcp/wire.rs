@@ -97,6 +97,11 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send + Sync + 'static> Io for T {}
 
 pub(super) type Stream = Box<dyn Io>;
 
+/// Bytes a link's reader takes from the socket at once: the many small frames of many groups
+/// (appends, their answers, forwarded commands) come in one read rather than two reads each
+/// (its length, then its body). Per link, so per peer: 2 x 64 KiB.
+pub(super) const LINK_READ_BUFFER: usize = 64 * 1024;
+
 pub(super) async fn read_frame<T: DeserializeOwned, R: AsyncReadExt + Unpin>(
     s: &mut R,
 ) -> Result<T, TransportError> {
