@@ -8,11 +8,13 @@
 //!   writer committing the writes of every group in one transaction (group commit);
 //! - [`queue_logs`]: which of the two a node's quorum queues use (`--quorum-log`);
 //! - [`import`]: redb logs moved into the WAL once, when a node starts on it;
+//! - [`recent_entries`]: a group's last appended entries, kept until applied;
 //! - [`snapshot_file`]: a replica's current snapshot on disk, streamed as it is encoded.
 
 pub mod backend;
 pub mod import;
 pub mod node_log;
 pub mod queue_logs;
+pub mod recent_entries;
 pub mod snapshot_file;
 pub mod store;

@@ -53,6 +53,7 @@ use warren_store::wal::Wal;
 
 use crate::log::backend::{LogBackend, LogError, LogOp, MetaKey, RedbGroup, WalGroup};
 use crate::log::node_log::{GroupTables, NodeLog};
+use crate::log::recent_entries::RecentEntries;
 use crate::types::{NodeId, QueueRaft, StorageError};
 
 type Entry = openraft::Entry<QueueRaft>;
@@ -175,6 +176,9 @@ pub struct LogStore {
     recent: Arc<std::sync::Mutex<Recent>>,
     /// The entry a body was last read from, decoded (a drain reads an entry's messages in turn).
     last_read: Arc<std::sync::Mutex<Option<Arc<Entry>>>>,
+    /// The entries appended last, encoded, until applied: what replication and the apply
+    /// read right after an append.
+    entries: Arc<std::sync::Mutex<RecentEntries>>,
 }
 
 /// What [`LogStore::release`] and [`LogStore::copy_out`] share.
@@ -250,6 +254,7 @@ impl LogStore {
             })),
             recent: Arc::default(),
             last_read: Arc::default(),
+            entries: Arc::default(),
         })
     }
 
@@ -364,6 +369,12 @@ impl LogStore {
                 copies.above.push(k);
             }
         }
+    }
+
+    fn recent_entries(&self) -> std::sync::MutexGuard<'_, RecentEntries> {
+        self.entries
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     fn recent(&self) -> std::sync::MutexGuard<'_, Recent> {
@@ -530,19 +541,23 @@ impl LogStore {
         entries: impl IntoIterator<Item = Entry>,
     ) -> Result<(Vec<LogOp>, AfterWrite), bincode::Error> {
         let mut bodies = Vec::new();
+        let mut cached = self.recent_entries();
         let mut ops: Vec<LogOp> = entries
             .into_iter()
             .map(|mut e| {
-                let bytes = crate::codec::encode(&e)?;
+                let bytes = bytes::Bytes::from(crate::codec::encode(&e)?);
                 if self.queue {
                     take_bodies(&mut e, &mut bodies);
                 }
+                cached.appended(e.log_id.index, bytes.clone());
                 Ok(LogOp::Append {
                     index: e.log_id.index,
-                    bytes: bytes.into(),
+                    bytes,
                 })
             })
-            .collect::<Result<_, bincode::Error>>()?;
+            .collect::<Result<_, bincode::Error>>()
+            .inspect_err(|_| cached.clear())?;
+        drop(cached);
         let released = self.take_released();
         if !released.is_empty() {
             ops.push(LogOp::DropBodies(released));
@@ -683,8 +698,25 @@ impl RaftLogReader<QueueRaft> for LogStore {
         let bounds: (Bound<u64>, Bound<u64>) =
             (range.start_bound().cloned(), range.end_bound().cloned());
         let inflate = self.queue && self.inflate;
-        let mut out = Vec::new();
-        for v in self.backend.entries(bounds).map_err(read_logs_error)? {
+        let span = match bounds {
+            (Bound::Included(s), Bound::Excluded(e)) if e > s => Some((s, e - 1)),
+            (Bound::Included(s), Bound::Included(e)) => Some((s, e)),
+            _ => None,
+        };
+        let cached = span.and_then(|(s, e)| self.recent_entries().get(s, e));
+        let encoded = match cached {
+            Some(v) => v,
+            None => self.backend.entries(bounds).map_err(read_logs_error)?,
+        };
+        // openraft's own store (not the replication reader) reads to apply: those entries
+        // are not read again soon.
+        if !self.inflate
+            && let Some((_, end)) = span
+        {
+            self.recent_entries().applied(end);
+        }
+        let mut out = Vec::with_capacity(encoded.len());
+        for v in encoded {
             let mut entry: Entry = crate::codec::decode(&v).map_err(read_logs_error)?;
             if inflate {
                 self.inflate_bodies(&mut entry)?;
@@ -747,12 +779,20 @@ impl RaftLogStorage<QueueRaft> for LogStore {
         I::IntoIter: OptionalSend,
     {
         let (ops, after) = self.prepare(entries).map_err(write_logs_error)?;
+        let cached = Arc::clone(&self.entries);
         let done = move |r: Result<(), LogError>| match r {
             Ok(()) => {
                 after.done();
                 callback.log_io_completed(Ok(()));
             }
-            Err(e) => callback.log_io_completed(Err(std::io::Error::other(e.to_string()))),
+            Err(e) => {
+                // The log does not hold them: neither may the cache.
+                cached
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .clear();
+                callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
+            }
         };
         if self.backend.readable_at_once() {
             // Readable now, durable when `done` is told: openraft replicates the entries
@@ -772,6 +812,7 @@ impl RaftLogStorage<QueueRaft> for LogStore {
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError> {
+        self.recent_entries().truncate(log_id.index);
         self.recent()
             .remove_from(log_id.index.min(u64::MAX >> 16) << 16);
         self.forget_read(|i| i >= log_id.index);
@@ -795,6 +836,7 @@ impl RaftLogStorage<QueueRaft> for LogStore {
         .await
         .map_err(write_logs_error)?;
         self.forget_read(|i| i <= log_id.index);
+        self.recent_entries().applied(log_id.index);
         // Copied out before (compaction), or brought by a snapshot (an install): either way
         // the live bodies of these entries are copies now.
         self.copied(log_id.index, 0);
