@@ -60,6 +60,21 @@ def publish(c, i, q, n, first=0, window=1000):
         safe_close(conn)
 
 
+def publish_confirmed(c, i, q, n, size=BODY):
+    """Publish body(0) .. body(n - 1) to q through node i, each persistent and confirmed
+    before the next: one log entry per message."""
+    import pika
+    conn = c.connect(i)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        props = pika.BasicProperties(delivery_mode=2)
+        for k in range(n):
+            ch.basic_publish("", q, body(k, size), props)
+    finally:
+        safe_close(conn)
+
+
 def drain(c, i, q, total, size=BODY):
     """Consume and ack q through node i until its `total` messages (body(0) ..) have all come,
     each intact and, unless redelivered, once."""
@@ -141,7 +156,6 @@ def test_live_messages_keep_their_bodies_when_their_entries_are_purged(cluster_f
     copied out of the entries first. A follower restarted after that starts from its snapshot
     and the copies, the leader is killed so another member serves, and every body reads back
     intact through each node."""
-    import pika
     c = cluster_factory(3, extra_args=["--quorum-log-pin-max", "0"])
     q = "purged-" + uuid.uuid4().hex[:6]
     declare_quorum(c, 0, q)
@@ -149,15 +163,7 @@ def test_live_messages_keep_their_bodies_when_their_entries_are_purged(cluster_f
     follower = next(i for i in range(3) if i != leader)
     # One entry per message (each publish waits for its confirm): past the first snapshot
     # (5000 entries) and the 1000 a log keeps before it.
-    conn = c.connect(leader)
-    try:
-        ch = conn.channel()
-        ch.confirm_delivery()
-        props = pika.BasicProperties(delivery_mode=2)
-        for k in range(PURGED):
-            ch.basic_publish("", q, body(k), props)
-    finally:
-        safe_close(conn)
+    publish_confirmed(c, leader, q, PURGED)
     for i in range(3):
         eventually(lambda i=i: raft_of(c, i, q).get("purged_index", 0), lambda p: p >= 3000,
                    60, f"n{i + 1} purged past live messages")
@@ -184,7 +190,6 @@ def test_a_member_behind_the_purged_log_gets_the_bodies_streamed_in_a_snapshot(c
     writes the chunks to a file and then the bodies to its log in batches; before, both built
     the whole snapshot in memory (twice the bodies on each). Then the follower serves every
     body intact with the old leader gone."""
-    import pika
     c = cluster_factory(3, extra_args=["--quorum-log-pin-max", "0"])
     q = "sent-" + uuid.uuid4().hex[:6]
     declare_quorum(c, 0, q)
@@ -192,15 +197,7 @@ def test_a_member_behind_the_purged_log_gets_the_bodies_streamed_in_a_snapshot(c
     follower = next(i for i in range(3) if i != leader)
     c.kill9(follower)
     # One entry per message, past the first snapshot (5000 entries) and the 1000 kept before it.
-    conn = c.connect(leader)
-    try:
-        ch = conn.channel()
-        ch.confirm_delivery()
-        props = pika.BasicProperties(delivery_mode=2)
-        for k in range(SENT):
-            ch.basic_publish("", q, body(k, SENT_BODY), props)
-    finally:
-        safe_close(conn)
+    publish_confirmed(c, leader, q, SENT, SENT_BODY)
     eventually(lambda: raft_of(c, leader, q).get("purged_index", 0), lambda p: p >= 3000, 60,
                "the leader's log purged past everything the follower has")
     bodies = SENT * SENT_BODY
@@ -286,22 +283,13 @@ def test_a_cluster_on_redb_restarted_on_the_write_ahead_log_keeps_every_message(
     copies, are killed -9 and started on the default log: each imports its redb log into the
     write-ahead log once (the redb file is gone after), every message reads back intact
     through a new leader, and the queue takes new messages."""
-    import pika
     if "--quorum-log" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", ""):
         pytest.skip("the clusters' log is set for the whole run")
     c = cluster_factory(3, extra_args=["--quorum-log", "redb", "--quorum-log-pin-max", "0"])
     q = "imported-" + uuid.uuid4().hex[:6]
     declare_quorum(c, 0, q)
     leader = c.wait_for_leader(q)
-    conn = c.connect(leader)
-    try:
-        ch = conn.channel()
-        ch.confirm_delivery()
-        props = pika.BasicProperties(delivery_mode=2)
-        for k in range(PURGED):
-            ch.basic_publish("", q, body(k), props)
-    finally:
-        safe_close(conn)
+    publish_confirmed(c, leader, q, PURGED)
     for i in range(3):
         eventually(lambda i=i: raft_of(c, i, q).get("purged_index", 0), lambda p: p >= 3000,
                    60, f"n{i + 1} purged past live messages")
@@ -339,7 +327,6 @@ def test_a_queue_deleted_while_a_node_was_down_leaves_nothing_there(cluster_fact
     write-ahead log keeps nothing of it (with 64 KiB segments and another queue's traffic,
     n3's log comes back within its bound: a group left behind would pin its oldest segment,
     and no replica is there to compact it)."""
-    import pika
     if "--quorum-log redb" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", ""):
         pytest.skip("the write-ahead log's test; the clusters run on redb")
     monkeypatch.setenv("WARREN_WAL_SEGMENT_BYTES", str(WAL_SEGMENT))
@@ -347,13 +334,7 @@ def test_a_queue_deleted_while_a_node_was_down_leaves_nothing_there(cluster_fact
     gone, busy = "deleted-" + uuid.uuid4().hex[:6], "passing-" + uuid.uuid4().hex[:6]
     declare_quorum(c, 0, gone)
     declare_quorum(c, 0, busy)
-    conn = c.connect(c.wait_for_leader(gone))
-    try:
-        ch = conn.channel()
-        ch.confirm_delivery()
-        ch.basic_publish("", gone, body(0), pika.BasicProperties(delivery_mode=2))
-    finally:
-        safe_close(conn)
+    publish_confirmed(c, c.wait_for_leader(gone), gone, 1)
     eventually(lambda: depth_on(c, 2, gone), lambda d: d == 1, 30, "n3 holding the message")
     c.kill9(2)
     c.wait_for_leader(gone, exclude=(2,))
@@ -364,15 +345,7 @@ def test_a_queue_deleted_while_a_node_was_down_leaves_nothing_there(cluster_fact
         safe_close(conn)
     c.start_node(2)
     leader = c.wait_for_leader(busy)
-    conn = c.connect(leader)
-    try:
-        ch = conn.channel()
-        ch.confirm_delivery()
-        props = pika.BasicProperties(delivery_mode=2)
-        for k in range(ROLLED):
-            ch.basic_publish("", busy, body(k), props)
-    finally:
-        safe_close(conn)
+    publish_confirmed(c, leader, busy, ROLLED)
     drain(c, leader, busy, ROLLED)
     eventually(lambda: depth_on(c, 2, busy), lambda d: d == 0, 60, "n3 caught up")
     assert c.queue_info(2, gone) is None, "n3 still lists the deleted queue"

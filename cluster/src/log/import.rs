@@ -154,44 +154,26 @@ fn copy_group(
         }
         writes.send(group, ops);
     }
-    let mut after = None;
-    loop {
-        let rows = read_u64_rows(db, &tables.log, after).map_err(LogError::of)?;
-        let Some(&(last, _)) = rows.last() else { break };
-        after = Some(last);
-        let ops: Vec<Op> = rows
-            .into_iter()
-            // A purge removes its entries in the same transaction: none should be left.
-            .filter(|(index, _)| purged_upto.is_none_or(|p| *index > p))
-            .map(|(index, data)| {
-                imported.entries += 1;
-                imported.bytes += data.len() as u64;
-                Op::Append {
-                    index,
-                    data: Bytes::from(data),
-                }
-            })
-            .collect();
-        writes.send(group, ops);
-    }
-    let mut after = None;
-    loop {
-        let rows = read_u64_rows(db, &tables.bodies, after).map_err(LogError::of)?;
-        let Some(&(last, _)) = rows.last() else { break };
-        after = Some(last);
-        let ops: Vec<Op> = rows
-            .into_iter()
-            .map(|(key, data)| {
-                imported.bodies += 1;
-                imported.bytes += data.len() as u64;
-                Op::Body {
-                    key,
-                    data: Bytes::from(data),
-                }
-            })
-            .collect();
-        writes.send(group, ops);
-    }
+    copy_rows(db, &tables.log, group, writes, |index, data| {
+        // A purge removes its entries in the same transaction: none should be left.
+        if purged_upto.is_some_and(|p| index <= p) {
+            return None;
+        }
+        imported.entries += 1;
+        imported.bytes += data.len() as u64;
+        Some(Op::Append {
+            index,
+            data: Bytes::from(data),
+        })
+    })?;
+    copy_rows(db, &tables.bodies, group, writes, |key, data| {
+        imported.bodies += 1;
+        imported.bytes += data.len() as u64;
+        Some(Op::Body {
+            key,
+            data: Bytes::from(data),
+        })
+    })?;
     let mut ops = Vec::new();
     for (key, slot) in [
         (MetaKey::Vote, MetaSlot::Vote),
@@ -204,6 +186,29 @@ fn copy_group(
     writes.send(group, ops);
     imported.groups += 1;
     Ok(())
+}
+
+/// Queue the rows of table `name` (keyed by u64, in key order) as the ops `op` makes of them,
+/// one write per [`IMPORT_TXN_BYTES`](crate::log::node_log::IMPORT_TXN_BYTES) read.
+fn copy_rows(
+    db: &Database,
+    name: &str,
+    group: u64,
+    writes: &mut Writes<'_>,
+    mut op: impl FnMut(u64, Vec<u8>) -> Option<Op>,
+) -> Result<(), LogError> {
+    let mut after = None;
+    loop {
+        let rows = read_u64_rows(db, name, after).map_err(LogError::of)?;
+        let Some(&(last, _)) = rows.last() else {
+            return Ok(());
+        };
+        after = Some(last);
+        writes.send(
+            group,
+            rows.into_iter().filter_map(|(k, v)| op(k, v)).collect(),
+        );
+    }
 }
 
 /// The rows of meta table `name` (none if it does not exist).
