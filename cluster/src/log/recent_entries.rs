@@ -47,14 +47,17 @@ pub struct RecentEntries {
 impl RecentEntries {
     /// The entry at `index` was appended (replacing any at `index` and after).
     pub fn appended(&mut self, index: u64, entry: Bytes) {
+        self.append_within(index, entry, RECENT_ENTRIES_NODE_BYTES);
+    }
+
+    /// [`RecentEntries::appended`] with `budget` bytes for the whole process.
+    fn append_within(&mut self, index: u64, entry: Bytes, budget: usize) {
         self.truncate(index);
         if !self.entries.is_empty() && self.next() != index {
             self.clear();
         }
         let len = entry.len();
-        if len > RECENT_ENTRY_BYTES
-            || CACHED.fetch_add(len, Ordering::Relaxed) + len > RECENT_ENTRIES_NODE_BYTES
-        {
+        if len > RECENT_ENTRY_BYTES || CACHED.fetch_add(len, Ordering::Relaxed) + len > budget {
             if len <= RECENT_ENTRY_BYTES {
                 CACHED.fetch_sub(len, Ordering::Relaxed);
             }
@@ -170,6 +173,23 @@ mod tests {
         r.appended(7, entry(7));
         assert_eq!(r.get(1, 1), None);
         assert_eq!(r.get(7, 7), Some(vec![entry(7)]));
+    }
+
+    /// Past the process's budget an append is not cached, and the run it would have
+    /// continued is emptied (a hole would break contiguity). Other tests share the counter:
+    /// the budgets here are all or nothing.
+    #[test]
+    fn past_the_process_budget_nothing_is_cached() {
+        let mut r = RecentEntries::default();
+        r.append_within(1, entry(1), usize::MAX);
+        r.append_within(2, entry(2), usize::MAX);
+        assert!(r.get(1, 2).is_some());
+        r.append_within(3, entry(3), 0);
+        assert_eq!(r.get(3, 3), None);
+        assert_eq!(r.get(1, 1), None, "the run is emptied");
+        assert_eq!(r.bytes, 0);
+        r.append_within(4, entry(4), usize::MAX);
+        assert_eq!(r.get(4, 4), Some(vec![entry(4)]), "a new run starts");
     }
 
     #[test]

@@ -481,6 +481,52 @@ mod tests {
         ));
     }
 
+    /// Through a link's read buffer, frames written back to back in one write (as a link
+    /// folds them) come out whole and in order, a frame larger than the buffer included.
+    #[tokio::test]
+    async fn frames_folded_in_one_write_read_through_the_buffer() {
+        let (mut client, server) = pair().await;
+        let mut server = tokio::io::BufReader::with_capacity(LINK_READ_BUFFER, server);
+        let group = GroupId {
+            name: "q".into(),
+            incarnation: 1,
+        };
+        let small = Request::Handover(HandoverRequest::Abstain(7));
+        let mut bytes = Vec::new();
+        for id in 1..=3 {
+            bytes.extend(
+                encode_frame(&EnvelopeRef {
+                    id,
+                    group: &group,
+                    request: &small,
+                })
+                .expect("encodes"),
+            );
+        }
+        // A larger frame: a group name past the buffer's size.
+        let long = GroupId {
+            name: "g".repeat(LINK_READ_BUFFER + 1),
+            incarnation: 2,
+        };
+        bytes.extend(
+            encode_frame(&EnvelopeRef {
+                id: 4,
+                group: &long,
+                request: &small,
+            })
+            .expect("encodes"),
+        );
+        let writer = tokio::spawn(async move {
+            client.write_all(&bytes).await.expect("writes");
+            client
+        });
+        for id in 1..=4 {
+            let e: Envelope = read_frame(&mut server).await.expect("reads");
+            assert_eq!(e.id, id);
+        }
+        drop(writer.await);
+    }
+
     #[test]
     fn a_snapshot_chunk_is_its_bytes_and_a_small_header() {
         let request = InstallSnapshotRequest::<QueueRaft> {
