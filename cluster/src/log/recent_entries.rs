@@ -35,6 +35,15 @@ pub fn cached_bytes() -> usize {
     CACHED.load(Ordering::Relaxed)
 }
 
+/// Count `len` more bytes cached in the process, unless that passes `budget`.
+fn reserve(len: usize, budget: usize) -> bool {
+    if CACHED.fetch_add(len, Ordering::Relaxed) + len > budget {
+        CACHED.fetch_sub(len, Ordering::Relaxed);
+        return false;
+    }
+    true
+}
+
 /// One group's last appended entries.
 #[derive(Debug, Default)]
 pub struct RecentEntries {
@@ -57,10 +66,7 @@ impl RecentEntries {
             self.clear();
         }
         let len = entry.len();
-        if len > RECENT_ENTRY_BYTES || CACHED.fetch_add(len, Ordering::Relaxed) + len > budget {
-            if len <= RECENT_ENTRY_BYTES {
-                CACHED.fetch_sub(len, Ordering::Relaxed);
-            }
+        if len > RECENT_ENTRY_BYTES || !reserve(len, budget) {
             // The run would have a hole: reads of it go to the log.
             self.clear();
             return;

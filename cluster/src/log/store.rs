@@ -703,18 +703,20 @@ impl RaftLogReader<QueueRaft> for LogStore {
             (Bound::Included(s), Bound::Included(e)) => Some((s, e)),
             _ => None,
         };
-        let cached = span.and_then(|(s, e)| self.recent_entries().get(s, e));
+        let cached = span.and_then(|(start, end)| {
+            let mut recent = self.recent_entries();
+            let entries = recent.get(start, end);
+            // openraft's own store (not the replication reader) reads to apply: those
+            // entries are not read again soon.
+            if !self.inflate {
+                recent.applied(end);
+            }
+            entries
+        });
         let encoded = match cached {
             Some(v) => v,
             None => self.backend.entries(bounds).map_err(read_logs_error)?,
         };
-        // openraft's own store (not the replication reader) reads to apply: those entries
-        // are not read again soon.
-        if !self.inflate
-            && let Some((_, end)) = span
-        {
-            self.recent_entries().applied(end);
-        }
         let mut out = Vec::with_capacity(encoded.len());
         for v in encoded {
             let mut entry: Entry = crate::codec::decode(&v).map_err(read_logs_error)?;
