@@ -626,7 +626,10 @@ def group_cpu_s(pgids):
     return total / CLK
 
 
-def run_perf(cluster, key, prefix, extra, queues_of, duration, run):
+def run_perf(cluster, key, prefix, extra, queues_of, duration, run, inspect=None):
+    """Run warren-perf against n1 and measure the cluster's CPU. `inspect(cluster, queues)`,
+    when given, runs after the load and before the queues are deleted; its result is kept in
+    the JSON as `_inspect`."""
     port = cluster.amqp[cluster.nodes[0]]
     out = OUT_DIR / f"{key}-{cluster.name}-{run}.json"
     out.unlink(missing_ok=True)
@@ -654,12 +657,14 @@ def run_perf(cluster, key, prefix, extra, queues_of, duration, run):
         log(f"  warren-perf exited {r.returncode}:\n{r.stdout[-2000:]}")
     queues = queues_of(prefix)
     leaders = cluster.leaders(queues)
+    inspected = inspect(cluster, queues) if inspect else None
     delete_queues(port, queues)
     if not out.exists():
         return None
     j = json.loads(out.read_text())
     j["_leaders"] = leaders
     j["_cpu"] = cpu
+    j["_inspect"] = inspected
     n = j.get("confirmed") or 0
     j["_cluster_cpu_us_per_msg"] = nodes_s / n * 1e6 if n else None
     out.write_text(json.dumps(j, indent=1))

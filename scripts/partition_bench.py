@@ -31,9 +31,25 @@ import cluster_bench as cb  # noqa: E402
 SECTION = "## Partitioned queues and consumer groups on a 3-node cluster (issue 25)"
 
 
-def run(cluster, kind, partitions, duration):
+def log_entries(cluster, queues):
+    """The Raft log entries the partitions' leaders wrote (their last written index)."""
+    total = 0
+    for q in queues:
+        for n in cluster.nodes:
+            try:
+                info = cluster._mgmt_get(n, f"/api/queues/%2F/{q}")
+            except (OSError, ValueError):
+                continue
+            raft = info.get("raft") or {}
+            if raft.get("role") == "leader":
+                total += raft.get("last_written_index", 0)
+                break
+    return total
+
+
+def run(cluster, kind, partitions, duration, producers=None):
     prefix = f"part-{kind}-{partitions}"
-    producers = min(partitions, 4)
+    producers = producers or min(partitions, 4)
     extra = [
         "--exact-name", "--queues", "1", "--producers", str(producers),
         "--consumers", str(partitions), "--key-header", "k", "--keys", "1024",
@@ -42,7 +58,8 @@ def run(cluster, kind, partitions, duration):
         "--consumer-arg", "x-consumer-group=bench", "--confirm", "200", "--prefetch", "500",
     ]
     j = cb.run_perf(cluster, f"{kind}-{partitions}", prefix, extra,
-                    lambda p: [f"{p}-{i}" for i in range(partitions)], duration, 1)
+                    lambda p: [f"{p}-{i}" for i in range(partitions)], duration, 1,
+                    inspect=log_entries if kind == "quorum" else None)
     if j is None:
         return None
     leaders = j.get("_leaders", {})
@@ -58,13 +75,17 @@ def run(cluster, kind, partitions, duration):
         "confirm_p99_ms": (j.get("confirm_latency_us") or {}).get("p99", 0) / 1000,
         "leaders_per_node": per_node,
         "failed": j.get("failed"),
+        # Commands (publishes, settles, ...) are batched into entries: fewer entries per
+        # message, less per-entry Raft work.
+        "log_entries_per_msg": (j["_inspect"] / j["confirmed"]
+                                if j.get("_inspect") and j.get("confirmed") else None),
     }
 
 
 def table(rows):
     lines = [
-        "| type | partitions | producers | published/s | consumed/s | confirm p99 | cluster CPU µs/msg | vs 1 partition | leaders per node (n1/n2/n3) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| type | partitions | producers | published/s | consumed/s | confirm p99 | cluster CPU µs/msg | vs 1 partition | log entries/msg | leaders per node (n1/n2/n3) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     base = {}
     for r in rows:
@@ -73,11 +94,13 @@ def table(rows):
     for r in rows:
         b = base.get(r["kind"])
         ratio = f"{r['cpu_us_per_msg'] / b:.2f}x" if b and r["cpu_us_per_msg"] else "-"
+        e = r.get("log_entries_per_msg")
+        entries = f"{e:.3f}" if e else "-"
         lp = "/".join(str(r["leaders_per_node"].get(n, 0)) for n in ("n1", "n2", "n3"))
         lines.append(
             f"| {r['kind']} | {r['partitions']} | {r['producers']} | {r['published_per_s']:,.0f} | "
             f"{r['consumed_per_s']:,.0f} | {r['confirm_p99_ms']:.1f} ms | "
-            f"{r['cpu_us_per_msg'] or 0:.1f} | {ratio} | {lp} |")
+            f"{r['cpu_us_per_msg'] or 0:.1f} | {ratio} | {entries} | {lp} |")
     return "\n".join(lines)
 
 
@@ -86,6 +109,8 @@ def main():
     ap.add_argument("--duration", type=int, default=15)
     ap.add_argument("--partitions", type=int, nargs="+", default=[1, 3, 6, 12])
     ap.add_argument("--types", nargs="+", default=["quorum", "stream"])
+    ap.add_argument("--producers", type=int, default=None,
+                    help="publishers in every run (default: min(partitions, 4))")
     ap.add_argument("--doc", action="store_true")
     args = ap.parse_args()
     for binary in (cb.WARREN, cb.PERF):
@@ -101,7 +126,7 @@ def main():
                 cluster = cb.WarrenCluster(tmp)
                 cluster.start()
                 try:
-                    r = run(cluster, kind, p, args.duration)
+                    r = run(cluster, kind, p, args.duration, args.producers)
                 finally:
                     cluster.stop()
                 if r:
