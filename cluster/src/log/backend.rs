@@ -171,6 +171,15 @@ pub trait LogBackend: Send + Sync + Debug {
     /// their effects are visible to reads when this returns; otherwise once `done` is told.
     fn write(&self, ops: Vec<LogOp>, done: WriteDone);
 
+    /// Make `ops` durable with a later write (or at close) without waiting, nor asking for a
+    /// sync of their own where the backend can: for records whose loss in a crash costs only
+    /// redone work (the committed index). Visible to reads when this returns with
+    /// [`LogBackend::readable_at_once`], otherwise once written.
+    ///
+    /// # Errors
+    /// When the backend refuses them (it has stopped after a failed write).
+    fn write_lazy(&self, ops: Vec<LogOp>) -> Result<(), LogError>;
+
     /// Whether a write is visible to reads as soon as [`LogBackend::write`] returns (so an
     /// append can return before it is durable, as openraft allows).
     fn readable_at_once(&self) -> bool;
@@ -306,6 +315,20 @@ impl LogBackend for RedbGroup {
         );
     }
 
+    fn write_lazy(&self, ops: Vec<LogOp>) -> Result<(), LogError> {
+        // redb commits each batch it is given: the write is not awaited, that is all. A
+        // failure stops the node log, so the next awaited write reports it.
+        self.write(
+            ops,
+            Box::new(|r| {
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "a lazy log write failed");
+                }
+            }),
+        );
+        Ok(())
+    }
+
     fn readable_at_once(&self) -> bool {
         false
     }
@@ -339,6 +362,44 @@ impl WalGroup {
     #[must_use]
     pub fn new(wal: Arc<Wal>, group: u64) -> Self {
         Self { wal, group }
+    }
+
+    /// `ops` as the WAL's records.
+    fn wal_ops(&self, ops: Vec<LogOp>) -> Vec<Op> {
+        let mut wal_ops = Vec::with_capacity(ops.len());
+        // An append over existing entries replaces them and what follows (as redb's insert
+        // does): the WAL takes only the next index, so the rest is truncated first.
+        let mut next = self.wal.next_index(self.group);
+        for op in ops {
+            match op {
+                LogOp::Append { index, bytes } => {
+                    if next.is_some_and(|n| index < n) {
+                        wal_ops.push(Op::Truncate { from: index });
+                    }
+                    next = Some(index + 1);
+                    wal_ops.push(Op::Append { index, data: bytes });
+                }
+                LogOp::Meta { key, value } => wal_ops.push(Op::Meta {
+                    slot: key.slot(),
+                    value,
+                }),
+                LogOp::Truncate { from } => {
+                    next = next.map(|n| n.min(from));
+                    wal_ops.push(Op::Truncate { from });
+                    let keys = self.wal.body_keys(self.group, first_key(from)..);
+                    if !keys.is_empty() {
+                        wal_ops.push(Op::DropBodies { keys });
+                    }
+                }
+                LogOp::Purge { upto } => {
+                    next = next.map(|n| n.max(upto + 1));
+                    wal_ops.push(Op::Purge { upto });
+                }
+                LogOp::PutBody { key, body } => wal_ops.push(Op::Body { key, data: body }),
+                LogOp::DropBodies(keys) => wal_ops.push(Op::DropBodies { keys }),
+            }
+        }
+        wal_ops
     }
 }
 
@@ -381,44 +442,19 @@ impl LogBackend for WalGroup {
     }
 
     fn write(&self, ops: Vec<LogOp>, done: WriteDone) {
-        let mut wal_ops = Vec::with_capacity(ops.len());
-        // An append over existing entries replaces them and what follows (as redb's insert
-        // does): the WAL takes only the next index, so the rest is truncated first.
-        let mut next = self.wal.next_index(self.group);
-        for op in ops {
-            match op {
-                LogOp::Append { index, bytes } => {
-                    if next.is_some_and(|n| index < n) {
-                        wal_ops.push(Op::Truncate { from: index });
-                    }
-                    next = Some(index + 1);
-                    wal_ops.push(Op::Append { index, data: bytes });
-                }
-                LogOp::Meta { key, value } => wal_ops.push(Op::Meta {
-                    slot: key.slot(),
-                    value,
-                }),
-                LogOp::Truncate { from } => {
-                    next = next.map(|n| n.min(from));
-                    wal_ops.push(Op::Truncate { from });
-                    let keys = self.wal.body_keys(self.group, first_key(from)..);
-                    if !keys.is_empty() {
-                        wal_ops.push(Op::DropBodies { keys });
-                    }
-                }
-                LogOp::Purge { upto } => {
-                    next = next.map(|n| n.max(upto + 1));
-                    wal_ops.push(Op::Purge { upto });
-                }
-                LogOp::PutBody { key, body } => wal_ops.push(Op::Body { key, data: body }),
-                LogOp::DropBodies(keys) => wal_ops.push(Op::DropBodies { keys }),
-            }
-        }
+        let wal_ops = self.wal_ops(ops);
         self.wal.write(
             self.group,
             &wal_ops,
             Box::new(move |r| done(r.map_err(LogError::of))),
         );
+    }
+
+    fn write_lazy(&self, ops: Vec<LogOp>) -> Result<(), LogError> {
+        let wal_ops = self.wal_ops(ops);
+        self.wal
+            .write_lazy(self.group, &wal_ops)
+            .map_err(LogError::of)
     }
 
     fn readable_at_once(&self) -> bool {

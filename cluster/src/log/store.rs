@@ -761,8 +761,19 @@ impl RaftLogStorage<QueueRaft> for LogStore {
         &mut self,
         committed: Option<LogId<NodeId>>,
     ) -> Result<(), StorageError> {
-        self.set_meta(MetaKey::Committed, &committed, ErrorSubject::Store)
-            .await
+        // openraft awaits this before applying each commit. Raft needs no durable commit
+        // index (a restarted node learns it again from a leader; until then it applies less),
+        // so the record rides with the next write instead of a round of its own: on a
+        // lightly loaded group that halves the fdatasyncs and takes one off every commit's
+        // path (docs/storage-format.md).
+        let bytes = serde_json::to_vec(&committed)
+            .map_err(|e| io_error(ErrorSubject::Store, ErrorVerb::Write, &e))?;
+        self.backend
+            .write_lazy(vec![LogOp::Meta {
+                key: MetaKey::Committed,
+                value: bytes.into(),
+            }])
+            .map_err(|e| io_error(ErrorSubject::Store, ErrorVerb::Write, &e))
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError> {

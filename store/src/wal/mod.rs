@@ -66,6 +66,10 @@ pub const WAL_SEGMENT_BYTES_MIN: u64 = 4096;
 /// (back-pressure, never unbounded memory).
 pub const WAL_PENDING_BYTES_MAX: usize = 8 * 1024 * 1024;
 
+/// Bytes of lazy records ([`Wal::write_lazy`]) staged at most before they ask for a round of
+/// their own (so they never fill [`WAL_PENDING_BYTES_MAX`] and hold writes back).
+pub const LAZY_PENDING_BYTES_MAX: usize = WAL_PENDING_BYTES_MAX / 2;
+
 /// How a WAL is laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WalOptions {
@@ -219,8 +223,15 @@ impl State {
         self.tail.len() + self.closed.iter().map(|c| c.bytes.len()).sum::<usize>()
     }
 
+    /// Whether the writer has a round to make: a write waits for one, a sealed segment or a
+    /// freed one waits, or staged bytes pile up. Lazy records alone ask for none (they ride
+    /// with the next write) unless the WAL is closing or they grow past half the bound.
     fn has_work(&self) -> bool {
-        !self.tail.is_empty() || !self.closed.is_empty() || !self.to_free.is_empty()
+        !self.waiting.is_empty()
+            || !self.closed.is_empty()
+            || !self.to_free.is_empty()
+            || (!self.tail.is_empty()
+                && (self.closing || self.pending_bytes() >= LAZY_PENDING_BYTES_MAX))
     }
 
     /// Seal the active segment and start the next, its head carrying every group's state.
@@ -394,6 +405,25 @@ impl Wal {
             }
             Err(e) => done(Err(e)),
         }
+    }
+
+    /// Stage `ops` of `group` without asking for a round of their own: they are visible to
+    /// reads when this returns and become durable with the next round another write asks
+    /// for (or when the WAL closes). For records whose loss in a crash costs only work to
+    /// redo, such as a group's committed index: a round (a pwrite and an fdatasync) for each
+    /// of them would double the rounds of a lightly loaded group. Records staged later are
+    /// never durable before these (the tail is written in order).
+    ///
+    /// # Errors
+    /// As [`Wal::write`]: a refused write stages nothing.
+    pub fn write_lazy(&self, group: u64, ops: &[Op]) -> Result<(), WalError> {
+        let state = self.stage(group, ops)?;
+        let asks = state.has_work();
+        drop(state);
+        if asks {
+            self.shared.work.notify_one();
+        }
+        Ok(())
     }
 
     /// Write `ops` of `group` and wait until they are durable.

@@ -115,6 +115,62 @@ fn writes_are_readable_at_once_and_survive_a_reopen() {
 }
 
 #[test]
+fn a_lazy_write_is_readable_at_once_and_durable_with_the_next_round_or_the_close() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let committed = |wal: &Wal, group| {
+        wal.group(group)
+            .and_then(|g| g.state.meta[MetaSlot::Committed as usize].clone())
+    };
+    {
+        let wal = Wal::open(dir.path(), WalOptions::default()).expect("open");
+        wal.write_and_wait(1, &[append(1, "a")]).expect("append");
+        let rounds = wal.stats().rounds;
+        wal.write_lazy(1, &[meta(MetaSlot::Committed, "c1")])
+            .expect("lazy");
+        assert_eq!(committed(&wal, 1).as_deref(), Some(&b"c1"[..]));
+        // A write of another group's round carries it: one round, not two.
+        wal.write_and_wait(2, &[append(1, "b")]).expect("append");
+        assert_eq!(wal.stats().rounds, rounds + 1);
+        // Refused like any write: nothing staged.
+        assert!(matches!(
+            wal.write_lazy(1, &[append(5, "gap")]),
+            Err(WalError::OutOfOrder { .. })
+        ));
+        // Staged last, made durable by the close.
+        wal.write_lazy(2, &[meta(MetaSlot::Committed, "c2")])
+            .expect("lazy");
+    }
+    let wal = Wal::open(dir.path(), WalOptions::default()).expect("reopen");
+    assert_eq!(committed(&wal, 1).as_deref(), Some(&b"c1"[..]));
+    assert_eq!(committed(&wal, 2).as_deref(), Some(&b"c2"[..]));
+    assert_eq!(wal.last_index(1), Some(1));
+}
+
+#[test]
+fn lazy_writes_past_their_bound_ask_for_a_round_rather_than_hold_writes_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let wal = Arc::new(Wal::open(dir.path(), WalOptions::default()).expect("open"));
+    let w = Arc::clone(&wal);
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Twice WAL_PENDING_BYTES_MAX of lazy records and nothing else: were they never written,
+    // staging would wait for room forever.
+    std::thread::spawn(move || {
+        let value = Bytes::from(vec![7u8; 1024 * 1024]);
+        for _ in 0..(2 * WAL_PENDING_BYTES_MAX) / value.len() {
+            let op = Op::Meta {
+                slot: MetaSlot::Committed,
+                value: value.clone(),
+            };
+            w.write_lazy(3, &[op]).expect("lazy");
+        }
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(60))
+        .expect("lazy writes waited for room the writer never made");
+    assert!(wal.stats().rounds >= 1);
+}
+
+#[test]
 fn an_append_out_of_order_writes_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let wal = Wal::open(dir.path(), WalOptions::default()).expect("open");
