@@ -101,12 +101,17 @@ def run_load(cluster, port, n, prefix, rate, duration):
     cpu0 = cb.group_cpu_s(pgids)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=duration + 300)
     cpu = cb.group_cpu_s(pgids) - cpu0
+    (cb.OUT_DIR / f"{cluster.name}-many-{n}-{rate}.stderr").write_text(r.stderr)
     if r.returncode != 0:
-        # The tasks' own errors come first; the exit's reason last.
+        # The tasks' own errors come first; the exit's reason last (all of it in the
+        # .stderr file beside the JSON).
         err = r.stderr.splitlines()
         shown = "\n".join(err[:20] + (["..."] if len(err) > 25 else []) + err[-5:])
-        cb.log(f"  warren-perf exited {r.returncode}:\n{r.stdout[-2000:]}{shown}")
+        cb.log(f"  warren-perf exited {r.returncode}:\n{shown}")
+    if not out.exists():
         return None
+    # A run where some connections failed still measured the others: its figures are kept,
+    # with how many tasks failed.
     res = json.loads(out.read_text())
     res["cluster_cpu_s"] = cpu
     return res
@@ -190,13 +195,15 @@ def main():
                                 "confirm_p50_ms": (lat.get("p50") or 0) / 1000,
                                 "confirm_p99_ms": (lat.get("p99") or 0) / 1000,
                                 "cpu_us_per_msg": res["cluster_cpu_s"] * 1e6
-                                / max(res["confirmed"], 1)}
+                                / max(res["confirmed"], 1),
+                                "failed_tasks": res.get("failed", 0)}
                         row["load"] = load
                         cb.log(f"  load: offered {offered} msg/s, confirmed "
                                f"{load['confirmed_rate']:.0f} msg/s, nacked {load['nacked']}, "
                                f"confirm p50/p99 {load['confirm_p50_ms']:.1f}/"
                                f"{load['confirm_p99_ms']:.1f} ms, "
-                               f"{load['cpu_us_per_msg']:.1f} µs CPU/msg (3 nodes)")
+                               f"{load['cpu_us_per_msg']:.1f} µs CPU/msg (3 nodes), "
+                               f"{load['failed_tasks']} of {2 * a.queues} client tasks failed")
                 if a.restart and isinstance(cluster, cb.WarrenCluster):
                     row["restart_s"] = restart_node(cluster, cluster.nodes[1], prefix, a.queues)
                 rows.append(row)

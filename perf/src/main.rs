@@ -286,6 +286,10 @@ async fn connect(uri: &str) -> anyhow::Result<Connection> {
 }
 
 async fn declare(args: &Args) -> anyhow::Result<()> {
+    if args.no_declare && !args.purge {
+        // Nothing to do: no connection (a thousand-queue run opens enough of them).
+        return Ok(());
+    }
     let conn = connect(&args.uri).await?;
     let ch = conn.create_channel().await?;
     let arguments = queue_arguments(args)?;
@@ -787,6 +791,8 @@ struct Summary {
     /// With `--connections`: connections held open, and broker RSS growth per connection.
     idle_connections: Option<usize>,
     rss_per_connection_kb: Option<f64>,
+    /// Publisher and consumer tasks that ended in an error (the run exits 1 if any did).
+    failed: usize,
 }
 
 fn per_msg_us(cpu: Option<f64>, messages: u64) -> Option<f64> {
@@ -876,11 +882,19 @@ async fn main() -> anyhow::Result<()> {
             .and_then(|d| per_msg_us(d.broker_cpu_s, d.consumed)),
         idle_connections: None,
         rss_per_connection_kb: None,
+        failed: main.failed + drain.as_ref().map_or(0, |d| d.failed),
     };
     print_table(&summary);
     emit(&args, &serde_json::to_string_pretty(&summary)?)?;
-    let failed = main.failed + drain.as_ref().map_or(0, |d| d.failed);
-    anyhow::ensure!(failed == 0, "{failed} publisher or consumer tasks failed");
+    if summary.failed > 0 {
+        // The figures above stand for what ran; the exit says not everything did (each
+        // task's error is on stderr). A plain message: this is an outcome, not a bug.
+        eprintln!(
+            "warren-perf: {} publisher or consumer tasks failed",
+            summary.failed
+        );
+        std::process::exit(1);
+    }
     Ok(())
 }
 

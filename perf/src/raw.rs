@@ -36,6 +36,20 @@ const WRITE_BATCH: usize = 256 * 1024;
 /// The channel every connection uses.
 const CHANNEL: u16 = 1;
 
+/// Connections in their handshake at once, across the process.
+pub const OPENS_IN_FLIGHT: usize = 64;
+
+/// Handshakes tried for one connection before its task fails.
+pub const OPEN_ATTEMPTS: u32 = 3;
+
+/// Whether `e` is an I/O error (the connection broke), not a protocol one.
+fn is_io(e: &anyhow::Error) -> bool {
+    e.chain()
+        .any(|c| c.downcast_ref::<std::io::Error>().is_some())
+}
+
+static OPENING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(OPENS_IN_FLIGHT);
+
 /// Where and as whom to connect, from an `amqp://user:pass@host:port/vhost` URI.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
@@ -109,6 +123,25 @@ pub struct RawConn {
 impl RawConn {
     /// Connect, authenticate, open the vhost and channel 1.
     pub async fn open(ep: &Endpoint) -> anyhow::Result<Self> {
+        // Thousands of connections opened at once outrun a broker's acceptors: RabbitMQ
+        // closes a connection whose handshake takes longer than its handshake_timeout (10 s).
+        let _opening = OPENING.acquire().await?;
+        let mut attempt = 1;
+        loop {
+            match Self::handshake(ep).await {
+                Ok(c) => return Ok(c),
+                // A reset or refused handshake is the broker shedding load (a client
+                // library's connection recovery would try again too); anything else is not.
+                Err(e) if attempt < OPEN_ATTEMPTS && is_io(&e) => {
+                    eprintln!("warren-perf: opening a connection (attempt {attempt}): {e:#}");
+                    attempt += 1;
+                }
+                Err(e) => return Err(e.context("opening a connection")),
+            }
+        }
+    }
+
+    async fn handshake(ep: &Endpoint) -> anyhow::Result<Self> {
         let stream = TcpStream::connect(&ep.addr)
             .await
             .with_context(|| format!("connecting to {}", ep.addr))?;
@@ -196,7 +229,12 @@ impl RawConn {
                 return Ok(m.class);
             }
             if self.stream.read_buf(&mut self.input).await? == 0 {
-                bail!("connection closed by the broker");
+                // An I/O error, as a reset would be: the broker went away (or shed us).
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "connection closed by the broker",
+                )
+                .into());
             }
         }
     }
@@ -351,14 +389,14 @@ pub async fn producer(
         };
         tokio::select! {
             w = wr.write(out.as_slice()), if out.pending() > 0 => {
-                let n = w?;
+                let n = w.context("publishing")?;
                 if n == 0 {
                     bail!("connection closed by the broker");
                 }
                 out.consume(n);
             }
             r = rd.read_buf(input) => {
-                if r? == 0 {
+                if r.context("reading confirms")? == 0 {
                     bail!("connection closed by the broker");
                 }
                 while let Some(frame) = decode_frame(input, FRAME_MAX)? {
@@ -419,8 +457,8 @@ pub async fn consumer(
         prefetch_count: args.prefetch,
         global: false,
     })));
-    conn.flush().await?;
-    conn.expect(60, 11).await?;
+    conn.flush().await.context("subscribing")?;
+    conn.expect(60, 11).await.context("subscribing")?;
     conn.send(&AMQPClass::Basic(basic::AMQPMethod::Consume(
         basic::Consume {
             queue: queue.into(),
@@ -432,8 +470,8 @@ pub async fn consumer(
             arguments: crate::table(&args.consumer_args)?,
         },
     )));
-    conn.flush().await?;
-    conn.expect(60, 21).await?;
+    conn.flush().await.context("subscribing")?;
+    conn.expect(60, 21).await.context("subscribing")?;
     subscribed.add_permits(1);
     let mut n = 0u64;
     let mut unacked = 0u64;
@@ -445,7 +483,7 @@ pub async fn consumer(
     'run: loop {
         tokio::select! {
             r = conn.stream.read_buf(&mut conn.input) => {
-                if r? == 0 {
+                if r.context("reading deliveries")? == 0 {
                     bail!("connection closed by the broker");
                 }
             }
@@ -508,12 +546,12 @@ pub async fn consumer(
                 }
             }
             if done {
-                conn.flush().await?;
+                conn.flush().await.context("acking")?;
                 break 'run;
             }
         }
         if conn.out.pending() > 0 {
-            conn.flush().await?;
+            conn.flush().await.context("acking")?;
         }
         conn.input.reserve(64 * 1024);
     }
