@@ -316,8 +316,9 @@ impl LogBackend for RedbGroup {
     }
 
     fn write_lazy(&self, ops: Vec<LogOp>) -> Result<(), LogError> {
-        // redb commits each batch it is given: the write is not awaited, that is all. A
-        // failure stops the node log, so the next awaited write reports it.
+        // redb commits each batch it is given: the write is not awaited, that is all. Its
+        // batch's awaited writes report a failure (a batch fails whole); this one is only
+        // logged: a commit index lost costs redone work, not data.
         self.write(
             ops,
             Box::new(|r| {
