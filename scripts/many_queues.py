@@ -92,6 +92,8 @@ def declare_all(port, n, prefix):
 def run_load(cluster, port, n, prefix, rate, duration):
     out = cb.OUT_DIR / f"{cluster.name}-many-{n}-{rate}.json"
     cb.OUT_DIR.mkdir(parents=True, exist_ok=True)
+    # A failed run's figures are kept if it wrote them: never an earlier run's.
+    out.unlink(missing_ok=True)
     cmd = [str(cb.PERF), "--uri", f"amqp://guest:guest@127.0.0.1:{port}/%2F",
            "--no-declare", "--queue", prefix, "--queues", str(n), "--producers", str(n),
            "--consumers", "1", "--rate", str(rate), "--duration", str(duration),

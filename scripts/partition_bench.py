@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import sys
+import urllib.parse
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,7 +38,7 @@ def log_entries(cluster, queues):
     for q in queues:
         for n in cluster.nodes:
             try:
-                info = cluster._mgmt_get(n, f"/api/queues/%2F/{q}")
+                info = cluster._mgmt_get(n, f"/api/queues/%2F/{urllib.parse.quote(q, safe='')}")
             except (OSError, ValueError):
                 continue
             raft = info.get("raft") or {}
