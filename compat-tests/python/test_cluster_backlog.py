@@ -101,6 +101,27 @@ def drain(c, i, q, total, size=BODY):
     assert seen == set(range(total))
 
 
+def read_stream(c, i, q, n):
+    """The first n bodies of stream q, read from its first offset through node i."""
+    conn = c.connect(i)
+    try:
+        ch = conn.channel()
+        ch.basic_qos(prefetch_count=n)
+        got = []
+        deadline = time.monotonic() + 60
+        for _method, _props, data in ch.consume(q, inactivity_timeout=1,
+                                                arguments={"x-stream-offset": "first"}):
+            assert time.monotonic() < deadline, f"{len(got)} of {n} read after 60 s"
+            if data is not None:
+                got.append(data)
+            if len(got) == n:
+                break
+        ch.cancel()
+        return got
+    finally:
+        safe_close(conn)
+
+
 @pytest.mark.timeout(240)
 def test_a_backlog_stays_on_disk_through_a_follower_restart(cluster_factory):
     c = cluster_factory(3)
@@ -234,19 +255,22 @@ def wal_segments(c, i):
 @pytest.mark.timeout(300)
 def test_a_long_wal_makes_the_groups_holding_its_oldest_segment_compact(cluster_factory,
                                                                          monkeypatch):
-    """On the write-ahead log with 64 KiB segments: an idle queue holds one old message
-    while another queue passes 600 x 1 KB through (far below the 5000 entries of a scheduled
-    snapshot). Once a node's WAL holds more than 4 segments, the groups holding its oldest
-    snapshot and purge now, the idle queue's body copied out: every node comes back to at
-    most 5 segments, and the old message reads back intact after a restart of every node."""
+    """On the write-ahead log with 64 KiB segments: an idle queue and an idle stream hold
+    one old message each while another queue passes 600 x 1 KB through (far below the 5000
+    entries of a scheduled snapshot). Once a node's WAL holds more than 4 segments, the groups
+    holding its oldest snapshot and purge now, the idle queue's body copied out (the stream's
+    is in its own files): every node comes back to at most 5 segments, and both old messages
+    read back intact after a restart of every node."""
     import pika
     monkeypatch.setenv("WARREN_WAL_SEGMENT_BYTES", str(WAL_SEGMENT))
     if "--quorum-log redb" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", ""):
         pytest.skip("the write-ahead log's test; the clusters run on redb")
     c = cluster_factory(3)
     idle, busy = "pinning-" + uuid.uuid4().hex[:6], "passing-" + uuid.uuid4().hex[:6]
+    stream = "pinning-stream-" + uuid.uuid4().hex[:6]
     declare_quorum(c, 0, idle)
     declare_quorum(c, 0, busy)
+    declare_quorum(c, 0, stream, arguments={"x-queue-type": "stream"})
     leader = c.wait_for_leader(busy)
     conn = c.connect(leader)
     try:
@@ -254,6 +278,7 @@ def test_a_long_wal_makes_the_groups_holding_its_oldest_segment_compact(cluster_
         ch.confirm_delivery()
         props = pika.BasicProperties(delivery_mode=2)
         ch.basic_publish("", idle, body(0), props)
+        ch.basic_publish("", stream, body(1), props)
         for k in range(ROLLED):
             ch.basic_publish("", busy, body(k), props)
     finally:
@@ -264,15 +289,22 @@ def test_a_long_wal_makes_the_groups_holding_its_oldest_segment_compact(cluster_
     # entries (a log keeps 1000 before a snapshot, taken every 5000).
     for i in range(3):
         eventually(lambda i=i: (len(wal_segments(c, i)),
-                                raft_of(c, i, idle).get("purged_index", 0)),
-                   lambda v: v[0] <= WAL_SEGMENTS_SOFT_MAX + 1 and v[1] > 0,
-                   60, f"n{i + 1}'s WAL back within its bound, the idle queue's log purged")
+                                raft_of(c, i, idle).get("purged_index", 0),
+                                raft_of(c, i, stream).get("purged_index", 0)),
+                   lambda v: v[0] <= WAL_SEGMENTS_SOFT_MAX + 1 and v[1] > 0 and v[2] > 0,
+                   60, f"n{i + 1}'s WAL back within its bound, the idle logs purged")
+        assert not list((c.nodes[i].data_dir / "cluster" / "queues").glob("*.redb")), \
+            f"n{i + 1}: the stream's log is in the write-ahead log, not a file of its own"
     c.kill_all()
     c.restart_all()
     for i in range(3):
         eventually(lambda i=i: depth_on(c, i, idle), lambda d: d == 1, 60,
                    f"n{i + 1} holding the idle queue's message")
+        eventually(lambda i=i: depth_on(c, i, stream), lambda d: d == 1, 60,
+                   f"n{i + 1} holding the stream's message")
     drain(c, c.wait_for_leader(idle), idle, 1)
+    got = read_stream(c, c.wait_for_leader(stream), stream, 1)
+    assert got == [body(1)]
 
 
 @pytest.mark.timeout(300)
@@ -282,7 +314,8 @@ def test_a_cluster_on_redb_restarted_on_the_write_ahead_log_keeps_every_message(
     issue 42 step 4), with the log purged past live messages so some bodies exist only as
     copies, are killed -9 and started on the default log: each imports its redb log into the
     write-ahead log once (the redb file is gone after), every message reads back intact
-    through a new leader, and the queue takes new messages."""
+    through a new leader, and the queue takes new messages. A stream's log (a redb file of
+    its own there) comes over too: its messages read back and it takes new ones."""
     if "--quorum-log" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", ""):
         pytest.skip("the clusters' log is set for the whole run")
     c = cluster_factory(3, extra_args=["--quorum-log", "redb", "--quorum-log-pin-max", "0"])
@@ -290,11 +323,19 @@ def test_a_cluster_on_redb_restarted_on_the_write_ahead_log_keeps_every_message(
     declare_quorum(c, 0, q)
     leader = c.wait_for_leader(q)
     publish_confirmed(c, leader, q, PURGED)
+    stream = "imported-stream-" + uuid.uuid4().hex[:6]
+    declare_quorum(c, 0, stream, arguments={"x-queue-type": "stream"})
+    publish_confirmed(c, c.wait_for_leader(stream), stream, 5)
     for i in range(3):
         eventually(lambda i=i: raft_of(c, i, q).get("purged_index", 0), lambda p: p >= 3000,
                    60, f"n{i + 1} purged past live messages")
-    redb = [c.nodes[i].data_dir / "cluster" / "queues" / "raft-log.redb" for i in range(3)]
+        eventually(lambda i=i: depth_on(c, i, stream), lambda d: d == 5, 60,
+                   f"n{i + 1} holding the stream")
+    queues = [c.nodes[i].data_dir / "cluster" / "queues" for i in range(3)]
+    redb = [d / "raft-log.redb" for d in queues]
     assert all(p.exists() for p in redb)
+    assert all(len(list(d.glob("*.redb"))) == 2 for d in queues), \
+        "on redb a stream's log is a file of its own"
 
     c.kill_all()
     c.extra_args = [a for a in c.extra_args if a not in ("--quorum-log", "redb")]
@@ -302,10 +343,14 @@ def test_a_cluster_on_redb_restarted_on_the_write_ahead_log_keeps_every_message(
     for i in range(3):
         eventually(lambda i=i: depth_on(c, i, q), lambda d: d == PURGED, 120,
                    f"n{i + 1} holding the queue after the import")
-        assert not redb[i].exists(), f"n{i + 1} kept its redb log"
+        eventually(lambda i=i: depth_on(c, i, stream), lambda d: d == 5, 60,
+                   f"n{i + 1} holding the stream after the import")
+        assert not list(queues[i].glob("*.redb")), f"n{i + 1} kept a redb log"
         assert wal_segments(c, i), f"n{i + 1} has no write-ahead log"
         text = c.nodes[i].log_path.read_text(errors="replace")
         assert "imported the quorum queues' redb log into the write-ahead log" in text
+        assert "imported the stream's log into the write-ahead log" in text
+    assert read_stream(c, c.wait_for_leader(stream), stream, 5) == [body(k) for k in range(5)]
     # Through another leader, so the bodies are read from a second node's imported copies.
     old = c.wait_for_leader(q)
     c.kill9(old)
@@ -314,9 +359,12 @@ def test_a_cluster_on_redb_restarted_on_the_write_ahead_log_keeps_every_message(
     drain(c, serving, q, PURGED)
     c.start_node(old)
     publish(c, serving, q, 10, first=PURGED)
+    publish_confirmed(c, serving, stream, 3)
     for i in range(3):
         eventually(lambda i=i: depth_on(c, i, q), lambda d: d == 10, 60,
                    f"n{i + 1} holding the new messages")
+        eventually(lambda i=i: depth_on(c, i, stream), lambda d: d == 8, 60,
+                   f"n{i + 1} holding the stream's new messages")
 
 
 @pytest.mark.timeout(300)

@@ -1,10 +1,11 @@
-//! Where a node keeps its quorum queues' Raft logs: the node's write-ahead log
+//! Where a node keeps its quorum queues' and streams' Raft logs: the node's write-ahead log
 //! (`queues/wal/`, the default) or the node-wide redb log (`queues/raft-log.redb`), chosen
-//! by `--quorum-log` ([`QueueLogKind`]). Both hold every group of the node in one file set
-//! written by one thread (group commit).
+//! by `--quorum-log` ([`QueueLogKind`]). Both hold every quorum queue group of the node in
+//! one file set written by one thread (group commit); the WAL holds the streams' groups too,
+//! where redb leaves each stream a file of its own.
 //!
 //! A node starting on the WAL with logs in redb imports them first ([`crate::log::import`]):
-//! the node-wide file at open, a queue's own file of the older layout when its group opens.
+//! the node-wide file at open, a queue's or a stream's own file when its group opens.
 //! The other way is refused: a node whose WAL holds groups does not start on redb, which
 //! would start those queues with empty logs (their votes forgotten).
 
@@ -157,6 +158,32 @@ impl QueueLogs {
         }
     }
 
+    /// The log of stream group `incarnation`: a group of the WAL, its entries kept whole
+    /// (a stream's own file at `old`, the layout before, imported first); on redb the
+    /// stream's own file at `old`, as before the WAL (a stream's entries are large and read
+    /// back by replication: a file of its own keeps them out of the node-wide log's cache).
+    ///
+    /// # Errors
+    /// When the import or the opening fails.
+    pub fn stream(&self, incarnation: u64, old: &Path, stream: &str) -> Result<LogStore, LogError> {
+        match self {
+            Self::Redb(_) => LogStore::open(old),
+            Self::Wal(wal) => {
+                if import::queue_file_into_wal(old, wal, incarnation)? {
+                    tracing::info!(%stream, "imported the stream's log into the write-ahead log");
+                }
+                LogStore::stream_in_wal(wal, incarnation)
+            }
+        }
+    }
+
+    /// Whether streams' logs are groups of this log ([`QueueLogs::stream`]), dropped with
+    /// [`QueueLogs::drop_group`] rather than removed as files.
+    #[must_use]
+    pub fn holds_streams(&self) -> bool {
+        matches!(self, Self::Wal(_))
+    }
+
     /// The groups (by incarnation) to compact now: those pinning the oldest segment of a WAL
     /// that holds more than [`WAL_SEGMENTS_SOFT_MAX`] (none for redb, whose pages are reused
     /// as groups purge).
@@ -198,7 +225,12 @@ impl QueueLogs {
 
 #[cfg(test)]
 mod tests {
+    use openraft::RaftLogReader;
+    use openraft::Vote;
+    use openraft::storage::RaftLogStorage;
+
     use super::*;
+    use crate::log::store::tests::{bodies_of, enqueue, entry, record};
 
     /// A node moving from redb to the WAL keeps its groups; moving back is refused rather
     /// than starting its queues on empty logs.
@@ -238,6 +270,59 @@ mod tests {
         assert!(
             e.to_string().contains("--quorum-log redb cannot read them"),
             "{e}"
+        );
+    }
+
+    /// A stream's own log file (the layout before streams joined the write-ahead log) comes
+    /// over as its group once, vote and entries whole, and the file is gone; on redb a
+    /// stream keeps its own file.
+    #[tokio::test]
+    async fn a_streams_own_file_comes_over_into_the_wal_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = dir.path().join("0000000000000007.redb");
+        let vote = Vote::new(3, 2);
+        {
+            let logs = QueueLogs::open(QueueLogKind::Redb, dir.path()).unwrap();
+            assert!(!logs.holds_streams());
+            let mut store = logs.stream(7, &old, "s").unwrap();
+            store
+                .append_now(vec![
+                    entry(1, vec![enqueue("one")]),
+                    entry(2, vec![enqueue("two"), enqueue("three")]),
+                ])
+                .unwrap();
+            store.save_vote(&vote).await.unwrap();
+        }
+        assert!(old.exists(), "on redb a stream's log is a file of its own");
+        let logs = QueueLogs::open(QueueLogKind::Wal, dir.path()).unwrap();
+        assert!(logs.holds_streams());
+        let mut store = logs.stream(7, &old, "s").unwrap();
+        assert!(!old.exists(), "the imported file is removed");
+        assert_eq!(store.read_vote().await.unwrap(), Some(vote));
+        let got = store.try_get_log_entries(1..3).await.unwrap();
+        assert_eq!(bodies_of(&got[0]), vec![Some(record("one"))]);
+        assert_eq!(
+            bodies_of(&got[1]),
+            vec![Some(record("two")), Some(record("three"))]
+        );
+        store
+            .append_now(vec![entry(3, vec![enqueue("four")])])
+            .unwrap();
+        drop(store);
+        drop(logs);
+        // Read back from the WAL's files alone (no file to import any more).
+        let logs = QueueLogs::open(QueueLogKind::Wal, dir.path()).unwrap();
+        let mut store = logs.stream(7, &old, "s").unwrap();
+        let got = store.try_get_log_entries(1..4).await.unwrap();
+        assert_eq!(got.len(), 3);
+        assert_eq!(bodies_of(&got[2]), vec![Some(record("four"))]);
+        logs.drop_group(7).unwrap();
+        let QueueLogs::Wal(wal) = &logs else {
+            panic!("asked for the WAL");
+        };
+        assert!(
+            wal.groups().is_empty(),
+            "a deleted stream's group is dropped"
         );
     }
 }

@@ -6,8 +6,10 @@
 //!
 //! The quorum queues of a node share one database ([`LogStore::in_node_log`]): a group is
 //! three tables in it, and the writer commits the writes of every group that has some ready in
-//! one transaction (one fsync). A stream's log and the metadata's have a database each
-//! ([`LogStore::open`]).
+//! one transaction (one fsync). The metadata's log has a database of its own
+//! ([`LogStore::open`]), as a stream's has when the node's queue logs are in redb; on the
+//! write-ahead log (the default) a stream's log is a group of it too
+//! ([`LogStore::stream_in_wal`]).
 //!
 //! Entries are stored in the binary [`codec`](crate::codec), one redb value each; the small
 //! metadata values are JSON.
@@ -233,6 +235,15 @@ impl LogStore {
     /// When its metadata does not decode.
     pub fn in_wal(wal: &Arc<Wal>, group: u64) -> Result<Self, LogError> {
         Self::over(Arc::new(WalGroup::new(Arc::clone(wal), group)), true)
+    }
+
+    /// The log of stream group `group` in the node's write-ahead log `wal`, entries kept
+    /// whole (a stream's messages are read from its own files, not from its log).
+    ///
+    /// # Errors
+    /// When its metadata does not decode.
+    pub fn stream_in_wal(wal: &Arc<Wal>, group: u64) -> Result<Self, LogError> {
+        Self::over(Arc::new(WalGroup::new(Arc::clone(wal), group)), false)
     }
 
     /// A log over `backend`: a quorum queue's (`queue`) or another.
@@ -864,7 +875,7 @@ impl RaftLogStorage<QueueRaft> for LogStore {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::unwrap_used)] // Tests: a failed unwrap is a failed test.
 
     use openraft::{CommittedLeaderId, EntryPayload};
@@ -873,7 +884,7 @@ mod tests {
     use super::*;
     use crate::types::{QueueRequest, ReplicatedMessage};
 
-    fn record(text: &str) -> Vec<u8> {
+    pub(crate) fn record(text: &str) -> Vec<u8> {
         let m = warren_broker::message::Message {
             exchange: String::new(),
             routing_key: "q".into(),
@@ -887,7 +898,7 @@ mod tests {
         warren_broker::message::codec::encode_message(&m)
     }
 
-    fn enqueue(text: &str) -> Command<ReplicatedMessage> {
+    pub(crate) fn enqueue(text: &str) -> Command<ReplicatedMessage> {
         Command::Enqueue(ReplicatedMessage {
             body: record(text),
             priority: 0,
@@ -895,7 +906,7 @@ mod tests {
         })
     }
 
-    fn entry(index: u64, commands: Vec<Command<ReplicatedMessage>>) -> Entry {
+    pub(crate) fn entry(index: u64, commands: Vec<Command<ReplicatedMessage>>) -> Entry {
         Entry {
             log_id: LogId::new(CommittedLeaderId::new(1, 1), index),
             payload: EntryPayload::Normal(QueueRequest {
@@ -907,7 +918,7 @@ mod tests {
     }
 
     /// The bodies of an entry's enqueues, in command order (None: not an enqueue).
-    fn bodies_of(e: &Entry) -> Vec<Option<Vec<u8>>> {
+    pub(crate) fn bodies_of(e: &Entry) -> Vec<Option<Vec<u8>>> {
         let EntryPayload::Normal(req) = &e.payload else {
             return Vec::new();
         };

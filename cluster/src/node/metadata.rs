@@ -80,7 +80,7 @@ impl ClusterNode {
         let path = self.queue_log_path(incarnation);
         let snapshot = self.queue_snapshot_path(incarnation);
         let queue_logs = Arc::clone(&self.queue_logs);
-        let in_node_log = !replica.queue.is_stream;
+        let in_node_log = !replica.queue.is_stream || queue_logs.holds_streams();
         tokio::spawn(async move {
             if let Some(raft) = raft {
                 let _ = raft.shutdown().await;

@@ -92,9 +92,10 @@ impl ClusterNode {
         };
         let path = self.queue_log_path(incarnation);
         // A quorum queue's bodies stay in its log ([`LogBodies`]), in the node-wide log (a
-        // file of its own before: imported once); a stream's chunks are in its files.
+        // file of its own before: imported once); a stream's chunks are in its files, its
+        // log beside the queues' on the WAL (a file of its own on redb).
         let log = if queue.is_stream {
-            LogStore::open(&path)
+            self.queue_logs.stream(incarnation, &path, &record.name)
         } else {
             self.queue_logs.group(incarnation, &path, &record.name)
         }
@@ -784,8 +785,8 @@ impl QueueReplica {
         self.compact_log_keeping(QUEUE_LOG_KEEP, pin_max).await;
     }
 
-    /// Snapshot now and purge the whole log up to the snapshot, the live messages' bodies
-    /// copied out: asked of the groups pinning the oldest segment of a WAL that holds too many
+    /// Snapshot now and purge the whole log up to the snapshot, a quorum queue's live
+    /// messages' bodies copied out: asked of the groups (quorum queues and streams) pinning the oldest segment of a WAL that holds too many
     /// (`QueueLogs::pinning_groups`), so one idle queue with old entries does not keep every
     /// newer segment on disk.
     pub(super) async fn compact_log_now(&self) {
@@ -812,6 +813,15 @@ impl QueueReplica {
                 tracing::warn!(queue = %self.queue.name, "no snapshot in time: the log is not purged");
                 return;
             }
+        }
+        if self.bodies.is_none() {
+            // A stream: its chunks are in its files and its snapshot points into them, so
+            // the whole log up to the snapshot goes (no body to copy out).
+            let snapshot = raft.metrics().borrow().snapshot.map(|l| l.index);
+            if let Some(upto) = snapshot {
+                let _ = raft.trigger().purge_log(upto).await;
+            }
+            return;
         }
         self.compact_log_keeping(0, 0).await;
     }
