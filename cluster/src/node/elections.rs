@@ -67,6 +67,44 @@ struct Watch {
     seen: u64,
 }
 
+/// What the watch knows of the peers at one look, read once for every group: a look at a
+/// thousand groups would otherwise take the node-wide liveness and link tables' locks (and
+/// read the clock) a few thousand times.
+pub(super) struct Peers {
+    now: Instant,
+    /// Since when this node runs (a peer never heard from is silent since then).
+    started: Instant,
+    heard: HashMap<NodeId, Instant>,
+    dialled: HashMap<NodeId, u64>,
+}
+
+impl Peers {
+    /// The peers as `node` knows them now.
+    fn of(node: &ClusterNode, now: Instant) -> Self {
+        Self {
+            now,
+            started: node.started,
+            heard: tcp::heard(),
+            dialled: node.groups.links_accepted_by_peer(),
+        }
+    }
+
+    /// How long peer `id` had been silent at this look (never heard from: since this node
+    /// started); `me` is never silent.
+    fn silence(&self, me: NodeId, id: NodeId) -> Duration {
+        if id == me {
+            return Duration::ZERO;
+        }
+        let since = self.heard.get(&id).copied().unwrap_or(self.started);
+        self.now.saturating_duration_since(since)
+    }
+
+    /// How many links peer `id` had opened to this node by this look.
+    fn dialled(&self, id: NodeId) -> u64 {
+        self.dialled.get(&id).copied().unwrap_or(0)
+    }
+}
+
 /// Watch every group served here until the node is gone.
 pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
     let mut tick = tokio::time::interval(TICK);
@@ -78,6 +116,7 @@ pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
             return;
         };
         let now = Instant::now();
+        let peers = Peers::of(&node, now);
         for replica in node.replicas() {
             let incarnation = replica.group.incarnation;
             let watch = watches.entry(incarnation).or_insert_with(|| Watch {
@@ -91,7 +130,7 @@ pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
                 seen: ticks,
             });
             watch.seen = ticks;
-            node.look_after(&replica, watch, now);
+            node.look_after(&replica, watch, &peers);
         }
         // Groups no longer served here drop out.
         watches.retain(|_, w| w.seen == ticks);
@@ -163,10 +202,11 @@ type QueueRaftHandle = openraft::Raft<crate::types::QueueRaft>;
 impl ClusterNode {
     /// One look at `replica`'s group: as its leader, send a heartbeat if a follower waits; as
     /// a voter without a live leader for its election timeout, stand for election.
-    fn look_after(&self, replica: &QueueReplica, watch: &mut Watch, now: Instant) {
+    fn look_after(&self, replica: &QueueReplica, watch: &mut Watch, peers: &Peers) {
         let Some(raft) = replica.raft.get() else {
             return;
         };
+        let now = peers.now;
         let look = Look::of(raft, self.me);
         if look.leads {
             watch.leaderless_since = None;
@@ -174,7 +214,7 @@ impl ClusterNode {
             // A leader handing over (or changing its voters) holds its heartbeats: the other
             // voters' leases must run out for the target's election.
             let changing = replica.changing.load(std::sync::atomic::Ordering::Acquire);
-            if self.follower_waits(raft, &look, watch, now) && !changing {
+            if self.follower_waits(raft, &look, watch, peers) && !changing {
                 let raft = raft.clone();
                 tokio::spawn(async move {
                     let _ = raft.trigger().heartbeat().await;
@@ -188,7 +228,7 @@ impl ClusterNode {
         let live_leader = look.leader;
         // Abstention asked last: most looks end before it.
         if !look.votes
-            || live_leader.is_some_and(|l| self.silence(l) < watch.timeout)
+            || live_leader.is_some_and(|l| peers.silence(self.me, l) < watch.timeout)
             || self.groups.abstaining(&replica.group)
         {
             watch.leaderless_since = None;
@@ -202,10 +242,10 @@ impl ClusterNode {
         // when this watch first saw none.
         let since = *watch.leaderless_since.get_or_insert_with(|| {
             live_leader
-                .and_then(|l| now.checked_sub(self.silence(l)))
+                .and_then(|l| now.checked_sub(peers.silence(self.me, l)))
                 .unwrap_or(now)
         });
-        if now.duration_since(since) < watch.timeout || !self.hears_majority(&voters(raft)) {
+        if now.duration_since(since) < watch.timeout || !self.hears_majority(&voters(raft), peers) {
             return;
         }
         watch.attempts += 1;
@@ -234,9 +274,12 @@ impl ClusterNode {
     /// Whether a majority of `voters` is heard from (this node included): a replica cut off
     /// from most of its group does not campaign (each attempt raises the term, and a higher
     /// term deposes the leader once the partition heals).
-    fn hears_majority(&self, voters: &[NodeId]) -> bool {
+    fn hears_majority(&self, voters: &[NodeId], peers: &Peers) -> bool {
         let min = Duration::from_millis(self.queue_raft_config.election_timeout_min);
-        let heard = voters.iter().filter(|v| self.silence(**v) < min).count();
+        let heard = voters
+            .iter()
+            .filter(|v| peers.silence(self.me, **v) < min)
+            .count();
         heard * 2 > voters.len()
     }
 
@@ -261,8 +304,9 @@ impl ClusterNode {
         raft: &QueueRaftHandle,
         look: &Look,
         watch: &mut Watch,
-        now: Instant,
+        peers: &Peers,
     ) -> bool {
+        let now = peers.now;
         let mut send = false;
         let (index, since, sent) = &mut watch.settled;
         if *index != look.last_log_index {
@@ -281,7 +325,7 @@ impl ClusterNode {
                 continue;
             }
             let matched = &matched.map(|l| l.index);
-            let dialled = self.groups.links_accepted(*peer);
+            let dialled = peers.dialled(*peer);
             if watch
                 .dialled
                 .insert(*peer, dialled)
@@ -295,7 +339,7 @@ impl ClusterNode {
             };
             watch.matched.insert(*peer, (*matched, since));
             let behind = *matched < look.last_log_index;
-            let alive = self.silence(*peer) < STUCK_AFTER;
+            let alive = peers.silence(self.me, *peer) < STUCK_AFTER;
             if behind && alive && now.duration_since(since) >= STUCK_AFTER {
                 // Looked at again only after another STUCK_AFTER.
                 watch.matched.insert(*peer, (*matched, now));

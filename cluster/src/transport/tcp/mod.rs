@@ -111,6 +111,13 @@ pub fn silent_for(peer: NodeId) -> Option<std::time::Duration> {
         .map(std::time::Instant::elapsed)
 }
 
+/// When each peer was last heard from, read at once (a watch looking at many groups reads
+/// this once per look rather than once per group).
+#[must_use]
+pub fn heard() -> HashMap<NodeId, std::time::Instant> {
+    HEARD.lock().unwrap_or_else(PoisonError::into_inner).clone()
+}
+
 /// TLS on the cluster port: every node presents a certificate and verifies its peers' against
 /// the cluster's CA, both ways (the shared secret still authenticates each connection; TLS
 /// adds confidentiality and keeps nodes without the CA's certificate out).

@@ -146,6 +146,15 @@ impl Groups {
             .unwrap_or(0)
     }
 
+    /// [`Groups::links_accepted`] of every peer at once.
+    #[must_use]
+    pub fn links_accepted_by_peer(&self) -> HashMap<NodeId, u64> {
+        self.accepted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
     /// Whether this node's replica of group `id` abstains from elections now (its leader,
     /// handing over, asked it to).
     #[must_use]
