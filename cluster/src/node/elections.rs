@@ -37,7 +37,8 @@ use super::config::fnv1a;
 use super::replicas::QueueReplica;
 
 /// How often the watch looks at every group served here. A look reads the group's metrics
-/// (no call into its Raft core, no message).
+/// only when they changed since the last (no call into its Raft core, no message), and a
+/// leader whose followers have all of its log is passed over until they change.
 pub(super) const TICK: Duration = Duration::from_millis(200);
 
 /// A leader retries a follower that made no progress for this long (openraft retries a
@@ -65,6 +66,15 @@ struct Watch {
     settled: (Option<u64>, Instant, bool),
     /// The watch's tick that last saw the group served here (groups not seen drop out).
     seen: u64,
+    /// The group's metrics, read again only when they changed (an idle group's change only
+    /// on openraft's tick, every 1.5 s, while the watch looks every [`TICK`]).
+    metrics: Option<MetricsReceiver>,
+    /// What the last read of the metrics said.
+    look: Option<Look>,
+    /// As leader: at the last full look nothing was to be sent (every follower had all of
+    /// the log, the commit point's heartbeat had gone out). With the metrics unchanged and
+    /// no member dialled in again since, the next look would find the same: it is skipped.
+    quiet: bool,
 }
 
 /// What the watch knows of the peers at one look, read once for every group: a look at a
@@ -76,6 +86,9 @@ pub(super) struct Peers {
     started: Instant,
     heard: HashMap<NodeId, Instant>,
     dialled: HashMap<NodeId, u64>,
+    /// Whether a peer opened a link to this node since the previous look (it restarted or
+    /// reconnected: every leader looks at its group in full).
+    redialled: bool,
 }
 
 impl Peers {
@@ -86,6 +99,7 @@ impl Peers {
             started: node.started,
             heard: tcp::heard(),
             dialled: node.groups.links_accepted_by_peer(),
+            redialled: true,
         }
     }
 
@@ -110,13 +124,16 @@ pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut watches: HashMap<u64, Watch> = HashMap::new();
+    let mut dialled_before: HashMap<NodeId, u64> = HashMap::new();
     for ticks in 1u64.. {
         tick.tick().await;
         let Some(node) = weak.upgrade() else {
             return;
         };
         let now = Instant::now();
-        let peers = Peers::of(&node, now);
+        let mut peers = Peers::of(&node, now);
+        peers.redialled = peers.dialled != dialled_before;
+        dialled_before.clone_from(&peers.dialled);
         for replica in node.replicas() {
             let incarnation = replica.group.incarnation;
             let watch = watches.entry(incarnation).or_insert_with(|| Watch {
@@ -128,6 +145,9 @@ pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
                 dialled: HashMap::new(),
                 settled: (None, now, true),
                 seen: ticks,
+                metrics: None,
+                look: None,
+                quiet: false,
             });
             watch.seen = ticks;
             node.look_after(&replica, watch, &peers);
@@ -162,7 +182,12 @@ fn election_timeout(
     Duration::from_millis(min_ms + fnv1a(&seed) % span)
 }
 
+/// A group's metrics as openraft publishes them.
+type MetricsReceiver =
+    tokio::sync::watch::Receiver<openraft::RaftMetrics<NodeId, openraft::BasicNode>>;
+
 /// What one group's metrics say, read at once (no allocation: most looks end here).
+#[derive(Debug, Clone, Copy)]
 struct Look {
     leads: bool,
     votes: bool,
@@ -172,9 +197,7 @@ struct Look {
 }
 
 impl Look {
-    fn of(raft: &QueueRaftHandle, me: NodeId) -> Self {
-        let m = raft.metrics();
-        let m = m.borrow();
+    fn of(m: &openraft::RaftMetrics<NodeId, openraft::BasicNode>, me: NodeId) -> Self {
         let membership = m.membership_config.membership();
         Self {
             leads: m.state == ServerState::Leader,
@@ -207,14 +230,27 @@ impl ClusterNode {
             return;
         };
         let now = peers.now;
-        let look = Look::of(raft, self.me);
+        let metrics = watch.metrics.get_or_insert_with(|| raft.metrics());
+        // A closed channel (the group shut down) reads as changed: looked at in full.
+        let changed = metrics.has_changed().unwrap_or(true);
+        let look = match watch.look {
+            Some(look) if !changed => look,
+            _ => {
+                let look = Look::of(&metrics.borrow_and_update(), self.me);
+                watch.look = Some(look);
+                look
+            }
+        };
         if look.leads {
             watch.leaderless_since = None;
             stop_retrying(raft, watch);
+            if watch.quiet && !changed && !peers.redialled {
+                return;
+            }
             // A leader handing over (or changing its voters) holds its heartbeats: the other
             // voters' leases must run out for the target's election.
             let changing = replica.changing.load(std::sync::atomic::Ordering::Acquire);
-            if self.follower_waits(raft, &look, watch, peers) && !changing {
+            if self.follower_waits(&look, watch, peers) && !changing {
                 let raft = raft.clone();
                 tokio::spawn(async move {
                     let _ = raft.trigger().heartbeat().await;
@@ -225,6 +261,7 @@ impl ClusterNode {
         watch.matched.clear();
         watch.dialled.clear();
         watch.settled = (None, now, true);
+        watch.quiet = false;
         let live_leader = look.leader;
         // Abstention asked last: most looks end before it.
         if !look.votes
@@ -299,13 +336,7 @@ impl ClusterNode {
     /// moved for [`STUCK_AFTER`] since it last did: openraft sends each commit point once,
     /// and one lost on a broken link would leave the followers' queues a write behind until
     /// the next). Updates `watch`.
-    fn follower_waits(
-        &self,
-        raft: &QueueRaftHandle,
-        look: &Look,
-        watch: &mut Watch,
-        peers: &Peers,
-    ) -> bool {
+    fn follower_waits(&self, look: &Look, watch: &mut Watch, peers: &Peers) -> bool {
         let now = peers.now;
         let mut send = false;
         let (index, since, sent) = &mut watch.settled;
@@ -315,9 +346,15 @@ impl ClusterNode {
             *sent = true;
             send = true;
         }
-        let metrics = raft.metrics();
-        let metrics = metrics.borrow();
+        // Quiet unless a follower turns out behind below (or the heartbeat is still due).
+        let mut quiet = *sent;
+        let Some(receiver) = watch.metrics.as_ref() else {
+            watch.quiet = false;
+            return send;
+        };
+        let metrics = receiver.borrow();
         let Some(replication) = metrics.replication.as_ref() else {
+            watch.quiet = quiet;
             return send;
         };
         for (peer, matched) in replication {
@@ -339,6 +376,7 @@ impl ClusterNode {
             };
             watch.matched.insert(*peer, (*matched, since));
             let behind = *matched < look.last_log_index;
+            quiet &= !behind;
             let alive = peers.silence(self.me, *peer) < STUCK_AFTER;
             if behind && alive && now.duration_since(since) >= STUCK_AFTER {
                 // Looked at again only after another STUCK_AFTER.
@@ -346,6 +384,7 @@ impl ClusterNode {
                 send = true;
             }
         }
+        watch.quiet = quiet;
         send
     }
 }
