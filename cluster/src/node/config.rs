@@ -108,10 +108,10 @@ pub const QUEUE_LOG_KEEP: u64 = 1000;
 pub const QUEUE_LOG_PIN_MAX: u64 = 50_000;
 
 /// How long a queue or stream group's leader waits for a follower's answer to an append
-/// (openraft's `heartbeat_interval`, which for these groups sends no heartbeat). openraft also
-/// ticks every group every 1.5 times this, for nothing but a removed leader's stepping down
-/// (so fewer wake-ups than at the metadata group's 300 ms; a longer wait also suits appends
-/// that queue behind others on a shared link).
+/// (openraft's `heartbeat_interval`, which for these groups sends no heartbeat). openraft's
+/// tick (every 1.5 times this) is off for these groups except while the node's watch needs
+/// it for an election retried or a removed leader's stepping down (`elections::sync_tick`);
+/// a longer wait also suits appends that queue behind others on a shared link.
 pub const QUEUE_APPEND_TIMEOUT_MS: u64 = 1000;
 
 /// A quorum queue group's Raft settings: the common ones, with purging left to the node
@@ -123,6 +123,8 @@ pub fn queue_raft_config() -> Config {
     Config {
         enable_heartbeat: false,
         enable_elect: false,
+        // On only while the node's watch needs it (`elections::sync_tick`).
+        enable_tick: false,
         heartbeat_interval: QUEUE_APPEND_TIMEOUT_MS,
         max_in_snapshot_log_to_keep: u64::MAX,
         // A snapshot sent to a member behind the purged log carries the backlog's bodies: the
@@ -163,6 +165,8 @@ pub fn stream_raft_config() -> Config {
         install_snapshot_timeout: SNAPSHOT_INSTALL_TIMEOUT_MS,
         enable_heartbeat: false,
         enable_elect: false,
+        // On only while the node's watch needs it (`elections::sync_tick`).
+        enable_tick: false,
         heartbeat_interval: QUEUE_APPEND_TIMEOUT_MS,
         ..raft_config()
     }

@@ -15,6 +15,10 @@
 //!   in again (it restarted, or lost its link), and once a second after its log last moved
 //!   (the commit point again, in case the one openraft sent was lost).
 //!
+//! openraft's tick is off for these groups too, except while this watch needs it: when a
+//! replica retries an election (openraft's retries run on the tick) and while a leader
+//! changes its voters or leads without being one (a removed leader steps down on a tick).
+//!
 //! Commits still reach followers at once: openraft sends the new commit point after every
 //! commit, and retries a failed append by itself. So an idle group costs nothing on the wire,
 //! and a thousand idle queues cost a few pings per peer rather than 4,444 AppendEntries a
@@ -71,6 +75,8 @@ struct Watch {
     metrics: Option<MetricsReceiver>,
     /// What the last read of the metrics said.
     look: Option<Look>,
+    /// Whether openraft's tick is on for the group ([`sync_tick`]).
+    ticking: bool,
     /// As leader: at the last full look nothing was to be sent (every follower had all of
     /// the log, the commit point's heartbeat had gone out). With the metrics unchanged and
     /// no member dialled in again since, the next look would find the same: it is skipped.
@@ -147,6 +153,7 @@ pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
                 seen: ticks,
                 metrics: None,
                 look: None,
+                ticking: false,
                 quiet: false,
             });
             watch.seen = ticks;
@@ -163,6 +170,17 @@ fn stop_retrying(raft: &QueueRaftHandle, watch: &mut Watch) {
     if watch.retrying {
         watch.retrying = false;
         raft.runtime_config().elect(false);
+    }
+}
+
+/// Turn openraft's tick on or off for a group. For a queue's or a stream's group the tick
+/// drives only openraft's own elections (on while this replica retries one) and a removed
+/// leader's stepping down (after a change of voters that left it out): off otherwise, so an
+/// idle group's Raft core does not wake (nor publish its metrics again) every 1.5 s.
+fn sync_tick(raft: &QueueRaftHandle, watch: &mut Watch, want: bool) {
+    if watch.ticking != want {
+        watch.ticking = want;
+        raft.runtime_config().tick(want);
     }
 }
 
@@ -241,6 +259,12 @@ impl ClusterNode {
                 look
             }
         };
+        let changing = replica.changing.load(std::sync::atomic::Ordering::Acquire);
+        sync_tick(
+            raft,
+            watch,
+            watch.retrying || changing || (look.leads && !look.votes),
+        );
         if look.leads {
             watch.leaderless_since = None;
             stop_retrying(raft, watch);
@@ -249,7 +273,6 @@ impl ClusterNode {
             }
             // A leader handing over (or changing its voters) holds its heartbeats: the other
             // voters' leases must run out for the target's election.
-            let changing = replica.changing.load(std::sync::atomic::Ordering::Acquire);
             if self.follower_waits(&look, watch, peers) && !changing {
                 let raft = raft.clone();
                 tokio::spawn(async move {
@@ -294,6 +317,7 @@ impl ClusterNode {
         // shorter (it cannot win) would keep raising the term under the one that can.
         watch.retrying = true;
         raft.runtime_config().elect(true);
+        sync_tick(raft, watch, true);
         let raft = raft.clone();
         tokio::spawn(async move {
             let _ = raft.trigger().elect().await;
