@@ -28,12 +28,16 @@ where C: RaftTypeConfig
 
     /// Emit event or not
     enabled: Arc<AtomicBool>,
+
+    /// Wakes the loop parked while disabled (Warren's change: see vendor/README.md).
+    wake: Arc<tokio::sync::Notify>,
 }
 
 pub(crate) struct TickHandle<C>
 where C: RaftTypeConfig
 {
     enabled: Arc<AtomicBool>,
+    wake: Arc<tokio::sync::Notify>,
     shutdown: Mutex<Option<oneshot::Sender<()>>>,
     join_handle: Mutex<Option<JoinHandleOf<C, ()>>>,
 }
@@ -55,9 +59,11 @@ where C: RaftTypeConfig
 {
     pub(crate) fn spawn(interval: Duration, tx: mpsc::UnboundedSender<Notify<C>>, enabled: bool) -> TickHandle<C> {
         let enabled = Arc::new(AtomicBool::from(enabled));
+        let wake = Arc::new(tokio::sync::Notify::new());
         let this = Self {
             interval,
             enabled: enabled.clone(),
+            wake: wake.clone(),
             tx,
         };
 
@@ -73,6 +79,7 @@ where C: RaftTypeConfig
 
         TickHandle {
             enabled,
+            wake,
             shutdown,
             join_handle: Mutex::new(Some(join_handle)),
         }
@@ -84,6 +91,20 @@ where C: RaftTypeConfig
         let mut cancel = std::pin::pin!(cancel_rx);
 
         loop {
+            if !self.enabled.load(Ordering::Relaxed) {
+                // Parked while disabled, rather than waking every interval to find the tick
+                // still disabled. `enable(true)` stores a permit if the loop is not parked
+                // yet, so it is never missed.
+                let woken = std::pin::pin!(self.wake.notified());
+                match futures::future::select(cancel.as_mut(), woken).await {
+                    Either::Left((_canceled, _)) => {
+                        tracing::info!("TickLoop received cancel signal, quit");
+                        return;
+                    }
+                    Either::Right((_, _)) => continue,
+                }
+            }
+
             let at = C::now() + self.interval;
             let sleep_fut = C::sleep_until(at);
             let sleep_fut = std::pin::pin!(sleep_fut);
@@ -121,6 +142,9 @@ where C: RaftTypeConfig
 {
     pub(crate) fn enable(&self, enabled: bool) {
         self.enabled.store(enabled, Ordering::Relaxed);
+        if enabled {
+            self.wake.notify_one();
+        }
     }
 
     /// Signal the tick loop to stop. And return a JoinHandle to wait for the loop to stop.
