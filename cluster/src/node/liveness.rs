@@ -61,7 +61,7 @@ pub(super) async fn watch_peers(weak: Weak<ClusterNode>) {
                 if pinning.is_empty() {
                     return;
                 }
-                tracing::info!(groups = pinning.len(), segments = ?logs.wal_segments(), "the write-ahead log is long: compacting the groups holding its oldest segment");
+                tracing::info!(groups = ?pinning, segments = ?logs.wal_segments(), "the write-ahead log is long: compacting the groups holding its oldest segment");
                 for incarnation in pinning {
                     let Some(node) = here.upgrade() else {
                         return;

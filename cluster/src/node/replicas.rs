@@ -824,6 +824,15 @@ impl QueueReplica {
             return;
         }
         self.compact_log_keeping(0, 0).await;
+        let m = raft.metrics().borrow().clone();
+        tracing::info!(
+            queue = %self.queue.name,
+            incarnation = self.group.incarnation,
+            applied = ?m.last_applied.map(|l| l.index),
+            snapshot = ?m.snapshot.map(|l| l.index),
+            purged = ?m.purged.map(|l| l.index),
+            "compacted ahead of schedule"
+        );
     }
 
     /// Purge the log up to [`purge_point`] with `keep` entries before the snapshot and the
