@@ -98,14 +98,15 @@ pub(super) struct Peers {
 }
 
 impl Peers {
-    /// The peers as `node` knows them now.
-    fn of(node: &ClusterNode, now: Instant) -> Self {
+    /// The peers as `node` knows them now; `before` is what the previous look found dialled.
+    fn of(node: &ClusterNode, now: Instant, before: &HashMap<NodeId, u64>) -> Self {
+        let dialled = node.groups.links_accepted_by_peer();
         Self {
             now,
             started: node.started,
             heard: tcp::heard(),
-            dialled: node.groups.links_accepted_by_peer(),
-            redialled: true,
+            redialled: dialled != *before,
+            dialled,
         }
     }
 
@@ -137,8 +138,7 @@ pub(super) async fn watch_elections(weak: Weak<ClusterNode>) {
             return;
         };
         let now = Instant::now();
-        let mut peers = Peers::of(&node, now);
-        peers.redialled = peers.dialled != dialled_before;
+        let peers = Peers::of(&node, now, &dialled_before);
         dialled_before.clone_from(&peers.dialled);
         for replica in node.replicas() {
             let incarnation = replica.group.incarnation;

@@ -80,7 +80,7 @@ impl ClusterNode {
         let path = self.queue_log_path(incarnation);
         let snapshot = self.queue_snapshot_path(incarnation);
         let queue_logs = Arc::clone(&self.queue_logs);
-        let in_node_log = !replica.queue.is_stream || queue_logs.holds_streams();
+        let in_queue_logs = !replica.queue.is_stream || queue_logs.holds_streams();
         tokio::spawn(async move {
             if let Some(raft) = raft {
                 let _ = raft.shutdown().await;
@@ -89,7 +89,7 @@ impl ClusterNode {
             crate::group::remove_transit_files(&snapshot);
             let _ = std::fs::remove_file(snapshot);
             let _ = std::fs::remove_file(path);
-            if in_node_log {
+            if in_queue_logs {
                 let dropped =
                     tokio::task::spawn_blocking(move || queue_logs.drop_group(incarnation)).await;
                 if let Ok(Err(e)) = dropped {

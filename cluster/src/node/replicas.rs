@@ -786,9 +786,9 @@ impl QueueReplica {
     }
 
     /// Snapshot now and purge the whole log up to the snapshot, a quorum queue's live
-    /// messages' bodies copied out: asked of the groups (quorum queues and streams) pinning the oldest segment of a WAL that holds too many
-    /// (`QueueLogs::pinning_groups`), so one idle queue with old entries does not keep every
-    /// newer segment on disk.
+    /// messages' bodies copied out: asked of the groups (quorum queues and streams) pinning
+    /// the oldest segment of a WAL that holds too many (`QueueLogs::pinning_groups`), so one
+    /// idle queue with old entries does not keep every newer segment on disk.
     pub(super) async fn compact_log_now(&self) {
         let Some(raft) = self.raft.get() else {
             return;
@@ -824,13 +824,21 @@ impl QueueReplica {
             return;
         }
         self.compact_log_keeping(0, 0).await;
-        let m = raft.metrics().borrow().clone();
+        let (applied, snapshot, purged) = {
+            let m = raft.metrics();
+            let m = m.borrow();
+            (
+                m.last_applied.map(|l| l.index),
+                m.snapshot.map(|l| l.index),
+                m.purged.map(|l| l.index),
+            )
+        };
         tracing::info!(
             queue = %self.queue.name,
             incarnation = self.group.incarnation,
-            applied = ?m.last_applied.map(|l| l.index),
-            snapshot = ?m.snapshot.map(|l| l.index),
-            purged = ?m.purged.map(|l| l.index),
+            ?applied,
+            ?snapshot,
+            ?purged,
             "compacted ahead of schedule"
         );
     }

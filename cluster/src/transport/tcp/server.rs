@@ -134,19 +134,8 @@ impl Groups {
         self.links.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// How many links `peer` opened to this node since it started; a change means the peer
-    /// restarted or reconnected.
-    #[must_use]
-    pub fn links_accepted(&self, peer: NodeId) -> u64 {
-        self.accepted
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(&peer)
-            .copied()
-            .unwrap_or(0)
-    }
-
-    /// [`Groups::links_accepted`] of every peer at once.
+    /// How many links each peer opened to this node since it started; a change means the
+    /// peer restarted or reconnected.
     #[must_use]
     pub fn links_accepted_by_peer(&self) -> HashMap<NodeId, u64> {
         self.accepted
