@@ -259,8 +259,10 @@ def test_a_long_wal_makes_the_groups_holding_its_oldest_segment_compact(cluster_
     one old message each while another queue passes 600 x 1 KB through (far below the 5000
     entries of a scheduled snapshot). Once a node's WAL holds more than 4 segments, the groups
     holding its oldest snapshot and purge now, the idle queue's body copied out (the stream's
-    is in its own files): every node comes back to at most 5 segments, and both old messages
-    read back intact after a restart of every node."""
+    is in its own files): every node comes back to at most 5 segments. A second 600 then
+    make the segment the copy went to the oldest: the copy alone pins it, so it is written
+    again and the WAL comes back within its bound once more. Both old messages read back
+    intact after a restart of every node."""
     import pika
     monkeypatch.setenv("WARREN_WAL_SEGMENT_BYTES", str(WAL_SEGMENT))
     if "--quorum-log redb" in os.environ.get("WARREN_CLUSTER_EXTRA_ARGS", ""):
@@ -279,20 +281,27 @@ def test_a_long_wal_makes_the_groups_holding_its_oldest_segment_compact(cluster_
         props = pika.BasicProperties(delivery_mode=2)
         ch.basic_publish("", idle, body(0), props)
         ch.basic_publish("", stream, body(1), props)
-        for k in range(ROLLED):
-            ch.basic_publish("", busy, body(k), props)
     finally:
         safe_close(conn)
-    drain(c, leader, busy, ROLLED)
-    # 600 KB of bodies went through every node's WAL (each holds a replica of both queues):
-    # ten segments' worth. Only compaction ahead of schedule purges the idle queue's few
-    # entries (a log keeps 1000 before a snapshot, taken every 5000).
-    for i in range(3):
-        eventually(lambda i=i: (len(wal_segments(c, i)),
-                                raft_of(c, i, idle).get("purged_index", 0),
-                                raft_of(c, i, stream).get("purged_index", 0)),
-                   lambda v: v[0] <= WAL_SEGMENTS_SOFT_MAX + 1 and v[1] > 0 and v[2] > 0,
-                   60, f"n{i + 1}'s WAL back within its bound, the idle logs purged")
+    for phase in ("the idle logs purged", "the copied body written again"):
+        conn = c.connect(leader)
+        try:
+            ch = conn.channel()
+            ch.confirm_delivery()
+            for k in range(ROLLED):
+                ch.basic_publish("", busy, body(k), props)
+        finally:
+            safe_close(conn)
+        drain(c, leader, busy, ROLLED)
+        # 600 KB of bodies went through every node's WAL (each holds a replica of both
+        # queues): ten segments' worth. Only compaction ahead of schedule purges the idle
+        # queue's few entries (a log keeps 1000 before a snapshot, taken every 5000).
+        for i in range(3):
+            eventually(lambda i=i: (len(wal_segments(c, i)),
+                                    raft_of(c, i, idle).get("purged_index", 0),
+                                    raft_of(c, i, stream).get("purged_index", 0)),
+                       lambda v: v[0] <= WAL_SEGMENTS_SOFT_MAX + 1 and v[1] > 0 and v[2] > 0,
+                       60, f"n{i + 1}'s WAL back within its bound, {phase}")
         assert not list((c.nodes[i].data_dir / "cluster" / "queues").glob("*.redb")), \
             f"n{i + 1}: the stream's log is in the write-ahead log, not a file of its own"
     c.kill_all()

@@ -183,6 +183,16 @@ pub trait LogBackend: Send + Sync + Debug {
     /// Whether a write is visible to reads as soon as [`LogBackend::write`] returns (so an
     /// append can return before it is durable, as openraft allows).
     fn readable_at_once(&self) -> bool;
+
+    /// Write again the bodies that keep the oldest part of a shared log from being reused
+    /// (the WAL's oldest segment), durably; returns how many. A backend whose space is reused
+    /// as records go (redb's pages) has none.
+    ///
+    /// # Errors
+    /// When the storage cannot read or write.
+    fn rewrite_oldest_bodies(&self) -> Result<usize, LogError> {
+        Ok(0)
+    }
 }
 
 /// A group's three tables in a redb database written by a [`NodeLog`].
@@ -460,5 +470,15 @@ impl LogBackend for WalGroup {
 
     fn readable_at_once(&self) -> bool {
         true
+    }
+
+    fn rewrite_oldest_bodies(&self) -> Result<usize, LogError> {
+        match self.wal.oldest_segment() {
+            Some(oldest) => self
+                .wal
+                .rewrite_bodies(self.group, oldest)
+                .map_err(LogError::of),
+            None => Ok(0),
+        }
     }
 }

@@ -493,6 +493,16 @@ impl LogStore {
         self.write_now(vec![LogOp::DropBodies(keys)])
     }
 
+    /// Write again the copied-out bodies that hold the oldest segment of the node's WAL (a
+    /// message kept long after its entry was purged pins the segment its copy went to, and
+    /// every newer one with it). Blocks until durable; returns how many.
+    ///
+    /// # Errors
+    /// When the storage cannot read or write.
+    pub fn rewrite_oldest_bodies(&self) -> Result<usize, LogError> {
+        self.backend.rewrite_oldest_bodies()
+    }
+
     /// Store bodies a snapshot whose last entry is `upto` brought (a member that was behind
     /// the purged log; its entries up to `upto` are purged after it is installed).
     ///
@@ -958,6 +968,49 @@ pub(crate) mod tests {
             .unwrap();
         bodies_in(LogStore::in_wal(&wal, 8).unwrap()).await;
         assert_eq!(cold(&other, body_key(1, 0)), Some(record("other")));
+    }
+
+    /// A body copied out of a purged entry holds the WAL's oldest segment once the other
+    /// groups moved on; written again, the segment is freed and the body reads the same.
+    #[tokio::test]
+    async fn a_copied_body_pinning_the_oldest_segment_is_written_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = warren_store::wal::WalOptions {
+            segment_bytes: 64 * 1024,
+        };
+        let wal = Arc::new(Wal::open(dir.path(), options).unwrap());
+        let mut queue = LogStore::in_wal(&wal, 8).unwrap();
+        queue
+            .append_now(vec![entry(1, vec![enqueue("kept")])])
+            .unwrap();
+        let live = [body_key(1, 0)];
+        assert_eq!(queue.copy_out(&live, 1).unwrap(), 1);
+        queue
+            .purge(LogId::new(CommittedLeaderId::new(1, 1), 1))
+            .await
+            .unwrap();
+        assert_eq!(
+            queue.rewrite_oldest_bodies().unwrap(),
+            0,
+            "one segment so far"
+        );
+        let mut busy = LogStore::in_wal(&wal, 9).unwrap();
+        let filler = "x".repeat(4096);
+        for i in 1..=64 {
+            busy.append_now(vec![entry(i, vec![enqueue(&filler)])])
+                .unwrap();
+        }
+        busy.purge(LogId::new(CommittedLeaderId::new(1, 1), 64))
+            .await
+            .unwrap();
+        let (oldest, pinning) = wal.pinning().unwrap();
+        assert_eq!(pinning, vec![8], "the copy alone holds segment {oldest}");
+        assert_eq!(queue.rewrite_oldest_bodies().unwrap(), 1);
+        assert!(
+            wal.pinning()
+                .is_none_or(|(seq, g)| seq > oldest || !g.contains(&8))
+        );
+        assert_eq!(cold(&queue, body_key(1, 0)), Some(record("kept")));
     }
 
     async fn bodies_in(mut store: LogStore) {

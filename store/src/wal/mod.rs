@@ -70,6 +70,10 @@ pub const WAL_PENDING_BYTES_MAX: usize = 8 * 1024 * 1024;
 /// their own (so they never fill [`WAL_PENDING_BYTES_MAX`] and hold writes back).
 pub const LAZY_PENDING_BYTES_MAX: usize = WAL_PENDING_BYTES_MAX / 2;
 
+/// Bytes of bodies one round of [`Wal::rewrite_bodies`] reads and appends again at most (a
+/// group's copied bodies in one segment can be the whole segment).
+pub const REWRITE_BATCH_BYTES: usize = WAL_PENDING_BYTES_MAX / 4;
+
 /// How a WAL is laid out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WalOptions {
@@ -451,14 +455,14 @@ impl Wal {
         group: u64,
         ops: &[Op],
     ) -> Result<parking_lot::MutexGuard<'_, State>, WalError> {
-        let mut len = 0;
-        for op in ops {
-            let l = record::op_len(op);
-            if l - record::RECORD_HEADER > RECORD_PAYLOAD_MAX {
-                return Err(WalError::TooLarge(l));
-            }
-            len += l;
-        }
+        check_sizes(ops)?;
+        let mut state = self.lock_for_write()?;
+        stage_locked(&mut state, self.shared.options, group, ops)?;
+        Ok(state)
+    }
+
+    /// The lock, once there is room for a write (or the error that stopped the WAL).
+    fn lock_for_write(&self) -> Result<parking_lot::MutexGuard<'_, State>, WalError> {
         let mut state = self.shared.state.lock();
         while state.stopped.is_none() && state.pending_bytes() > WAL_PENDING_BYTES_MAX {
             self.shared.room.wait(&mut state);
@@ -466,56 +470,98 @@ impl Wal {
         if let Some(why) = &state.stopped {
             return Err(WalError::Stopped(Arc::clone(why)));
         }
-        let mut expect = state
-            .groups
-            .get(&group)
-            .map(GroupLog::expect)
-            .unwrap_or_default();
-        for op in ops {
-            expect.follow(op).map_err(|e| WalError::OutOfOrder {
-                group,
-                index: e.index,
-                expected: e.expected,
-            })?;
-        }
-        // A segment holds at least one write after its head, however large.
-        let seal = record::RECORD_HEADER + 8;
-        if state.tail_end() > state.active_head
-            && state.tail_end() + (len + seal) as u64 > self.shared.options.segment_bytes
-        {
-            state.roll()?;
-        }
-        let seq = u64::from(state.active);
-        // Exactly what the write needs: growing by doubling would hold up to twice a large
-        // write (a snapshot's batch of bodies) until the writer takes it.
-        state.tail.reserve_exact(len);
-        let State {
-            groups,
-            segments,
-            tail,
-            tail_start,
-            active,
-            ..
-        } = &mut *state;
-        let g = groups.entry(group).or_insert_with(GroupLog::new);
-        for op in ops {
-            let offset = *tail_start + tail.len() as u64;
-            record::encode_op(tail, seq, group, op);
-            let loc = Loc {
-                segment: *active,
-                // Offsets stay below WAL_SEGMENT_BYTES_MAX plus one record (checked above).
-                offset: u32::try_from(offset).unwrap_or(u32::MAX),
-                len: u32::try_from(record::op_len(op)).unwrap_or(u32::MAX),
-            };
-            // Checked above against the same state: an append in order cannot fail here.
-            let applied = g.apply(op, loc, segments);
-            debug_assert!(applied.is_ok(), "{applied:?}");
-        }
-        if ops.iter().any(|op| matches!(op, Op::Forget)) {
-            groups.remove(&group);
-        }
-        state.free_segments();
         Ok(state)
+    }
+
+    /// The oldest segment other than the active one (None: the active one is all there is).
+    #[must_use]
+    pub fn oldest_segment(&self) -> Option<u32> {
+        let state = self.shared.state.lock();
+        let (&oldest, _) = state.segments.first_key_value()?;
+        (oldest != state.active).then_some(oldest)
+    }
+
+    /// Append `group`'s live bodies that are in `segment` again, so that they stop pinning it
+    /// (a body copied out of purged entries stays live until its message goes, however old its
+    /// segment grows). Batches of at most [`REWRITE_BATCH_BYTES`], each durable before the next
+    /// is read. A body dropped or replaced between the read and the write is left as it is.
+    /// Returns how many were appended again.
+    ///
+    /// # Errors
+    /// When a read fails or a record does not verify, or the write fails.
+    pub fn rewrite_bodies(&self, group: u64, segment: u32) -> Result<usize, WalError> {
+        let mut moved = 0;
+        loop {
+            let (batch, planned) = {
+                let state = self.shared.state.lock();
+                if segment == state.active {
+                    return Ok(moved);
+                }
+                let Some(g) = state.groups.get(&group) else {
+                    return Ok(moved);
+                };
+                let mut locs: Vec<(u64, Loc)> =
+                    g.bodies().filter(|(_, l)| l.segment == segment).collect();
+                if locs.is_empty() {
+                    return Ok(moved);
+                }
+                locs.sort_unstable_by_key(|(_, l)| l.offset);
+                let mut bytes = 0;
+                let take = locs
+                    .iter()
+                    .take_while(|(_, l)| {
+                        let first = bytes == 0;
+                        bytes += l.len as usize;
+                        first || bytes <= REWRITE_BATCH_BYTES
+                    })
+                    .count();
+                locs.truncate(take);
+                let planned = locs
+                    .iter()
+                    .map(|(_, l)| read::plan(&state, *l))
+                    .collect::<Result<Vec<_>, _>>()?;
+                (locs, planned)
+            };
+            let records = read::read(&self.shared.dir, planned)?;
+            let mut ops = Vec::with_capacity(batch.len());
+            for (&(key, loc), record) in batch.iter().zip(records) {
+                match record {
+                    Record::Op(Op::Body { key: k, data }) if k == key => {
+                        ops.push((loc, Op::Body { key, data }));
+                    }
+                    other => {
+                        return Err(self.corrupt(format!("a body's location holds {other:?}")));
+                    }
+                }
+            }
+            let (tx, rx) = std::sync::mpsc::sync_channel(1);
+            {
+                let mut state = self.lock_for_write()?;
+                // Under the lock a drop or a newer copy cannot come between the check and the
+                // append: only bodies still where they were read go again.
+                let still: Vec<Op> = ops
+                    .into_iter()
+                    .filter(|(loc, op)| match op {
+                        Op::Body { key, .. } => state
+                            .groups
+                            .get(&group)
+                            .and_then(|g| g.body(*key))
+                            .is_some_and(|now| now == *loc),
+                        _ => false,
+                    })
+                    .map(|(_, op)| op)
+                    .collect();
+                moved += still.len();
+                stage_locked(&mut state, self.shared.options, group, &still)?;
+                state.waiting.push(Box::new(move |r| {
+                    // The receiver waits below; a send fails only if it is gone.
+                    let _ = tx.send(r);
+                }));
+            }
+            self.shared.work.notify_one();
+            rx.recv()
+                .unwrap_or_else(|_| Err(WalError::Stopped("the log's writer stopped".into())))?;
+        }
     }
 
     /// The group, if the WAL holds anything of it.
@@ -692,6 +738,77 @@ impl Wal {
             detail,
         }
     }
+}
+
+/// Refuse a write holding a record larger than a record may be.
+fn check_sizes(ops: &[Op]) -> Result<(), WalError> {
+    for op in ops {
+        let l = record::op_len(op);
+        if l - record::RECORD_HEADER > RECORD_PAYLOAD_MAX {
+            return Err(WalError::TooLarge(l));
+        }
+    }
+    Ok(())
+}
+
+/// Encode and index `ops` of `group` (their sizes checked) into the tail.
+fn stage_locked(
+    state: &mut State,
+    options: WalOptions,
+    group: u64,
+    ops: &[Op],
+) -> Result<(), WalError> {
+    let len: usize = ops.iter().map(record::op_len).sum();
+    let mut expect = state
+        .groups
+        .get(&group)
+        .map(GroupLog::expect)
+        .unwrap_or_default();
+    for op in ops {
+        expect.follow(op).map_err(|e| WalError::OutOfOrder {
+            group,
+            index: e.index,
+            expected: e.expected,
+        })?;
+    }
+    // A segment holds at least one write after its head, however large.
+    let seal = record::RECORD_HEADER + 8;
+    if state.tail_end() > state.active_head
+        && state.tail_end() + (len + seal) as u64 > options.segment_bytes
+    {
+        state.roll()?;
+    }
+    let seq = u64::from(state.active);
+    // Exactly what the write needs: growing by doubling would hold up to twice a large
+    // write (a snapshot's batch of bodies) until the writer takes it.
+    state.tail.reserve_exact(len);
+    let State {
+        groups,
+        segments,
+        tail,
+        tail_start,
+        active,
+        ..
+    } = state;
+    let g = groups.entry(group).or_insert_with(GroupLog::new);
+    for op in ops {
+        let offset = *tail_start + tail.len() as u64;
+        record::encode_op(tail, seq, group, op);
+        let loc = Loc {
+            segment: *active,
+            // Offsets stay below WAL_SEGMENT_BYTES_MAX plus one record (checked above).
+            offset: u32::try_from(offset).unwrap_or(u32::MAX),
+            len: u32::try_from(record::op_len(op)).unwrap_or(u32::MAX),
+        };
+        // Checked above against the same state: an append in order cannot fail here.
+        let applied = g.apply(op, loc, segments);
+        debug_assert!(applied.is_ok(), "{applied:?}");
+    }
+    if ops.iter().any(|op| matches!(op, Op::Forget)) {
+        groups.remove(&group);
+    }
+    state.free_segments();
+    Ok(())
 }
 
 impl Drop for Wal {

@@ -1,7 +1,8 @@
 //! The WAL's writer thread: takes every record staged since its last round, writes each
 //! segment's bytes with one pwrite, syncs a segment before writing the next (so a segment
 //! holding records always follows a sealed, durable one), then tells every write of the round
-//! its outcome and recycles the files of freed segments.
+//! its outcome and recycles the files of the segments freed before the round took its
+//! records (whatever freed them is in those records, so durable first).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -12,7 +13,7 @@ use crate::wal::{Chunk, Shared, segment};
 
 pub(super) fn run(shared: &Shared) {
     loop {
-        let (chunks, mut files, dones, mut frees) = {
+        let (chunks, mut files, dones, frees) = {
             let mut state = shared.state.lock();
             while !state.has_work() && !state.closing {
                 shared.work.wait(&mut state);
@@ -75,8 +76,10 @@ pub(super) fn run(shared: &Shared) {
                     state.stats.rounds += 1;
                     state.stats.writes += dones.len() as u64;
                     state.stats.bytes += chunks.iter().map(|c| c.bytes.len() as u64).sum::<u64>();
+                    // Freed now, recycled by the next round: a segment may be free only
+                    // because of a record staged during this round (a purge, a body
+                    // appended again), which is durable only once that round is.
                     state.free_segments();
-                    frees.append(&mut state.to_free);
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "the write-ahead log failed; it writes nothing more");
