@@ -402,6 +402,7 @@ impl ServerConfig {
             limits,
             store: warren_store::Options {
                 db_cache: warren_store::DB_CACHE_DEFAULT,
+                checkpoint_interval: warren_store::index_log::CHECKPOINT_INTERVAL,
                 segment_max: match args.store_segment_bytes.or(file.store_segment_bytes) {
                     Some(v) => {
                         anyhow::ensure!(

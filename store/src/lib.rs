@@ -19,6 +19,7 @@
 
 pub mod error;
 pub mod histogram;
+pub mod index_log;
 mod reclaim;
 pub mod record;
 pub mod segment;
@@ -32,6 +33,10 @@ use std::sync::Arc;
 
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
+use index_log::{
+    CHECKPOINT_INTERVAL, CHECKPOINT_OPS_MAX, Checkpoint, replay_index_log, write_checkpoint,
+};
+
 pub use error::StoreError;
 pub use record::StoredMessage;
 pub use segment::{Location, Pinned, Segments};
@@ -40,14 +45,20 @@ pub use writer::Writer;
 use record::{RECORD_HEADER, RECORD_MAX};
 use segment::{ActiveSegment, SEGMENT_HEADER};
 
-/// Version of the data directory layout (redb tables and index encoding).
-pub const FORMAT_VERSION: u64 = 2;
+/// Version of the data directory layout (redb tables and index encoding). Version 3 logs the
+/// index's changes in the segments ([`index_log`]); a version 2 directory is taken as is (its
+/// redb commits were all durable) and marked 3.
+pub const FORMAT_VERSION: u64 = 3;
+/// The version before [`index_log`]: opened and upgraded in place.
+const FORMAT_VERSION_UPGRADED: u64 = 2;
 /// Default segment size before the writer rolls to a new file.
 pub const SEGMENT_MAX_DEFAULT: u64 = 64 * 1024 * 1024;
 
-const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+pub(crate) const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const MESSAGES: TableDefinition<(u64, u64), &[u8]> = TableDefinition::new("messages");
 const KEY_FORMAT_VERSION: &str = "format_version";
+pub(crate) const KEY_CHECKPOINT_SEGMENT: &str = "checkpoint_segment";
+pub(crate) const KEY_CHECKPOINT_OFFSET: &str = "checkpoint_offset";
 
 /// Metadata tables (values are encoded by the broker; the store only keeps bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -89,6 +100,27 @@ impl MetaTable {
         Self::Bindings,
         Self::QueueKeys,
     ];
+
+    /// The table's code in an index log record (never reused).
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            Self::Exchanges => 1,
+            Self::Queues => 2,
+            Self::Bindings => 3,
+            Self::Policies => 4,
+            Self::Users => 5,
+            Self::Permissions => 6,
+            Self::Vhosts => 7,
+            Self::TopicPermissions => 8,
+            Self::OperatorPolicies => 9,
+            Self::QueueKeys => 10,
+        }
+    }
+
+    /// The table of `code` ([`MetaTable::code`]).
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        Self::ALL.into_iter().find(|t| t.code() == code)
+    }
 
     fn definition(self) -> TableDefinition<'static, &'static [u8], &'static [u8]> {
         TableDefinition::new(match self {
@@ -229,6 +261,9 @@ pub struct Options {
     pub segment_max: u64,
     /// redb page cache in bytes ([`DB_CACHE_DEFAULT`]).
     pub db_cache: usize,
+    /// Longest redb goes without a checkpoint while commits come ([`CHECKPOINT_INTERVAL`]);
+    /// zero makes every commit one (tests of prompt reclamation).
+    pub checkpoint_interval: std::time::Duration,
 }
 
 impl Default for Options {
@@ -236,6 +271,7 @@ impl Default for Options {
         Self {
             segment_max: SEGMENT_MAX_DEFAULT,
             db_cache: DB_CACHE_DEFAULT,
+            checkpoint_interval: CHECKPOINT_INTERVAL,
         }
     }
 }
@@ -284,6 +320,24 @@ pub struct Store {
     buf: Vec<u8>,
     reclaimer: reclaim::Reclaimer,
     metrics: Arc<StoreMetrics>,
+    /// Where redb's last durable commit left the segments' log.
+    checkpoint: Checkpoint,
+    last_checkpoint: std::time::Instant,
+    /// A commit failed: nothing more is checkpointed (what it appended may not be on disk).
+    failed: bool,
+    /// Ops made durable in the segments since the checkpoint, new bodies located, in order:
+    /// redb's part of them waits for the next checkpoint.
+    pending: Vec<Op>,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if !self.failed
+            && let Err(e) = self.checkpoint()
+        {
+            tracing::warn!(error = %e, "no checkpoint at close: the next start replays the index log");
+        }
+    }
 }
 
 /// What the store measures about its own commits (exposed as Prometheus histograms).
@@ -349,6 +403,23 @@ impl Store {
                 );
             }
             scanned.insert(*id, s);
+        }
+
+        // 1b. Bring redb to the end of the segments' log: the index log records written after
+        // its last durable commit are applied again, then a checkpoint at the start of the
+        // segment this open creates is committed.
+        let next = ids.last().map_or(1, |id| id + 1);
+        let start = Checkpoint {
+            segment: next,
+            offset: SEGMENT_HEADER,
+        };
+        let replayed =
+            replay_index_log(&db, &db_path, &seg_dir, &ids, &scanned, &bad_headers, start)?;
+        if replayed > 0 {
+            tracing::info!(
+                records = replayed,
+                "recovery: index changes replayed from the segments"
+            );
         }
 
         // 2. Read metadata and the index; every indexed record must lie in a verified prefix.
@@ -450,7 +521,6 @@ impl Store {
         segment::sync_dir(&seg_dir)?;
 
         // 4. Never append to an old segment: start a fresh one.
-        let next = ids.last().map_or(1, |id| id + 1);
         let active = ActiveSegment::create(&seg_dir, next)?;
         let reclaimer = reclaim::Reclaimer::start(seg_dir.clone())
             .map_err(|e| StoreError::io("start the segment reclaimer", &seg_dir, e))?;
@@ -466,6 +536,10 @@ impl Store {
                 reclaimer,
                 buf: Vec::new(),
                 metrics: Arc::default(),
+                checkpoint: start,
+                last_checkpoint: std::time::Instant::now(),
+                failed: false,
+                pending: Vec::new(),
             },
             recovered,
         ))
@@ -492,16 +566,22 @@ impl Store {
         Ok(segment::list(&self.seg_dir)?.len())
     }
 
-    /// Make a batch durable: append its bodies, `fdatasync`, then apply its ops in one redb
-    /// transaction committed with `Durability::Immediate`. Returns the bodies' locations.
+    /// Make a batch durable: append its bodies and its ops (as one index log record) with one
+    /// write and one `fdatasync`. redb gets the ops at the next checkpoint ([`index_log`]),
+    /// with every other commit's since the last one, in one durable transaction. Returns the
+    /// bodies' locations.
     ///
     /// # Errors
     /// Any failure. The caller must treat it as fatal for the store: what was promised may not
     /// be on disk, so nothing may be confirmed.
     pub fn commit(&mut self, batch: &Batch) -> Result<Vec<Location>, StoreError> {
-        let locations = self.append_bodies(&batch.bodies)?;
-        // Bodies are durable before the index commit that references them: an index entry
-        // never points at bytes that may not be on disk.
+        let result = self.commit_batch(batch);
+        self.failed |= result.is_err();
+        result
+    }
+
+    fn commit_batch(&mut self, batch: &Batch) -> Result<Vec<Location>, StoreError> {
+        let locations = self.append_batch(batch)?;
         let t = std::time::Instant::now();
         self.active.sync()?;
         if !batch.bodies.is_empty() {
@@ -510,147 +590,111 @@ impl Store {
                 .fsync_seconds
                 .observe(t.elapsed().as_secs_f64());
         }
-        let mut delta: HashMap<u64, i64> = HashMap::new();
+        // Durable now (the index log record): redb takes them at the checkpoint. A new body is
+        // named by its location from here on, as the record names it.
+        for op in &batch.ops {
+            let op = match op {
+                Op::Enqueue {
+                    queue,
+                    id,
+                    body: BodyRef::New(i),
+                    flags,
+                    expires_at,
+                } => Op::Enqueue {
+                    queue: *queue,
+                    id: *id,
+                    body: BodyRef::Stored(*locations.get(*i).ok_or_else(|| {
+                        StoreError::Corrupt {
+                            path: self.db_path.clone(),
+                            offset: 0,
+                            detail: format!("batch enqueue names body {i} of {}", locations.len()),
+                        }
+                    })?),
+                    flags: *flags,
+                    expires_at: *expires_at,
+                },
+                other => other.clone(),
+            };
+            self.pending.push(op);
+        }
+        if self.pending.len() >= CHECKPOINT_OPS_MAX
+            || self.last_checkpoint.elapsed() >= self.options.checkpoint_interval
+        {
+            self.checkpoint()?;
+        }
+        Ok(locations)
+    }
+
+    /// How long until a checkpoint is due (None: redb holds everything committed). The writer
+    /// calls [`Store::checkpoint`] then if no commit came to do it, so that settled segments
+    /// are deleted and a restart replays little even when the broker goes quiet.
+    #[must_use]
+    pub fn checkpoint_due(&self) -> Option<std::time::Duration> {
+        let at_end = self.checkpoint.segment == self.active.id
+            && self.checkpoint.offset == self.active.len();
+        if self.pending.is_empty() && at_end {
+            return None;
+        }
+        Some(
+            self.options
+                .checkpoint_interval
+                .saturating_sub(self.last_checkpoint.elapsed()),
+        )
+    }
+
+    /// Apply every commit's ops since the last checkpoint to redb in one transaction, record
+    /// the end of the segments' log with them and commit durably; then delete the segments
+    /// nothing references any more that the checkpoint passed.
+    ///
+    /// # Errors
+    /// When redb cannot commit.
+    pub fn checkpoint(&mut self) -> Result<(), StoreError> {
         let wtx = self
             .db
             .begin_write()
             .map_err(|e| StoreError::db(&self.db_path, e))?;
-
-        {
-            let mut messages = wtx
-                .open_table(MESSAGES)
-                .map_err(|e| StoreError::db(&self.db_path, e))?;
-            let mut tables = HashMap::new();
-            let skip = cancelled_pairs(&batch.ops);
-            for (i, op) in batch.ops.iter().enumerate() {
-                if skip.get(i).copied().unwrap_or(false) {
-                    // Settled later in this same group (see `cancelled_pairs`). Its body's
-                    // segment is still accounted (net zero) so that a segment sealed in this
-                    // group can be found dead.
-                    if let Op::Enqueue { body, .. } = op {
-                        let seg = match body {
-                            BodyRef::New(i) => locations.get(*i).map(|l| u64::from(l.segment)),
-                            BodyRef::Stored(loc) => Some(u64::from(loc.segment)),
-                        };
-                        if let Some(seg) = seg {
-                            delta.entry(seg).or_default();
-                        }
-                    }
-                    continue;
-                }
-                match op {
-                    Op::Put { table, key, .. } | Op::Delete { table, key } => {
-                        let t = match tables.entry(*table) {
-                            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-                            std::collections::hash_map::Entry::Vacant(e) => e.insert(
-                                wtx.open_table(table.definition())
-                                    .map_err(|e| StoreError::db(&self.db_path, e))?,
-                            ),
-                        };
-                        let r = match op {
-                            Op::Put { value, .. } => t.insert(key.as_slice(), value.as_slice()),
-                            _ => t.remove(key.as_slice()),
-                        };
-                        r.map_err(|e| StoreError::db(&self.db_path, e))?;
-                    }
-                    Op::Enqueue {
-                        queue,
-                        id,
-                        body,
-                        flags,
-                        expires_at,
-                    } => {
-                        let loc = match body {
-                            BodyRef::New(i) => {
-                                *locations.get(*i).ok_or_else(|| StoreError::Corrupt {
-                                    path: self.db_path.clone(),
-                                    offset: 0,
-                                    detail: format!(
-                                        "batch enqueue names body {i} of {}",
-                                        locations.len()
-                                    ),
-                                })?
-                            }
-                            BodyRef::Stored(loc) => *loc,
-                        };
-                        let old = messages
-                            .insert(
-                                (*queue, *id),
-                                encode_entry(loc, *flags, *expires_at).as_slice(),
-                            )
-                            .map_err(|e| StoreError::db(&self.db_path, e))?
-                            .and_then(|g| decode_entry(g.value()));
-                        *delta.entry(u64::from(loc.segment)).or_default() += 1;
-                        if let Some((old, _, _)) = old {
-                            *delta.entry(u64::from(old.segment)).or_default() -= 1;
-                        }
-                    }
-                    Op::Settle { queue, id } => {
-                        let old = messages
-                            .remove((*queue, *id))
-                            .map_err(|e| StoreError::db(&self.db_path, e))?
-                            .and_then(|g| decode_entry(g.value()));
-                        if let Some((old, _, _)) = old {
-                            *delta.entry(u64::from(old.segment)).or_default() -= 1;
-                        }
-                    }
-                    Op::Renumber { queue, from, to } => {
-                        let record = messages
-                            .remove((*queue, *from))
-                            .map_err(|e| StoreError::db(&self.db_path, e))?
-                            .map(|g| g.value().to_vec());
-                        if let Some(record) = record {
-                            // The same body keeps the same number of references.
-                            let old = messages
-                                .insert((*queue, *to), record.as_slice())
-                                .map_err(|e| StoreError::db(&self.db_path, e))?
-                                .and_then(|g| decode_entry(g.value()));
-                            if let Some((old, _, _)) = old {
-                                *delta.entry(u64::from(old.segment)).or_default() -= 1;
-                            }
-                        }
-                    }
-                    Op::DropQueue { queue } => {
-                        let removed = messages
-                            .extract_from_if((*queue, 0)..=(*queue, u64::MAX), |_, _| true)
-                            .map_err(|e| StoreError::db(&self.db_path, e))?;
-                        for row in removed {
-                            let (_, v) = row.map_err(|e| StoreError::db(&self.db_path, e))?;
-                            if let Some((old, _, _)) = decode_entry(v.value()) {
-                                *delta.entry(u64::from(old.segment)).or_default() -= 1;
-                            }
-                        }
-                    }
-                }
-            }
-        }
+        let delta = apply_ops(&wtx, &self.pending, &[], &self.db_path)?;
+        let at = Checkpoint {
+            segment: self.active.id,
+            offset: self.active.len(),
+        };
+        write_checkpoint(&wtx, at, &self.db_path)?;
         wtx.commit().map_err(|e| StoreError::db(&self.db_path, e))?;
-        self.apply_delta(delta)?;
-        Ok(locations)
+        self.pending.clear();
+        if self.pending.capacity() > CHECKPOINT_OPS_MAX {
+            self.pending.shrink_to(CHECKPOINT_OPS_MAX);
+        }
+        self.checkpoint = at;
+        self.last_checkpoint = std::time::Instant::now();
+        self.apply_delta(delta)
     }
 
-    fn append_bodies(&mut self, bodies: &[StoredMessage]) -> Result<Vec<Location>, StoreError> {
-        let mut locations = Vec::with_capacity(bodies.len());
-        if bodies.is_empty() {
-            return Ok(locations);
-        }
+    /// Append the batch's bodies, then its ops as one index log record, with one write
+    /// (one more per segment the batch rolls over). Returns the bodies' locations.
+    fn append_batch(&mut self, batch: &Batch) -> Result<Vec<Location>, StoreError> {
+        let mut locations = Vec::with_capacity(batch.bodies.len());
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
-        for body in bodies {
+        let result = self.encode_batch(batch, &mut buf, &mut locations);
+        buf.clear();
+        self.buf = buf;
+        result.map(|()| locations)
+    }
+
+    fn encode_batch(
+        &mut self,
+        batch: &Batch,
+        buf: &mut Vec<u8>,
+        locations: &mut Vec<Location>,
+    ) -> Result<(), StoreError> {
+        for body in &batch.bodies {
             let payload = body.payload_len();
             if payload > RECORD_MAX {
-                self.buf = buf;
                 return Err(StoreError::RecordTooLarge(payload));
             }
-            let record = (RECORD_HEADER + payload) as u64;
-            let filled = self.active.len() + buf.len() as u64;
-            if filled + record > self.options.segment_max && filled > SEGMENT_HEADER {
-                self.active.append(&buf)?;
-                buf.clear();
-                self.roll()?;
-            }
+            self.make_room(buf, RECORD_HEADER + payload)?;
             let offset = self.active.len() + buf.len() as u64;
-            body.encode(&mut buf);
+            body.encode(buf);
             locations.push(Location {
                 segment: u32::try_from(self.active.id)
                     .map_err(|_| StoreError::SegmentIdsExhausted)?,
@@ -658,10 +702,26 @@ impl Store {
                 len: u32::try_from(payload).map_err(|_| StoreError::RecordTooLarge(payload))?,
             });
         }
-        self.active.append(&buf)?;
-        buf.clear();
-        self.buf = buf;
-        Ok(locations)
+        if !batch.ops.is_empty() {
+            self.make_room(buf, index_log::record_len(&batch.ops))?;
+            index_log::encode(buf, &batch.ops, locations)?;
+        }
+        if !buf.is_empty() {
+            self.active.append(buf)?;
+        }
+        Ok(())
+    }
+
+    /// Roll to the next segment first if a record of `record` bytes would take the active
+    /// one past its size (a segment holds at least one record, however large).
+    fn make_room(&mut self, buf: &mut Vec<u8>, record: usize) -> Result<(), StoreError> {
+        let filled = self.active.len() + buf.len() as u64;
+        if filled + record as u64 > self.options.segment_max && filled > SEGMENT_HEADER {
+            self.active.append(buf)?;
+            buf.clear();
+            self.roll()?;
+        }
+        Ok(())
     }
 
     /// Seal the active segment (synced) and start the next one.
@@ -688,7 +748,11 @@ impl Store {
         let dead: Vec<u64> = self
             .refs
             .iter()
-            .filter(|(seg, n)| **n == 0 && **seg != self.active.id)
+            // A segment at or after the checkpoint holds index log records a crash would
+            // replay: it goes once a checkpoint is past it.
+            .filter(|(seg, n)| {
+                **n == 0 && **seg != self.active.id && **seg < self.checkpoint.segment
+            })
             .map(|(seg, _)| *seg)
             .collect();
         for seg in dead {
@@ -698,6 +762,126 @@ impl Store {
         }
         Ok(())
     }
+}
+
+/// Apply `ops` (new bodies at `locations`) to the message index and the metadata tables in
+/// `wtx`; returns the change of each segment's references.
+pub(crate) fn apply_ops(
+    wtx: &redb::WriteTransaction,
+    ops: &[Op],
+    locations: &[Location],
+    db_path: &Path,
+) -> Result<HashMap<u64, i64>, StoreError> {
+    let mut delta: HashMap<u64, i64> = HashMap::new();
+    {
+        let mut messages = wtx
+            .open_table(MESSAGES)
+            .map_err(|e| StoreError::db(db_path, e))?;
+        let mut tables = HashMap::new();
+        let skip = cancelled_pairs(ops);
+        for (i, op) in ops.iter().enumerate() {
+            if skip.get(i).copied().unwrap_or(false) {
+                // Settled later in this same group (see `cancelled_pairs`). Its body's
+                // segment is still accounted (net zero) so that a segment sealed in this
+                // group can be found dead.
+                if let Op::Enqueue { body, .. } = op {
+                    let seg = match body {
+                        BodyRef::New(i) => locations.get(*i).map(|l| u64::from(l.segment)),
+                        BodyRef::Stored(loc) => Some(u64::from(loc.segment)),
+                    };
+                    if let Some(seg) = seg {
+                        delta.entry(seg).or_default();
+                    }
+                }
+                continue;
+            }
+            match op {
+                Op::Put { table, key, .. } | Op::Delete { table, key } => {
+                    let t = match tables.entry(*table) {
+                        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                        std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                            wtx.open_table(table.definition())
+                                .map_err(|e| StoreError::db(db_path, e))?,
+                        ),
+                    };
+                    let r = match op {
+                        Op::Put { value, .. } => t.insert(key.as_slice(), value.as_slice()),
+                        _ => t.remove(key.as_slice()),
+                    };
+                    r.map_err(|e| StoreError::db(db_path, e))?;
+                }
+                Op::Enqueue {
+                    queue,
+                    id,
+                    body,
+                    flags,
+                    expires_at,
+                } => {
+                    let loc = match body {
+                        BodyRef::New(i) => {
+                            *locations.get(*i).ok_or_else(|| StoreError::Corrupt {
+                                path: db_path.to_path_buf(),
+                                offset: 0,
+                                detail: format!(
+                                    "batch enqueue names body {i} of {}",
+                                    locations.len()
+                                ),
+                            })?
+                        }
+                        BodyRef::Stored(loc) => *loc,
+                    };
+                    let old = messages
+                        .insert(
+                            (*queue, *id),
+                            encode_entry(loc, *flags, *expires_at).as_slice(),
+                        )
+                        .map_err(|e| StoreError::db(db_path, e))?
+                        .and_then(|g| decode_entry(g.value()));
+                    *delta.entry(u64::from(loc.segment)).or_default() += 1;
+                    if let Some((old, _, _)) = old {
+                        *delta.entry(u64::from(old.segment)).or_default() -= 1;
+                    }
+                }
+                Op::Settle { queue, id } => {
+                    let old = messages
+                        .remove((*queue, *id))
+                        .map_err(|e| StoreError::db(db_path, e))?
+                        .and_then(|g| decode_entry(g.value()));
+                    if let Some((old, _, _)) = old {
+                        *delta.entry(u64::from(old.segment)).or_default() -= 1;
+                    }
+                }
+                Op::Renumber { queue, from, to } => {
+                    let record = messages
+                        .remove((*queue, *from))
+                        .map_err(|e| StoreError::db(db_path, e))?
+                        .map(|g| g.value().to_vec());
+                    if let Some(record) = record {
+                        // The same body keeps the same number of references.
+                        let old = messages
+                            .insert((*queue, *to), record.as_slice())
+                            .map_err(|e| StoreError::db(db_path, e))?
+                            .and_then(|g| decode_entry(g.value()));
+                        if let Some((old, _, _)) = old {
+                            *delta.entry(u64::from(old.segment)).or_default() -= 1;
+                        }
+                    }
+                }
+                Op::DropQueue { queue } => {
+                    let removed = messages
+                        .extract_from_if((*queue, 0)..=(*queue, u64::MAX), |_, _| true)
+                        .map_err(|e| StoreError::db(db_path, e))?;
+                    for row in removed {
+                        let (_, v) = row.map_err(|e| StoreError::db(db_path, e))?;
+                        if let Some((old, _, _)) = decode_entry(v.value()) {
+                            *delta.entry(u64::from(old.segment)).or_default() -= 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(delta)
 }
 
 /// Which `Enqueue`s of a group need not reach the index: those settled later in the same group
@@ -758,6 +942,17 @@ fn check_version(db: &Database, path: &Path) -> Result<(), StoreError> {
     };
     match found {
         Some(v) if v == FORMAT_VERSION => Ok(()),
+        // Its redb commits were all durable: nothing to replay (it has no checkpoint), and
+        // its first open writes one.
+        Some(v) if v == FORMAT_VERSION_UPGRADED => {
+            let wtx = db.begin_write().map_err(|e| StoreError::db(path, e))?;
+            {
+                let mut t = wtx.open_table(META).map_err(|e| StoreError::db(path, e))?;
+                t.insert(KEY_FORMAT_VERSION, FORMAT_VERSION)
+                    .map_err(|e| StoreError::db(path, e))?;
+            }
+            wtx.commit().map_err(|e| StoreError::db(path, e))
+        }
         Some(v) => Err(StoreError::VersionMismatch {
             path: path.to_path_buf(),
             found: v,

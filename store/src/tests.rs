@@ -27,7 +27,20 @@ fn enqueue(queue: u64, id: u64, body: usize) -> Op {
     }
 }
 
+/// A store that checkpoints at every commit: settled segments go at once.
 fn open(dir: &Path, segment_max: u64) -> Result<(Store, Recovered), StoreError> {
+    Store::open(
+        dir,
+        Options {
+            segment_max,
+            checkpoint_interval: std::time::Duration::ZERO,
+            ..Options::default()
+        },
+    )
+}
+
+/// A store with the default checkpoint interval: commits reach redb only at checkpoints.
+fn open_deferred(dir: &Path, segment_max: u64) -> Result<(Store, Recovered), StoreError> {
     Store::open(
         dir,
         Options {
@@ -310,6 +323,208 @@ fn corruption_under_committed_data_refuses_to_open() {
     }
 }
 
+fn numbered(id: u64) -> String {
+    format!("body {id} {}", "x".repeat(200))
+}
+
+/// Copy the store's segments as a process killed now would leave them (the page cache is
+/// the file).
+fn crash_copy(dir: &Path, to: &Path) {
+    std::fs::create_dir_all(to.join("segments")).unwrap();
+    for e in std::fs::read_dir(dir.join("segments")).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join("segments").join(e.file_name())).unwrap();
+    }
+}
+
+/// redb as of its last checkpoint and the segments as of later commits (a power loss after
+/// those commits' segment syncs): the index log records after the checkpoint are replayed,
+/// so every commit's enqueues, settles, renumbers, dropped queues and metadata are there.
+#[test]
+fn commits_after_the_checkpoint_are_replayed_from_the_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let crashed = tempfile::tempdir().unwrap();
+    let (mut store, _) = open_deferred(dir.path(), 4096).unwrap();
+    store
+        .commit(&Batch {
+            bodies: vec![msg(b"before")],
+            ops: vec![enqueue(1, 1, 0), enqueue(3, 1, 0)],
+        })
+        .unwrap();
+    store.checkpoint().unwrap();
+    // redb as the checkpoint left it (later commits are not durable in it).
+    std::fs::copy(
+        dir.path().join("meta.redb"),
+        crashed.path().join("meta.redb"),
+    )
+    .unwrap();
+    let mut expected = vec![(1, 1)];
+    for id in 2..=40u64 {
+        let mut ops = vec![enqueue(1, id, 0)];
+        if id % 3 == 0 {
+            ops.push(Op::Settle {
+                queue: 1,
+                id: id - 1,
+            });
+            expected.retain(|k| *k != (1, id - 1));
+        }
+        store
+            .commit(&Batch {
+                bodies: vec![msg(numbered(id).as_bytes())],
+                ops,
+            })
+            .unwrap();
+        expected.push((1, id));
+    }
+    store
+        .commit(&Batch {
+            bodies: vec![],
+            ops: vec![
+                Op::Renumber {
+                    queue: 1,
+                    from: 4,
+                    to: 100,
+                },
+                Op::DropQueue { queue: 3 },
+                Op::Put {
+                    table: MetaTable::Queues,
+                    key: b"q".to_vec(),
+                    value: b"declared after".to_vec(),
+                },
+            ],
+        })
+        .unwrap();
+    expected.retain(|k| *k != (1, 4));
+    expected.push((1, 100));
+    expected.sort_unstable();
+    assert!(
+        segment::list(&dir.path().join("segments")).unwrap().len() > 2,
+        "the commits span segments"
+    );
+    crash_copy(dir.path(), crashed.path());
+    drop(store);
+    let (store, r) = open_deferred(crashed.path(), 4096).unwrap();
+    assert_eq!(live(&r), expected);
+    assert_eq!(
+        r.meta[&MetaTable::Queues],
+        vec![(b"q".to_vec(), b"declared after".to_vec())]
+    );
+    for m in &r.messages {
+        let body = store.segments().read(m.location).unwrap().body;
+        let want = match m.id {
+            1 => "before".to_string(),
+            100 => numbered(4),
+            id => numbered(id),
+        };
+        assert_eq!(&body[..], want.as_bytes(), "{m:?}");
+    }
+    drop(store);
+    // Replayed once: the open checkpointed, a second open replays nothing and agrees.
+    let (_, again) = open_deferred(crashed.path(), 4096).unwrap();
+    assert_eq!(live(&again), expected);
+}
+
+/// A process killed after non-durable redb commits (whatever redb's file then shows): the
+/// open replays from the checkpoint and ends with exactly the committed state.
+#[test]
+fn a_kill_after_non_durable_commits_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let crashed = tempfile::tempdir().unwrap();
+    let (mut store, _) = open_deferred(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    for id in 1..=10u64 {
+        let mut ops = vec![enqueue(1, id, 0)];
+        if id > 5 {
+            ops.push(Op::Settle {
+                queue: 1,
+                id: id - 5,
+            });
+        }
+        store
+            .commit(&Batch {
+                bodies: vec![msg(b"m")],
+                ops,
+            })
+            .unwrap();
+    }
+    std::fs::copy(
+        dir.path().join("meta.redb"),
+        crashed.path().join("meta.redb"),
+    )
+    .unwrap();
+    crash_copy(dir.path(), crashed.path());
+    drop(store);
+    let (_, r) = open_deferred(crashed.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    assert_eq!(live(&r), (6..=10).map(|id| (1, id)).collect::<Vec<_>>());
+}
+
+/// Ops pile up for the next checkpoint only to [`index_log::CHECKPOINT_OPS_MAX`]: the
+/// commit that reaches it is a checkpoint, whatever the interval.
+#[test]
+fn a_commit_reaching_the_ops_bound_is_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, _) = open_deferred(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    assert_eq!(
+        store.checkpoint_due(),
+        None,
+        "just opened: redb holds everything"
+    );
+    let settle = |n: u64| Batch {
+        bodies: vec![],
+        ops: (0..n).map(|id| Op::Settle { queue: 1, id }).collect(),
+    };
+    store.commit(&settle(10)).unwrap();
+    assert!(
+        store.checkpoint_due().is_some(),
+        "ten ops wait for the interval"
+    );
+    let rest = index_log::CHECKPOINT_OPS_MAX as u64 - 10;
+    store.commit(&settle(rest - 1)).unwrap();
+    assert!(
+        store.checkpoint_due().is_some(),
+        "one op short of the bound"
+    );
+    store.commit(&settle(1)).unwrap();
+    assert_eq!(
+        store.checkpoint_due(),
+        None,
+        "the bound reached: checkpointed"
+    );
+}
+
+/// A directory of format 2 (every redb commit durable, no index log) opens, keeps what it
+/// held, and is format 3 after.
+#[test]
+fn a_format_2_directory_is_upgraded_in_place() {
+    let dir = tempfile::tempdir().unwrap();
+    store_with_one_message(dir.path(), b"old");
+    {
+        let db = Database::create(dir.path().join("meta.redb")).unwrap();
+        let wtx = db.begin_write().unwrap();
+        {
+            let mut t = wtx.open_table(META).unwrap();
+            t.insert(KEY_FORMAT_VERSION, 2).unwrap();
+            t.remove(KEY_CHECKPOINT_SEGMENT).unwrap();
+            t.remove(KEY_CHECKPOINT_OFFSET).unwrap();
+        }
+        wtx.commit().unwrap();
+    }
+    let (store, r) = open(dir.path(), SEGMENT_MAX_DEFAULT).unwrap();
+    assert_eq!(live(&r), vec![(1, 1)]);
+    assert_eq!(
+        store.segments().read(r.messages[0].location).unwrap().body,
+        Bytes::from_static(b"old")
+    );
+    drop(store);
+    let db = Database::create(dir.path().join("meta.redb")).unwrap();
+    let rtx = db.begin_read().unwrap();
+    let t = rtx.open_table(META).unwrap();
+    assert_eq!(
+        t.get(KEY_FORMAT_VERSION).unwrap().unwrap().value(),
+        FORMAT_VERSION
+    );
+    assert!(t.get(KEY_CHECKPOINT_SEGMENT).unwrap().is_some());
+}
+
 #[test]
 fn other_format_versions_refuse_to_open() {
     let dir = tempfile::tempdir().unwrap();
@@ -409,76 +624,120 @@ fn store_op() -> impl Strategy<Value = StoreOp> {
     ]
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(64))]
-
-    /// Against a map model: after any sequence of grouped commits and reopens, the index holds
-    /// exactly the live (queue, id) pairs, every body reads back, and segments do not
-    /// accumulate.
-    #[test]
-    fn store_matches_model(ops in proptest::collection::vec(store_op(), 1..60)) {
-        let dir = tempfile::tempdir().unwrap();
-        let (mut store, _) = open(dir.path(), 2048).unwrap();
-        let mut model: BTreeMap<(u64, u64), Vec<u8>> = BTreeMap::new();
-        let mut group = Batch::default();
-        let mut next_id = 1u64;
-        for op in ops {
-            match op {
-                StoreOp::Publish { queues, len } => {
-                    let body = vec![(next_id % 251) as u8; len];
-                    group.bodies.push(msg(&body));
-                    for q in queues {
-                        group.ops.push(enqueue(q, next_id, group.bodies.len() - 1));
-                        model.insert((q, next_id), body.clone());
-                    }
-                    next_id += 1;
+/// Against a map model: after any sequence of grouped commits and reopens, the index holds
+/// exactly the live (queue, id) pairs, every body reads back, and segments do not
+/// accumulate (checked at every commit when each commit is a checkpoint).
+fn store_matches_model(ops: Vec<StoreOp>, deferred: bool) -> Result<(), TestCaseError> {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut store, _) = open_with(dir.path(), 2048, deferred).unwrap();
+    let mut model: BTreeMap<(u64, u64), Vec<u8>> = BTreeMap::new();
+    let mut group = Batch::default();
+    let mut next_id = 1u64;
+    for op in ops {
+        match op {
+            StoreOp::Publish { queues, len } => {
+                let body = vec![(next_id % 251) as u8; len];
+                group.bodies.push(msg(&body));
+                for q in queues {
+                    group.ops.push(enqueue(q, next_id, group.bodies.len() - 1));
+                    model.insert((q, next_id), body.clone());
                 }
-                StoreOp::Settle(i) => {
-                    let Some(key) = model.keys().nth(i % model.len().max(1)).copied() else { continue };
-                    model.remove(&key);
-                    group.ops.push(Op::Settle { queue: key.0, id: key.1 });
-                }
-                StoreOp::Reenqueue(i) => {
-                    let Some(key) = model.keys().nth(i % model.len().max(1)).copied() else { continue };
-                    let body = vec![(i % 251) as u8 ^ 0x55; 10 + i];
-                    group.bodies.push(msg(&body));
-                    group.ops.push(enqueue(key.0, key.1, group.bodies.len() - 1));
-                    model.insert(key, body);
-                }
-                StoreOp::Drop(q) => {
-                    model.retain(|k, _| k.0 != q);
-                    group.ops.push(Op::DropQueue { queue: q });
-                }
-                StoreOp::Renumber(i) => {
-                    let Some(key) = model.keys().nth(i % model.len().max(1)).copied() else { continue };
-                    let body = model.remove(&key).unwrap();
-                    model.insert((key.0, next_id), body);
-                    group.ops.push(Op::Renumber { queue: key.0, from: key.1, to: next_id });
-                    next_id += 1;
-                }
-                StoreOp::Commit => {
-                    store.commit(&std::mem::take(&mut group)).unwrap();
-                    // Each live message pins at most one segment; besides those only the
-                    // active one (and one rolled during the last group) exist: disk use
-                    // follows the live data, never the history.
+                next_id += 1;
+            }
+            StoreOp::Settle(i) => {
+                let Some(key) = model.keys().nth(i % model.len().max(1)).copied() else {
+                    continue;
+                };
+                model.remove(&key);
+                group.ops.push(Op::Settle {
+                    queue: key.0,
+                    id: key.1,
+                });
+            }
+            StoreOp::Reenqueue(i) => {
+                let Some(key) = model.keys().nth(i % model.len().max(1)).copied() else {
+                    continue;
+                };
+                let body = vec![(i % 251) as u8 ^ 0x55; 10 + i];
+                group.bodies.push(msg(&body));
+                group
+                    .ops
+                    .push(enqueue(key.0, key.1, group.bodies.len() - 1));
+                model.insert(key, body);
+            }
+            StoreOp::Drop(q) => {
+                model.retain(|k, _| k.0 != q);
+                group.ops.push(Op::DropQueue { queue: q });
+            }
+            StoreOp::Renumber(i) => {
+                let Some(key) = model.keys().nth(i % model.len().max(1)).copied() else {
+                    continue;
+                };
+                let body = model.remove(&key).unwrap();
+                model.insert((key.0, next_id), body);
+                group.ops.push(Op::Renumber {
+                    queue: key.0,
+                    from: key.1,
+                    to: next_id,
+                });
+                next_id += 1;
+            }
+            StoreOp::Commit => {
+                store.commit(&std::mem::take(&mut group)).unwrap();
+                // Each live message pins at most one segment; besides those only the
+                // active one (and one rolled during the last group) exist: disk use
+                // follows the live data, never the history.
+                if !deferred {
                     prop_assert!(store.segment_count().unwrap() <= model.len() + 2);
                 }
-                StoreOp::Reopen => {
-                    store.commit(&std::mem::take(&mut group)).unwrap();
-                    drop(store);
-                    let (s, r) = open(dir.path(), 2048).unwrap();
-                    store = s;
-                    prop_assert_eq!(live(&r), model.keys().copied().collect::<Vec<_>>());
-                    for m in &r.messages {
-                        let body = store.segments().read(m.location).unwrap().body;
-                        prop_assert_eq!(&body[..], &model[&(m.queue, m.id)][..]);
-                    }
+            }
+            StoreOp::Reopen => {
+                store.commit(&std::mem::take(&mut group)).unwrap();
+                drop(store);
+                let (s, r) = open_with(dir.path(), 2048, deferred).unwrap();
+                store = s;
+                prop_assert_eq!(live(&r), model.keys().copied().collect::<Vec<_>>());
+                for m in &r.messages {
+                    let body = store.segments().read(m.location).unwrap().body;
+                    prop_assert_eq!(&body[..], &model[&(m.queue, m.id)][..]);
                 }
             }
         }
-        store.commit(&std::mem::take(&mut group)).unwrap();
-        drop(store);
-        let (_, r) = open(dir.path(), 2048).unwrap();
-        prop_assert_eq!(live(&r), model.keys().copied().collect::<Vec<_>>());
+    }
+    store.commit(&std::mem::take(&mut group)).unwrap();
+    drop(store);
+    let (_, r) = open_with(dir.path(), 2048, deferred).unwrap();
+    prop_assert_eq!(live(&r), model.keys().copied().collect::<Vec<_>>());
+
+    Ok(())
+}
+
+fn open_with(
+    dir: &Path,
+    segment_max: u64,
+    deferred: bool,
+) -> Result<(Store, Recovered), StoreError> {
+    if deferred {
+        open_deferred(dir, segment_max)
+    } else {
+        open(dir, segment_max)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    /// Every commit a checkpoint.
+    #[test]
+    fn the_store_matches_a_model(ops in proptest::collection::vec(store_op(), 1..60)) {
+        store_matches_model(ops, false)?;
+    }
+
+    /// Commits reaching redb only at checkpoints (and at each reopen's close).
+    #[test]
+    fn the_store_with_deferred_checkpoints_matches_a_model(
+        ops in proptest::collection::vec(store_op(), 1..60)
+    ) {
+        store_matches_model(ops, true)?;
     }
 }

@@ -219,6 +219,19 @@ impl Drop for Writer {
     }
 }
 
+/// A checkpoint on the writer's own initiative; a failure stops the store as a failed commit
+/// does (what redb holds can no longer be trusted to follow the segments).
+fn checkpoint(store: &mut Store, shared: &Shared) {
+    if shared.failed.lock().is_some() {
+        return;
+    }
+    if let Err(e) = store.checkpoint() {
+        tracing::error!(error = %e, "store checkpoint failed; no further writes will be confirmed");
+        *shared.failed.lock() = Some(Arc::new(e));
+        shared.has_failed.store(true, Ordering::Release);
+    }
+}
+
 fn run(mut store: Store, shared: &Shared, rx: &mpsc::Receiver<Msg>) {
     let mut group: Vec<Request> = Vec::new();
     // A request that did not fit the previous group opens the next one.
@@ -231,7 +244,24 @@ fn run(mut store: Store, shared: &Shared, rx: &mpsc::Receiver<Msg>) {
                 let next = if closing {
                     rx.try_recv().ok()
                 } else {
-                    rx.recv().ok()
+                    // A failed store makes no checkpoint: it waits for requests to refuse.
+                    let due = if shared.has_failed.load(Ordering::Acquire) {
+                        None
+                    } else {
+                        store.checkpoint_due()
+                    };
+                    match due {
+                        None => rx.recv().ok(),
+                        Some(wait) => match rx.recv_timeout(wait) {
+                            Ok(msg) => Some(msg),
+                            Err(mpsc::RecvTimeoutError::Timeout) => {
+                                // Quiet: no commit came to make the checkpoint.
+                                checkpoint(&mut store, shared);
+                                continue;
+                            }
+                            Err(mpsc::RecvTimeoutError::Disconnected) => None,
+                        },
+                    }
                 };
                 match next {
                     Some(Msg::Request(r)) => r,
@@ -403,6 +433,56 @@ mod tests {
             store.segments().read(m.location).unwrap().routing_key,
             Bytes::from_static(b"2007")
         );
+    }
+
+    /// With nothing more submitted, the writer makes the checkpoint itself once it is due:
+    /// the segments of settled messages are deleted while the broker is quiet.
+    #[test]
+    fn a_quiet_writer_checkpoints_and_settled_segments_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = Options {
+            segment_max: 4096,
+            checkpoint_interval: std::time::Duration::from_millis(20),
+            ..Options::default()
+        };
+        let (store, _) = Store::open(dir.path(), options).unwrap();
+        let writer = Writer::start(store).unwrap();
+        let commit = |batch: Batch| {
+            let (tx, rx) = mpsc::channel();
+            writer.submit(batch, Box::new(move |r| tx.send(r.is_ok()).unwrap()));
+            assert!(rx.recv().unwrap(), "committed");
+        };
+        for id in 0..100u64 {
+            commit(Batch {
+                bodies: vec![msg(id)],
+                ops: vec![Op::Enqueue {
+                    queue: 1,
+                    id,
+                    body: BodyRef::New(0),
+                    flags: 0,
+                    expires_at: 0,
+                }],
+            });
+        }
+        commit(Batch {
+            bodies: vec![],
+            ops: (0..100).map(|id| Op::Settle { queue: 1, id }).collect(),
+        });
+        let segments = || {
+            crate::segment::list(&dir.path().join("segments"))
+                .unwrap()
+                .len()
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while segments() > 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} segments left with every message settled",
+                segments()
+            );
+            std::thread::yield_now();
+        }
+        writer.shutdown();
     }
 
     #[test]
