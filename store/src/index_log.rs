@@ -49,7 +49,7 @@ pub const CHECKPOINT_INTERVAL: Duration = Duration::from_secs(1);
 /// Ops held for the next checkpoint at most (each a few dozen bytes; a metadata put holds its
 /// key and value): past it the commit that adds them is a checkpoint. Bounds the memory and
 /// the length of one checkpoint's transaction.
-pub const CHECKPOINT_OPS_MAX: usize = 65_536;
+pub const CHECKPOINT_OPS_MAX: usize = 8_192;
 
 /// Where the segments' log stood at redb's last durable commit: records at or after
 /// `(segment, offset)` are not in it.
