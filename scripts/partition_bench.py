@@ -11,6 +11,7 @@ ratio of CPU per message to the 1-partition run (the issue's bound: flat within 
 
     scripts/partition_bench.py                      # 15 s per run, both types
     scripts/partition_bench.py --duration 5 --partitions 1 3 --types quorum
+    scripts/partition_bench.py --spread             # a warren-perf per node, clients spread
     scripts/partition_bench.py --doc                # also write the section into docs/benchmarks.md
 
 Reuses scripts/cluster_bench.py's cluster (target/release/warren, nodes n1..n3 on AMQP
@@ -48,9 +49,52 @@ def log_entries(cluster, queues):
     return total
 
 
-def run(cluster, kind, partitions, duration, producers=None):
+def run_spread(cluster, key, prefix, extra_of, queues, duration, inspect=None):
+    """One warren-perf per node at once (clients spread over the cluster as behind a load
+    balancer), `extra_of(i)` its arguments; their figures summed (p99: the largest) and the
+    cluster's CPU measured over all of them, as cb.run_perf does for one."""
+    import subprocess
+    procs, outs = [], []
+    pgids = set(cluster.pids().values())
+    nodes0 = cb.group_cpu_s(pgids)
+    for i, node in enumerate(cluster.nodes):
+        out = cb.OUT_DIR / f"{key}-spread-{node}.json"
+        out.unlink(missing_ok=True)
+        outs.append(out)
+        cmd = [str(cb.PERF), "--scenario", "quorum", "--uri",
+               f"amqp://guest:guest@127.0.0.1:{cluster.amqp[node]}/%2F",
+               "--duration", str(duration), "--queue", prefix, "--json", str(out)] + extra_of(i)
+        cb.log(f"{cluster.name} {key} spread {node}: {' '.join(cmd[1:])}")
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    for pr in procs:
+        out, _ = pr.communicate(timeout=duration + 300)
+        if pr.returncode != 0:
+            cb.log(f"  warren-perf exited {pr.returncode}:\n{out[-2000:]}")
+    nodes_s = cb.group_cpu_s(pgids) - nodes0
+    leaders = cluster.leaders(queues)
+    inspected = inspect(cluster, queues) if inspect else None
+    cb.delete_queues(cluster.amqp[cluster.nodes[0]], queues)
+    parts = [json.loads(o.read_text()) for o in outs if o.exists()]
+    if len(parts) != len(outs):
+        return None
+    j = {
+        "confirmed": sum(x.get("confirmed") or 0 for x in parts),
+        "publish_rate": sum(x.get("publish_rate") or 0 for x in parts),
+        "consume_rate": sum(x.get("consume_rate") or 0 for x in parts),
+        "failed": sum(x.get("failed") or 0 for x in parts),
+        "confirm_latency_us": {"p99": max((x.get("confirm_latency_us") or {}).get("p99", 0)
+                                          for x in parts)},
+        "_leaders": leaders,
+        "_inspect": inspected,
+    }
+    j["_cluster_cpu_us_per_msg"] = nodes_s / j["confirmed"] * 1e6 if j["confirmed"] else None
+    return j
+
+
+def run(cluster, kind, partitions, duration, producers=None, spread=False):
     prefix = f"part-{kind}-{partitions}"
-    producers = producers or min(partitions, 4)
+    producers = producers or (len(cluster.nodes) if spread else min(partitions, 4))
     extra = [
         "--exact-name", "--queues", "1", "--producers", str(producers),
         "--consumers", str(partitions), "--key-header", "k", "--keys", "1024",
@@ -58,15 +102,29 @@ def run(cluster, kind, partitions, duration, producers=None):
         "--queue-arg", "x-partition-key=header:k",
         "--consumer-arg", "x-consumer-group=bench", "--confirm", "200", "--prefetch", "500",
     ]
-    j = cb.run_perf(cluster, f"{kind}-{partitions}", prefix, extra,
-                    lambda p: [f"{p}-{i}" for i in range(partitions)], duration, 1,
-                    inspect=log_entries if kind == "quorum" else None)
+    inspect = log_entries if kind == "quorum" else None
+    if spread:
+        # Producers and group members dealt round-robin over the nodes.
+        n = len(cluster.nodes)
+
+        def extra_of(i):
+            mine = extra[:]
+            mine[mine.index("--producers") + 1] = str(len(range(i, producers, n)))
+            mine[mine.index("--consumers") + 1] = str(len(range(i, partitions, n)))
+            return mine
+
+        j = run_spread(cluster, f"{kind}-{partitions}", prefix, extra_of,
+                       [f"{prefix}-{i}" for i in range(partitions)], duration, inspect)
+    else:
+        j = cb.run_perf(cluster, f"{kind}-{partitions}", prefix, extra,
+                        lambda p: [f"{p}-{i}" for i in range(partitions)], duration, 1,
+                        inspect=inspect)
     if j is None:
         return None
     leaders = j.get("_leaders", {})
     per_node = {n: sum(1 for v in leaders.values() if v == n) for n in cluster.nodes}
     return {
-        "kind": kind,
+        "kind": kind + (" (spread)" if spread else ""),
         "partitions": partitions,
         "producers": producers,
         "published_per_s": j.get("publish_rate"),
@@ -112,6 +170,9 @@ def main():
     ap.add_argument("--types", nargs="+", default=["quorum", "stream"])
     ap.add_argument("--producers", type=int, default=None,
                     help="publishers in every run (default: min(partitions, 4))")
+    ap.add_argument("--spread", action="store_true",
+                    help="one warren-perf per node, producers (default 3) and the group's "
+                         "members dealt over the nodes, rather than every client on n1")
     ap.add_argument("--doc", action="store_true")
     args = ap.parse_args()
     for binary in (cb.WARREN, cb.PERF):
@@ -127,7 +188,7 @@ def main():
                 cluster = cb.WarrenCluster(tmp)
                 cluster.start()
                 try:
-                    r = run(cluster, kind, p, args.duration, args.producers)
+                    r = run(cluster, kind, p, args.duration, args.producers, args.spread)
                 finally:
                     cluster.stop()
                 if r:

@@ -20,7 +20,18 @@ fn publish(n: u32) -> Command<ReplicatedMessage> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_publishes_share_entries_and_keep_their_order() {
     let all = [1, 2, 3];
-    let mut c = Cluster::start(&all).await;
+    // Elections slower than the harness's: 2,000 publishes on three debug-build nodes sharing
+    // two cores can hold a heartbeat past 200 ms, and a leader change mid-test makes a no-ack
+    // get's outcome unknown (a message possibly taken unseen), which is not what this tests.
+    let mut c = Cluster::start_with(
+        &all,
+        openraft::Config {
+            election_timeout_min: 1_500,
+            election_timeout_max: 3_000,
+            ..Cluster::config()
+        },
+    )
+    .await;
     let leader = c.leader(&all, None).await;
     let before = c.nodes[&leader].sm.last_applied().map_or(0, |l| l.index);
     let proposer = Proposer::start(c.nodes[&leader].raft.clone());
