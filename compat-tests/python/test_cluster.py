@@ -165,6 +165,64 @@ def test_quorum_queue_declared_on_one_node_is_visible_on_all(cluster3):
     assert c.node_index(leaders.pop()) is not None
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("partitions", [0, 3])
+def test_one_queue_declared_through_every_node_at_once_answers_every_declare(cluster3,
+                                                                             partitions):
+    """Three clients declare the same new quorum queue (and a partitioned one) through the
+    three nodes at the same moment, as app instances starting together do. The first commit
+    wins; the other declares are answered too (they used to wait forever for a group that
+    would never exist), and a message published through one node is read through another."""
+    c = cluster3
+    queue = f"together.{uuid.uuid4().hex[:8]}"
+    args = {"x-queue-type": "quorum"}
+    if partitions:
+        args.update({"x-partitions": partitions, "x-partition-key": "header:k"})
+    start = threading.Barrier(3)
+    answered, errors = {}, {}
+
+    def declare(i):
+        conn = c.connect(i, blocked_connection_timeout=60)
+        try:
+            ch = conn.channel()
+            start.wait(10)
+            t0 = time.monotonic()
+            ch.queue_declare(queue, durable=True, arguments=args)
+            answered[i] = time.monotonic() - t0
+        except Exception as e:   # noqa: BLE001 - reported below
+            errors[i] = repr(e)
+        finally:
+            safe_close(conn)
+
+    threads = [threading.Thread(target=declare, args=(i,), daemon=True) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert sorted(answered) == [0, 1, 2], f"declares unanswered after 60 s: {answered}"
+    target = f"{queue}-0" if partitions else queue
+    wait_visible(c, target, [0, 1, 2], deadline=10.0)
+    conn = c.connect(1)
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.basic_publish("", target, b"after", pika.BasicProperties(delivery_mode=2),
+                         mandatory=True)
+    finally:
+        safe_close(conn)
+    def get_one():
+        conn = c.connect(2)
+        try:
+            return conn.channel().basic_get(target, auto_ack=True)[2]
+        finally:
+            safe_close(conn)
+
+    got = eventually(get_one, lambda b: b is not None,
+                     what=f"the message through n3 from {target}")
+    assert got == b"after"
+
+
 def test_publish_through_follower_consume_through_other_follower_in_order(cluster3):
     """100 confirmed persistent messages published through a non-leader node are consumed
     in publish order, none redelivered, through a third node, and the acks empty the queue

@@ -122,10 +122,12 @@ impl ClusterNode {
                     if let Err(e) = &r {
                         tracing::error!(incarnation, error = %e, "cannot serve a quorum queue");
                     }
-                    if let Some(done) = done {
-                        done(r.map(|()| Vec::new()).map_err(|e| {
-                            Arc::new(warren_store::StoreError::Replication(e.to_string()))
-                        }));
+                    let r = r.map(|()| Vec::new()).map_err(|e| {
+                        Arc::new(warren_store::StoreError::Replication(e.to_string()))
+                    });
+                    let lost = node.served(incarnation, r.is_ok());
+                    for done in done.into_iter().chain(lost) {
+                        done(r.clone());
                     }
                 });
                 if let Some(waiting) = self
@@ -271,6 +273,68 @@ impl ClusterNode {
     }
 }
 
+impl ClusterNode {
+    /// A declare made here lost to another node's of the same queue (`won`, committed
+    /// first): its completion runs with the winner's once that is served here, or now if it
+    /// already is.
+    fn declare_lost(&self, lost: u64, won: u64) {
+        let Some(done) = take_waiting(&self.declaring, lost) else {
+            return;
+        };
+        let mut after = self
+            .declared_after
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Under `declared_after`'s lock: `served` marks the winner before it takes the
+        // waiting, so a declare either finds it served or is taken by it.
+        if let Some(ok) = after.served.get(&won).copied() {
+            drop(after);
+            done(if ok {
+                Ok(Vec::new())
+            } else {
+                Err(Arc::new(warren_store::StoreError::Replication(
+                    "the queue declared concurrently elsewhere could not be served here".into(),
+                )))
+            });
+            return;
+        }
+        after.waiting.entry(won).or_default().push(done);
+    }
+
+    /// Group `incarnation` is served here (or failed to be): the declares that lost to it.
+    fn served(&self, incarnation: u64, ok: bool) -> Vec<Completion> {
+        let mut after = self
+            .declared_after
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        after.served.insert(incarnation, ok);
+        // Bounded: only the most recent groups need remembering (a losing declare commits
+        // right after the winning one).
+        while after.served.len() > DECLARED_SERVED_MAX {
+            let Some(&oldest) = after.order.front() else {
+                break;
+            };
+            after.order.pop_front();
+            after.served.remove(&oldest);
+        }
+        after.order.push_back(incarnation);
+        after.waiting.remove(&incarnation).unwrap_or_default()
+    }
+}
+
+/// Groups [`ClusterNode::served`] remembers at most, for declares that lost to them.
+const DECLARED_SERVED_MAX: usize = 1024;
+
+/// Declares made here that lost to another node's: what they wait for.
+#[derive(Default)]
+pub(super) struct DeclaredAfter {
+    /// By winning incarnation: the losing declares' completions.
+    waiting: HashMap<u64, Vec<Completion>>,
+    /// Recently served incarnations and whether serving them succeeded.
+    served: HashMap<u64, bool>,
+    order: std::collections::VecDeque<u64>,
+}
+
 /// The completion of a declare or delete made here, once (None: not made here, or already
 /// completed).
 fn take_waiting(map: &Mutex<HashMap<u64, Completion>>, incarnation: u64) -> Option<Completion> {
@@ -401,10 +465,23 @@ impl Applied for MetaState {
                     }
                     records.remove(key);
                 }
-                MetaChange::DeclareQueue { key, .. } => {
-                    if records.contains_key(key) {
-                        // Declared twice concurrently: the first commit wins, and the
-                        // second declare waits for nothing.
+                MetaChange::DeclareQueue {
+                    key, incarnation, ..
+                } => {
+                    if let Some(standing) = records.get(key) {
+                        // Declared twice concurrently (through two nodes): the first commit
+                        // wins. The second declare is answered once the winner's replica is
+                        // served here, as the winner's own declare is: it must not wait
+                        // forever for a group that will never exist.
+                        if let (
+                            Some(node),
+                            MetaChange::DeclareQueue {
+                                incarnation: won, ..
+                            },
+                        ) = (&node, standing)
+                        {
+                            node.declare_lost(*incarnation, *won);
+                        }
                         continue;
                     }
                     records.insert(key.clone(), change.clone());

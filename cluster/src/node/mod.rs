@@ -138,6 +138,8 @@ pub struct ClusterNode {
     declaring: Mutex<HashMap<u64, Completion>>,
     /// Deletes made here, waiting for their commit.
     deleting: Mutex<HashMap<u64, Completion>>,
+    /// Declares made here that lost to another node's declare of the same queue.
+    declared_after: Mutex<metadata::DeclaredAfter>,
     /// Each quorum queue's members as the metadata group last set them, by incarnation:
     /// what its leader makes the group's voters (see [`reconcile_members`]).
     ///
@@ -276,6 +278,7 @@ impl ClusterNode {
             queues: Mutex::new(HashMap::new()),
             queue_logs,
             declaring: Mutex::new(HashMap::new()),
+            declared_after: Mutex::new(metadata::DeclaredAfter::default()),
             deleting: Mutex::new(HashMap::new()),
             members: Mutex::new(HashMap::new()),
             started: std::time::Instant::now(),
