@@ -53,8 +53,8 @@ def run_spread(cluster, key, prefix, extra_of, queues, duration, declare_args, i
     """One warren-perf per node at once (clients spread over the cluster as behind a load
     balancer), `extra_of(i)` its arguments; their figures summed (p99: the largest) and the
     cluster's CPU measured over all of them, as cb.run_perf does for one. The queue is
-    declared through n1 first: three first declarations at once through three nodes once left
-    n1's declare unanswered, heartbeats included, for 120 s (2026-12-07, not yet explained)."""
+    declared through n1 first, so that every run starts from the same placement (three first
+    declarations at once through three nodes left two unanswered before c1e1a5c)."""
     import subprocess
     cb.until_declared(cluster.amqp[cluster.nodes[0]], prefix, 60, arguments=declare_args)
     procs, outs = [], []
@@ -71,9 +71,9 @@ def run_spread(cluster, key, prefix, extra_of, queues, duration, declare_args, i
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     for pr in procs:
-        out, _ = pr.communicate(timeout=duration + 300)
+        text, _ = pr.communicate(timeout=duration + 300)
         if pr.returncode != 0:
-            cb.log(f"  warren-perf exited {pr.returncode}:\n{out[:1500]}")
+            cb.log(f"  warren-perf exited {pr.returncode}:\n{text[:1500]}")
     nodes_s = cb.group_cpu_s(pgids) - nodes0
     leaders = cluster.leaders(queues)
     inspected = inspect(cluster, queues) if inspect else None
