@@ -328,6 +328,8 @@ pub struct Store {
     /// Ops made durable in the segments since the checkpoint, new bodies located, in order:
     /// redb's part of them waits for the next checkpoint.
     pending: Vec<Op>,
+    /// A segment was sealed since the last checkpoint: the next commit is one.
+    rolled: bool,
 }
 
 impl Drop for Store {
@@ -540,6 +542,7 @@ impl Store {
                 last_checkpoint: std::time::Instant::now(),
                 failed: false,
                 pending: Vec::new(),
+                rolled: false,
             },
             recovered,
         ))
@@ -617,7 +620,11 @@ impl Store {
             };
             self.pending.push(op);
         }
-        if self.pending.len() >= CHECKPOINT_OPS_MAX
+        // A segment sealed since the last checkpoint may already be dead (its messages
+        // settled): a checkpoint now lets it go at once, as before the index log (one more
+        // redb commit per segment written).
+        if self.rolled
+            || self.pending.len() >= CHECKPOINT_OPS_MAX
             || self.last_checkpoint.elapsed() >= self.options.checkpoint_interval
         {
             self.checkpoint()?;
@@ -666,6 +673,7 @@ impl Store {
         }
         self.checkpoint = at;
         self.last_checkpoint = std::time::Instant::now();
+        self.rolled = false;
         self.apply_delta(delta)
     }
 
@@ -727,6 +735,7 @@ impl Store {
     /// Seal the active segment (synced) and start the next one.
     fn roll(&mut self) -> Result<(), StoreError> {
         self.active.sync()?;
+        self.rolled = true;
         let sealed = self.active.id;
         self.active = ActiveSegment::create(&self.seg_dir, sealed + 1)?;
         if self.refs.get(&sealed).copied().unwrap_or(0) == 0 {
