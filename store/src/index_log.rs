@@ -89,12 +89,12 @@ fn payload_len(ops: &[Op]) -> usize {
             .sum::<usize>()
 }
 
-/// Append `ops` as one record to `out`, new bodies named by their `locations`.
+/// Append located `ops` ([`Op::located`]) as one record to `out`.
 ///
 /// # Errors
 /// [`StoreError::RecordTooLarge`] past [`RECORD_MAX`], [`StoreError::Corrupt`] for an
-/// enqueue naming a body the batch does not have.
-pub fn encode(out: &mut Vec<u8>, ops: &[Op], locations: &[Location]) -> Result<(), StoreError> {
+/// enqueue whose body is not located.
+pub fn encode(out: &mut Vec<u8>, ops: &[Op]) -> Result<(), StoreError> {
     let payload = payload_len(ops);
     if payload > RECORD_MAX {
         return Err(StoreError::RecordTooLarge(payload));
@@ -127,11 +127,13 @@ pub fn encode(out: &mut Vec<u8>, ops: &[Op], locations: &[Location]) -> Result<(
                 expires_at,
             } => {
                 let loc = match body {
-                    BodyRef::New(i) => *locations.get(*i).ok_or_else(|| StoreError::Corrupt {
-                        path: "index log".into(),
-                        offset: 0,
-                        detail: format!("enqueue names body {i} of {}", locations.len()),
-                    })?,
+                    BodyRef::New(i) => {
+                        return Err(StoreError::Corrupt {
+                            path: "index log".into(),
+                            offset: 0,
+                            detail: format!("enqueue names batch body {i}, not a location"),
+                        });
+                    }
                     BodyRef::Stored(loc) => *loc,
                 };
                 out.put_u8(TAG_ENQUEUE);
@@ -377,7 +379,7 @@ pub(crate) fn replay_index_log(
                 )));
             }
             for ops in replay(seg_dir, id, from.max(SEGMENT_HEADER), sc.valid_len)? {
-                apply_ops(&wtx, &ops, &[], db_path)?;
+                apply_ops(&wtx, &ops, db_path)?;
                 replayed += 1;
             }
         }
@@ -475,36 +477,44 @@ mod tests {
             offset: 32,
             len: 100,
         };
-        let ops = every_op();
+        let ops = every_op()
+            .iter()
+            .map(|op| op.located(&[new]))
+            .collect::<Result<Vec<Op>, StoreError>>()
+            .unwrap();
         let mut out = Vec::new();
-        encode(&mut out, &ops, &[new]).unwrap();
+        encode(&mut out, &ops).unwrap();
         assert_eq!(out.len(), record_len(&ops));
         let payload = &out[RECORD_HEADER..];
         assert_eq!(
             u32::from_be_bytes(out[4..8].try_into().unwrap()),
             checksum(payload)
         );
-        let mut expected = ops;
-        expected[2] = Op::Enqueue {
-            queue: 7,
-            id: 1,
-            body: BodyRef::Stored(new),
-            flags: 3,
-            expires_at: 99,
-        };
-        assert_eq!(decode(payload).unwrap(), expected);
+        assert_eq!(
+            ops[2],
+            Op::Enqueue {
+                queue: 7,
+                id: 1,
+                body: BodyRef::Stored(new),
+                flags: 3,
+                expires_at: 99,
+            }
+        );
+        assert_eq!(decode(payload).unwrap(), ops);
     }
 
     #[test]
     fn an_enqueue_of_a_body_the_batch_lacks_is_refused() {
-        let ops = vec![Op::Enqueue {
+        let op = Op::Enqueue {
             queue: 1,
             id: 1,
             body: BodyRef::New(3),
             flags: 0,
             expires_at: 0,
-        }];
-        assert!(encode(&mut Vec::new(), &ops, &[]).is_err());
+        };
+        assert!(op.located(&[]).is_err());
+        // An op not located is never written to the log.
+        assert!(encode(&mut Vec::new(), &[op]).is_err());
     }
 
     proptest::proptest! {

@@ -204,6 +204,36 @@ pub enum Op {
     },
 }
 
+impl Op {
+    /// This op with a new body named by its location among `locations` (the batch's bodies,
+    /// in order): what the index log records and what a checkpoint gives redb.
+    ///
+    /// # Errors
+    /// [`StoreError::Corrupt`] for an enqueue naming a body the batch does not have.
+    pub fn located(&self, locations: &[Location]) -> Result<Op, StoreError> {
+        Ok(match self {
+            Op::Enqueue {
+                queue,
+                id,
+                body: BodyRef::New(i),
+                flags,
+                expires_at,
+            } => Op::Enqueue {
+                queue: *queue,
+                id: *id,
+                body: BodyRef::Stored(*locations.get(*i).ok_or_else(|| StoreError::Corrupt {
+                    path: "batch".into(),
+                    offset: 0,
+                    detail: format!("enqueue names body {i} of {}", locations.len()),
+                })?),
+                flags: *flags,
+                expires_at: *expires_at,
+            },
+            other => other.clone(),
+        })
+    }
+}
+
 /// Work made durable together: one segment sync and one redb commit.
 #[derive(Debug, Default, Clone)]
 pub struct Batch {
@@ -584,7 +614,7 @@ impl Store {
     }
 
     fn commit_batch(&mut self, batch: &Batch) -> Result<Vec<Location>, StoreError> {
-        let locations = self.append_batch(batch)?;
+        let (locations, located) = self.append_batch(batch)?;
         let t = std::time::Instant::now();
         self.active.sync()?;
         if !batch.bodies.is_empty() {
@@ -593,33 +623,9 @@ impl Store {
                 .fsync_seconds
                 .observe(t.elapsed().as_secs_f64());
         }
-        // Durable now (the index log record): redb takes them at the checkpoint. A new body is
-        // named by its location from here on, as the record names it.
-        for op in &batch.ops {
-            let op = match op {
-                Op::Enqueue {
-                    queue,
-                    id,
-                    body: BodyRef::New(i),
-                    flags,
-                    expires_at,
-                } => Op::Enqueue {
-                    queue: *queue,
-                    id: *id,
-                    body: BodyRef::Stored(*locations.get(*i).ok_or_else(|| {
-                        StoreError::Corrupt {
-                            path: self.db_path.clone(),
-                            offset: 0,
-                            detail: format!("batch enqueue names body {i} of {}", locations.len()),
-                        }
-                    })?),
-                    flags: *flags,
-                    expires_at: *expires_at,
-                },
-                other => other.clone(),
-            };
-            self.pending.push(op);
-        }
+        // Durable now (the index log record): redb takes them at the checkpoint, new bodies
+        // named by their locations as the record names them.
+        self.pending.extend(located);
         // A segment sealed since the last checkpoint may already be dead (its messages
         // settled): a checkpoint now lets it go at once, as before the index log (one more
         // redb commit per segment written).
@@ -660,7 +666,7 @@ impl Store {
             .db
             .begin_write()
             .map_err(|e| StoreError::db(&self.db_path, e))?;
-        let delta = apply_ops(&wtx, &self.pending, &[], &self.db_path)?;
+        let delta = apply_ops(&wtx, &self.pending, &self.db_path)?;
         let at = Checkpoint {
             segment: self.active.id,
             offset: self.active.len(),
@@ -678,15 +684,16 @@ impl Store {
     }
 
     /// Append the batch's bodies, then its ops as one index log record, with one write
-    /// (one more per segment the batch rolls over). Returns the bodies' locations.
-    fn append_batch(&mut self, batch: &Batch) -> Result<Vec<Location>, StoreError> {
+    /// (one more per segment the batch rolls over). Returns the bodies' locations and the
+    /// ops with every new body located ([`Op::located`]).
+    fn append_batch(&mut self, batch: &Batch) -> Result<(Vec<Location>, Vec<Op>), StoreError> {
         let mut locations = Vec::with_capacity(batch.bodies.len());
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
         let result = self.encode_batch(batch, &mut buf, &mut locations);
         buf.clear();
         self.buf = buf;
-        result.map(|()| locations)
+        result.map(|located| (locations, located))
     }
 
     fn encode_batch(
@@ -694,7 +701,7 @@ impl Store {
         batch: &Batch,
         buf: &mut Vec<u8>,
         locations: &mut Vec<Location>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Vec<Op>, StoreError> {
         for body in &batch.bodies {
             let payload = body.payload_len();
             if payload > RECORD_MAX {
@@ -710,14 +717,19 @@ impl Store {
                 len: u32::try_from(payload).map_err(|_| StoreError::RecordTooLarge(payload))?,
             });
         }
-        if !batch.ops.is_empty() {
-            self.make_room(buf, index_log::record_len(&batch.ops))?;
-            index_log::encode(buf, &batch.ops, locations)?;
+        let located = batch
+            .ops
+            .iter()
+            .map(|op| op.located(locations))
+            .collect::<Result<Vec<Op>, StoreError>>()?;
+        if !located.is_empty() {
+            self.make_room(buf, index_log::record_len(&located))?;
+            index_log::encode(buf, &located)?;
         }
         if !buf.is_empty() {
             self.active.append(buf)?;
         }
-        Ok(())
+        Ok(located)
     }
 
     /// Roll to the next segment first if a record of `record` bytes would take the active
@@ -773,14 +785,19 @@ impl Store {
     }
 }
 
-/// Apply `ops` (new bodies at `locations`) to the message index and the metadata tables in
-/// `wtx`; returns the change of each segment's references.
+/// Apply located `ops` ([`Op::located`]: the index log's and the checkpoint's) to the
+/// message index and the metadata tables in `wtx`; returns the change of each segment's
+/// references. A body not yet located is corruption.
 pub(crate) fn apply_ops(
     wtx: &redb::WriteTransaction,
     ops: &[Op],
-    locations: &[Location],
     db_path: &Path,
 ) -> Result<HashMap<u64, i64>, StoreError> {
+    let unlocated = |i: usize| StoreError::Corrupt {
+        path: db_path.to_path_buf(),
+        offset: 0,
+        detail: format!("an op to apply names batch body {i}, not a location"),
+    };
     let mut delta: HashMap<u64, i64> = HashMap::new();
     {
         let mut messages = wtx
@@ -794,13 +811,11 @@ pub(crate) fn apply_ops(
                 // segment is still accounted (net zero) so that a segment sealed in this
                 // group can be found dead.
                 if let Op::Enqueue { body, .. } = op {
-                    let seg = match body {
-                        BodyRef::New(i) => locations.get(*i).map(|l| u64::from(l.segment)),
-                        BodyRef::Stored(loc) => Some(u64::from(loc.segment)),
+                    let loc = match body {
+                        BodyRef::New(i) => return Err(unlocated(*i)),
+                        BodyRef::Stored(loc) => loc,
                     };
-                    if let Some(seg) = seg {
-                        delta.entry(seg).or_default();
-                    }
+                    delta.entry(u64::from(loc.segment)).or_default();
                 }
                 continue;
             }
@@ -827,16 +842,7 @@ pub(crate) fn apply_ops(
                     expires_at,
                 } => {
                     let loc = match body {
-                        BodyRef::New(i) => {
-                            *locations.get(*i).ok_or_else(|| StoreError::Corrupt {
-                                path: db_path.to_path_buf(),
-                                offset: 0,
-                                detail: format!(
-                                    "batch enqueue names body {i} of {}",
-                                    locations.len()
-                                ),
-                            })?
-                        }
+                        BodyRef::New(i) => return Err(unlocated(*i)),
                         BodyRef::Stored(loc) => *loc,
                     };
                     let old = messages
