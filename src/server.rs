@@ -552,6 +552,12 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
         if !read_enabled {
             conn.note_input_paused(Instant::now().into_std());
         }
+        // Held output (a reply not durable yet) still lets a heartbeat put ahead of it out.
+        let writable = if output_held(&session) {
+            out.urgent()
+        } else {
+            out.pending()
+        };
         tokio::select! {
             read = rd.read_buf(&mut input), if read_enabled => match read {
                 Ok(0) | Err(_) => {
@@ -571,8 +577,8 @@ async fn serve<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(io: Io<R, W>, env: C
                     }
                 }
             },
-            written = write_or_flush(&mut wr, out.as_slice()), if (out.pending() > 0 && !output_held(&session)) || (unflushed && out.pending() == 0) => match written {
-                Ok(0) if out.pending() == 0 => unflushed = false,
+            written = write_or_flush(&mut wr, &out.as_slice()[..writable]), if writable > 0 || unflushed => match written {
+                Ok(0) if writable == 0 => unflushed = false,
                 Ok(n) if n > 0 => {
                     out.consume(n);
                     unflushed = tls;

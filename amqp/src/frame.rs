@@ -129,10 +129,24 @@ pub fn erlang_binary(bytes: &[u8]) -> String {
 
 /// Outbound frame buffer: everything produced in one wake-up goes here and is written with one
 /// syscall.
+///
+/// It knows where its first whole frame starts (`frame_rest`), so that a heartbeat can be
+/// put ahead of frames that may not be written yet: the caller may hold output while a reply
+/// waits to become durable, and the peer must still hear heartbeats meanwhile (RabbitMQ's
+/// heartbeater writes beside the channels). Bytes up to [`FrameWriter::urgent`] may be written
+/// even while output is held.
 #[derive(Debug)]
 pub struct FrameWriter {
     buf: BytesMut,
     frame_max: u32,
+    /// Bytes at the front that finish a frame partly written (0: the front starts a frame).
+    frame_rest: usize,
+    /// Bytes at the front that may be written while output is held: up to the end of a
+    /// heartbeat put ahead of the rest.
+    urgent: usize,
+    /// Raw bytes (the protocol header) were appended: frames cannot be walked until the
+    /// buffer drains.
+    unframed: bool,
 }
 
 impl Default for FrameWriter {
@@ -148,6 +162,9 @@ impl FrameWriter {
         Self {
             buf: BytesMut::with_capacity(64 * 1024),
             frame_max: crate::limits::FRAME_MAX_PRE_TUNE,
+            frame_rest: 0,
+            urgent: 0,
+            unframed: false,
         }
     }
 
@@ -169,20 +186,80 @@ impl FrameWriter {
         &self.buf
     }
 
+    /// Bytes at the front that may be written even while output is held (a heartbeat put
+    /// ahead of the rest, and the end of a frame partly written before it).
+    #[must_use]
+    pub fn urgent(&self) -> usize {
+        self.urgent
+    }
+
     /// Drop `n` bytes that have been written to the socket.
     pub fn consume(&mut self, n: usize) {
+        let n = n.min(self.buf.len());
+        self.urgent = self.urgent.saturating_sub(n);
+        if n == self.buf.len() {
+            self.buf.clear();
+            self.frame_rest = 0;
+            self.unframed = false;
+            return;
+        }
+        if !self.unframed {
+            // Walk the frames written to know where the next whole one starts. Every frame
+            // in the buffer is whole (appended at once), so its header is there to read.
+            let mut at = self.frame_rest.min(n);
+            self.frame_rest -= at;
+            while at < n {
+                let len = self.frame_len_at(at);
+                if at + len > n {
+                    self.frame_rest = at + len - n;
+                }
+                at += len;
+            }
+        }
         self.buf.advance(n);
+    }
+
+    /// The length of the whole frame starting at `at` (header, payload and end octet).
+    fn frame_len_at(&self, at: usize) -> usize {
+        let size = self
+            .buf
+            .get(at + 3..at + 7)
+            .and_then(|b| <[u8; 4]>::try_from(b).ok())
+            .map_or(0, u32::from_be_bytes);
+        // A frame's header is always whole in the buffer; if it were not, the rest counts as
+        // one frame (no heartbeat goes inside it).
+        FRAME_OVERHEAD + size as usize
     }
 
     /// Append raw bytes (the protocol header).
     pub fn raw(&mut self, bytes: &[u8]) {
+        self.unframed = true;
         self.buf.extend_from_slice(bytes);
     }
 
-    /// Append a heartbeat frame.
+    /// Put a heartbeat frame ahead of every whole frame waiting (after a frame partly
+    /// written), and let the bytes up to its end be written even while output is held. A
+    /// heartbeat has no place in the order of the others. With raw bytes waiting it goes at
+    /// the end, as the others.
     pub fn heartbeat(&mut self) {
-        self.buf
-            .extend_from_slice(&[FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, FRAME_END]);
+        const HEARTBEAT: [u8; 8] = [FRAME_HEARTBEAT, 0, 0, 0, 0, 0, 0, FRAME_END];
+        if self.unframed {
+            self.buf.extend_from_slice(&HEARTBEAT);
+            return;
+        }
+        if self.urgent > 0 {
+            // One is already ahead of the rest and not yet written.
+            return;
+        }
+        let at = self.frame_rest;
+        if at == self.buf.len() {
+            self.buf.extend_from_slice(&HEARTBEAT);
+        } else {
+            let rest = self.buf.split_off(at);
+            self.buf.extend_from_slice(&HEARTBEAT);
+            self.buf.extend_from_slice(&rest);
+        }
+        self.urgent = at + HEARTBEAT.len();
     }
 
     /// Append a method frame built by amq-protocol's generator.
@@ -333,5 +410,86 @@ mod tests {
             got.extend_from_slice(&f.payload);
         }
         assert_eq!(got, body);
+    }
+    /// Write `n` bytes of `w` (at most what may be written) into `wire`.
+    fn write(w: &mut FrameWriter, wire: &mut BytesMut, n: usize, held: bool) {
+        let writable = if held { w.urgent() } else { w.pending() };
+        let n = n.min(writable);
+        wire.extend_from_slice(&w.as_slice()[..n]);
+        w.consume(n);
+    }
+
+    #[test]
+    fn a_heartbeat_goes_after_the_frame_partly_written_and_ahead_of_held_ones() {
+        let mut w = FrameWriter::new();
+        w.content(1, &[0, 0], &[7; 100]);
+        let mut wire = BytesMut::new();
+        write(&mut w, &mut wire, 10, false);
+        // Output is held from here: only the heartbeat (and what finishes the frame in
+        // progress before it) may go.
+        w.method_with(1, |b| b.put_u32(0x000a_000b));
+        w.heartbeat();
+        // The header frame is 22 bytes (7 + 14 of payload + 1): 12 of it are left.
+        assert_eq!(w.urgent(), 12 + 8);
+        write(&mut w, &mut wire, usize::MAX, true);
+        assert_eq!(w.urgent(), 0);
+        let mut kinds = Vec::new();
+        while let Some(f) = decode_frame(&mut wire, 1 << 20).unwrap() {
+            kinds.push(f.kind);
+        }
+        assert_eq!(kinds, [FRAME_HEADER, FRAME_HEARTBEAT]);
+        assert!(wire.is_empty());
+        assert_eq!(w.pending(), 108 + 12, "the body and the method wait");
+    }
+
+    proptest::proptest! {
+        /// However writes are cut and heartbeats interleaved, held or not, the peer reads
+        /// whole frames: every frame appended in order, and the heartbeats.
+        #[test]
+        fn heartbeats_never_split_a_frame(
+            steps in proptest::collection::vec((0u8..4, 0usize..10_000, proptest::prelude::any::<bool>()), 1..60)
+        ) {
+            let mut w = FrameWriter::new();
+            w.set_frame_max(4096);
+            let mut wire = BytesMut::new();
+            let mut appended = Vec::new();
+            let mut beats = 0;
+            for (i, (action, n, held)) in steps.into_iter().enumerate() {
+                match action {
+                    0 => {
+                        let body = vec![i as u8; n];
+                        w.content(i as u16, &[0, 0], &body);
+                        appended.push((FRAME_HEADER, i as u16));
+                        for _ in body.chunks(4096 - FRAME_OVERHEAD) {
+                            appended.push((FRAME_BODY, i as u16));
+                        }
+                    }
+                    1 => {
+                        w.method_with(i as u16, |b| b.put_u32(n as u32));
+                        appended.push((FRAME_METHOD, i as u16));
+                    }
+                    2 => {
+                        if w.urgent() == 0 {
+                            beats += 1;
+                        }
+                        w.heartbeat();
+                    }
+                    _ => write(&mut w, &mut wire, n, held),
+                }
+            }
+            write(&mut w, &mut wire, usize::MAX, false);
+            let mut got = Vec::new();
+            let mut got_beats = 0;
+            while let Some(f) = decode_frame(&mut wire, 4096).unwrap() {
+                if f.kind == FRAME_HEARTBEAT {
+                    got_beats += 1;
+                } else {
+                    got.push((f.kind, f.channel));
+                }
+            }
+            proptest::prop_assert!(wire.is_empty());
+            proptest::prop_assert_eq!(got, appended);
+            proptest::prop_assert_eq!(got_beats, beats);
+        }
     }
 }

@@ -24,6 +24,7 @@ The module is skipped while the binary has no clustering (`warren server --help`
 
 import collections
 import os
+import socket
 import threading
 import time
 import uuid
@@ -45,6 +46,7 @@ if not _SUPPORTED:
     pytest.skip(_WHY, allow_module_level=True)
 
 from cluster_harness import cluster3, cluster5, cluster_factory  # noqa: E402,F401 (fixtures)
+import wire  # noqa: E402
 
 # A new leader should serve within ~10 s of losing the old one; deadlines are generous and
 # every wait polls for the event.
@@ -221,6 +223,57 @@ def test_one_queue_declared_through_every_node_at_once_answers_every_declare(clu
     got = eventually(get_one, lambda b: b is not None,
                      what=f"the message through n3 from {target}")
     assert got == b"after"
+
+
+@pytest.mark.timeout(120)
+def test_heartbeats_go_out_while_a_reply_waits_for_the_cluster(cluster3):
+    """A declare through n1 while n2 and n3 are stopped cannot commit, so n1 holds the
+    connection's replies. Its heartbeats still go out meanwhile (RabbitMQ's heartbeater writes
+    beside the channels; a client that hears nothing for two intervals leaves), and the
+    declare is answered on the same connection once the nodes resume. Read with a raw client
+    on a 1 s heartbeat, counting the server's heartbeat frames during the hold: held output
+    used to hold them too (none came)."""
+    c = cluster3
+    queue = f"held.{uuid.uuid4().hex[:8]}"
+    client = wire.WireClient("127.0.0.1", c.nodes[0].amqp_port).handshake(heartbeat_s=1)
+    try:
+        client.open_channel(1)
+        c.pause(1)
+        c.pause(2)
+        client.send(wire.queue_declare(1, queue, durable=True, arguments_field=wire.table(
+            {"x-queue-type": "quorum"})))
+        beats, answer = 0, None
+        # The fault's length (not a wait for an event): several heartbeat intervals.
+        hold_until = time.monotonic() + 6.0
+        while time.monotonic() < hold_until and answer is None:
+            client.send(wire.heartbeat())
+            try:
+                fr = client.read_frame(timeout=0.5)
+            except socket.timeout:
+                continue
+            if fr.type == wire.FRAME_HEARTBEAT:
+                beats += 1
+            else:
+                answer = fr
+        assert answer is None, f"the declare was answered during the hold: {answer}"
+        c.resume(1)
+        c.resume(2)
+        assert beats >= 3, f"{beats} heartbeats from n1 in 6 s of a held reply (interval 1 s)"
+        deadline = time.monotonic() + 40.0
+        while answer is None:
+            client.send(wire.heartbeat())
+            try:
+                fr = client.read_frame(timeout=min(0.5, max(0.01, deadline - time.monotonic())))
+            except socket.timeout:
+                assert time.monotonic() < deadline, "no answer 40 s after the nodes resumed"
+                continue
+            if fr.type != wire.FRAME_HEARTBEAT:
+                answer = fr
+        assert wire.method_id(answer) == wire.QUEUE_DECLARE_OK, (
+            answer, wire.decode_close(answer))
+    finally:
+        client.close()
+    wait_visible(c, queue, [0, 1, 2], deadline=20.0)
 
 
 def test_publish_through_follower_consume_through_other_follower_in_order(cluster3):
