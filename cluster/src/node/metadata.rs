@@ -281,14 +281,12 @@ impl ClusterNode {
         let Some(done) = take_waiting(&self.declaring, lost) else {
             return;
         };
-        let mut after = self
+        let ready = self
             .declared_after
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        // Under `declared_after`'s lock: `served` marks the winner before it takes the
-        // waiting, so a declare either finds it served or is taken by it.
-        if let Some(ok) = after.served.get(&won).copied() {
-            drop(after);
+            .unwrap_or_else(PoisonError::into_inner)
+            .lost(won, done);
+        if let Some((done, ok)) = ready {
             done(if ok {
                 Ok(Vec::new())
             } else {
@@ -296,43 +294,63 @@ impl ClusterNode {
                     "the queue declared concurrently elsewhere could not be served here".into(),
                 )))
             });
-            return;
         }
-        after.waiting.entry(won).or_default().push(done);
     }
 
     /// Group `incarnation` is served here (or failed to be): the declares that lost to it.
     fn served(&self, incarnation: u64, ok: bool) -> Vec<Completion> {
-        let mut after = self
-            .declared_after
+        self.declared_after
             .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        after.served.insert(incarnation, ok);
-        // Bounded: only the most recent groups need remembering (a losing declare commits
-        // right after the winning one).
-        while after.served.len() > DECLARED_SERVED_MAX {
-            let Some(&oldest) = after.order.front() else {
-                break;
-            };
-            after.order.pop_front();
-            after.served.remove(&oldest);
-        }
-        after.order.push_back(incarnation);
-        after.waiting.remove(&incarnation).unwrap_or_default()
+            .unwrap_or_else(PoisonError::into_inner)
+            .served(incarnation, ok)
     }
 }
 
-/// Groups [`ClusterNode::served`] remembers at most, for declares that lost to them.
+/// Groups [`DeclaredAfter`] remembers as served at most, for declares that lost to them.
 const DECLARED_SERVED_MAX: usize = 1024;
 
 /// Declares made here that lost to another node's: what they wait for.
+///
+/// Both sides go through one lock: [`DeclaredAfter::served`] marks the winner before it
+/// takes the waiting, so a losing declare either finds the winner served or is taken by it,
+/// never neither.
 #[derive(Default)]
 pub(super) struct DeclaredAfter {
     /// By winning incarnation: the losing declares' completions.
     waiting: HashMap<u64, Vec<Completion>>,
-    /// Recently served incarnations and whether serving them succeeded.
+    /// Recently served incarnations and whether serving them succeeded (at most
+    /// [`DECLARED_SERVED_MAX`]; `order` has each once, oldest first).
     served: HashMap<u64, bool>,
     order: std::collections::VecDeque<u64>,
+}
+
+impl DeclaredAfter {
+    /// A declare lost to `won`: `done` back with the outcome if `won` is already served,
+    /// else kept until it is.
+    fn lost(&mut self, won: u64, done: Completion) -> Option<(Completion, bool)> {
+        if let Some(ok) = self.served.get(&won).copied() {
+            return Some((done, ok));
+        }
+        self.waiting.entry(won).or_default().push(done);
+        None
+    }
+
+    /// `incarnation` is served (`ok`) or failed to be: the declares waiting for it. Only
+    /// the most recent groups are remembered: a losing declare commits right after the
+    /// winning one.
+    fn served(&mut self, incarnation: u64, ok: bool) -> Vec<Completion> {
+        if self.served.insert(incarnation, ok).is_none() {
+            self.order.push_back(incarnation);
+        }
+        while self.served.len() > DECLARED_SERVED_MAX {
+            let Some(oldest) = self.order.pop_front() else {
+                break;
+            };
+            self.served.remove(&oldest);
+        }
+        debug_assert_eq!(self.served.len(), self.order.len());
+        self.waiting.remove(&incarnation).unwrap_or_default()
+    }
 }
 
 /// The completion of a declare or delete made here, once (None: not made here, or already
@@ -576,5 +594,72 @@ impl Applied for MetaState {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A completion counting its successful and failed runs.
+    fn counted(ok: &Arc<AtomicUsize>, failed: &Arc<AtomicUsize>) -> Completion {
+        let (ok, failed) = (Arc::clone(ok), Arc::clone(failed));
+        Box::new(move |r| {
+            if r.is_ok() {
+                ok.fetch_add(1, Ordering::SeqCst);
+            } else {
+                failed.fetch_add(1, Ordering::SeqCst);
+            }
+        })
+    }
+
+    #[test]
+    fn a_declare_lost_before_the_winner_is_served_waits_for_it() {
+        let (ok, failed) = (Arc::default(), Arc::default());
+        let mut after = DeclaredAfter::default();
+        assert!(after.lost(7, counted(&ok, &failed)).is_none());
+        assert!(after.lost(7, counted(&ok, &failed)).is_none());
+        assert!(after.served(8, true).is_empty(), "another group frees none");
+        let waiting = after.served(7, true);
+        assert_eq!(waiting.len(), 2);
+        for done in waiting {
+            done(Ok(Vec::new()));
+        }
+        assert_eq!(ok.load(Ordering::SeqCst), 2);
+        assert_eq!(failed.load(Ordering::SeqCst), 0);
+        assert!(after.served(7, true).is_empty(), "each is taken once");
+    }
+
+    #[test]
+    fn a_declare_lost_after_the_winner_is_served_gets_its_outcome_at_once() {
+        let (ok, failed) = (Arc::<AtomicUsize>::default(), Arc::default());
+        let mut after = DeclaredAfter::default();
+        after.served(7, true);
+        after.served(9, false);
+        let (_, served) = after.lost(7, counted(&ok, &failed)).expect("served");
+        assert!(served);
+        let (_, served) = after.lost(9, counted(&ok, &failed)).expect("served");
+        assert!(!served, "a group that failed to be served fails its losers");
+        assert!(after.waiting.is_empty());
+    }
+
+    #[test]
+    fn served_groups_are_remembered_up_to_the_bound() {
+        let mut after = DeclaredAfter::default();
+        for incarnation in 0..(DECLARED_SERVED_MAX as u64 + 10) {
+            after.served(incarnation, true);
+            // Served twice (a group served again after a restart) is remembered once.
+            after.served(incarnation, true);
+            assert!(after.served.len() <= DECLARED_SERVED_MAX);
+            assert_eq!(after.served.len(), after.order.len());
+        }
+        assert!(!after.served.contains_key(&9), "the oldest are forgotten");
+        assert!(after.served.contains_key(&10));
+        let (ok, failed) = (Arc::default(), Arc::default());
+        assert!(
+            after.lost(3, counted(&ok, &failed)).is_none(),
+            "a forgotten group is waited for again"
+        );
     }
 }

@@ -435,17 +435,30 @@ impl Wal {
     /// # Errors
     /// As [`Wal::write`]'s callback.
     pub fn write_and_wait(&self, group: u64, ops: &[Op]) -> Result<(), WalError> {
+        check_sizes(ops)?;
+        self.stage_and_wait(|state| stage_locked(state, self.shared.options, group, ops))
+    }
+
+    /// Run `stage` under the lock once there is room for a write, then wait until what it
+    /// staged is durable. Returns what `stage` returned.
+    fn stage_and_wait<R>(
+        &self,
+        stage: impl FnOnce(&mut State) -> Result<R, WalError>,
+    ) -> Result<R, WalError> {
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
-        self.write(
-            group,
-            ops,
-            Box::new(move |r| {
+        let staged = {
+            let mut state = self.lock_for_write()?;
+            let staged = stage(&mut state)?;
+            state.waiting.push(Box::new(move |r| {
                 // The receiver waits below; a send fails only if it is gone.
                 let _ = tx.send(r);
-            }),
-        );
+            }));
+            staged
+        };
+        self.shared.work.notify_one();
         rx.recv()
-            .unwrap_or_else(|_| Err(WalError::Stopped("the log's writer stopped".into())))
+            .unwrap_or_else(|_| Err(WalError::Stopped("the log's writer stopped".into())))?;
+        Ok(staged)
     }
 
     /// Encode and index `ops`; the lock is returned so the caller queues its callback with
@@ -534,9 +547,7 @@ impl Wal {
                     }
                 }
             }
-            let (tx, rx) = std::sync::mpsc::sync_channel(1);
-            {
-                let mut state = self.lock_for_write()?;
+            moved += self.stage_and_wait(|state| {
                 // Under the lock a drop or a newer copy cannot come between the check and the
                 // append: only bodies still where they were read go again.
                 let still: Vec<Op> = ops
@@ -551,16 +562,9 @@ impl Wal {
                     })
                     .map(|(_, op)| op)
                     .collect();
-                moved += still.len();
-                stage_locked(&mut state, self.shared.options, group, &still)?;
-                state.waiting.push(Box::new(move |r| {
-                    // The receiver waits below; a send fails only if it is gone.
-                    let _ = tx.send(r);
-                }));
-            }
-            self.shared.work.notify_one();
-            rx.recv()
-                .unwrap_or_else(|_| Err(WalError::Stopped("the log's writer stopped".into())))?;
+                stage_locked(state, self.shared.options, group, &still)?;
+                Ok(still.len())
+            })?;
         }
     }
 
