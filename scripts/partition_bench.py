@@ -12,6 +12,7 @@ ratio of CPU per message to the 1-partition run (the issue's bound: flat within 
     scripts/partition_bench.py                      # 15 s per run, both types
     scripts/partition_bench.py --duration 5 --partitions 1 3 --types quorum
     scripts/partition_bench.py --spread             # a warren-perf per node, clients spread
+    scripts/partition_bench.py --spread --producers-per-partition 3   # load grows with P
     scripts/partition_bench.py --doc                # also write the section into docs/benchmarks.md
 
 Reuses scripts/cluster_bench.py's cluster (target/release/warren, nodes n1..n3 on AMQP
@@ -176,6 +177,9 @@ def main():
     ap.add_argument("--types", nargs="+", default=["quorum", "stream"])
     ap.add_argument("--producers", type=int, default=None,
                     help="publishers in every run (default: min(partitions, 4))")
+    ap.add_argument("--producers-per-partition", type=int, default=None,
+                    help="publishers in every run: this many per partition (the offered load "
+                         "per partition stays the same as partitions grow)")
     ap.add_argument("--spread", action="store_true",
                     help="one warren-perf per node, producers (default 3) and the group's "
                          "members dealt over the nodes, rather than every client on n1")
@@ -194,7 +198,10 @@ def main():
                 cluster = cb.WarrenCluster(tmp)
                 cluster.start()
                 try:
-                    r = run(cluster, kind, p, args.duration, args.producers, args.spread)
+                    producers = args.producers
+                    if args.producers_per_partition:
+                        producers = args.producers_per_partition * p
+                    r = run(cluster, kind, p, args.duration, producers, args.spread)
                 finally:
                     cluster.stop()
                 if r:
