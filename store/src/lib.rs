@@ -211,6 +211,24 @@ impl Op {
     /// # Errors
     /// [`StoreError::Corrupt`] for an enqueue naming a body the batch does not have.
     pub fn located(&self, locations: &[Location]) -> Result<Op, StoreError> {
+        self.clone().map_new_body(|i| {
+            locations
+                .get(i)
+                .map(|l| BodyRef::Stored(*l))
+                .ok_or_else(|| StoreError::Corrupt {
+                    path: "batch".into(),
+                    offset: 0,
+                    detail: format!("enqueue names body {i} of {}", locations.len()),
+                })
+        })
+    }
+
+    /// This op with its new body (an enqueue's [`BodyRef::New`], by index in its batch)
+    /// named by `f` instead; every other op as it is.
+    ///
+    /// # Errors
+    /// What `f` returns.
+    pub fn map_new_body<E>(self, f: impl FnOnce(usize) -> Result<BodyRef, E>) -> Result<Op, E> {
         Ok(match self {
             Op::Enqueue {
                 queue,
@@ -219,17 +237,13 @@ impl Op {
                 flags,
                 expires_at,
             } => Op::Enqueue {
-                queue: *queue,
-                id: *id,
-                body: BodyRef::Stored(*locations.get(*i).ok_or_else(|| StoreError::Corrupt {
-                    path: "batch".into(),
-                    offset: 0,
-                    detail: format!("enqueue names body {i} of {}", locations.len()),
-                })?),
-                flags: *flags,
-                expires_at: *expires_at,
+                queue,
+                id,
+                body: f(i)?,
+                flags,
+                expires_at,
             },
-            other => other.clone(),
+            other => other,
         })
     }
 }

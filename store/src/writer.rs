@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 
 use parking_lot::Mutex;
 
-use crate::{Batch, BodyRef, Location, Op, Store, StoreError, StoredMessage};
+use crate::{Batch, BodyRef, Location, Store, StoreError, StoredMessage};
 
 /// Called once the batch is durable (with its bodies' locations) or failed.
 pub type Completion = Box<dyn FnOnce(Result<Vec<Location>, Arc<StoreError>>) + Send>;
@@ -341,21 +341,12 @@ fn merge(group: &mut [Request]) -> Batch {
         let base = merged.bodies.len();
         let batch = std::mem::take(&mut r.batch);
         merged.bodies.extend(batch.bodies);
-        merged.ops.extend(batch.ops.into_iter().map(|op| match op {
-            Op::Enqueue {
-                queue,
-                id,
-                body: BodyRef::New(i),
-                flags,
-                expires_at,
-            } => Op::Enqueue {
-                queue,
-                id,
-                body: BodyRef::New(base + i),
-                flags,
-                expires_at,
-            },
-            other => other,
+        // Its bodies follow the earlier requests' in the merged batch.
+        merged.ops.extend(batch.ops.into_iter().map(|op| {
+            match op.map_new_body(|i| Ok::<_, std::convert::Infallible>(BodyRef::New(base + i))) {
+                Ok(op) => op,
+                Err(never) => match never {},
+            }
         }));
     }
     merged
@@ -366,6 +357,8 @@ mod tests {
     use std::sync::mpsc;
 
     use bytes::Bytes;
+
+    use crate::Op;
 
     use super::*;
     use crate::{Options, StoredMessage};
