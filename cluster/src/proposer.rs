@@ -47,7 +47,8 @@ type Waiter = oneshot::Sender<Result<Reply<ReplicatedMessage>, ProposeError>>;
 /// A handle to propose commands through one replica's Raft instance. Clones share it.
 #[derive(Debug, Clone)]
 pub struct Proposer {
-    tx: mpsc::Sender<(Command<ReplicatedMessage>, Waiter)>,
+    /// Boxed commands: a channel allocates 32 of its items up front, for every group.
+    tx: mpsc::Sender<(Box<Command<ReplicatedMessage>>, Waiter)>,
     /// One permit per entry in flight ([`IN_FLIGHT`]); a [`Hold`] takes them all.
     slots: Arc<Semaphore>,
     /// True while a [`Hold`] is taken or being taken.
@@ -145,7 +146,7 @@ impl Proposer {
         }
         let (tx, rx) = oneshot::channel();
         self.tx
-            .send((command, tx))
+            .send((Box::new(command), tx))
             .await
             .map_err(|_| ProposeError::Stopped)?;
         Ok(Pending(rx))
@@ -179,7 +180,7 @@ impl Pending {
 
 async fn run(
     raft: Raft<QueueRaft>,
-    mut rx: mpsc::Receiver<(Command<ReplicatedMessage>, Waiter)>,
+    mut rx: mpsc::Receiver<(Box<Command<ReplicatedMessage>>, Waiter)>,
     slots: Arc<Semaphore>,
 ) {
     loop {
@@ -198,7 +199,7 @@ async fn run(
                 Err(_) => break,
             }
         }
-        let (commands, waiters): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+        let (commands, waiters): (Vec<_>, Vec<_>) = batch.into_iter().map(|(c, w)| (*c, w)).unzip();
         // Submitted here, in order (entries are appended in submission order, so one
         // publisher's messages keep their order across entries); awaited in a task.
         let submitted = raft

@@ -490,13 +490,16 @@ impl TcpConnection {
     }
 }
 
+// The calls are boxed: openraft keeps each replication stream's future for the life of the
+// leadership, sized for the largest future it awaits, so an unboxed call would make every
+// leader's streams that much larger (thousands of groups per node).
 impl RaftNetwork<QueueRaft> for TcpConnection {
     async fn append_entries(
         &mut self,
         rpc: AppendEntriesRequest<QueueRaft>,
         _option: RPCOption,
     ) -> Rpc<AppendEntriesResponse<NodeId>> {
-        match self.call(RaftRequest::AppendEntries(rpc)).await {
+        match Box::pin(self.call(RaftRequest::AppendEntries(rpc))).await {
             Ok(RaftResponse::AppendEntries(r)) => self.remote(r),
             Ok(_) => Err(self.mismatch()),
             Err(e) => Err(self.failed(e)),
@@ -508,7 +511,7 @@ impl RaftNetwork<QueueRaft> for TcpConnection {
         rpc: InstallSnapshotRequest<QueueRaft>,
         _option: RPCOption,
     ) -> Rpc<InstallSnapshotResponse<NodeId>, InstallSnapshotError> {
-        match self.call(RaftRequest::InstallSnapshot(rpc.into())).await {
+        match Box::pin(self.call(RaftRequest::InstallSnapshot(rpc.into()))).await {
             Ok(RaftResponse::InstallSnapshot(r)) => self.remote(r),
             Ok(_) => Err(self.mismatch()),
             Err(e) => Err(self.failed(e)),
@@ -520,7 +523,7 @@ impl RaftNetwork<QueueRaft> for TcpConnection {
         rpc: VoteRequest<NodeId>,
         _option: RPCOption,
     ) -> Rpc<VoteResponse<NodeId>> {
-        match self.call(RaftRequest::Vote(rpc)).await {
+        match Box::pin(self.call(RaftRequest::Vote(rpc))).await {
             Ok(RaftResponse::Vote(r)) => self.remote(r),
             Ok(_) => Err(self.mismatch()),
             Err(e) => Err(self.failed(e)),

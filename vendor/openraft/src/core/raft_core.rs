@@ -1168,7 +1168,7 @@ where
                 self.engine.handle_begin_receiving_snapshot(tx);
             }
             RaftMsg::InstallFullSnapshot { vote, snapshot, tx } => {
-                self.engine.handle_install_full_snapshot(vote, snapshot, tx);
+                self.engine.handle_install_full_snapshot(vote, *snapshot, tx);
             }
             RaftMsg::CheckIsLeaderRequest { tx } => {
                 self.handle_check_is_leader_request(tx).await;
@@ -1329,7 +1329,7 @@ where
 
             Notify::Network { response } => {
                 //
-                match response {
+                match *response {
                     replication::Response::Progress {
                         target,
                         request_id: id,

@@ -457,7 +457,11 @@ where C: RaftTypeConfig
         tracing::info!("Raft::install_full_snapshot()");
 
         let (tx, rx) = C::AsyncRuntime::oneshot();
-        let res = self.inner.call_core(RaftMsg::InstallFullSnapshot { vote, snapshot, tx }, rx).await;
+        let res = self.inner.call_core(RaftMsg::InstallFullSnapshot {
+                    vote,
+                    snapshot: Box::new(snapshot),
+                    tx,
+                }, rx).await;
         match res {
             Ok(x) => Ok(x),
             Err(e) => {

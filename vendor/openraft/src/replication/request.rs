@@ -15,22 +15,25 @@ where C: RaftTypeConfig
     Heartbeat,
 
     /// Send a chunk of data, e.g., logs or snapshot.
-    Data(Data<C>),
+    ///
+    /// Boxed (a Warren patch): a channel of these allocates 32 of them up front, and the
+    /// unboxed `Data` made each 392 bytes, 12.5 KB per replication stream.
+    Data(Box<Data<C>>),
 }
 
 impl<C> Replicate<C>
 where C: RaftTypeConfig
 {
     pub(crate) fn logs(id: RequestId, log_id_range: LogIdRange<C::NodeId>) -> Self {
-        Self::Data(Data::new_logs(id, log_id_range))
+        Self::Data(Box::new(Data::new_logs(id, log_id_range)))
     }
 
     pub(crate) fn snapshot(id: RequestId, last_log_id: Option<LogIdOf<C>>) -> Self {
-        Self::Data(Data::new_snapshot(id, last_log_id))
+        Self::Data(Box::new(Data::new_snapshot(id, last_log_id)))
     }
 
     pub(crate) fn new_data(data: Data<C>) -> Self {
-        Self::Data(data)
+        Self::Data(Box::new(data))
     }
 }
 

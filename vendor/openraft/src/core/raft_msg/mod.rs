@@ -55,7 +55,9 @@ where C: RaftTypeConfig
 
     InstallFullSnapshot {
         vote: Vote<C::NodeId>,
-        snapshot: Snapshot<C>,
+        /// Boxed (a Warren patch): a channel of these allocates 32 messages up front, and
+        /// the snapshot's metadata made every message large.
+        snapshot: Box<Snapshot<C>>,
         tx: ResultSender<C, SnapshotResponse<C::NodeId>>,
     },
 

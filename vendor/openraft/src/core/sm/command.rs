@@ -65,7 +65,9 @@ where C: RaftTypeConfig
     }
 
     pub(crate) fn install_full_snapshot(snapshot: Snapshot<C>) -> Self {
-        let payload = CommandPayload::InstallFullSnapshot { snapshot };
+        let payload = CommandPayload::InstallFullSnapshot {
+            snapshot: Box::new(snapshot),
+        };
         Command::new(payload)
     }
 
@@ -98,8 +100,9 @@ where C: RaftTypeConfig
         tx: ResultSender<C, Box<SnapshotDataOf<C>>, Infallible>,
     },
 
+    /// Boxed (a Warren patch), as `RaftMsg::InstallFullSnapshot`'s.
     InstallFullSnapshot {
-        snapshot: Snapshot<C>,
+        snapshot: Box<Snapshot<C>>,
     },
 
     /// Apply the log entries to the state machine.

@@ -61,12 +61,10 @@ where
             if let Err(err) = res {
                 tracing::error!("{} while execute state machine command", err,);
 
-                let _ = self.resp_tx.send(Notify::StateMachine {
-                    command_result: CommandResult {
-                        command_seq: 0,
-                        result: Err(err),
-                    },
-                });
+                let _ = self.resp_tx.send(Notify::sm(CommandResult {
+                    command_seq: 0,
+                    result: Err(err),
+                }));
             }
         })
     }
