@@ -124,11 +124,15 @@ pub(super) enum Target {
 /// Called once with the leader's replies to a forwarded request.
 pub(super) type ForwardDone = Box<dyn FnOnce(Result<tcp::ForwardReplies, ReplicationError>) + Send>;
 
+/// A submission waiting in a [`Forwarder`]'s queue: boxed, since a channel allocates 32 of
+/// its items up front for every group.
+type Queued = (Box<Forwarded>, ForwardDone);
+
 /// Sends a group's submissions to its leader, in submission order: proposed here when this
 /// replica leads, else batched into forward requests to the leader (one in flight).
 #[derive(Clone)]
 pub(super) struct Forwarder {
-    tx: mpsc::Sender<(Forwarded, ForwardDone)>,
+    tx: mpsc::Sender<Queued>,
     pub(super) node: Weak<ClusterNode>,
     runtime: tokio::runtime::Handle,
     /// A proxy's home ([`Target::Home`]).
@@ -153,7 +157,7 @@ impl Forwarder {
 
     /// Queue `f`; a full queue fails it at once (the caller nacks), never blocks.
     fn send(&self, f: Forwarded, done: ForwardDone) {
-        if let Err(e) = self.tx.try_send((f, done)) {
+        if let Err(e) = self.tx.try_send((Box::new(f), done)) {
             let (_, done) = e.into_inner();
             done(Err(ReplicationError::Unavailable));
         }
@@ -164,11 +168,11 @@ async fn forward_loop(
     node: Weak<ClusterNode>,
     group: GroupId,
     target: Target,
-    mut rx: mpsc::Receiver<(Forwarded, ForwardDone)>,
+    mut rx: mpsc::Receiver<Queued>,
 ) {
     let mut links: HashMap<NodeId, ForwardLink> = HashMap::new();
     let slots = Arc::new(tokio::sync::Semaphore::new(FORWARDS_IN_FLIGHT_MAX));
-    let mut held: Option<(Forwarded, ForwardDone)> = None;
+    let mut held: Option<Queued> = None;
     loop {
         let first = match held.take() {
             Some(item) => item,
@@ -208,7 +212,7 @@ async fn send_batch(
     group: &GroupId,
     target: &Target,
     links: &mut HashMap<NodeId, ForwardLink>,
-    batch: Vec<(Forwarded, ForwardDone)>,
+    batch: Vec<Queued>,
     permit: tokio::sync::OwnedSemaphorePermit,
 ) {
     let Some(me) = node.upgrade().map(|n| n.me) else {

@@ -555,7 +555,7 @@ struct ServedLink {
     /// Answers, to the link's writer.
     out: mpsc::Sender<Vec<u8>>,
     /// Per group, the task that stages its forwarded batches in the order they came.
-    lanes: HashMap<GroupId, mpsc::Sender<(u64, Forwarded)>>,
+    lanes: HashMap<GroupId, mpsc::Sender<(u64, Box<Forwarded>)>>,
     /// Groups whose appends came over this link (the peer led them).
     replicated: HashSet<GroupId>,
     /// `$classic\0<vhost>\0<queue>` groups whose queue was found held here.
@@ -610,7 +610,7 @@ impl ServedLink {
                     .lanes
                     .entry(group)
                     .or_insert_with(|| forward_lane(served, self.out.clone()));
-                match lane.try_send((id, f)) {
+                match lane.try_send((id, Box::new(f))) {
                     Ok(()) => Ok(()),
                     Err(_) => answer(&self.out, id, Err(Refusal::Busy)).await,
                 }
@@ -709,18 +709,21 @@ impl ServedLink {
 
 /// A task staging one group's forwarded batches from one link in the order they came, each
 /// answered once its entries commit (so a forwarding node keeps several batches in flight).
-fn forward_lane(served: Served, out: mpsc::Sender<Vec<u8>>) -> mpsc::Sender<(u64, Forwarded)> {
-    let (tx, mut rx) = mpsc::channel::<(u64, Forwarded)>(FORWARDS_IN_FLIGHT_MAX);
+///
+/// Its items are boxed: a channel allocates 32 of them up front, and a node leading thousands
+/// of groups has a lane per group and peer.
+fn forward_lane(served: Served, out: mpsc::Sender<Vec<u8>>) -> mpsc::Sender<(u64, Box<Forwarded>)> {
+    let (tx, mut rx) = mpsc::channel::<(u64, Box<Forwarded>)>(FORWARDS_IN_FLIGHT_MAX);
     tokio::spawn(async move {
         while let Some((id, f)) = rx.recv().await {
             let staged = match &served.relay {
                 Some(relay) if !f.meta.is_empty() => {
-                    let rx = relay(f);
+                    let rx = relay(*f);
                     Staged::Meta(tokio::spawn(async move {
                         rx.await.unwrap_or(Err(ProposeError::Stopped))
                     }))
                 }
-                _ => stage_here(&served.raft, &served.proposer, f).await,
+                _ => stage_here(&served.raft, &served.proposer, *f).await,
             };
             let out = out.clone();
             tokio::spawn(async move {
