@@ -411,6 +411,7 @@ mod tests {
         }
         assert_eq!(got, body);
     }
+
     /// Write `n` bytes of `w` (at most what may be written) into `wire`.
     fn write(w: &mut FrameWriter, wire: &mut BytesMut, n: usize, held: bool) {
         let writable = if held { w.urgent() } else { w.pending() };
