@@ -15,7 +15,9 @@ use tokio::task::JoinHandle;
 use warren_broker::queue::machine::{Command, QueueConfig};
 use warren_cluster::log::store::LogStore;
 use warren_cluster::state_machine::QueueStateMachine;
-use warren_cluster::transport::tcp::{Addresses, GroupId, Groups, Secret, TcpNetwork, serve};
+use warren_cluster::transport::tcp::{
+    Addresses, ForwardLink, Forwarded, GroupId, Groups, Secret, TcpNetwork, serve,
+};
 use warren_cluster::types::{NodeId, QueueRaft, QueueRequest, ReplicatedMessage};
 
 const WAIT: Duration = Duration::from_secs(10);
@@ -296,4 +298,105 @@ async fn many_groups_share_one_link_per_peer() {
     for s in servers {
         s.abort();
     }
+}
+
+/// A single-voter replica of `group` on node 1 at `addr`, leading once it returns.
+async fn lone_leader(
+    log: &std::path::Path,
+    config: &Arc<Config>,
+    group: &GroupId,
+    secret: &Secret,
+    addr: &str,
+) -> (Raft<QueueRaft>, QueueStateMachine) {
+    let sm = QueueStateMachine::new(QueueConfig::default());
+    let raft = Raft::new(
+        1,
+        Arc::clone(config),
+        TcpNetwork::new(1, group.clone(), secret.clone()),
+        LogStore::open(log).expect("a log"),
+        sm.clone(),
+    )
+    .await
+    .expect("the node starts");
+    raft.initialize(BTreeMap::from([(1, BasicNode::new(addr))]))
+        .await
+        .expect("the group initialises");
+    raft.wait(Some(WAIT))
+        .current_leader(1, "the lone voter leads")
+        .await
+        .expect("a leader");
+    (raft, sm)
+}
+
+/// A group a node stops serving and then serves again (a replica that moved away and came
+/// back) takes the batches forwarded to it into its new Raft instance, over the link that
+/// carried batches into the old one: the link's lane into the old serving is not reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_served_again_takes_forwarded_batches_over_the_same_link() {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = Arc::new(Config::default().validate().expect("a valid config"));
+    let secret = Secret::new(SECRET);
+    let group = GroupId {
+        name: "/moved".into(),
+        incarnation: 3,
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+    let addr = listener.local_addr().expect("bound").to_string();
+    let groups = Groups::default();
+    let (first, first_sm) = lone_leader(
+        &dir.path().join("first.redb"),
+        &config,
+        &group,
+        &secret,
+        &addr,
+    )
+    .await;
+    groups.insert(group.clone(), first.clone());
+    let server = tokio::spawn(serve(listener, 1, groups.clone(), secret.clone()));
+
+    let forward = ForwardLink::new(
+        &Addresses::default(),
+        2,
+        1,
+        group.clone(),
+        addr.clone(),
+        &secret,
+    );
+    let send = |n: u8| {
+        let forward = forward.clone();
+        async move {
+            forward
+                .send(Forwarded {
+                    commands: vec![enqueue(n)],
+                    meta: Vec::new(),
+                })
+                .await
+                .expect("queued on the link")
+                .replies()
+                .await
+                .expect("answered")
+        }
+    };
+    let replies = send(1).await.expect("staged");
+    assert!(replies.iter().all(Result::is_ok), "{replies:?}");
+    assert_eq!(first_sm.with_machine(|m| m.ready_len()), 1);
+
+    // The replica goes, then comes back with a log of its own.
+    groups.remove(&group).expect("it was served");
+    first.shutdown().await.expect("stops");
+    let (second, second_sm) = lone_leader(
+        &dir.path().join("second.redb"),
+        &config,
+        &group,
+        &secret,
+        &addr,
+    )
+    .await;
+    groups.insert(group.clone(), second.clone());
+
+    let replies = send(2).await.expect("staged into the group served now");
+    assert!(replies.iter().all(Result::is_ok), "{replies:?}");
+    assert_eq!(second_sm.with_machine(|m| m.ready_len()), 1);
+    server.abort();
+    second.shutdown().await.expect("stops");
 }

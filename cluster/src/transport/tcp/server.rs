@@ -35,6 +35,9 @@ use super::{HEARD_EVERY, heard_from, silent_for};
 /// another node forwards commands here).
 #[derive(Clone)]
 struct Served {
+    /// Which serving of the group this is: a group served again (a replica that moved away
+    /// and back) gets a new one, so a link's lane into the old one is not reused.
+    serial: u64,
     raft: Raft<QueueRaft>,
     proposer: Proposer,
     relay: Option<Relay>,
@@ -62,6 +65,8 @@ pub struct Groups {
     /// Links each peer opened to this node since it started (a peer that restarted or lost
     /// its link dials again): leaders tell such a peer about themselves at once.
     accepted: Arc<std::sync::Mutex<HashMap<NodeId, u64>>>,
+    /// The last [`Served::serial`] given.
+    serials: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// Group names under this prefix are not Raft groups: they reach the node's classic queues
@@ -111,12 +116,17 @@ impl Groups {
     /// Serve `raft` as `id` (with a proposer for forwarded commands; call on a runtime).
     pub fn insert(&self, id: GroupId, raft: Raft<QueueRaft>) -> Proposer {
         let proposer = Proposer::start(raft.clone());
+        let serial = self
+            .serials
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
         self.by_id
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(
                 id,
                 Served {
+                    serial,
                     raft,
                     proposer: proposer.clone(),
                     relay: None,
@@ -204,6 +214,15 @@ impl Groups {
             .unwrap_or_else(PoisonError::into_inner)
             .remove(id)
             .map(|s| s.raft)
+    }
+
+    /// The serial of the serving of `id` now, if it is served.
+    fn serial(&self, id: &GroupId) -> Option<u64> {
+        self.by_id
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id)
+            .map(|s| s.serial)
     }
 
     fn get(&self, id: &GroupId) -> Option<Served> {
@@ -493,6 +512,7 @@ async fn serve_connection(
         replicated: HashSet::new(),
         classic_targets: HashSet::new(),
         told: std::time::Instant::now(),
+        pruning: Pruning::default(),
     };
     let ended = loop {
         match read_frame::<Envelope, _>(&mut r).await {
@@ -554,20 +574,75 @@ struct ServedLink {
     groups: Groups,
     /// Answers, to the link's writer.
     out: mpsc::Sender<Vec<u8>>,
-    /// Per group, the task that stages its forwarded batches in the order they came.
-    lanes: HashMap<GroupId, mpsc::Sender<(u64, Box<Forwarded>)>>,
+    /// Per group, the task that stages its forwarded batches in the order they came, and
+    /// the serving of the group it stages into ([`Served::serial`]).
+    lanes: HashMap<GroupId, (u64, Lane)>,
     /// Groups whose appends came over this link (the peer led them).
     replicated: HashSet<GroupId>,
     /// `$classic\0<vhost>\0<queue>` groups whose queue was found held here.
     classic_targets: HashSet<GroupId>,
     /// When the node-wide liveness table was last told of this peer.
     told: std::time::Instant,
+    /// When `lanes` and `replicated` are pruned next.
+    pruning: Pruning,
 }
 
 /// The link's writer is gone: stop reading.
 struct Closed;
 
+/// Where a link queues one group's forwarded batches (request id, batch) for its lane task
+/// ([`forward_lane`]).
+type Lane = mpsc::Sender<(u64, Box<Forwarded>)>;
+
+/// Fewest groups a link remembers (lanes and groups replicated over it) before it prunes them.
+pub const LINK_GROUPS_PRUNE_MIN: usize = 64;
+
+/// When a link prunes what it remembers per group of groups no longer served (deleted, or
+/// moved away): once it has grown to twice what was left after the last pruning, so a
+/// pruning costs O(1) per group remembered and a link holds at most twice the groups served
+/// (a lane holds its group's Raft instance and proposer: without pruning, every queue deleted
+/// on a link's life stayed in memory until the link closed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Pruning {
+    at: usize,
+}
+
+impl Default for Pruning {
+    fn default() -> Self {
+        Self {
+            at: LINK_GROUPS_PRUNE_MIN,
+        }
+    }
+}
+
+impl Pruning {
+    /// Whether `remembered` groups call for a pruning.
+    fn due(self, remembered: usize) -> bool {
+        remembered > self.at
+    }
+
+    /// A pruning left `remembered`: the next is due at twice that.
+    fn pruned(&mut self, remembered: usize) {
+        self.at = remembered.saturating_mul(2).max(LINK_GROUPS_PRUNE_MIN);
+    }
+}
+
 impl ServedLink {
+    /// Forget the lanes into servings of groups that ended, and the groups no longer served,
+    /// when due ([`Pruning`]). A dropped lane's task stages what it holds, then ends.
+    fn prune_if_due(&mut self) {
+        if !self.pruning.due(self.lanes.len() + self.replicated.len()) {
+            return;
+        }
+        let groups = &self.groups;
+        self.lanes
+            .retain(|group, (serial, _)| groups.serial(group) == Some(*serial));
+        self.replicated
+            .retain(|group| groups.serial(group).is_some());
+        self.pruning
+            .pruned(self.lanes.len() + self.replicated.len());
+    }
+
     async fn serve(&mut self, envelope: Envelope) -> Result<(), Closed> {
         if self.told.elapsed() >= HEARD_EVERY {
             self.told = std::time::Instant::now();
@@ -588,6 +663,7 @@ impl ServedLink {
                 if matches!(rpc, RaftRequest::AppendEntries(_)) && !self.replicated.contains(&group)
                 {
                     self.replicated.insert(group);
+                    self.prune_if_due();
                 }
                 let out = self.out.clone();
                 tokio::spawn(async move {
@@ -606,10 +682,18 @@ impl ServedLink {
                 Ok(())
             }
             Request::Forward(f) => {
-                let lane = self
-                    .lanes
-                    .entry(group)
-                    .or_insert_with(|| forward_lane(served, self.out.clone()));
+                let lane = match self.lanes.get(&group) {
+                    Some((serial, lane)) if *serial == served.serial => lane.clone(),
+                    // A first batch, or the group is served anew: the old lane ends once
+                    // it has staged what it holds (into the serving it was made for).
+                    _ => {
+                        let serial = served.serial;
+                        let lane = forward_lane(served, self.out.clone());
+                        self.lanes.insert(group, (serial, lane.clone()));
+                        self.prune_if_due();
+                        lane
+                    }
+                };
                 match lane.try_send((id, Box::new(f))) {
                     Ok(()) => Ok(()),
                     Err(_) => answer(&self.out, id, Err(Refusal::Busy)).await,
@@ -712,7 +796,7 @@ impl ServedLink {
 ///
 /// Its items are boxed: a channel allocates 32 of them up front, and a node leading thousands
 /// of groups has a lane per group and peer.
-fn forward_lane(served: Served, out: mpsc::Sender<Vec<u8>>) -> mpsc::Sender<(u64, Box<Forwarded>)> {
+fn forward_lane(served: Served, out: mpsc::Sender<Vec<u8>>) -> Lane {
     let (tx, mut rx) = mpsc::channel::<(u64, Box<Forwarded>)>(FORWARDS_IN_FLIGHT_MAX);
     tokio::spawn(async move {
         while let Some((id, f)) = rx.recv().await {
@@ -755,4 +839,23 @@ async fn answer(
         }
     };
     out.send(frame).await.map_err(|_| Closed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_link_prunes_once_what_it_remembers_doubled() {
+        let mut p = Pruning::default();
+        assert!(!p.due(LINK_GROUPS_PRUNE_MIN), "not below the floor");
+        assert!(p.due(LINK_GROUPS_PRUNE_MIN + 1));
+        // 100 left after a pruning: the next is due past 200.
+        p.pruned(100);
+        assert!(!p.due(200));
+        assert!(p.due(201));
+        // Nearly everything pruned: the floor again, not a pruning per group.
+        p.pruned(3);
+        assert_eq!(p, Pruning::default());
+    }
 }
