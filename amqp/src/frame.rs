@@ -193,8 +193,15 @@ impl FrameWriter {
         self.urgent
     }
 
-    /// Drop `n` bytes that have been written to the socket.
+    /// Drop `n` bytes that have been written to the socket (at most what is pending: a
+    /// socket writes no more than it was given; a larger `n` is a caller's bug, cut in
+    /// release builds).
     pub fn consume(&mut self, n: usize) {
+        debug_assert!(
+            n <= self.buf.len(),
+            "{n} bytes written of {} pending",
+            self.buf.len()
+        );
         let n = n.min(self.buf.len());
         self.urgent = self.urgent.saturating_sub(n);
         if n == self.buf.len() {
