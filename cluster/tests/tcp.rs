@@ -343,14 +343,9 @@ async fn a_group_served_again_takes_forwarded_batches_over_the_same_link() {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("a port");
     let addr = listener.local_addr().expect("bound").to_string();
     let groups = Groups::default();
-    let (first, first_sm) = lone_leader(
-        &dir.path().join("first.redb"),
-        &config,
-        &group,
-        &secret,
-        &addr,
-    )
-    .await;
+    let start =
+        async |log: &str| lone_leader(&dir.path().join(log), &config, &group, &secret, &addr).await;
+    let (first, first_sm) = start("first.redb").await;
     groups.insert(group.clone(), first.clone());
     let server = tokio::spawn(serve(listener, 1, groups.clone(), secret.clone()));
 
@@ -384,14 +379,7 @@ async fn a_group_served_again_takes_forwarded_batches_over_the_same_link() {
     // The replica goes, then comes back with a log of its own.
     groups.remove(&group).expect("it was served");
     first.shutdown().await.expect("stops");
-    let (second, second_sm) = lone_leader(
-        &dir.path().join("second.redb"),
-        &config,
-        &group,
-        &secret,
-        &addr,
-    )
-    .await;
+    let (second, second_sm) = start("second.redb").await;
     groups.insert(group.clone(), second.clone());
 
     let replies = send(2).await.expect("staged into the group served now");
